@@ -1,0 +1,1 @@
+"""lum.builder: frontend, HLIR, partitioning, e-graph search, LLIR and codegen; writes .lumpkg packages."""

@@ -1,0 +1,183 @@
+"""Reference interpreter: runs any HLIR graph with numpy.
+
+Every node computes in float64 (int64 for integers) and its result is rounded to the node's dtype, so
+the interpreter models storage precision while accumulating exactly enough to be the yardstick the
+compiled kernels are checked against. Dyn dims are bound by a ``dyn_map``.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Mapping
+
+import numpy as np
+
+from lum.builder.hlir import Graph, Node
+from lum.format.dtypes import DType
+from lum.format.shapetracker import ShapeTracker
+
+
+class ReferenceError(RuntimeError):
+    """The graph cannot be run as given (missing input, wrong shape, index out of range)."""
+
+
+def round_to(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """Round ``x`` to ``dtype``'s precision, returned in the compute type (float64/int64/bool)."""
+    if dtype.is_float:
+        if dtype == DType.f32 and x.dtype == np.float64:
+            return x.astype(np.float32).astype(np.float64)
+        return np.asarray(x).astype(dtype.np).astype(np.float64)
+    if dtype.is_int:
+        if np.asarray(x).dtype.kind == "f":
+            x = np.trunc(x)
+        return np.asarray(x).astype(dtype.np).astype(np.int64)
+    return np.asarray(x).astype(np.bool_)
+
+
+def view_of(buf: np.ndarray, view: ShapeTracker, dyn_map: Mapping[str, int]) -> np.ndarray:
+    """The logical tensor a ShapeTracker reads from a flat buffer (padding reads 0). May alias ``buf``."""
+    shape, strides, offset, mask = view.evaluate(dyn_map)
+    if any(d < 0 for d in shape):
+        raise ReferenceError(f"negative dim in view shape {shape}")
+    out_lo = [0] * len(shape)
+    out_hi = list(shape)
+    if mask is not None:
+        out_lo = [lo for lo, _ in mask]
+        out_hi = [max(lo, hi) for lo, hi in mask]
+    box = [hi - lo for lo, hi in zip(out_lo, out_hi)]
+    if any(b == 0 for b in box):
+        return np.zeros(shape, dtype=buf.dtype)
+    base = offset + sum(lo * st for lo, st in zip(out_lo, strides))
+    hi_idx = base + sum((b - 1) * st for b, st in zip(box, strides) if st > 0)
+    lo_idx = base + sum((b - 1) * st for b, st in zip(box, strides) if st < 0)
+    if lo_idx < 0 or hi_idx >= buf.size:
+        raise ReferenceError(f"view reads elements {lo_idx}..{hi_idx} of a buffer of {buf.size}")
+    item = buf.itemsize
+    region = np.lib.stride_tricks.as_strided(buf[base:], shape=box, strides=[s * item for s in strides],
+                                             writeable=False)
+    if mask is None:
+        return region
+    out = np.zeros(shape, dtype=buf.dtype)
+    out[tuple(slice(lo, hi) for lo, hi in zip(out_lo, out_hi))] = region
+    return out
+
+
+def _einsum_sum_of_product(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
+    """Σ_axis a*b for broadcast views, dropping stride-0 dims so einsum can use BLAS."""
+    letters = string.ascii_letters
+    nd = a.ndim
+    subs_out = "".join(letters[i] for i in range(nd) if i != axis)
+    ops, subs = [], []
+    for x in (a, b):
+        keep = [i for i in range(nd) if not (x.strides[i] == 0 and x.shape[i] > 1)]
+        idx = tuple(slice(None) if i in keep else 0 for i in range(nd))
+        ops.append(x[idx])
+        subs.append("".join(letters[i] for i in keep))
+    return np.einsum(f"{subs[0]},{subs[1]}->{subs_out}", *ops, optimize=True)
+
+
+_UNARY = {
+    "Exp2": np.exp2,
+    "Log2": np.log2,
+    "Sin": np.sin,
+    "Sqrt": np.sqrt,
+    "Recip": lambda x: 1.0 / x,
+}
+
+
+def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray], dyn_map: Mapping[str, int] | None = None,
+              ) -> dict[str, np.ndarray]:
+    """Run ``graph``; returns every Output by name, as arrays of the output's dtype."""
+    dyn_map = dict(dyn_map or {})
+    missing = sorted(graph.dyn_vars - set(dyn_map))
+    if missing:
+        raise ReferenceError(f"dyn_map lacks {missing} for graph {graph.name!r}")
+    consumers = graph.consumers()
+    remaining = [len(c) for c in consumers]
+    values: dict[int, np.ndarray] = {}
+    deferred: dict[int, Node] = {}  # Mul nodes folded into their single SumReduce consumer
+    results: dict[str, np.ndarray] = {}
+
+    def arg(node: Node, k: int) -> np.ndarray:
+        e = node.inputs[k]
+        return view_of(values[e.src].reshape(-1), e.view, dyn_map)
+
+    def release(node: Node) -> None:
+        for e in node.inputs:
+            remaining[e.src] -= 1
+            if remaining[e.src] == 0:
+                values.pop(e.src, None)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for node in graph.nodes:
+            op = node.op
+            if op == "Mul" and len(consumers[node.id]) == 1:
+                user = graph.nodes[consumers[node.id][0]]
+                if user.op == "SumReduce" and user.inputs[0].view == ShapeTracker.contiguous(node.shape):
+                    deferred[node.id] = node
+                    continue
+            if op == "Output":
+                results[node.attrs["name"]] = round_to(arg(node, 0), node.dtype).astype(node.dtype.np)
+                release(node)
+                continue
+            if op == "SumReduce" and node.inputs[0].src in deferred:
+                mul = deferred.pop(node.inputs[0].src)
+                out = _einsum_sum_of_product(arg(mul, 0), arg(mul, 1), node.attrs["axis"])
+                release(mul)
+            else:
+                out = _eval(node, arg, inputs, dyn_map)
+                release(node)
+            values[node.id] = np.ascontiguousarray(round_to(np.asarray(out), node.dtype))
+    return results
+
+
+def _eval(node: Node, arg, inputs: Mapping[str, np.ndarray], dyn_map: Mapping[str, int]) -> np.ndarray:
+    op = node.op
+    if op == "Input":
+        name = node.attrs["name"]
+        if name not in inputs:
+            raise ReferenceError(f"missing input {name!r}")
+        x = np.asarray(inputs[name])
+        want = tuple(d.evaluate(dyn_map) for d in node.shape)
+        if x.shape != want:
+            raise ReferenceError(f"input {name!r} has shape {x.shape}, expected {want}")
+        return x.astype(node.dtype.compute_np) if x.dtype != np.bool_ else x
+    if op == "Constant":
+        if "data" in node.attrs:
+            return np.asarray(node.attrs["data"], dtype=np.float64)
+        return np.asarray(node.attrs["value"], dtype=node.dtype.compute_np)
+    if op == "Iota":
+        return np.arange(node.attrs["n"].evaluate(dyn_map), dtype=np.int64)
+    if op == "Cast":
+        return arg(node, 0)  # round_to() applies the conversion
+    if op in _UNARY:
+        return _UNARY[op](arg(node, 0))
+    if op == "Add":
+        return arg(node, 0) + arg(node, 1)
+    if op == "Mul":
+        return arg(node, 0) * arg(node, 1)
+    if op == "Mod":
+        return np.mod(arg(node, 0), arg(node, 1))
+    if op == "LessThan":
+        return arg(node, 0) < arg(node, 1)
+    if op == "Where":
+        return np.where(arg(node, 0), arg(node, 1), arg(node, 2))
+    if op == "SumReduce":
+        return arg(node, 0).sum(axis=node.attrs["axis"])
+    if op == "MaxReduce":
+        return arg(node, 0).max(axis=node.attrs["axis"])
+    if op == "Contiguous":
+        return arg(node, 0)
+    if op == "Gather":
+        table, idx = arg(node, 0), arg(node, 1)
+        if idx.size and (idx.min() < 0 or idx.max() >= table.shape[0]):
+            raise ReferenceError(f"gather index out of range [0, {table.shape[0]})")
+        return table[idx]
+    if op == "Scatter":
+        dest, src, idx = arg(node, 0), arg(node, 1), arg(node, 2)
+        if idx.size and (idx.min() < 0 or idx.max() >= dest.shape[0]):
+            raise ReferenceError(f"scatter index out of range [0, {dest.shape[0]})")
+        out = np.array(dest, copy=True)
+        out[idx] = src
+        return out
+    raise ReferenceError(f"no reference semantics for op {op!r}")
