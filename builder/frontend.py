@@ -411,13 +411,18 @@ def linear(x: GraphTensor, weight: GraphTensor, bias: GraphTensor | None = None)
 
 def rms_norm(x: GraphTensor, weight: GraphTensor | None, eps: float, add_one: bool = False,
              compute_dtype: DType = DType.f32) -> GraphTensor:
-    """RMSNorm over the last axis, computed in ``compute_dtype``; ``add_one`` scales by (1 + w) as Gemma."""
+    """RMSNorm over the last axis, normalised in ``compute_dtype``.
+
+    Llama style (default): ``w · cast(x̂)``; Gemma style (``add_one``): ``cast(x̂ · (1 + w))`` — the two
+    round at different points, which matters in bf16.
+    """
     xd = x.cast(compute_dtype)
     normed = xd * ((xd * xd).mean(-1, keepdim=True) + eps).rsqrt()
-    if weight is not None:
-        w = weight.cast(compute_dtype)
-        normed = normed * (w + 1.0 if add_one else w)
-    return normed.cast(x.dtype)
+    if weight is None:
+        return normed.cast(x.dtype)
+    if add_one:
+        return (normed * (weight.cast(compute_dtype) + 1.0)).cast(x.dtype)
+    return normed.cast(x.dtype) * weight.cast(x.dtype)
 
 
 def layer_norm(x: GraphTensor, weight: GraphTensor | None, bias: GraphTensor | None, eps: float) -> GraphTensor:

@@ -1,0 +1,154 @@
+"""The decoder graph for the Llama 3 / Qwen 3 / Gemma 3 family, written in the GraphTensor API.
+
+One function builds both entry graphs: ``prefill`` (``s`` new tokens at positions 0…s-1) and
+``decode`` (one token at position ``p``). Both read and write the same per-layer KV caches
+``k_cache.{i}``/``v_cache.{i}`` of shape [max_seq, kv_heads, head_dim] through Scatter, so the caches
+are state that the loader carries from one call to the next. Activations have no batch dim.
+"""
+
+from __future__ import annotations
+
+from lum.builder import frontend as F
+from lum.builder.frontend import GraphTensor
+from lum.builder.hlir import Graph
+from lum.builder.models.config import ModelConfig
+from lum.format.dtypes import DType
+from lum.format.expr import Expr, ExprLike, Var, as_expr
+
+NEG_INF = float("-inf")
+
+
+def cache_names(cfg: ModelConfig) -> list[str]:
+    return [f"{kind}_cache.{i}" for i in range(cfg.num_layers) for kind in ("k", "v")]
+
+
+def build_entry(cfg: ModelConfig, entry: str, max_seq: int, dtype: DType = DType.f32) -> Graph:
+    """The HLIR graph of ``entry`` ("prefill" or "decode")."""
+    if entry == "prefill":
+        s: ExprLike = Var("s")
+        past: ExprLike = 0
+    elif entry == "decode":
+        s, past = 1, Var("p")
+    else:
+        raise ValueError(f"unknown entry {entry!r}; expected 'prefill' or 'decode'")
+    return DecoderBuilder(cfg, entry, as_expr(s), as_expr(past), max_seq, dtype).build()
+
+
+class DecoderBuilder:
+    def __init__(self, cfg: ModelConfig, name: str, s: Expr, past: Expr, max_seq: int, dtype: DType):
+        self.cfg, self.s, self.past, self.max_seq, self.dtype = cfg, s, past, max_seq, dtype
+        self.g = Graph(name)
+        self._weights: dict[str, GraphTensor] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def w(self, name: str) -> GraphTensor:
+        """The weight input ``name`` (created on first use, in the chunk that first uses it)."""
+        t = self._weights.get(name)
+        if t is None:
+            shape = self.cfg.weight_shapes()[name]
+            t = self._weights[name] = F.input_tensor(self.g, name, shape, self.dtype, role="weight")
+        return t
+
+    def norm(self, x: GraphTensor, name: str) -> GraphTensor:
+        return F.rms_norm(x, self.w(name), self.cfg.rms_norm_eps, add_one=self.cfg.is_gemma)
+
+    def proj(self, x: GraphTensor, prefix: str) -> GraphTensor:
+        bias = self.w(prefix + ".bias") if self.cfg.attention_bias and prefix.endswith(("q_proj", "k_proj", "v_proj")) \
+            else None
+        return F.linear(x, self.w(prefix + ".weight"), bias)
+
+    # ------------------------------------------------------------------ graph
+    def build(self) -> Graph:
+        cfg, g = self.cfg, self.g
+        tokens = F.input_tensor(g, "tokens", [self.s], DType.i32)
+        x = F.gather(self.w("model.embed_tokens.weight"), tokens)
+        if cfg.is_gemma:
+            x = x * F.constant(g, cfg.hidden_size ** 0.5, self.dtype)
+        positions = F.arange(g, self.s)
+        if self.past != as_expr(0):
+            positions = positions + F.dim_value(g, self.past, DType.i64)
+        tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.dtype)
+                  for kind in sorted(set(cfg.layer_types))}
+        for i in range(cfg.num_layers):
+            g.graph_break()
+            x = self.layer(i, x, positions, tables[cfg.layer_types[i]])
+        g.graph_break()
+        x = self.norm(x, "model.norm.weight")
+        head = self.w("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        logits = F.linear(x, head).cast(DType.f32)
+        if cfg.final_logit_softcapping:
+            cap = float(cfg.final_logit_softcapping)
+            logits = F.tanh(logits * (1.0 / cap)) * cap
+        F.output(logits, "logits")
+        return g
+
+    def layer(self, i: int, x: GraphTensor, positions: GraphTensor, rope: tuple[GraphTensor, GraphTensor]) -> GraphTensor:
+        cfg, p = self.cfg, f"model.layers.{i}."
+        residual = x
+        h = self.norm(x, p + "input_layernorm.weight")
+        h = self.attention(i, h, positions, rope)
+        if cfg.is_gemma:
+            h = self.norm(h, p + "post_attention_layernorm.weight")
+        x = residual + h
+        residual = x
+        h = self.norm(x, p + ("pre_feedforward_layernorm.weight" if cfg.is_gemma else "post_attention_layernorm.weight"))
+        h = self.mlp(p, h)
+        if cfg.is_gemma:
+            h = self.norm(h, p + "post_feedforward_layernorm.weight")
+        return residual + h
+
+    def mlp(self, p: str, x: GraphTensor) -> GraphTensor:
+        gate = F.linear(x, self.w(p + "mlp.gate_proj.weight"))
+        up = F.linear(x, self.w(p + "mlp.up_proj.weight"))
+        act = gate.gelu() if self.cfg.hidden_act == "gelu_tanh" else gate.silu()
+        return F.linear(act * up, self.w(p + "mlp.down_proj.weight"))
+
+    def attention(self, i: int, x: GraphTensor, positions: GraphTensor,
+                  rope: tuple[GraphTensor, GraphTensor]) -> GraphTensor:
+        cfg, g, s = self.cfg, self.g, self.s
+        p = f"model.layers.{i}.self_attn."
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = nh // nkv
+        q = self.proj(x, p + "q_proj").reshape(s, nh, hd)
+        k = self.proj(x, p + "k_proj").reshape(s, nkv, hd)
+        v = self.proj(x, p + "v_proj").reshape(s, nkv, hd)
+        if cfg.qk_norm:
+            q = self.norm(q, p + "q_norm.weight")
+            k = self.norm(k, p + "k_norm.weight")
+        cos, sin = rope
+        q = F.rope(q.permute(1, 0, 2), cos, sin)                    # [nh, s, hd]
+        k = F.rope(k.permute(1, 0, 2), cos, sin).permute(1, 0, 2)   # [s, nkv, hd]
+
+        # KV cache: write the new rows at their positions, then read rows [0, past + s).
+        total = self.past + s
+        caches = []
+        for kind, new in (("k", k), ("v", v)):
+            cache = F.input_tensor(g, f"{kind}_cache.{i}", [self.max_seq, nkv, hd], self.dtype, role="state")
+            updated = F.scatter(cache, new, positions)
+            F.output(updated, f"{kind}_cache.{i}", role="state")
+            caches.append(updated.slice(0, 0, total).permute(1, 0, 2))  # [nkv, T, hd]
+        k_all, v_all = caches
+
+        # Grouped-query attention as views: q [nkv, group, s, hd], k/v broadcast over the group.
+        qg = q.reshape(nkv, group, s, hd)
+        kg = k_all.expand_dim(1, group)                              # [nkv, group, T, hd]
+        vg = v_all.expand_dim(1, group)
+        scores = F.matmul(qg, kg.transpose(-2, -1)) * cfg.attn_scale   # [nkv, group, s, T]
+        if cfg.attn_logit_softcapping:
+            cap = float(cfg.attn_logit_softcapping)
+            scores = F.tanh(scores * (1.0 / cap)) * cap
+        scores = F.where(self.mask(i, positions, total), scores, NEG_INF)
+        probs = scores.cast(DType.f32).softmax(-1).cast(self.dtype)
+        out = F.matmul(probs, vg)                                    # [nkv, group, s, hd]
+        out = out.reshape(nh, s, hd).permute(1, 0, 2).reshape(s, nh * hd)
+        return F.linear(out, self.w(p + "o_proj.weight"))
+
+    def mask(self, i: int, positions: GraphTensor, total: Expr) -> GraphTensor:
+        """[s, T] bool: key j is visible to query at position q when j ≤ q (and q − j < window)."""
+        g = self.g
+        kpos = F.arange(g, total).unsqueeze(0)          # [1, T]
+        qpos = positions.unsqueeze(1)                   # [s, 1]
+        visible = kpos < qpos + 1
+        if self.cfg.layer_types[i] == "sliding" and self.cfg.sliding_window:
+            visible = F.logical_and(visible, qpos < kpos + int(self.cfg.sliding_window))
+        return visible
