@@ -1,0 +1,141 @@
+"""The model graphs against transformers on the same weights (HLIR reference interpreter, f32)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lum.builder.models import load_spec
+from lum.builder.models.config import config_from_hf, named_config
+from lum.builder.models.generate import ReferenceModel
+from lum.builder.partition import group_chunks
+from tests.hf_checkpoints import save_hf_model
+
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
+PROMPT = [1, 5, 9, 3, 17, 100, 7, 8, 42, 11]  # longer than tiny-gemma3's sliding window (4)
+DECODE_STEPS = 8
+
+
+@pytest.fixture(scope="module", params=TINY)
+def hf_folder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_hf_model(request.param, folder)
+    return request.param, folder, model
+
+
+def test_prefill_and_decode_match_transformers(hf_folder):
+    name, folder, model = hf_folder
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    hf_tokens = out.sequences[0, len(PROMPT):].tolist()
+    hf_logits = [step[0].double().numpy() for step in out.logits]
+
+    spec = load_spec(src=folder, max_seq=32)
+    ref = ReferenceModel(spec)
+    prefill_logits = ref.prefill(PROMPT)
+    with torch.no_grad():
+        full = model(torch.tensor([PROMPT])).logits[0].double().numpy()
+    assert prefill_logits.shape == full.shape
+    assert _rel_err(prefill_logits, full) < 1e-4, "every prefill row must match, not only the last"
+
+    tokens, steps = [], [prefill_logits[-1]]
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(np.argmax(steps[-1])))
+        steps.append(ref.decode(tokens[-1])[-1])
+    tokens.append(int(np.argmax(steps[-1])))
+    assert len(steps) == DECODE_STEPS + 1
+    for k, (ours, theirs) in enumerate(zip(steps, hf_logits)):
+        assert np.isfinite(ours).all()
+        assert _rel_err(ours, theirs) < 1e-4, f"step {k}"
+    assert tokens == hf_tokens
+    assert len(set(tokens)) > 1, "weights too degenerate to test greedy decoding"
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_sharded_bf16_checkpoint_loads(tmp_path):
+    model = save_hf_model("tiny-qwen3", tmp_path, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    spec = load_spec(src=tmp_path, dtype="bf16", max_seq=16)
+    params = dict(model.named_parameters())
+    for name in spec.weights.names():
+        ours = np.asarray(spec.weights.get(name)).astype(np.float32)
+        theirs = params[name].detach().float().numpy()
+        np.testing.assert_array_equal(ours, theirs)
+    assert "lm_head.weight" in spec.weights.names()  # tiny-qwen3 is untied
+
+
+def test_bf16_graph_runs_close_to_transformers(tmp_path):
+    model = save_hf_model("tiny-llama", tmp_path, dtype=torch.bfloat16)
+    spec = load_spec(src=tmp_path, dtype="bf16", max_seq=16)
+    logits = ReferenceModel(spec).prefill(PROMPT[:6])
+    with torch.no_grad():
+        theirs = model(torch.tensor([PROMPT[:6]])).logits[0].float().numpy()
+    assert _rel_err(logits, theirs) < 3e-2
+
+
+@pytest.mark.parametrize("name", ["llama3-1b", "llama3-8b", "qwen3-0.6b", "gemma3-4b"])
+def test_real_configs_build_without_weights(name):
+    t0 = time.perf_counter()
+    spec = load_spec(random_name=name)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10
+    cfg = named_config(name)
+    expected = {"llama3-1b": 1.236e9, "llama3-8b": 8.03e9, "qwen3-0.6b": 0.596e9, "gemma3-4b": 3.88e9}[name]
+    assert abs(spec.param_count - expected) / expected < 0.01
+    for graph in spec.graphs.values():
+        groups = group_chunks(graph)
+        layer_groups = [g for g in groups if len(g.chunks) > 1]
+        assert sum(len(g.chunks) for g in layer_groups) == cfg.num_layers
+        assert len(layer_groups) <= 2
+
+
+def test_gemma3_multimodal_config_reads_text_part():
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "vocab_size": 262208, "sliding_window": 1024, "query_pre_attn_scalar": 256,
+                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 1000000.0,
+                        "rope_local_base_freq": 10000.0, "model_type": "gemma3_text"},
+        "eos_token_id": [1, 106],
+    }
+    cfg = config_from_hf(raw)
+    ref = named_config("gemma3-4b")
+    assert cfg.layer_types == ref.layer_types and cfg.layer_types.count("full") == 5
+    assert cfg.rope == ref.rope
+    assert cfg.weight_shapes() == ref.weight_shapes()
+
+
+def test_legacy_llama_rope_scaling_keys():
+    raw = json.loads(json.dumps(named_config("llama3-1b").to_hf_dict()))
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = rope
+    assert config_from_hf(raw).rope == named_config("llama3-1b").rope
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"model_type": "mistral"}, "unsupported model_type"),
+    ({"model_type": "llama", "hidden_size": 8}, "missing"),
+])
+def test_bad_configs_raise_clear_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        config_from_hf(bad)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        load_spec(src=tmp_path / "nope")
+    with pytest.raises(ValueError, match="no config.json"):
+        load_spec(src=tmp_path)
+    with pytest.raises(ValueError, match="unknown model name"):
+        load_spec(random_name="gpt-5")
