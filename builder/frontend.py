@@ -47,6 +47,9 @@ class GraphTensor:
     def __repr__(self) -> str:
         return f"GraphTensor(%{self.node}, {self.dtype}[{','.join(map(str, self.shape))}])"
 
+    def __bool__(self) -> bool:  # else `0 < x < 1` silently drops its first comparison
+        raise TypeError("a GraphTensor has no truth value at build time; use where / logical_and")
+
     def _with(self, view: ShapeTracker) -> GraphTensor:
         return GraphTensor(self.graph, self.node, view, self.dtype)
 
@@ -210,6 +213,9 @@ class GraphTensor:
     def __mod__(self, o):
         return self._binary("Mod", o)
 
+    def __rmod__(self, o):
+        return self._binary("Mod", o, reverse=True)
+
     def __lt__(self, o):
         return self._binary("LessThan", o)
 
@@ -273,6 +279,8 @@ def _lift(like: GraphTensor, x: GraphTensor | Scalar) -> GraphTensor:
         x = int(x)
     if not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"cannot combine a GraphTensor with {type(x).__name__}")
+    if not like.dtype.is_float and isinstance(x, (float, np.floating)) and not float(x).is_integer():
+        raise TypeError(f"scalar {x} would be truncated to combine with a {like.dtype} tensor: cast first")
     return constant(like.graph, float(x) if like.dtype.is_float else int(x), like.dtype)
 
 
@@ -425,14 +433,17 @@ def rms_norm(x: GraphTensor, weight: GraphTensor | None, eps: float, add_one: bo
     return normed.cast(x.dtype) * weight.cast(x.dtype)
 
 
-def layer_norm(x: GraphTensor, weight: GraphTensor | None, bias: GraphTensor | None, eps: float) -> GraphTensor:
-    centered = x - x.mean(-1, keepdim=True)
+def layer_norm(x: GraphTensor, weight: GraphTensor | None, bias: GraphTensor | None, eps: float,
+               compute_dtype: DType = DType.f32) -> GraphTensor:
+    """LayerNorm over the last axis, computed in ``compute_dtype`` and rounded once (as torch does for bf16)."""
+    xd = x.cast(compute_dtype)
+    centered = xd - xd.mean(-1, keepdim=True)
     out = centered * ((centered * centered).mean(-1, keepdim=True) + eps).rsqrt()
     if weight is not None:
-        out = out * weight
+        out = out * weight.cast(compute_dtype)
     if bias is not None:
-        out = out + bias
-    return out
+        out = out + bias.cast(compute_dtype)
+    return out.cast(x.dtype)
 
 
 def concat(tensors: Sequence[GraphTensor], axis: int) -> GraphTensor:

@@ -68,8 +68,11 @@ def _einsum_sum_of_product(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarra
     nd = a.ndim
     subs_out = "".join(letters[i] for i in range(nd) if i != axis)
     ops, subs = [], []
-    for x in (a, b):
-        keep = [i for i in range(nd) if not (x.strides[i] == 0 and x.shape[i] > 1)]
+    keeps = [[i for i in range(nd) if not (x.strides[i] == 0 and x.shape[i] > 1)] for x in (a, b)]
+    # a dim broadcast in both operands must stay in one of them: it is an output dim, or a reduced
+    # dim whose extent multiplies the sum
+    keeps[0] = [i for i in range(nd) if i in keeps[0] or i not in keeps[1]]
+    for x, keep in zip((a, b), keeps):
         idx = tuple(slice(None) if i in keep else 0 for i in range(nd))
         ops.append(x[idx])
         subs.append("".join(letters[i] for i in keep))
@@ -89,7 +92,13 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray], dyn_map: Mapping[s
               ) -> dict[str, np.ndarray]:
     """Run ``graph``; returns every Output by name, as arrays of the output's dtype."""
     dyn_map = dict(dyn_map or {})
-    missing = sorted(graph.dyn_vars - set(dyn_map))
+    needed = set(graph.dyn_vars)
+    for n in graph.nodes:  # views can use dyn vars their shapes lack (e.g. a slice at offset p)
+        for e in n.inputs:
+            v = e.view
+            for x in (*v.shape, *v.strides, v.offset, *(b for lh in (v.mask or ()) for b in lh)):
+                needed |= x.vars()
+    missing = sorted(needed - set(dyn_map))
     if missing:
         raise ReferenceError(f"dyn_map lacks {missing} for graph {graph.name!r}")
     consumers = graph.consumers()
