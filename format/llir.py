@@ -1,0 +1,188 @@
+"""LLIR: the chosen program of one group — an ordered list of kernel launches and library calls.
+
+The builder's extraction produces it; the package stores it as JSON; the loader's backends run it.
+Each :class:`LOp` writes one buffer (``out``); its ``args`` read earlier buffers through views
+(ShapeTracker), so the reference backend can execute it without knowing how it was derived.
+
+Op kinds (``kind`` · ``op`` · params):
+
+============== =================================================================================
+input          a program input; params ``name``, ``role`` (input | weight | state | ext)
+output         marks ``args[0]`` as program output; params ``name``, ``role``
+constant       scalar ``value`` or 1-D ``data``
+iota           ``out[i] = i``, params ``n``
+elementwise    ``op`` ∈ Cast Exp2 Log2 Sin Sqrt Recip Add Mul Mod LessThan Where Contiguous
+reduce         ``op`` ∈ Sum Max over ``axis`` of ``args[0]``
+gather         rows of ``args[0]`` picked by ``args[1]``
+scatter        copy of ``args[0]`` with rows ``args[2]`` set to ``args[1]``
+scatter_nocopy the same, writing into ``args[0]``'s buffer in place (``alias == 0``)
+gemm           cuBLASLt-style batched matmul on raw buffers, params: layout (RmRm RmCm CmRm CmCm:
+               the majorness of A and B), ``m n k``, ``lda ldb ldc``, ``batch``, ``stride_a stride_b
+               stride_c`` and element ``offset_a offset_b``; C is row-major [batch, m, n] with ldc = n.
+============== =================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lum.format.dtypes import DType
+from lum.format.expr import Expr, as_expr, parse
+from lum.format.shapetracker import ShapeTracker
+
+KINDS = ("input", "output", "constant", "iota", "elementwise", "reduce", "gather", "scatter",
+         "scatter_nocopy", "gemm")
+GEMM_LAYOUTS = ("RmRm", "RmCm", "CmRm", "CmCm")
+LLIR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Arg:
+    """An input of an op: the producing op's id and the view of its buffer that this op reads."""
+
+    src: int
+    view: ShapeTracker
+
+
+@dataclass
+class LOp:
+    id: int
+    kind: str
+    op: str
+    args: tuple[Arg, ...]
+    shape: tuple[Expr, ...]
+    dtype: DType
+    params: dict[str, Any] = field(default_factory=dict)
+    alias: int | None = None          # output shares the buffer of args[alias]
+    bytes: Expr = field(default_factory=lambda: as_expr(0))
+    flops: Expr = field(default_factory=lambda: as_expr(0))
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown LLIR op kind {self.kind!r}")
+
+
+@dataclass
+class Program:
+    """One group's program. ``ops`` are in execution order; inputs/outputs are ops of those kinds."""
+
+    name: str
+    ops: list[LOp]
+
+    def inputs(self) -> list[LOp]:
+        return [o for o in self.ops if o.kind == "input"]
+
+    def outputs(self) -> list[LOp]:
+        return [o for o in self.ops if o.kind == "output"]
+
+    def kernels(self) -> list[LOp]:
+        return [o for o in self.ops if o.kind not in ("input", "output", "constant")]
+
+    def total_bytes(self) -> Expr:
+        out = as_expr(0)
+        for o in self.ops:
+            out = out + o.bytes
+        return out
+
+    def total_flops(self) -> Expr:
+        out = as_expr(0)
+        for o in self.ops:
+            out = out + o.flops
+        return out
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> dict[str, Any]:
+        return {"version": LLIR_VERSION, "name": self.name, "ops": [_op_to_json(o) for o in self.ops]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Program:
+        if not isinstance(data, dict) or data.get("version") != LLIR_VERSION:
+            raise ValueError(f"unsupported LLIR version {data.get('version') if isinstance(data, dict) else None!r}")
+        ops = [_op_from_json(o) for o in data["ops"]]
+        for i, o in enumerate(ops):
+            if o.id != i:
+                raise ValueError(f"LLIR op {i} has id {o.id}")
+            for a in o.args:
+                if not 0 <= a.src < i:
+                    raise ValueError(f"LLIR op {i} reads op {a.src}, which does not precede it")
+            if o.alias is not None and not 0 <= o.alias < len(o.args):
+                raise ValueError(f"LLIR op {i} aliases a missing argument {o.alias}")
+        return Program(str(data["name"]), ops)
+
+    @staticmethod
+    def loads(text: str) -> Program:
+        return Program.from_json(json.loads(text))
+
+
+# ---------------------------------------------------------------------- (de)serialisation
+def view_to_json(v: ShapeTracker) -> dict[str, Any]:
+    out: dict[str, Any] = {"shape": [str(d) for d in v.shape], "strides": [str(s) for s in v.strides],
+                           "offset": str(v.offset)}
+    if v.mask is not None:
+        out["mask"] = [[str(lo), str(hi)] for lo, hi in v.mask]
+    return out
+
+
+def view_from_json(d: dict[str, Any]) -> ShapeTracker:
+    shape = tuple(parse(x) for x in d["shape"])
+    strides = tuple(parse(x) for x in d["strides"])
+    if len(shape) != len(strides):
+        raise ValueError("view shape and strides differ in length")
+    mask = None
+    if d.get("mask") is not None:
+        mask = tuple((parse(lo), parse(hi)) for lo, hi in d["mask"])
+        if len(mask) != len(shape):
+            raise ValueError("view mask and shape differ in length")
+    return ShapeTracker(shape, strides, parse(d["offset"]), mask)
+
+
+def _param_to_json(v: Any) -> Any:
+    if isinstance(v, Expr):
+        return {"expr": str(v)}
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return {"float": repr(v)}
+    if isinstance(v, (list, tuple)):
+        return [_param_to_json(x) for x in v]
+    return v
+
+
+def _param_from_json(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) == {"expr"}:
+            return parse(v["expr"])
+        if set(v) == {"float"}:
+            if v["float"] not in ("nan", "inf", "-inf"):
+                raise ValueError(f"bad float literal {v['float']!r}")
+            return float(v["float"])
+        raise ValueError(f"unknown LLIR parameter encoding {sorted(v)}")
+    if isinstance(v, list):
+        return [_param_from_json(x) for x in v]
+    return v
+
+
+def _op_to_json(o: LOp) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "id": o.id, "kind": o.kind, "op": o.op, "dtype": o.dtype.value,
+        "args": [{"src": a.src, "view": view_to_json(a.view)} for a in o.args],
+        "shape": [str(x) for x in o.shape],
+        "params": {k: _param_to_json(v) for k, v in sorted(o.params.items())},
+        "bytes": str(o.bytes), "flops": str(o.flops),
+    }
+    if o.alias is not None:
+        d["alias"] = o.alias
+    return d
+
+
+def _op_from_json(d: dict[str, Any]) -> LOp:
+    return LOp(
+        id=int(d["id"]), kind=str(d["kind"]), op=str(d["op"]),
+        args=tuple(Arg(int(a["src"]), view_from_json(a["view"])) for a in d["args"]),
+        shape=tuple(parse(x) for x in d["shape"]), dtype=DType.parse(d["dtype"]),
+        params={k: _param_from_json(v) for k, v in d.get("params", {}).items()},
+        alias=d.get("alias"), bytes=parse(d.get("bytes", "0")), flops=parse(d.get("flops", "0")),
+    )
