@@ -160,7 +160,8 @@ ExprLike = Union[Expr, int]
 
 def Const(value: int) -> Expr:
     if isinstance(value, bool) or not isinstance(value, int):
-        if hasattr(value, "__index__"):
+        is_bool = isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")  # incl. numpy bools
+        if hasattr(value, "__index__") and not is_bool:
             value = int(value)  # numpy integers
         else:
             raise TypeError(f"expression constants are integers, got {value!r}")
@@ -440,6 +441,25 @@ def _split_divisible(p: Poly, d: Poly) -> tuple[Poly, Poly]:
     return q, r
 
 
+def _poly_monomial_quotient(p: Poly, d: Poly) -> Poly | None:
+    """The single-term q with p == q*d exactly (d a non-zero polynomial), or None.
+
+    Handles e.g. (2*s - 2) // (s - 1) and (a*s + a) // (s + 1). If q exists it is unique, and its
+    monomial is (some term of p) / (the first term of d), so trying each term of p finds it.
+    """
+    if not p or not d:
+        return None
+    mb, cb = min(d.items(), key=lambda mc: tuple(_sort_key(x) for x in mc[0]))
+    for ma, ca in p.items():
+        rest = _mono_divide(ma, mb)
+        if rest is None or ca % cb:
+            continue
+        q = {tuple(sorted(rest, key=_sort_key)): ca // cb}
+        if _poly_mul(q, d) == p:
+            return q
+    return None
+
+
 def _mono_divide(m: tuple, dm: tuple) -> tuple | None:
     rest = list(m)
     for a in dm:
@@ -465,13 +485,16 @@ def _canon_div(a: Expr, b: Expr, bounds) -> Expr:
         return Expr("div", (a, b))  # left for evaluation to report
     if ca is not None and cb is not None:
         return Const(ca // cb)
+    if ca == 0:  # 0 divided by a (non-zero) divisor
+        return ZERO
     if cb == 1:
         return a
     if cb == -1:
         return _expr_of({m: -c for m, c in pa.items()})
     if not _is_monomial(pb):
-        if pa == pb:
-            return ONE
+        q = _poly_monomial_quotient(pa, pb)
+        if q is not None:  # (q*b) // b == q
+            return _expr_of(q)
         return Expr("div", (a, b))
     b_pos = _bounds(b, bounds)[0] > 0
     # (x // c1) // c2 -> x // (c1*c2) for positive constants
@@ -480,28 +503,22 @@ def _canon_div(a: Expr, b: Expr, bounds) -> Expr:
         if inner_c is not None and inner_c > 0:
             return _canon_div(a.args[0], Const(inner_c * cb), bounds)
     q, r = _split_divisible(pa, pb)
-    # floor((d*q + r) / d) = q + floor(r / d), exact for integers
-    rest: Expr
-    r_expr = _expr_of(r)
-    if not r:
-        rest = ZERO
-    else:
-        lo, hi = _bounds(r_expr, bounds)
-        blo, bhi = _bounds(b, bounds)
-        if b_pos and lo >= 0 and hi < blo:
-            rest = ZERO
-        elif cb is not None and cb > 0 and _poly_const(r) is None:
-            # pull a constant g dividing all coefficients of r and the divisor: (g*x)//(g*k) = x//k
-            g = math.gcd(cb, *r.values())
-            if g > 1:
-                rest = _canon_div(_expr_of({m: c // g for m, c in r.items()}), Const(cb // g), bounds)
-            else:
-                rest = Expr("div", (r_expr, b))
-        else:
-            rest = Expr("div", (r_expr, b))
-    if not q:
-        return rest
-    return _expr_of(_poly_add_copy(q, _poly_of(rest)))
+    if q:
+        # floor((d*q + r) / d) = q + floor(r / d), exact for integers. The remainder is simplified as
+        # a division of its own (it may fold to a constant or meet the nested-division rule), so the
+        # result is already canonical and simplify() stays idempotent.
+        rest = _canon_div(_expr_of(r), b, bounds) if r else ZERO
+        return _expr_of(_poly_add_copy(q, _poly_of(rest)))
+    lo, hi = _bounds(a, bounds)
+    blo, _ = _bounds(b, bounds)
+    if b_pos and lo >= 0 and hi < blo:
+        return ZERO
+    if cb is not None and cb > 0:
+        # pull a constant g dividing all coefficients of a and the divisor: (g*x)//(g*k) = x//k
+        g = math.gcd(cb, *pa.values())
+        if g > 1:
+            return _canon_div(_expr_of({m: c // g for m, c in pa.items()}), Const(cb // g), bounds)
+    return Expr("div", (a, b))
 
 
 def _poly_add_copy(p: Poly, q: Poly) -> Poly:
@@ -517,9 +534,15 @@ def _canon_cdiv(a: Expr, b: Expr, bounds) -> Expr:
         return Expr("cdiv", (a, b))
     if ca is not None and cb is not None:
         return Const(-((-ca) // cb))
+    if ca == 0:  # 0 divided by a (non-zero) divisor
+        return ZERO
     if cb == 1:
         return a
-    if _is_monomial(pb):
+    if not _is_monomial(pb):
+        q = _poly_monomial_quotient(pa, pb)
+        if q is not None:  # ceil((q*b) / b) == q
+            return _expr_of(q)
+    else:
         q, r = _split_divisible(pa, pb)
         if not r:
             return _expr_of(q)
@@ -539,10 +562,12 @@ def _canon_mod(a: Expr, b: Expr, bounds) -> Expr:
         return Expr("mod", (a, b))
     if ca is not None and cb is not None:
         return Const(ca % cb)
+    if ca == 0:  # 0 divided by a (non-zero) divisor
+        return ZERO
     if cb is not None and abs(cb) == 1:
         return ZERO
     if not _is_monomial(pb):
-        if pa == pb:
+        if _poly_monomial_quotient(pa, pb) is not None:  # (q*b) % b == 0
             return ZERO
         return Expr("mod", (a, b))
     # (d*q + r) % d == r % d
@@ -552,6 +577,9 @@ def _canon_mod(a: Expr, b: Expr, bounds) -> Expr:
         r = {m: c % cb for m, c in r.items() if c % cb}
     if not r:
         return ZERO
+    cr = _poly_const(r)
+    if cr is not None and cb is not None:
+        return Const(cr % cb)
     r_expr = _expr_of(r)
     lo, hi = _bounds(r_expr, bounds)
     blo, _ = _bounds(b, bounds)
@@ -566,6 +594,9 @@ def _canon_mod(a: Expr, b: Expr, bounds) -> Expr:
 
 
 def _canon_minmax(op: str, args: Iterable[Expr], bounds) -> Expr:
+    args = tuple(args)
+    if not args:
+        raise ValueError(f"{op} of no operands")
     flat: list[Expr] = []
     for a in args:
         if a.op == op:
@@ -590,10 +621,11 @@ def _canon_minmax(op: str, args: Iterable[Expr], bounds) -> Expr:
             if i == j:
                 continue
             dlo, dhi = _bounds(_expr_of(_poly_add_copy(_poly_of(x), {m: -c for m, c in _poly_of(y).items()})), bounds)
-            # for min: x is redundant when x >= y always (ties broken by index)
-            if op == "min" and (dlo > 0 or (dlo >= 0 and j < i)):
+            # for min: x is redundant when x >= y always. When also x <= y always (provably equal),
+            # each would make the other redundant: keep the earlier one (ties broken by index).
+            if op == "min" and dlo >= 0 and (dhi > 0 or j < i):
                 dominated = True
-            if op == "max" and (dhi < 0 or (dhi <= 0 and j < i)):
+            if op == "max" and dhi <= 0 and (dlo < 0 or j < i):
                 dominated = True
             if dominated:
                 break
@@ -645,9 +677,9 @@ def _to_text(e: Expr, parent_prec: int) -> str:
     return f"({s})" if prec < parent_prec else s
 
 
-_TOKEN_RE = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(//|[-+*%<(),]))")
+_TOKEN_RE = re.compile(r"\s*(?:([0-9]+)|([A-Za-z_][A-Za-z0-9_]*)|(//|[-+*%<(),]))")
 _MAX_TEXT = 1 << 16
-_MAX_DEPTH = 200
+_MAX_DEPTH = 100  # nesting levels; each costs ~5 Python frames, well inside the recursion limit
 
 
 def parse(text: str) -> Expr:
@@ -671,7 +703,10 @@ def parse(text: str) -> Expr:
             tokens.append(("op", m.group(3)))
         pos = m.end()
     p = _Parser(tokens, text)
-    e = p.expr(0)
+    try:
+        e = p.expr(0)
+    except RecursionError:  # only reachable when the caller is already deep in the stack
+        raise ExprParseError("expression nested too deeply") from None
     if p.i != len(tokens):
         raise ExprParseError(f"unexpected {tokens[p.i][1]!r} in {text!r}")
     return e
@@ -734,6 +769,7 @@ class _Parser:
     def unary(self, depth: int) -> Expr:
         tok = self.peek()
         if tok == ("op", "-"):
+            self._depth(depth)
             self.take()
             nxt = self.peek()
             if nxt is not None and nxt[0] == "int":

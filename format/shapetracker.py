@@ -93,6 +93,8 @@ class ShapeTracker:
     def broadcast_to(self, shape: Sequence[ExprLike]) -> ShapeTracker:
         """numpy-style broadcast of size-1 dims (and new leading dims) to ``shape``."""
         target = _exprs(shape)
+        if len(target) < self.ndim:
+            raise ValueError(f"cannot broadcast shape {_fmt(self.shape)} to fewer dims {_fmt(target)}")
         st = self
         while st.ndim < len(target):
             st = st.expand_dim(0, 1)
@@ -105,7 +107,10 @@ class ShapeTracker:
                 raise ValueError(f"cannot broadcast shape {_fmt(st.shape)} to {_fmt(target)}")
             dims[i], strides[i] = want, as_expr(0)
             if mask is not None:
-                mask[i] = (as_expr(0), want)
+                # The unit dim is valid iff lo <= 0 < hi, i.e. lo == 0 and hi >= 1 (lo >= 0 always).
+                # Broadcast keeps that all-or-nothing: [0, want) when valid, an empty range otherwise.
+                lo, hi = mask[i]
+                mask[i] = (smin(lo, 1) * want, smax(smin(hi, 1), 0) * want)
         return ShapeTracker(tuple(dims), tuple(strides), st.offset, None if mask is None else tuple(mask))
 
     def slice(self, axis: int, start: ExprLike, stop: ExprLike) -> ShapeTracker:
@@ -147,45 +152,36 @@ class ShapeTracker:
             return self._reshape_unit_dims(new)
         if self.is_contiguous:
             return ShapeTracker.contiguous(new)
-        # Drop unit dims, then match groups of old dims to groups of new dims with equal products.
-        old = [(d, s) for d, s in zip(self.shape, self.strides) if d != as_expr(1)]
-        new_nz = [i for i, d in enumerate(new) if d != as_expr(1)]
+        # Drop unit dims, then cut old and new dims into groups at the points where their prefix
+        # products agree. Products are canonical expressions, so a symbolic boundary such as
+        # (s+1)*(s+1) == s*s + 2*s + 1 is found as well as a constant one; a boundary that only holds
+        # for some values of a dyn var is never used (the result must be right for all of them).
+        one = as_expr(1)
+        old = [(d, s) for d, s in zip(self.shape, self.strides) if d != one]
+        new_nz = [i for i, d in enumerate(new) if d != one]
+        new_prefix: dict[Expr, int] = {}
+        acc = one
+        for k, i in enumerate(new_nz):
+            acc = acc * new[i]
+            new_prefix.setdefault(acc, k + 1)
+        cuts = [(0, 0)]
+        acc = one
+        for k, (d, _) in enumerate(old):
+            acc = acc * d
+            j = new_prefix.get(acc)
+            if j is not None and j > cuts[-1][1]:
+                cuts.append((k + 1, j))
+        if cuts[-1] != (len(old), len(new_nz)):
+            return None
         new_strides: list[Expr] = [as_expr(0)] * len(new)
-        oi = 0
-        ni = 0
-        while ni < len(new_nz) or oi < len(old):
-            if ni >= len(new_nz) or oi >= len(old):
-                return None
-            # grow groups until products match
-            o_group = [old[oi]]
-            n_group = [new_nz[ni]]
-            o_prod, n_prod = old[oi][0], new[new_nz[ni]]
-            oi += 1
-            ni += 1
-            while o_prod != n_prod:
-                o_val, n_val = _const_or_none(o_prod), _const_or_none(n_prod)
-                if o_val is not None and n_val is not None:
-                    grow_old = o_val < n_val
-                else:
-                    return None  # symbolic groups must match dim by dim
-                if grow_old:
-                    if oi >= len(old):
-                        return None
-                    o_group.append(old[oi])
-                    o_prod = o_prod * old[oi][0]
-                    oi += 1
-                else:
-                    if ni >= len(new_nz):
-                        return None
-                    n_group.append(new_nz[ni])
-                    n_prod = n_prod * new[new_nz[ni]]
-                    ni += 1
+        for (o0, n0), (o1, n1) in zip(cuts, cuts[1:]):
+            o_group = old[o0:o1]
             # the old group must be mergeable: stride_k == stride_{k+1} * dim_{k+1}
-            for (d0, s0), (d1, s1) in zip(o_group, o_group[1:]):
+            for (_, s0), (d1, s1) in zip(o_group, o_group[1:]):
                 if s0 != s1 * d1:
                     return None
             inner = o_group[-1][1]
-            for idx in reversed(n_group):
+            for idx in reversed(new_nz[n0:n1]):
                 new_strides[idx] = inner
                 inner = inner * new[idx]
         return ShapeTracker(new, tuple(new_strides), self.offset, None)
@@ -259,10 +255,6 @@ class ShapeTracker:
         """Stable text used by structural hashing."""
         m = "-" if self.mask is None else ";".join(f"{lo}:{hi}" for lo, hi in self.mask)
         return f"[{_fmt(self.shape)}|{_fmt(self.strides)}|{self.offset}|{m}]"
-
-
-def _const_or_none(e: Expr) -> int | None:
-    return e.value if e.is_const else None
 
 
 def _fmt(xs: Sequence[Expr]) -> str:
