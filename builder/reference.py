@@ -13,53 +13,15 @@ from typing import Mapping
 import numpy as np
 
 from lum.builder.hlir import Graph, Node
-from lum.format.dtypes import DType
+from lum.format.numerics import NumericsError, round_to, view_of
 from lum.format.shapetracker import ShapeTracker
 
-
-class ReferenceError(RuntimeError):
-    """The graph cannot be run as given (missing input, wrong shape, index out of range)."""
+__all__ = ["ReferenceError", "NumericsError", "round_to", "view_of", "run_graph"]
 
 
-def round_to(x: np.ndarray, dtype: DType) -> np.ndarray:
-    """Round ``x`` to ``dtype``'s precision, returned in the compute type (float64/int64/bool)."""
-    if dtype.is_float:
-        if dtype == DType.f32 and x.dtype == np.float64:
-            return x.astype(np.float32).astype(np.float64)
-        return np.asarray(x).astype(dtype.np).astype(np.float64)
-    if dtype.is_int:
-        if np.asarray(x).dtype.kind == "f":
-            x = np.trunc(x)
-        return np.asarray(x).astype(dtype.np).astype(np.int64)
-    return np.asarray(x).astype(np.bool_)
-
-
-def view_of(buf: np.ndarray, view: ShapeTracker, dyn_map: Mapping[str, int]) -> np.ndarray:
-    """The logical tensor a ShapeTracker reads from a flat buffer (padding reads 0). May alias ``buf``."""
-    shape, strides, offset, mask = view.evaluate(dyn_map)
-    if any(d < 0 for d in shape):
-        raise ReferenceError(f"negative dim in view shape {shape}")
-    out_lo = [0] * len(shape)
-    out_hi = list(shape)
-    if mask is not None:
-        out_lo = [lo for lo, _ in mask]
-        out_hi = [max(lo, hi) for lo, hi in mask]
-    box = [hi - lo for lo, hi in zip(out_lo, out_hi)]
-    if any(b == 0 for b in box):
-        return np.zeros(shape, dtype=buf.dtype)
-    base = offset + sum(lo * st for lo, st in zip(out_lo, strides))
-    hi_idx = base + sum((b - 1) * st for b, st in zip(box, strides) if st > 0)
-    lo_idx = base + sum((b - 1) * st for b, st in zip(box, strides) if st < 0)
-    if lo_idx < 0 or hi_idx >= buf.size:
-        raise ReferenceError(f"view reads elements {lo_idx}..{hi_idx} of a buffer of {buf.size}")
-    item = buf.itemsize
-    region = np.lib.stride_tricks.as_strided(buf[base:], shape=box, strides=[s * item for s in strides],
-                                             writeable=False)
-    if mask is None:
-        return region
-    out = np.zeros(shape, dtype=buf.dtype)
-    out[tuple(slice(lo, hi) for lo, hi in zip(out_lo, out_hi))] = region
-    return out
+# round_to / view_of live in lum.format.numerics so the loader's LLIR backend shares them; the
+# interpreter's error type is the shared NumericsError under its historical name.
+ReferenceError = NumericsError
 
 
 def _einsum_sum_of_product(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:

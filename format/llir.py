@@ -20,6 +20,40 @@ gemm           cuBLASLt-style batched matmul on raw buffers, params: layout (RmR
                the majorness of A and B), ``m n k``, ``lda ldb ldc``, ``batch``, ``stride_a stride_b
                stride_c`` and element ``offset_a offset_b``; C is row-major [batch, m, n] with ldc = n.
 ============== =================================================================================
+
+Precise semantics (what :mod:`lum.loader.reference_backend` executes):
+
+* Buffers. Each op writes one row-major contiguous buffer of ``shape`` (evaluated with the dyn_map)
+  in ``dtype``; an argument reads its producer's flat buffer through ``view`` (padding reads 0).
+  Every op computes in float64 (int64 for integers) and rounds once when storing its result:
+  floats round to nearest even, float→int truncates toward zero, anything→bool is ``x != 0``.
+* ``alias = j`` (in place). The op's buffer *is* ``args[j]``'s buffer: the result is written through
+  ``args[j].view`` (unmasked, no broadcast dims, same dtype as the op) and later ops read the whole
+  shared buffer. The producer of ``args[j]`` is consumed: no later op may read it (only the aliasing
+  op's id). The op reads all its arguments before it writes.
+* input: an array of exactly ``shape``, converted to ``dtype``. output: ``args[0]``'s view (shape
+  ``shape``) converted to the output's ``dtype``.
+* constant: ``value`` fills ``shape`` (usually ``()``); ``data`` holds ``numel(shape)`` values.
+  iota: ``n`` (int or Expr); ``shape == (n,)``.
+* elementwise: arity 1 (Cast, Contiguous, the unary math ops), 2 (Add Mul Mod LessThan) or 3
+  (Where: cond, a, b); every argument's view has the op's shape (broadcast is a stride-0 view).
+  Mod is floored (the result takes the divisor's sign, as numpy/Python); LessThan gives bool.
+* reduce: ``params['axis']`` of ``args[0]``'s view (negative counts from the end); the output drops
+  that axis. An empty axis gives the identity (Sum 0; Max −inf, or an integer dtype's minimum).
+* gather: ``out[j…, r…] = table[idx[j…], r…]`` for ``table = args[0]``, integer ``idx = args[1]``.
+* scatter / scatter_nocopy: ``out = dest; out[idx[j…], r…] = src[j…, r…]`` for ``dest = args[0]``,
+  ``src = args[1]`` (shape ``idx.shape + dest.shape[1:]``), integer ``idx = args[2]``; scatter_nocopy
+  touches only the indexed rows of dest's buffer. Indices must lie in ``[0, dest.shape[0])``; with
+  duplicate indices the written row is unspecified (the reference backend keeps the last).
+* gemm: ``A = args[0]``, ``B = args[1]`` are addressed in their producers' raw flat buffers by the
+  params alone (the args' views are not applied; by convention they are the 1-D contiguous view
+  of the buffer). For batch ``b``, ``A[b,i,l] = bufA[offset_a + b*stride_a + i*lda + l]`` when A is
+  row-major (``Rm..``), ``… + i + l*lda`` when column-major (``Cm..``); ``B[b,l,j] =
+  bufB[offset_b + b*stride_b + l*ldb + j]`` row-major (``..Rm``), ``… + l + j*ldb`` column-major.
+  ``C[b] = A[b] @ B[b]`` (accumulated in float64, rounded once) fills the op's buffer row-major:
+  ``numel(shape) == batch*m*n``. Defaults: ``batch`` 1, ``offset_*`` 0, ``stride_*`` 0 when batch is 1
+  (a stride of 0 broadcasts that operand over the batch); ``ldc``, if given, must be ``n`` and
+  ``stride_c`` ``m*n``. Any param may be an int or an Expr over dyn vars.
 """
 
 from __future__ import annotations
