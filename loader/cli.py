@@ -139,20 +139,30 @@ def graph_cmd(
              "capped by the model loader).",
     ),
     dtype: DTypeChoice = typer.Option(DTypeChoice.f32, "--dtype", help="Element type of weights and activations."),
+    egraph: bool = typer.Option(
+        False, "--egraph",
+        help="Also saturate each group's e-graph with the rule files and extract a program: report "
+             "e-classes, e-nodes, decision points, seconds to saturate and extract, GEMM calls and in-place ops.",
+    ),
 ) -> None:
     """Build the model's HLIR graphs (prefill, decode) and report their size, chunks and groups.
 
-    Per entry graph: HLIR nodes by op, how many chunks the graph breaks cut it into, the groups of structurally identical chunks (each group is compiled once) and the dyn vars; and the model's parameter count and bytes. Nothing is compiled and no weights are read.
+    Per entry graph: HLIR nodes by op, how many chunks the graph breaks cut it into, the groups of structurally identical chunks (each group is compiled once) and the dyn vars; and the model's parameter count and bytes. Nothing is compiled and no weights are read (with --egraph, each group is saturated and extracted, still without weights).
 
-    Examples: lum graph --random tiny-llama · lum graph ~/models/Llama-3.2-1B --json
+    Examples: lum graph --random tiny-llama · lum graph ~/models/Llama-3.2-1B --json · lum graph --random llama3-8b --egraph
     """
     spec = _load_spec(src, random_name, dtype.value, max_seq)
     try:
         from lum.builder.summary import print_summary, summarize
     except ImportError as exc:
         raise _builder_import_error(exc) from exc
-    with _spinner("partitioning and hashing chunks…"):
-        summary = summarize(spec)
+    if egraph:
+        try:
+            import egglog  # noqa: F401  (the e-graph needs the [build] extra)
+        except ImportError as exc:
+            raise _builder_import_error(exc) from exc
+    with _spinner("saturating and extracting every group…" if egraph else "partitioning and hashing chunks…"):
+        summary = summarize(spec, egraph=egraph) if egraph else summarize(spec)
     source = getattr(spec, "source", "") or (str(src) if src is not None else f"random:{random_name}")
     summary = {"source": source, "dtype": dtype.value, "max_seq": getattr(spec, "max_seq", max_seq), **summary}
     if as_json:
@@ -160,6 +170,188 @@ def graph_cmd(
         sys.stdout.flush()
     else:
         print_summary(summary)
+
+
+# ====================================================================== lum build
+def _progress_bar(label: str):
+    """A rich progress bar on stderr (silent when stderr is not a terminal); returns (context, callback)."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext(), None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=_stderr_console(), transient=True)
+    task = progress.add_task(label, total=None)
+
+    def update(stage: str, done: int, total: int) -> None:
+        progress.update(task, description=f"{label}: {stage}", completed=done, total=total)
+
+    return progress, update
+
+
+@app.command("build")
+def build_cmd(
+    src: Optional[Path] = typer.Argument(None, metavar="SRC", show_default=False,
+                                         help="A Hugging Face checkpoint folder (config.json + *.safetensors)."),
+    out: Path = typer.Option(..., "-o", "--out", metavar="OUT.lumpkg", help="The package to write (atomically)."),
+    random_name: Optional[str] = typer.Option(None, "--random", metavar="NAME", show_default=False,
+                                              help=f"A named config with seeded random weights: {RANDOM_NAMES}."),
+    dtype: DTypeChoice = typer.Option(DTypeChoice.f32, "--dtype", help="Element type of weights and activations."),
+    target: str = typer.Option("sm_90", "--target", help="GPU architecture the package is compiled for."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", metavar="N", min=1, show_default=False,
+                                          help="Maximum sequence length (sizes the KV cache)."),
+    budget: int = typer.Option(0, "--budget", metavar="N", min=0,
+                               help="Measured-search evaluations per group on a GPU (0: cost model only)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of --random weights."),
+) -> None:
+    """Compile a model into a .lumpkg package.
+
+    The HLIR of each entry point (prefill, decode) is partitioned into groups; each distinct group is
+    saturated with the e-graph rules once and one program is extracted (by measurement on a GPU with
+    --budget, otherwise by the cost model). LLIR, weights (page-aligned, mmap-able), the tokenizer
+    (when SRC has tokenizer.json) and provenance go into one file, written atomically.
+
+    Examples: lum build --random tiny-llama -o tiny.lumpkg · lum build ~/models/Llama-3.2-1B -o llama.lumpkg
+    """
+    import time
+
+    if out.exists() and out.is_dir():
+        raise UserError(f"{out} is a folder; -o takes a file name")
+    if not out.parent.exists():
+        raise UserError(f"folder {out.parent} does not exist")
+    if random_name is not None and src is not None:
+        raise UserError("give either SRC or --random NAME, not both")
+    if random_name is None and src is None:
+        raise UserError("give a checkpoint folder SRC or --random NAME")
+    spec = _load_spec(src, random_name, dtype.value, max_seq)
+    if random_name is not None and seed:
+        from lum.builder.models import load_spec
+        spec = load_spec(random_name=random_name, dtype=dtype.value, max_seq=max_seq, seed=seed)
+    try:
+        from lum.builder.compile import compile_group
+        from lum.builder.package_builder import BuildOptions, build_package
+    except ImportError as exc:
+        raise _builder_import_error(exc) from exc
+    tokenizer = None
+    if src is not None and (src / "tokenizer.json").is_file():
+        tokenizer = (src / "tokenizer.json").read_text(encoding="utf-8")
+    t0 = time.perf_counter()
+    bar, update = _progress_bar(f"building {spec.name}")
+    with bar:
+        path = build_package(spec, out, lambda g: compile_group(g)[0],
+                             BuildOptions(target=target, budget=budget), tokenizer, update)
+    size = path.stat().st_size
+    sys.stderr.write(f"wrote {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s\n")
+
+
+# ====================================================================== lum run / inspect / verify
+def _open_package(pkg: Path, verify: str = "metadata"):
+    if not pkg.exists():
+        raise UserError(f"no such package: {pkg}")
+    from lum.loader.model import open as open_pkg
+
+    return open_pkg(pkg, verify=verify)
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"--tokens takes comma-separated integers, got {text!r}") from None
+    if not out:
+        raise UserError("--tokens is empty")
+    return out
+
+
+class BackendChoice(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    reference = "reference"
+
+
+@app.command("run")
+def run_cmd(
+    pkg: Path = typer.Argument(..., metavar="PKG", help="A .lumpkg package."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (needs a tokenizer in the package)."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=0, help="Tokens to generate (greedy)."),
+    backend: BackendChoice = typer.Option(BackendChoice.auto, "--backend",
+                                          help="cuda, reference (numpy, slow) or auto (cuda when a GPU is present)."),
+    as_json: bool = typer.Option(False, "--json", help='Print {"tokens": [...], "text": ..., "tok_per_s": ...}.'),
+) -> None:
+    """Generate tokens greedily from a package: prefill the prompt, then decode with the KV cache."""
+    import time
+
+    if (prompt is None) == (tokens is None):
+        raise UserError("give exactly one of --prompt TEXT or --tokens 1,2,3")
+    p = _open_package(pkg)
+    tok = None
+    if prompt is not None or p.manifest.tokenizer is not None:
+        tok_json = p.tokenizer_json()
+        if tok_json is not None:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError as exc:
+                raise UserError(f"text in/out needs the tokenizers package: {exc}") from None
+            tok = Tokenizer.from_str(tok_json)
+        elif prompt is not None:
+            raise UserError("this package carries no tokenizer; use --tokens")
+    ids = _parse_tokens(tokens) if tokens is not None else tok.encode(prompt).ids
+    sess = p.session(backend=backend.value)
+    t0 = time.perf_counter()
+    with _spinner(f"generating {max_new_tokens} tokens ({sess.backend} backend)…"):
+        out = sess.generate(ids, max_new_tokens)
+    dt = time.perf_counter() - t0
+    text = tok.decode(out) if tok is not None else None
+    result = {"tokens": out, "text": text, "tok_per_s": (len(out) / dt) if dt > 0 else None,
+              "backend": sess.backend}
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        typer.echo(text if text is not None else " ".join(map(str, out)))
+        sys.stderr.write(f"{len(out)} tokens in {dt:.2f} s ({result['tok_per_s'] or 0:.1f} tok/s, {sess.backend})\n")
+
+
+def _parse_dyn(text: Optional[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if not text:
+        return out
+    for part in text.split(","):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip():
+            raise UserError(f"--dyn takes name=value pairs like s=128,p=0, got {part!r}")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            raise UserError(f"--dyn value for {name.strip()!r} is not an integer: {value!r}") from None
+    return out
+
+
+@app.command("inspect")
+def inspect_cmd(
+    pkg: Path = typer.Argument(..., metavar="PKG", help="A .lumpkg package."),
+    dyn: Optional[str] = typer.Option(None, "--dyn", help="Dyn values for the buffer plan, e.g. s=128,p=0."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Show a package: target, provenance, entries, groups, kernels by kind, buffer plan and sizes."""
+    from lum.loader.inspect import describe, print_description
+
+    p = _open_package(pkg)
+    info = describe(p, _parse_dyn(dyn))
+    if as_json:
+        sys.stdout.write(json.dumps(info, indent=2) + "\n")
+    else:
+        print_description(info)
+
+
+@app.command("verify")
+def verify_cmd(pkg: Path = typer.Argument(..., metavar="PKG", help="A .lumpkg package.")) -> None:
+    """Check every section's hash (weights included) and the package's structure."""
+    p = _open_package(pkg, verify="all")
+    n = len(p.reader.names())
+    size = p.reader.file_size
+    p.close()
+    typer.echo(f"{pkg}: OK ({n} sections, {size / 2**20:.1f} MiB, all hashes match)")
 
 
 # ====================================================================== entry point

@@ -1,0 +1,176 @@
+"""``lum build``: compile a model's entry graphs group by group and write one ``.lumpkg``.
+
+Per entry graph the HLIR is partitioned; groups are deduplicated across entries by structural hash
+and compiled once each (e-graph saturation + extraction, see :mod:`lum.builder.compile`). Each chunk
+of an entry becomes one *call* of its group's program, binding the program's inputs and outputs to
+value names: graph inputs and weights by name, state by name, values crossing chunks as ``%<node>``.
+Weights are streamed into raw, page-aligned sections (one per tensor) so the loader maps them in place.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from lum.builder.hlir import Graph
+from lum.builder.models import ModelSpec
+from lum.builder.partition import Chunk, chunk_graph, group_chunks, partition
+from lum.format import __version__ as LUM_VERSION
+from lum.format.llir import Program
+from lum.format.manifest import Call, Entry, GroupRef, Manifest, TensorSpec, WeightRef
+from lum.format.package import PackageWriter
+
+ProgressFn = Callable[[str, int, int], None]   # (stage, done, total)
+
+
+@dataclass
+class BuildOptions:
+    target: str = "sm_90"
+    budget: int = 0                   # measured-search evaluations per group (0: cost model only)
+    compile_kernels: bool = True      # NVRTC cubins for the target (needs no GPU)
+    provenance: dict = field(default_factory=dict)
+
+
+@dataclass
+class BuildReport:
+    path: Path
+    groups: int
+    calls: dict[str, int]
+    seconds: dict[str, float]
+    bytes: int
+
+
+def _value_name(graph: Graph, node: int) -> str:
+    n = graph.nodes[node]
+    return n.attrs["name"] if n.op == "Input" else f"%{node}"
+
+
+def _io_nodes(g: Graph) -> tuple[list, list]:
+    return [n for n in g.nodes if n.op == "Input"], [n for n in g.nodes if n.op == "Output"]
+
+
+def _bind(graph: Graph, chunk: Chunk, cg: Graph, rep_cg: Graph, program: Program) -> Call:
+    """The call of ``program`` (compiled from ``rep_cg``) for ``chunk`` (standalone graph ``cg``)."""
+    rep_in, rep_out = _io_nodes(rep_cg)
+    my_in, my_out = _io_nodes(cg)
+    pos_in = {n.attrs["name"]: k for k, n in enumerate(rep_in)}
+    pos_out = {n.attrs["name"]: k for k, n in enumerate(rep_out)}
+    inputs = []
+    for op in program.inputs():
+        node = my_in[pos_in[op.params["name"]]]
+        name = node.attrs["name"]
+        if node.attrs["role"] == "ext":
+            name = _value_name(graph, chunk.input_nodes[int(name[3:])])
+        inputs.append(name)
+    outputs = []
+    for op in program.outputs():
+        node = my_out[pos_out[op.params["name"]]]
+        name = node.attrs["name"]
+        if node.attrs["role"] == "output" and name.startswith("out") and name[3:].isdigit():
+            name = _value_name(graph, chunk.outputs[int(name[3:])])
+        outputs.append(name)
+    return Call(-1, tuple(inputs), tuple(outputs))
+
+
+def plan_model(spec: ModelSpec, compile_group: Callable[[Graph], Program],
+               progress: ProgressFn | None = None) -> tuple[list[str], list[Program], dict[str, Entry]]:
+    """Compile every distinct group once; return group hashes, their programs and the entry plans."""
+    hashes: list[str] = []
+    programs: list[Program] = []
+    counts: list[int] = []
+    entries: dict[str, Entry] = {}
+    work = []
+    for ename, graph in spec.graphs.items():
+        chunks = partition(graph)
+        work.append((ename, graph, chunks, group_chunks(graph, chunks)))
+    total = len({g.hash for _, _, _, groups in work for g in groups})
+    for ename, graph, chunks, groups in work:
+        calls: list[Call | None] = [None] * len(chunks)
+        for grp in groups:
+            rep_cg = chunk_graph(graph, grp.representative)
+            if grp.hash not in hashes:
+                if progress:
+                    progress("compile", len(hashes), total)
+                hashes.append(grp.hash)
+                programs.append(compile_group(rep_cg))
+                counts.append(0)
+            gi = hashes.index(grp.hash)
+            for ci in grp.chunks:
+                cg = rep_cg if ci == grp.representative.index else chunk_graph(graph, chunks[ci])
+                call = _bind(graph, chunks[ci], cg, rep_cg, programs[gi])
+                calls[ci] = Call(gi, call.inputs, call.outputs)
+                counts[gi] += 1
+        inputs = tuple(TensorSpec(n.attrs["name"], n.shape, n.dtype) for n in graph.inputs("input"))
+        outputs = tuple(TensorSpec(n.attrs["name"], n.shape, n.dtype) for n in graph.outputs("output"))
+        entries[ename] = Entry(ename, tuple(sorted(graph.dyn_vars)), inputs, outputs, tuple(calls))
+    if progress:
+        progress("compile", total, total)
+    return hashes, programs, entries
+
+
+def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Graph], Program],
+                  options: BuildOptions | None = None, tokenizer_json: str | None = None,
+                  progress: ProgressFn | None = None) -> Path:
+    """Compile ``spec`` and write the package atomically to ``out``."""
+    options = options or BuildOptions()
+    hashes, programs, entries = plan_model(spec, compile_group, progress)
+    w = PackageWriter()
+    groups = []
+    for k, (h, prog) in enumerate(zip(hashes, programs)):
+        section = f"llir/{k}"
+        w.add_section(section, prog.dumps().encode(), kind="llir")
+        n_calls = sum(1 for e in entries.values() for c in e.calls if c.group == k)
+        groups.append(GroupRef(h, section, n_calls))
+    weights = {}
+    names = list(spec.weights.names())
+    for i, name in enumerate(names):
+        shape = spec.config.weight_shapes()[name]
+        section = f"weight/{name}"
+        nbytes = int(np.prod(shape)) * spec.dtype.itemsize
+        w.add_section(section, _weight_chunks(spec, name), codec="none", length=nbytes, kind="weight")
+        weights[name] = WeightRef(name, section, tuple(shape), spec.dtype)
+    if tokenizer_json is not None:
+        w.add_section("tokenizer", tokenizer_json.encode(), kind="tokenizer")
+    state = {}
+    for g in spec.graphs.values():
+        for n in g.inputs("state"):
+            state[n.attrs["name"]] = TensorSpec(n.attrs["name"], n.shape, n.dtype)
+    cfg = spec.config
+    manifest = Manifest(
+        model={"name": spec.name, "arch": cfg.arch, "dtype": spec.dtype.value, "max_seq": spec.max_seq,
+               "vocab_size": cfg.vocab_size, "param_count": spec.param_count, "config": cfg.to_hf_dict()},
+        target={"sm": options.target},
+        provenance={"lum": LUM_VERSION, "python": platform.python_version(), "numpy": np.__version__,
+                    "source": spec.source, "extraction": "measured" if options.budget else "cost-model",
+                    **_tool_versions(), **options.provenance},
+        groups=groups, entries=entries, state=state, weights=weights,
+        tokenizer="tokenizer" if tokenizer_json is not None else None,
+        generation={"bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_id)},
+    )
+    w.set_manifest(manifest.to_json())
+    return w.write(out)
+
+
+def _weight_chunks(spec: ModelSpec, name: str):
+    def gen():
+        arr = np.asarray(spec.weights.get(name))
+        yield np.ascontiguousarray(arr.astype(spec.dtype.np, copy=False))
+    return gen
+
+
+def _tool_versions() -> dict[str, str]:
+    out = {}
+    for mod in ("egglog",):
+        m = sys.modules.get(mod)
+        try:
+            from importlib.metadata import version
+            out[mod] = version(mod)
+        except Exception:  # noqa: BLE001 - provenance is best effort
+            if m is not None:
+                out[mod] = getattr(m, "__version__", "unknown")
+    return out
