@@ -7,7 +7,8 @@ order is a topological order. Each input edge freezes the consumer's view of the
 The primops (semantics as the reference interpreter in :mod:`lum.builder.reference` runs them):
 
 ========== ====================================================================================
-Input      a named graph input; ``attrs``: ``name``, ``role`` (input | weight | state)
+Input      a named graph input; ``attrs``: ``name``, ``role`` (input | weight | state; ``ext`` in a
+           standalone chunk graph: a value produced by another chunk)
 Output     marks ``inputs[0]`` as a named output; ``attrs``: ``name``, ``role`` (output | state)
 Constant   a scalar (``attrs['value']``), shape ``()``; or a small 1-D table (``attrs['data']``)
 Iota       ``out[i] = i`` for ``i < attrs['n']`` (i64)
@@ -39,7 +40,7 @@ REDUCE_OPS = ("SumReduce", "MaxReduce")
 PRIMOPS = ("Input", "Output", "Constant", "Iota", "Cast", *UNARY_OPS, *BINARY_OPS, "Where",
            *REDUCE_OPS, "Gather", "Scatter", "Contiguous")
 
-INPUT_ROLES = ("input", "weight", "state")
+INPUT_ROLES = ("input", "weight", "state", "ext")
 OUTPUT_ROLES = ("output", "state")
 
 

@@ -30,7 +30,8 @@ from lum.format.dtypes import DType
 from lum.format.expr import Expr
 from lum.format.shapetracker import ShapeTracker
 
-__all__ = ["Chunk", "Group", "partition", "canonical_text", "structural_hash", "group_chunks", "HASH_VERSION"]
+__all__ = ["Chunk", "Group", "partition", "canonical_text", "structural_hash", "group_chunks", "chunk_graph",
+           "HASH_VERSION"]
 
 HASH_VERSION = "lum-chunk-v1"
 
@@ -152,6 +153,50 @@ def group_chunks(graph: Graph, chunks: Sequence[Chunk] | None = None) -> list[Gr
     groups = [Group(h, tuple(c.index for c in cs), cs[0]) for h, cs in by_hash.items()]
     groups.sort(key=lambda g: g.chunks[0])
     return groups
+
+
+# ====================================================================== standalone chunk graphs
+def chunk_graph(graph: Graph, chunk: Chunk) -> Graph:
+    """A standalone HLIR graph for one chunk: what a group's e-graph is built from.
+
+    Each external producer (``chunk.input_nodes``, in that order) becomes an Input node ``ext{k}``
+    (role ``"ext"``) with the producer's shape and dtype, placed first; the chunk's nodes follow in
+    order, reading through the same views. Output nodes of the chunk are kept (name and role); every
+    other chunk output (``chunk.outputs``: read by a later chunk or by an Output elsewhere) gets an
+    Output ``out{j}`` (role ``"output"``, j its index in ``chunk.outputs``) reading its whole buffer.
+    Two chunks of one group give graphs that differ only in input names.
+    """
+    g = Graph(f"{graph.name}.chunk{chunk.index}")
+    remap: dict[int, int] = {}
+    for k, src in enumerate(chunk.input_nodes):
+        prod = graph.nodes[src]
+        remap[src] = g.add("Input", (), prod.shape, prod.dtype, name=f"ext{k}", role="ext").id
+    kept_outputs: set[int] = set()
+    for nid in chunk.nodes:
+        n = graph.nodes[nid]
+        inputs = tuple(Edge(remap[e.src], e.view) for e in n.inputs)
+        remap[nid] = g.add(n.op, inputs, n.shape, n.dtype, **n.attrs).id
+        if n.op == "Output":
+            kept_outputs.add(n.inputs[0].src)
+    read_later = _read_outside(graph, chunk)
+    for j, nid in enumerate(chunk.outputs):
+        if nid in read_later or nid not in kept_outputs:
+            n = graph.nodes[nid]
+            g.add("Output", (Edge(remap[nid], ShapeTracker.contiguous(n.shape)),), n.shape, n.dtype,
+                  name=f"out{j}", role="output")
+    return g
+
+
+def _read_outside(graph: Graph, chunk: Chunk) -> set[int]:
+    """Nodes of ``chunk`` read by a node of another chunk."""
+    members = set(chunk.nodes)
+    out: set[int] = set()
+    for n in graph.nodes:
+        if n.chunk != chunk.index:
+            for e in n.inputs:
+                if e.src in members:
+                    out.add(e.src)
+    return out
 
 
 # ====================================================================== helpers

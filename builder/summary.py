@@ -1,7 +1,9 @@
 """What ``lum graph`` reports about a model: HLIR size per entry graph, its chunks and groups, parameters.
 
 :func:`summarize` returns plain JSON-able data (the ``--json`` output); :func:`print_summary` renders
-the same data as rich tables.
+the same data as rich tables. With ``egraph=True`` every group is also saturated and extracted
+(:mod:`lum.builder.compile`), and its group entry gains an ``egraph`` record: e-classes, e-nodes,
+decision points, seconds to saturate and to extract, GEMM calls and in-place ops in the chosen program.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from lum.format.expr import Expr
 __all__ = ["summarize", "summarize_graph", "print_summary"]
 
 
-def summarize_graph(graph: Graph) -> dict[str, Any]:
-    """Node counts, chunks, groups and dyn vars of one HLIR graph."""
+def summarize_graph(graph: Graph, egraph: bool = False) -> dict[str, Any]:
+    """Node counts, chunks, groups and dyn vars of one HLIR graph (and per-group e-graph stats)."""
     chunks = partition(graph)
     groups = group_chunks(graph, chunks)
     size = {c.index: len(c) for c in chunks}
-    return {
+    out = {
         "nodes": len(graph),
         "ops": dict(sorted(graph.op_counts().items(), key=lambda kv: (-kv[1], kv[0]))),
         "inputs": {role: len(graph.inputs(role)) for role in ("input", "weight", "state")},
@@ -36,17 +38,41 @@ def summarize_graph(graph: Graph) -> dict[str, Any]:
             for g in groups
         ],
     }
+    if egraph:
+        for entry, g in zip(out["groups"], groups):
+            entry["egraph"] = egraph_stats(graph, g)
+    return out
 
 
-def summarize(spec: Any) -> dict[str, Any]:
-    """Summary of a model spec (``.name``, ``.config``, ``.graphs``, ``.param_count``, ``.param_bytes``)."""
+def egraph_stats(graph: Graph, group: Any) -> dict[str, Any]:
+    """Saturate and extract one group (its representative chunk) and report sizes and seconds."""
+    from lum.builder.compile import compile_group
+    from lum.builder.partition import chunk_graph
+
+    _, st = compile_group(chunk_graph(graph, group.representative))
+    return {
+        "eclasses": st["eclasses"],
+        "enodes": st["enodes"],
+        "decisions": st["decisions"],
+        "seconds_saturate": round(st["seconds_saturate"], 4),
+        "seconds_extract": round(st["seconds_extract"], 4),
+        "gemms": st["gemms"],
+        "in_place": st["in_place"],
+        "rules_fired": st["rules_fired"],
+    }
+
+
+def summarize(spec: Any, egraph: bool = False) -> dict[str, Any]:
+    """Summary of a model spec (``.name``, ``.config``, ``.graphs``, ``.param_count``, ``.param_bytes``).
+
+    ``egraph``: also saturate and extract every group and report the e-graph per group."""
     graphs: Mapping[str, Graph] = spec.graphs
     return {
         "model": spec.name,
         "param_count": int(spec.param_count),
         "param_bytes": int(spec.param_bytes),
         "config": _jsonable(getattr(spec, "config", None)),
-        "graphs": {name: summarize_graph(g) for name, g in graphs.items()},
+        "graphs": {name: summarize_graph(g, egraph=egraph) for name, g in graphs.items()},
     }
 
 
@@ -102,6 +128,18 @@ def print_summary(summary: Mapping[str, Any], console: Any = None) -> None:
             groups.add_row(str(i), g["hash"][:12], str(len(g["chunks"])), str(g["nodes_per_chunk"]),
                            _ranges(g["chunks"]))
         console.print(groups)
+        if any("egraph" in g for g in graphs[name]["groups"]):
+            eg = Table(title=f"E-graph per group of {name!r}", title_justify="left")
+            for col in ("group", "e-classes", "e-nodes", "choices", "sat s", "extract s", "GEMM", "in-place"):
+                eg.add_column(col, justify="right")
+            for i, g in enumerate(graphs[name]["groups"]):
+                e = g.get("egraph")
+                if e is None:
+                    continue
+                eg.add_row(str(i), str(e["eclasses"]), str(e["enodes"]), str(e["decisions"]),
+                           f"{e['seconds_saturate']:.3f}", f"{e['seconds_extract']:.3f}", str(e["gemms"]),
+                           str(e["in_place"]))
+            console.print(eg)
 
 
 # ====================================================================== helpers

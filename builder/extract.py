@@ -1,0 +1,407 @@
+"""Extraction: pick one executable e-node per e-class of a saturated group, and lower it to LLIR.
+
+A *choice* maps decision points (``sat.decisions``: reachable Op e-classes with more than one
+feasible option) to an index into ``sat.options[class]``; classes with one option need no entry.
+:func:`random_choice` draws one uniformly (for search genomes and property tests),
+:func:`choose_by_cost` takes the cheapest under a per-op cost function (bottom-up, tree cost), and
+:func:`lower` turns a choice into a :class:`lum.format.llir.Program`: ops in a valid topological
+order (inputs first, outputs last), argument views decoded from the e-graph's ``Ld`` terms,
+``alias`` for ScatterNoCopy, GEMM parameters as :class:`~lum.format.expr.Expr`, and ``bytes`` /
+``flops`` per op.
+
+Choices are checked for acyclicity: :func:`random_choice` and :func:`choose_by_cost` only return
+acyclic selections, and :func:`lower` raises :class:`ValueError` on a cyclic one.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping
+
+from lum.builder.egraph import ENode, SaturatedGroup
+from lum.format.dtypes import DType
+from lum.format.expr import Expr, as_expr, smax
+from lum.format.llir import Arg, LOp, Program
+from lum.format.shapetracker import ShapeTracker, numel
+
+__all__ = ["Choice", "random_choice", "choose_by_cost", "lower", "lower_enode", "op_bytes", "op_flops",
+           "default_cost", "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
+           "choice_to_genome"]
+
+Choice = dict  # class id -> option index
+
+_ELEMENTWISE = {
+    "KCast": "Cast", "KExp2": "Exp2", "KLog2": "Log2", "KSin": "Sin", "KSqrt": "Sqrt", "KRecip": "Recip",
+    "KAdd": "Add", "KMul": "Mul", "KMod": "Mod", "KLessThan": "LessThan", "KWhere": "Where",
+    "KContiguous": "Contiguous",
+}
+_ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
+          "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2, "KWhere": 3, "KSumReduce": 1, "KMaxReduce": 1,
+          "KGather": 2, "KScatter": 3, "KScatterNoCopy": 3}
+
+
+# ====================================================================== choices
+def chosen(sat: SaturatedGroup, choice: Mapping[int, int], cls: int) -> ENode:
+    """The e-node a choice selects for Op class ``cls``."""
+    opts = sat.options[cls]
+    if len(opts) == 1:
+        return opts[0]
+    return opts[choice.get(cls, 0)]
+
+
+def _op_kids(sat: SaturatedGroup, node: ENode) -> list[int]:
+    return [k for k in node.children() if sat.classes[k].sort == "Op"]
+
+
+def _starts(sat: SaturatedGroup) -> list[int]:
+    return [sat.node_class[n.id] for n in sat.graph.nodes if n.op == "Input"] + [c for _, c in sat.roots]
+
+
+def check_acyclic(sat: SaturatedGroup, choice: Mapping[int, int]) -> list[int] | None:
+    """None when the selection reachable from the program's inputs and outputs is acyclic, else a cycle."""
+    state: dict[int, int] = {}  # 1 = on stack, 2 = done
+    for start in _starts(sat):
+        if state.get(start) == 2:
+            continue
+        stack: list[tuple[int, int]] = [(start, 0)]
+        path: list[int] = [start]
+        state[start] = 1
+        while stack:
+            c, i = stack[-1]
+            kids = _op_kids(sat, chosen(sat, choice, c))
+            if i < len(kids):
+                stack[-1] = (c, i + 1)
+                k = kids[i]
+                s = state.get(k)
+                if s == 1:
+                    return path[path.index(k):] + [k]
+                if s is None:
+                    state[k] = 1
+                    stack.append((k, 0))
+                    path.append(k)
+            else:
+                state[c] = 2
+                stack.pop()
+                path.pop()
+    return None
+
+
+def random_choice(sat: SaturatedGroup, rng: random.Random | int | None = None) -> Choice:
+    """A uniformly random option at every decision point, redrawn until the selection is acyclic."""
+    rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+    for _ in range(100):
+        choice = {c: rng.randrange(len(sat.options[c])) for c in sat.decisions}
+        cycle = check_acyclic(sat, choice)
+        if cycle is None:
+            return choice
+        # redraw only the classes on the cycle, a few times, before starting over
+        for _ in range(20):
+            for c in cycle:
+                if c in choice:
+                    choice[c] = rng.randrange(len(sat.options[c]))
+            cycle = check_acyclic(sat, choice)
+            if cycle is None:
+                return choice
+    raise ValueError(f"no acyclic random selection found for graph {sat.graph.name!r}")
+
+
+def decision_points(sat: SaturatedGroup) -> list[tuple[str, tuple[str, ...]]]:
+    """The decision points for a measured search: (name, option labels) per ``sat.decisions`` entry.
+
+    The name is the e-class id and the HLIR node it came from (``c17:%42``) when there is one; labels
+    are the options' constructors (``Gemm:RmCm``, ``KSumReduce``, ``KScatterNoCopy`` …). Feed them
+    to :class:`lum.builder.search.Decision`; a genome maps back with :func:`genome_to_choice`.
+    """
+    node_of = {}
+    for nid, c in sat.node_class.items():
+        node_of.setdefault(c, nid)
+    out = []
+    for c in sat.decisions:
+        labels = tuple(f"Gemm:{n.args[0]}" if n.op == "Gemm" else n.op for n in sat.options[c])
+        name = f"c{c}:%{node_of[c]}" if c in node_of else f"c{c}"
+        out.append((name, labels))
+    return out
+
+
+def genome_to_choice(sat: SaturatedGroup, genome) -> Choice:
+    """A genome (one option index per decision point, in ``sat.decisions`` order) as a choice."""
+    if len(genome) != len(sat.decisions):
+        raise ValueError(f"genome has {len(genome)} entries for {len(sat.decisions)} decision points")
+    return {c: int(x) for c, x in zip(sat.decisions, genome)}
+
+
+def choice_to_genome(sat: SaturatedGroup, choice: Mapping[int, int]) -> tuple[int, ...]:
+    return tuple(int(choice.get(c, 0)) for c in sat.decisions)
+
+
+def describe_choice(sat: SaturatedGroup, choice: Mapping[int, int]) -> dict[int, str]:
+    """Decision point -> the chosen e-node's constructor (for logs and tests)."""
+    return {c: chosen(sat, choice, c).op for c in sat.decisions}
+
+
+# ====================================================================== cost-based choice
+def default_cost(lop: LOp, dyn: Mapping[str, int] | None = None) -> float:
+    """A roofline-ish estimate in seconds: bytes at 3 TB/s, flops at 50 TFLOP/s (H200-like), plus a
+    launch overhead of 2 µs per kernel; dyn vars default to 64 (within every model's max_seq)."""
+    if lop.kind in ("input", "output", "constant"):
+        return 0.0
+    env = _dyn_env(lop, dyn)
+    nbytes = float(lop.bytes.evaluate(env))
+    flops = float(lop.flops.evaluate(env))
+    return 2e-6 + max(nbytes / 3e12, flops / (1e15 if lop.kind == "gemm" else 5e13))
+
+
+def _dyn_env(lop: LOp, dyn: Mapping[str, int] | None) -> dict[str, int]:
+    names = lop.bytes.vars() | lop.flops.vars()
+    env = {v: 64 for v in names}
+    if dyn:
+        env.update({k: v for k, v in dyn.items() if k in names})
+    return env
+
+
+def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None = None) -> Choice:
+    """The cheapest selection under ``cost_fn(lop) -> float`` (default: :func:`lum.builder.costmodel.op_cost`,
+    else :func:`default_cost`).
+
+    Bottom-up min-cost over the reachable classes: cost(class) = min over its options of
+    cost_fn(option lowered on its own) + the cost of its Op children (tree cost: a class shared by
+    two consumers counts twice, which favours options that read fewer intermediate buffers).
+    """
+    if cost_fn is None:
+        cm = _costmodel()
+        cost_fn = getattr(cm, "op_cost", None) or default_cost
+    classes = sat.reachable
+    local: dict[tuple[int, int], float] = {}
+    for c in classes:
+        for j, node in enumerate(sat.options[c]):
+            if node.op == "Ld":
+                local[(c, j)] = 0.0
+            else:
+                # lowered on its own: producers are named by their class ids
+                local[(c, j)] = float(cost_fn(lower_enode(sat, c, node, lambda k: k)))
+    inf = float("inf")
+    best: dict[int, float] = {c: inf for c in classes}
+    pick: dict[int, int] = {}
+    parents: dict[int, list[int]] = {}
+    for c in classes:
+        for node in sat.options[c]:
+            for k in _op_kids(sat, node):
+                parents.setdefault(k, []).append(c)
+    queue = [c for c in classes if any(not _op_kids(sat, n) for n in sat.options[c])]
+    while queue:
+        c = queue.pop()
+        improved = False
+        for j, node in enumerate(sat.options[c]):
+            tot = local[(c, j)] + sum(best[k] for k in _op_kids(sat, node))
+            if tot < best[c]:
+                best[c], pick[c] = tot, j
+                improved = True
+        if improved:
+            queue.extend(parents.get(c, ()))
+    choice = {c: pick.get(c, 0) for c in sat.decisions}
+    if check_acyclic(sat, choice) is not None:  # zero-cost ties can close a loop; break it randomly
+        return random_choice(sat, 0)
+    return choice
+
+
+# ====================================================================== lowering
+def _dlist(sat: SaturatedGroup, c: int) -> tuple[Expr, ...]:
+    return sat.dlist(c)
+
+
+def _gemm_params(sat: SaturatedGroup, node: ENode) -> dict[str, Any]:
+    layout, _a, _b, m, n, k, lda, ldb, batch, sa, sb, oa, ob, _dt = node.args
+    m, n, k, lda, ldb, batch, sa, sb, oa, ob = (sat.dim(x) for x in (m, n, k, lda, ldb, batch, sa, sb, oa, ob))
+    one = as_expr(1)
+    a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
+    # a unit dim's stride is 0 in the e-graph (any value addresses it); use the smallest legal ld
+    if a_rm and m == one:
+        lda = smax(k, 1)
+    if not a_rm and k == one:
+        lda = smax(m, 1)
+    if b_rm and k == one:
+        ldb = smax(n, 1)
+    if not b_rm and n == one:
+        ldb = smax(k, 1)
+    if batch == one:
+        sa = sb = as_expr(0)
+    return {"layout": layout, "m": m, "n": n, "k": k, "lda": lda, "ldb": ldb, "ldc": n, "batch": batch,
+            "stride_a": sa, "stride_b": sb, "stride_c": m * n, "offset_a": oa, "offset_b": ob}
+
+
+def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[int], int],
+                shape_of: Callable[[int], tuple[Expr, ...]] | None = None, op_id: int = 0) -> LOp:
+    """One executable e-node as an LLIR op. ``src_of(class)`` gives the op id of a producer class;
+    ``shape_of(class)`` its buffer shape (needed for GEMM operands' flat views)."""
+    g = sat.graph
+    op = node.op
+    a = node.args
+
+    isz: list[int] = []
+    arg_dtypes: list[DType | None] = []
+
+    def note(c: int) -> None:
+        dt = sat.dtype.get(c)
+        arg_dtypes.append(DType.parse(dt) if dt else None)
+        isz.append(arg_dtypes[-1].itemsize if dt else 4)
+
+    def arg(c: int) -> Arg:
+        ld = next(n for n in sat.options[c] if n.op == "Ld")
+        note(c)
+        return Arg(src_of(ld.args[0]), sat.view(ld.args[1]))
+
+    if op in ("KInput", "KConstant"):
+        hn = g.nodes[a[0]]
+        shape, dtype = _dlist(sat, a[1]), DType.parse(a[2])
+        if op == "KInput":
+            lop = LOp(op_id, "input", "Input", (), shape, dtype,
+                      {"name": hn.attrs["name"], "role": hn.attrs.get("role", "input")})
+        elif "data" in hn.attrs:
+            lop = LOp(op_id, "constant", "Constant", (), shape, dtype, {"data": list(hn.attrs["data"])})
+        else:
+            lop = LOp(op_id, "constant", "Constant", (), shape, dtype, {"value": hn.attrs["value"]})
+    elif op == "KIota":
+        nexpr = sat.dim(a[0])
+        lop = LOp(op_id, "iota", "Iota", (), (nexpr,), DType.parse(a[1]), {"n": nexpr})
+    elif op in _ELEMENTWISE:
+        k = _ARITY[op]
+        lop = LOp(op_id, "elementwise", _ELEMENTWISE[op], tuple(arg(c) for c in a[:k]), _dlist(sat, a[k]),
+                  DType.parse(a[k + 1]))
+    elif op in ("KSumReduce", "KMaxReduce"):
+        x, axis, sh, dt = a
+        sh = _dlist(sat, sh)
+        lop = LOp(op_id, "reduce", "Sum" if op == "KSumReduce" else "Max", (arg(x),),
+                  sh[:axis] + sh[axis + 1:], DType.parse(dt), {"axis": int(axis)})
+    elif op == "KGather":
+        t, i, sh, dt = a
+        ai = arg(i)
+        lop = LOp(op_id, "gather", "Gather", (arg(t), ai), ai.view.shape + _dlist(sat, sh)[1:], DType.parse(dt))
+    elif op in ("KScatter", "KScatterNoCopy"):
+        d, s, i, sh, dt = a
+        nocopy = op == "KScatterNoCopy"
+        lop = LOp(op_id, "scatter_nocopy" if nocopy else "scatter", "ScatterNoCopy" if nocopy else "Scatter",
+                  (arg(d), arg(s), arg(i)), _dlist(sat, sh), DType.parse(dt), {}, 0 if nocopy else None)
+    elif op == "Gemm":
+        params = _gemm_params(sat, node)
+        args = []
+        for c in (a[1], a[2]):
+            shp = shape_of(c) if shape_of is not None else (as_expr(1),)
+            note(c)
+            args.append(Arg(src_of(c), ShapeTracker.contiguous((numel(shp),))))
+        lop = LOp(op_id, "gemm", "Gemm", tuple(args), (params["batch"], params["m"], params["n"]),
+                  DType.parse(a[13]), params)
+    else:
+        raise ValueError(f"e-node {op} is not executable")
+    _set_bytes_flops(lop, isz, arg_dtypes)
+    return lop
+
+
+def _costmodel():
+    try:
+        from lum.builder import costmodel
+    except ImportError:  # pragma: no cover - the cost model ships with the builder
+        return None
+    return costmodel if hasattr(costmodel, "op_bytes") and hasattr(costmodel, "op_flops") else None
+
+
+def _set_bytes_flops(lop: LOp, isz: list[int], arg_dtypes: list[DType | None]) -> None:
+    """``bytes``/``flops`` from :mod:`lum.builder.costmodel` (producer dtypes from the e-graph's DT),
+    or from the simple model below when it is missing."""
+    cm = _costmodel()
+    if cm is None or any(d is None for d in arg_dtypes):
+        lop.bytes, lop.flops = op_bytes(lop, isz), op_flops(lop)
+        return
+    stub = SimpleNamespace(ops={a.src: SimpleNamespace(dtype=d) for a, d in zip(lop.args, arg_dtypes)})
+    lop.bytes, lop.flops = cm.op_bytes(lop, stub), cm.op_flops(lop)
+
+
+def op_bytes(lop: LOp, arg_itemsizes: list[int] | None = None) -> Expr:
+    """Bytes moved: every argument read once (a broadcast dim is not re-read) plus the output written.
+
+    ``arg_itemsizes`` are the arguments' element sizes (default: the op's own)."""
+    isz = arg_itemsizes or [lop.dtype.itemsize] * len(lop.args)
+    out = numel(lop.shape) * lop.dtype.itemsize
+    if lop.kind == "scatter_nocopy":
+        out = numel(lop.args[1].view.shape) * lop.dtype.itemsize  # only the scattered rows are written
+    if lop.kind == "gemm":
+        p = lop.params
+        a_b = p["batch"] if not _is_zero(p["stride_a"]) else as_expr(1)
+        b_b = p["batch"] if not _is_zero(p["stride_b"]) else as_expr(1)
+        return out + a_b * p["m"] * p["k"] * isz[0] + b_b * p["k"] * p["n"] * isz[1]
+    reads = as_expr(0)
+    for i, a in enumerate(lop.args):
+        if lop.kind == "scatter_nocopy" and i == 0:
+            continue  # the destination is not read
+        dims = [d for d, s in zip(a.view.shape, a.view.strides) if not _is_zero(s)]
+        reads = reads + numel(dims) * isz[i]
+    return out + reads
+
+
+def op_flops(lop: LOp) -> Expr:
+    if lop.kind == "gemm":
+        p = lop.params
+        return 2 * p["batch"] * p["m"] * p["n"] * p["k"]
+    if lop.kind in ("elementwise",):
+        return numel(lop.shape)
+    if lop.kind == "reduce":
+        return numel(lop.args[0].view.shape)
+    return as_expr(0)
+
+
+def _is_zero(e: Expr) -> bool:
+    return e.is_const and e.value == 0
+
+
+def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None) -> Program:
+    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere)."""
+    choice = choice or {}
+    cycle = check_acyclic(sat, choice)
+    if cycle is not None:
+        raise ValueError(f"the selection is cyclic through e-classes {cycle}")
+    g = sat.graph
+    ops: list[LOp] = []
+    op_of: dict[int, int] = {}      # Op class -> LLIR op id
+    shape_of: dict[int, tuple[Expr, ...]] = {}
+
+    def emit(c: int) -> None:
+        node = chosen(sat, choice, c)
+        lop = lower_enode(sat, c, node, op_of.__getitem__, shape_of.__getitem__, len(ops))
+        op_of[c] = lop.id
+        shape_of[c] = lop.shape
+        ops.append(lop)
+
+    def visit(start: int) -> None:
+        stack: list[tuple[int, bool]] = [(start, False)]
+        while stack:
+            c, expanded = stack.pop()
+            if c in op_of:
+                continue
+            node = chosen(sat, choice, c)
+            if node.op == "Ld":
+                if expanded:
+                    continue
+                stack.append((c, True))
+                stack.append((node.args[0], False))
+                continue
+            if expanded:
+                emit(c)
+                continue
+            stack.append((c, True))
+            for k in reversed(_op_kids(sat, node)):
+                if k not in op_of:
+                    stack.append((k, False))
+
+    for n in g.nodes:  # every program input, in graph order, first
+        if n.op == "Input":
+            visit(sat.node_class[n.id])
+    for _, c in sat.roots:
+        visit(c)
+    for nid, c in sat.roots:
+        hn = g.nodes[nid]
+        ld = chosen(sat, choice, c)
+        src = op_of[ld.args[0]]
+        lop = LOp(len(ops), "output", "Output", (Arg(src, sat.view(ld.args[1])),), tuple(hn.shape), hn.dtype,
+                  {"name": hn.attrs["name"], "role": hn.attrs.get("role", "output")})
+        ops.append(lop)
+    return Program(name or g.name, ops)
