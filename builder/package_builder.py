@@ -113,12 +113,26 @@ def plan_model(spec: ModelSpec, compile_group: Callable[[Graph], Program],
     return hashes, programs, entries
 
 
-def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Graph], Program],
+def typical_dyn(spec: ModelSpec) -> dict[str, int]:
+    """Dyn values the cost model plans for: a 512-token prompt and a half-full cache (within max_seq)."""
+    return {"s": max(1, min(512, spec.max_seq)), "p": max(0, spec.max_seq // 2)}
+
+
+def cost_model_compiler(spec: ModelSpec) -> Callable[[Graph], Program]:
+    """Compile each group by the roofline cost model at :func:`typical_dyn` sizes (no GPU needed)."""
+    from lum.builder.compile import compile_group
+    from lum.builder.costmodel import op_cost
+
+    dyn = typical_dyn(spec)
+    return lambda g: compile_group(g, cost_fn=lambda op: op_cost(op, dyn))[0]
+
+
+def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Graph], Program] | None = None,
                   options: BuildOptions | None = None, tokenizer_json: str | None = None,
                   progress: ProgressFn | None = None) -> Path:
     """Compile ``spec`` and write the package atomically to ``out``."""
     options = options or BuildOptions()
-    hashes, programs, entries = plan_model(spec, compile_group, progress)
+    hashes, programs, entries = plan_model(spec, compile_group or cost_model_compiler(spec), progress)
     w = PackageWriter()
     groups = []
     for k, (h, prog) in enumerate(zip(hashes, programs)):
