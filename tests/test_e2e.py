@@ -117,3 +117,22 @@ def test_run_errors_are_one_line(built, tmp_path):
         proc = lum(*args, check=False)
         assert proc.returncode == 2, (args, proc.stderr)
         assert "Traceback" not in proc.stderr and proc.stderr.startswith("error:"), proc.stderr
+
+
+def test_prompt_text_through_the_packaged_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    save_hf_model("tiny-llama", tmp_path / "hf")
+    words = ["<unk>", "hello", "world", "lum", "runs", "models", "on", "gpus"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    pkg = tmp_path / "m.lumpkg"
+    lum("build", str(tmp_path / "hf"), "-o", str(pkg), "--max-seq", "32")
+    by_text = json.loads(lum("run", str(pkg), "--prompt", "hello world lum", "--max-new-tokens", "5",
+                             "--backend", "reference", "--json").stdout)
+    ids = tok.encode("hello world lum").ids
+    by_ids = json.loads(lum("run", str(pkg), "--tokens", ",".join(map(str, ids)), "--max-new-tokens", "5",
+                            "--backend", "reference", "--json").stdout)
+    assert by_text["tokens"] == by_ids["tokens"] and len(by_text["tokens"]) == 5
+    assert by_text["text"] == tok.decode(by_text["tokens"])
