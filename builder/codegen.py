@@ -1,0 +1,982 @@
+"""Codegen: one LLIR kernel op → CUDA C++ source (from ``templates/*.cu``) plus how to launch it.
+
+    ks = generate(op, dyn_vars=["s", "p"], arg_dtypes=[DType.bf16, DType.bf16])
+    ks.name, ks.source                     # entry name (stable: a hash of the source), full module text
+    ks.launches                            # [Launch(kernel, grid=(Expr,1,1), block=(256,1,1), shared_mem=0)]
+    module_source([ks1, ks2, ...])         # several kernels in one NVRTC module (one compile)
+
+Every non-library op kind has a template: ``elementwise.cu`` (Cast … Contiguous, and the copy half of
+scatter), ``reduce.cu`` (Sum / Max over an axis), ``gather.cu``, ``scatter.cu`` (scatter rows and
+scatter_nocopy), ``iota.cu``; ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp
+reductions) is pasted at the top of each module. ``gemm`` is a cuBLASLt call: :func:`generate`
+returns ``None`` for it (and for input / output / constant, which are not kernels).
+
+**Kernel signature convention.** Every entry point is ``extern "C"`` and takes, in this order::
+
+    (OutT* out, const In0T* in0, …, const In{n-1}T* in{n-1}, const long long* dyn)
+
+``out`` is the op's buffer, ``inK`` the buffer of ``op.args[K]`` (its producer's flat buffer; the view is
+compiled into the kernel), all as raw device pointers to *storage* types: ``float``, ``unsigned short``
+(f16 and bf16 bits), ``int``, ``long long``, ``unsigned char`` (bool). For an in-place op (``alias = j``,
+and always for scatter_nocopy) ``out`` and ``in{j}`` are the same pointer; scatter_nocopy never reads
+``in0``. :attr:`KernelSource.params` lists the parameters. Buffers must be aligned to 16 bytes (vector
+loads are only generated when offsets allow, assuming that alignment).
+
+**Dyn values.** Shapes, strides, offsets and masks are compiled in as C expressions; each dyn var
+(``s``, ``p`` …) is read at kernel start from the small device buffer ``dyn``: the var ``dyn_vars[k]``
+is ``dyn[k]`` (one int64 slot per name, in the order the caller passes — the same order for every
+kernel of a program; :attr:`KernelSource.dyn_slots` lists the slots a kernel reads). The runtime writes
+new values into that buffer (e.g. the past length before each decode step) and replays a captured CUDA
+graph without re-capture. **Every kernel is correct for any grid ≥ 1**: all loop over their work with
+grid-stride loops bounded by sizes read from ``dyn``. The grid only affects speed, so a graph captured
+with the grid of an earlier (e.g. bucket-maximum) dyn_map stays correct; re-capture is needed only for
+speed, or when work can outgrow what the old grid covers efficiently.
+
+**Launches.** :attr:`KernelSource.launches` is an ordered list (one entry, or two for ``scatter``: a
+copy ``…_copy`` then ``…_rows``, on one stream). ``grid`` is three :class:`~lum.format.expr.Expr` over
+the dyn vars (evaluate them with the dyn_map: ``[g.evaluate(dyn_map) for g in launch.grid]``; always
+≥ 1), ``block`` three ints, ``shared_mem`` the dynamic shared memory in bytes (0: the templates use
+static shared memory only). All launches of one KernelSource take the same parameter list.
+
+**Numerics.** f16/bf16 load as float, compute in float and store rounded to nearest even; f32 computes
+in float (``math="f64"``: unary math in double); integers compute in int64, bool as bool; conversions
+follow the LLIR rules (float→int truncates, anything→bool is ``x != 0``); Max propagates NaN;
+reductions accumulate in float (``acc="f64"``: double) or int64.
+
+**Index width.** Index arithmetic is 32-bit when every index expression provably fits (all sizes static,
+or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
+
+**Tuning parameters** (keyword arguments with defaults; the effective values are in
+:attr:`KernelSource.tuning`): ``threads`` (block size), ``ept`` (work items per thread per block tile),
+``vec`` (elements per vector access, elementwise only; ``None`` picks the widest legal one),
+``group`` (threads per output row, reduce), ``max_blocks`` (grid cap), ``index_bits``, ``acc``, ``math``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Mapping, Sequence
+
+from lum.format.dtypes import DType
+from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
+from lum.format.llir import LOp, Program
+from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
+
+__all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
+           "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
+           "ELEMENTWISE_OPS", "KERNEL_KINDS"]
+
+ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
+                   "LessThan", "Where")
+KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota")
+_ARITY = {"Cast": 1, "Contiguous": 1, "Exp2": 1, "Log2": 1, "Sin": 1, "Sqrt": 1, "Recip": 1,
+          "Add": 2, "Mul": 2, "Mod": 2, "LessThan": 2, "Where": 3}
+
+STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
+             DType.i64: "long long", DType.bool: "lum_bool"}
+_KIND_C = {"f": "float", "d": "double", "i": "long long", "b": "bool"}
+_ZERO = {"f": "0.0f", "d": "0.0", "i": "0LL", "b": "false"}
+_I32_MAX = 2**31 - 1
+_ENTRY = "LUM_ENTRY_NAME"  # stands for the entry name while the source is hashed
+
+
+class CodegenError(ValueError):
+    """An op cannot be turned into a kernel (malformed, or information such as arg dtypes missing)."""
+
+
+# ============================================================================ data
+@dataclass(frozen=True)
+class Launch:
+    kernel: str                                  # entry name in the module
+    grid: tuple[Expr, Expr, Expr]                # over the dyn vars, each >= 1
+    block: tuple[int, int, int]
+    shared_mem: int = 0                          # dynamic shared memory bytes
+
+    def evaluate(self, dyn_map: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+        return tuple(g.evaluate(dyn_map) for g in self.grid), self.block, self.shared_mem  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str                                    # C parameter name: out, in0…, dyn
+    role: str                                    # "out" | "arg" | "dyn"
+    index: int | None                            # args index for role "arg"
+    dtype: DType | None                          # storage dtype (None for dyn: int64)
+    ctype: str                                   # C declaration
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    name: str                                    # stable: derived from a hash of the source
+    kind: str
+    op: str
+    source: str                                  # complete module: common.cuh + body
+    body: str                                    # the kernels alone (see module_source)
+    launches: tuple[Launch, ...]
+    params: tuple[Param, ...]
+    dyn_vars: tuple[str, ...]                    # the slot order of the dyn buffer
+    dyn_slots: dict[str, int]                    # vars this kernel reads -> slot
+    tuning: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def grid(self) -> tuple[Expr, Expr, Expr]:
+        return self.launches[0].grid
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return self.launches[0].block
+
+    @property
+    def shared_mem(self) -> int:
+        return self.launches[0].shared_mem
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return tuple(launch.kernel for launch in self.launches)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind, "op": self.op,
+            "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
+                          "shared_mem": lc.shared_mem} for lc in self.launches],
+            "params": [{"name": p.name, "role": p.role, "index": p.index,
+                        "dtype": None if p.dtype is None else p.dtype.value} for p in self.params],
+            "dyn_vars": list(self.dyn_vars), "dyn_slots": dict(self.dyn_slots), "tuning": dict(self.tuning),
+        }
+
+
+# ============================================================================ templates
+_PLACEHOLDER = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
+
+
+@lru_cache(maxsize=None)
+def load_template(name: str) -> str:
+    """The text of ``templates/<name>`` (via importlib.resources, so installed and editable both work)."""
+    return resources.files("lum.templates").joinpath(name).read_text(encoding="utf-8")
+
+
+def common_header() -> str:
+    return load_template("common.cuh")
+
+
+def render(template: str, values: Mapping[str, Any]) -> str:
+    """Fill ``{{NAME}}`` placeholders. Every placeholder must have a value and every value must be used;
+    lines starting with ``//!`` (template documentation) are dropped. No evaluation of any kind."""
+    lines = [ln for ln in template.splitlines() if not ln.lstrip().startswith("//!")]
+    text = "\n".join(lines) + "\n"
+    names = set(_PLACEHOLDER.findall(text))
+    missing = names - set(values)
+    if missing:
+        raise CodegenError(f"template placeholders without a value: {sorted(missing)}")
+    unused = set(values) - names
+    if unused:
+        raise CodegenError(f"values for placeholders the template lacks: {sorted(unused)}")
+    out = _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)   # one pass: values are not re-scanned
+    if _PLACEHOLDER.search(out):
+        raise CodegenError("a substituted value contains a placeholder marker")
+    return out
+
+
+# ============================================================================ index plans
+def _is_one(e: Expr) -> bool:
+    return e.is_const and e.value == 1
+
+
+def _mask_trivial(v: ShapeTracker, k: int) -> bool:
+    if v.mask is None:
+        return True
+    lo, hi = v.mask[k]
+    return lo == as_expr(0) and hi == v.shape[k]
+
+
+def coalesce(shape: Sequence[Expr], views: Sequence[ShapeTracker]) -> tuple[tuple[Expr, ...], list[ShapeTracker]]:
+    """Drop unit dims and merge adjacent dims wherever every view allows it (row-major order of the
+    iteration space is kept, so flat index f means the same element before and after).
+
+    Two dims k, k+1 merge when, in every view, ``stride[k] == stride[k+1] * dim[k+1]`` and neither dim
+    is masked. Fewer dims = fewer div/mod per element and longer contiguous runs for vectorisation.
+    """
+    shape = [as_expr(d) for d in shape]
+    for v in views:
+        if v.ndim != len(shape) or tuple(v.shape) != tuple(shape):
+            raise CodegenError(f"view shape {[str(x) for x in v.shape]} does not match the iteration shape "
+                               f"{[str(x) for x in shape]}")
+    dims = list(range(len(shape)))
+    # per view, per dim: (stride, mask or None)
+    cols = [[(v.strides[k], None if _mask_trivial(v, k) else v.mask[k]) for k in dims] for v in views]  # type: ignore[index]
+    keep = [k for k in dims if not (_is_one(shape[k]) and all(c[k][1] is None for c in cols))]
+    shp = [shape[k] for k in keep]
+    cols = [[c[k] for k in keep] for c in cols]
+    k = len(shp) - 2
+    while k >= 0:
+        if all(c[k][1] is None and c[k + 1][1] is None and c[k][0] == c[k + 1][0] * shp[k + 1] for c in cols):
+            shp[k] = shp[k] * shp[k + 1]
+            del shp[k + 1]
+            for c in cols:
+                c[k] = (c[k + 1][0], None)
+                del c[k + 1]
+        k -= 1
+    out_views = []
+    for v, c in zip(views, cols):
+        masked = any(m is not None for _, m in c)
+        mask = tuple(m if m is not None else (as_expr(0), d) for (_, m), d in zip(c, shp)) if masked else None
+        out_views.append(ShapeTracker(tuple(shp), tuple(s for s, _ in c), v.offset, mask))
+    return tuple(shp), out_views
+
+
+def index_vars(n: int) -> tuple[Expr, ...]:
+    return tuple(Var(f"lum_i{k}") for k in range(n))
+
+
+def validity_terms(view: ShapeTracker, idx: Sequence[Expr]) -> list[tuple[Expr, str, Expr]]:
+    """The mask as a conjunction of ``(a, "<=" | "<", b)`` terms: ``lo <= i`` and ``i < hi`` for each
+    constrained dim — the same rule as :meth:`ShapeTracker.validity`, which multiplies lt() factors."""
+    terms: list[tuple[Expr, str, Expr]] = []
+    if view.mask is None:
+        return terms
+    for i, (lo, hi), d in zip(idx, view.mask, view.shape):
+        if lo != as_expr(0):
+            terms.append((lo, "<=", i))
+        if hi != d:
+            terms.append((i, "<", hi))
+    return terms
+
+
+@dataclass
+class _Ctx:
+    """Collects what the printed C needs: dyn var renaming/slots and every index expression (for the
+    32/64-bit decision)."""
+
+    dyn_vars: tuple[str, ...]
+    used: set[str] = field(default_factory=set)
+    exprs: list[Expr] = field(default_factory=list)
+    var_bounds: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def c(self, e: Expr | int) -> str:
+        e = as_expr(e)
+        self.exprs.append(e)
+        ren = {}
+        for v in e.vars():
+            if v.startswith("lum_"):
+                continue
+            if v not in self.dyn_vars:
+                raise CodegenError(f"dyn var {v!r} is used by the op but not in dyn_vars {list(self.dyn_vars)}")
+            self.used.add(v)
+            ren[v] = Var(f"lum_d_{v}")
+        return e.substitute(ren).to_c() if ren else e.to_c()
+
+    def bound_var(self, name: str, size: Expr) -> None:
+        """Index variable ``name`` ranges over [0, size)."""
+        self.exprs.append(size)
+        hi = size.bounds(self._dyn_bounds())[1]
+        self.var_bounds[name] = (0, max(0, hi - 1) if hi != INF else INF)
+
+    max_dyn: Mapping[str, int] | None = None
+
+    def _dyn_bounds(self) -> dict[str, tuple[int, float]]:
+        out: dict[str, tuple[int, float]] = {}
+        for v in self.dyn_vars:
+            hi = self.max_dyn.get(v) if self.max_dyn else None
+            out[v] = (0, INF if hi is None else int(hi))
+        return out
+
+    def fits_i32(self, extra: int = 0) -> bool:
+        b = {**self._dyn_bounds(), **self.var_bounds}
+
+        def ok(e: Expr) -> bool:
+            lo, hi = e.bounds(b)
+            if lo < -_I32_MAX or hi + extra > _I32_MAX:
+                return False
+            return all(ok(a) for a in e.args) if e.op not in ("const", "var") else True
+
+        return all(ok(e) for e in self.exprs)
+
+    def dyn_loads(self) -> tuple[str, dict[str, int]]:
+        slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
+        lines = [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
+        return ("\n".join(lines) if lines else "  (void)dyn;"), slots
+
+
+def view_access(ctx: _Ctx, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
+                extra_terms: Sequence[tuple[Expr, str, Expr]] = ()) -> tuple[str, str | None]:
+    """(physical index C, validity C or None when always valid) of ``view`` at logical index ``idx``."""
+    phys = view.physical_index(idx)
+    if extra_phys is not None:
+        phys = phys + extra_phys
+    terms = list(validity_terms(view, idx)) + list(extra_terms)
+    conds = []
+    for a, rel, b in terms:
+        lo, hi = (a - b).bounds(ctx._dyn_bounds() | ctx.var_bounds)
+        if hi < 0 or (rel == "<=" and hi <= 0):
+            continue                      # always true
+        if lo > 0 or (rel == "<" and lo >= 0):
+            return ctx.c(phys), "false"   # never valid
+        conds.append(f"({ctx.c(a)} {rel} {ctx.c(b)})")
+    return ctx.c(phys), (" && ".join(conds) if conds else None)
+
+
+def _unravel(ctx: _Ctx, flat: str, shape: Sequence[Expr], indent: str, last_vec: int = 1) -> str:
+    """C statements defining lum_i0.. (idx_t) from the non-negative flat index ``flat`` (row-major over
+    ``shape``; with ``last_vec`` > 1 the flat index counts groups of that many innermost elements)."""
+    n = len(shape)
+    for k in range(n):
+        ctx.bound_var(f"lum_i{k}", shape[k])
+    if n == 0:
+        return ""
+    lines = []
+    if n == 1:
+        expr = f"{flat} * {last_vec}" if last_vec > 1 else flat
+        return f"{indent}const idx_t lum_i0 = {expr}; (void)lum_i0;\n"
+    lines.append(f"{indent}idx_t lum_t = {flat};")
+    for k in range(n - 1, 0, -1):
+        d = shape[k]
+        if k == n - 1 and last_vec > 1:
+            dc = ctx.c(d // last_vec)
+            lines.append(f"{indent}const idx_t lum_i{k} = (idx_t)(lum_t % {dc}) * {last_vec}; lum_t /= {dc}; (void)lum_i{k};")
+        else:
+            dc = ctx.c(d)
+            lines.append(f"{indent}const idx_t lum_i{k} = (idx_t)(lum_t % {dc}); lum_t /= {dc}; (void)lum_i{k};")
+    lines.append(f"{indent}const idx_t lum_i0 = lum_t; (void)lum_i0;")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class AccessPlan:
+    """What codegen substitutes into a template for a set of views over one iteration space (exposed so
+    tests can evaluate the very C text that kernels contain)."""
+
+    shape: tuple[Expr, ...]                      # coalesced iteration shape
+    views: tuple[ShapeTracker, ...]              # coalesced views
+    unravel: str                                 # C statements: flat index `lum_w` -> lum_i0..
+    access: tuple[tuple[str, str | None], ...]   # per view: (physical index C, validity C or None)
+    dyn_slots: dict[str, int]                    # dyn var -> slot; the C names are lum_d_<var>
+
+
+def access_plan(shape: Sequence[Expr], views: Sequence[ShapeTracker], dyn_vars: Sequence[str] = (),
+                vec: int = 1) -> AccessPlan:
+    """Coalesce ``views`` over ``shape`` and print the unravel code and each view's index / validity."""
+    ctx = _Ctx(tuple(dyn_vars))
+    cshape, cviews = coalesce([as_expr(d) for d in shape], views)
+    unravel = _unravel(ctx, "lum_w", cshape, "", vec)
+    idx = index_vars(len(cshape))
+    acc = tuple(view_access(ctx, v, idx) for v in cviews)
+    return AccessPlan(cshape, tuple(cviews), unravel, acc, ctx.dyn_loads()[1])
+
+
+# ============================================================================ values and conversions
+def _kind(dt: DType) -> str:
+    return "f" if dt.is_float else "i" if dt.is_int else "b"
+
+
+def _load_conv(dt: DType, raw: str) -> str:
+    if dt == DType.f32:
+        return raw
+    if dt == DType.f16:
+        return f"lum_f16_to_f32({raw})"
+    if dt == DType.bf16:
+        return f"lum_bf16_to_f32({raw})"
+    if dt.is_int:
+        return f"(long long)({raw})"
+    return f"(({raw}) != 0)"
+
+
+def _to_kind(kind_from: str, kind_to: str, x: str) -> str:
+    if kind_from == kind_to:
+        return x
+    if kind_to == "b":
+        return f"(({x}) != 0)"
+    return f"({_KIND_C[kind_to]})({x})"
+
+
+def _store_conv(kind: str, x: str, dt: DType) -> str:
+    if dt == DType.f32:
+        return _to_kind(kind, "f", x) if kind != "b" else f"(({x}) ? 1.0f : 0.0f)"
+    if dt in (DType.f16, DType.bf16):
+        f = _to_kind(kind, "f", x) if kind != "b" else f"(({x}) ? 1.0f : 0.0f)"
+        return f"lum_f32_to_{dt.value}({f})"
+    if dt.is_int:
+        return f"({STORAGE_C[dt]})({x})"
+    return f"(lum_bool)(({x}) != 0)"
+
+
+def _promote(*kinds: str) -> str:
+    for k in ("d", "f", "i"):
+        if k in kinds:
+            return k
+    return "b"
+
+
+_UNARY_F = {"Exp2": "exp2f({})", "Log2": "log2f({})", "Sin": "sinf({})", "Sqrt": "sqrtf({})",
+            "Recip": "(1.0f / {})"}
+_UNARY_D = {"Exp2": "exp2({})", "Log2": "log2({})", "Sin": "sin({})", "Sqrt": "sqrt({})",
+            "Recip": "(1.0 / {})"}
+
+
+def _compute(op: str, args: Sequence[tuple[str, str]], math: str) -> tuple[str, str]:
+    """(C expression, value kind) of an elementwise op on (C name, kind) arguments."""
+    if op in ("Cast", "Contiguous"):
+        return args[0]
+    if op in _UNARY_F:
+        a, k = args[0]
+        if k == "f" and math == "f32":
+            return _UNARY_F[op].format(a), "f"
+        return _UNARY_D[op].format(_to_kind(k, "d", a) if k != "b" else f"({a} ? 1.0 : 0.0)"), "d"
+    if op in ("Add", "Mul", "Mod", "LessThan"):
+        (a, ka), (b, kb) = args
+        k = _promote(ka, kb)
+        a, b = _to_kind(ka, k, a), _to_kind(kb, k, b)
+        if op == "LessThan":
+            return f"({a} < {b})", "b"
+        if k == "b":
+            return {"Add": f"({a} || {b})", "Mul": f"({a} && {b})", "Mod": f"((void){a}, (void){b}, false)"}[op], "b"
+        if op == "Add":
+            return f"({a} + {b})", k
+        if op == "Mul":
+            return f"({a} * {b})", k
+        return (f"lum_imod_floor({a}, {b})" if k == "i" else f"lum_fmod_floor({a}, {b})"), k
+    if op == "Where":
+        (c, kc), (a, ka), (b, kb) = args
+        k = _promote(ka, kb)
+        cond = c if kc == "b" else f"({c} != 0)"
+        return f"({cond} ? {_to_kind(ka, k, a)} : {_to_kind(kb, k, b)})", k
+    raise CodegenError(f"unknown elementwise op {op!r}")
+
+
+# ============================================================================ dtypes of arguments
+def _arg_dtypes(op: LOp, given: Sequence[DType | str] | None) -> list[DType]:
+    n = len(op.args)
+    if given is None and "arg_dtypes" in op.params:
+        given = op.params["arg_dtypes"]
+    if given is not None:
+        dts = [d if isinstance(d, DType) else DType.parse(str(d)) for d in given]
+        if len(dts) != n:
+            raise CodegenError(f"{len(dts)} arg dtypes for {n} arguments of {op.kind} {op.op}")
+        return dts
+    # What the dtype rules (rules/dtype.egg) imply; anything else must be passed.
+    same = op.dtype
+    if op.kind == "elementwise" and op.op in ("Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add",
+                                              "Mul", "Mod"):
+        return [same] * n
+    if op.kind == "reduce":
+        return [same] * n
+    if op.kind == "iota":
+        return []
+    raise CodegenError(f"{op.kind} {op.op}: pass arg_dtypes (the producers' dtypes); they are not implied by "
+                       f"the op's dtype (use generate_program to infer them from the program)")
+
+
+# ============================================================================ public entry points
+def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
+             threads: int = 256, ept: int | None = None, vec: int | None = None, group: int | None = None,
+             max_blocks: int = 65536, index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None,
+             acc: str = "f32", math: str = "f32") -> KernelSource | None:
+    """CUDA source and launch description for one LLIR op; ``None`` for gemm (a cuBLASLt call) and for
+    input / output / constant (no kernel). ``dyn_vars``: the slot order of the runtime dyn buffer.
+    ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where the op's own dtype does
+    not imply them. See the module docstring for the tuning parameters."""
+    if op.kind in ("gemm", "input", "output", "constant"):
+        return None
+    if op.kind not in KERNEL_KINDS:
+        raise CodegenError(f"no template for LLIR op kind {op.kind!r}")
+    dyn_vars = tuple(dyn_vars)
+    for v in dyn_vars:
+        if v.startswith("lum_"):
+            raise CodegenError(f"dyn var name {v!r} is reserved (prefix lum_)")
+    if len(set(dyn_vars)) != len(dyn_vars):
+        raise CodegenError(f"duplicate names in dyn_vars {list(dyn_vars)}")
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise CodegenError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if acc not in ("f32", "f64") or math not in ("f32", "f64"):
+        raise CodegenError(f"acc and math are 'f32' or 'f64', got acc={acc!r} math={math!r}")
+    if index_bits not in (None, 32, 64):
+        raise CodegenError(f"index_bits is None (auto), 32 or 64, got {index_bits!r}")
+    dts = _arg_dtypes(op, arg_dtypes)
+    ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
+    gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, max_blocks=max_blocks, acc=acc,
+               math=math)
+    bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
+    if index_bits is None:
+        index_bits = 32 if ctx.fits_i32(margin) else 64
+    idx_t = "int" if index_bits == 32 else "long long"
+    dyn_loads, slots = ctx.dyn_loads()
+    body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS@", dyn_loads)
+    tuning = {**tuning, "index_bits": index_bits}
+    digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
+    name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
+    body = body.replace(_ENTRY, name)
+    launches = tuple(Launch(name + suffix, grid, block, 0) for suffix, grid, block in launches_raw)
+    params = gen.params()
+    return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
+                        launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning)
+
+
+def generate_program(program: Program, dyn_vars: Sequence[str] | None = None,
+                     **tuning: Any) -> dict[int, KernelSource | None]:
+    """:func:`generate` for every op of a program, with arg dtypes taken from the producers.
+    ``dyn_vars`` defaults to every dyn var the program mentions, sorted."""
+    if dyn_vars is None:
+        names: set[str] = set()
+        for o in program.ops:
+            for d in o.shape:
+                names |= d.vars()
+            for a in o.args:
+                v = a.view
+                for x in (*v.shape, *v.strides, v.offset, *(b for lh in (v.mask or ()) for b in lh)):
+                    names |= x.vars()
+            for p in o.params.values():
+                if isinstance(p, Expr):
+                    names |= p.vars()
+        dyn_vars = sorted(names)
+    out: dict[int, KernelSource | None] = {}
+    for o in program.ops:
+        dts = [program.ops[a.src].dtype for a in o.args]
+        out[o.id] = generate(o, dyn_vars, arg_dtypes=dts, **tuning)
+    return out
+
+
+def module_source(kernels: Sequence[KernelSource]) -> str:
+    """One NVRTC module holding several kernels (common.cuh once; identical kernels once)."""
+    seen: set[str] = set()
+    parts = [common_header()]
+    for k in kernels:
+        if k.name in seen:
+            continue
+        seen.add(k.name)
+        parts.append(k.body)
+    return "\n".join(parts)
+
+
+# ============================================================================ generators
+class _Gen:
+    def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
+                 group: int | None, max_blocks: int, acc: str, math: str):
+        self.op, self.dts, self.ctx = op, dts, ctx
+        self.threads, self.ept, self.vec, self.group = threads, ept, vec, group
+        self.max_blocks, self.acc, self.math = max_blocks, acc, math
+        if max_blocks < 1:
+            raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
+
+    # ------------------------------------------------------------------ common pieces
+    def out_shape(self) -> tuple[Expr, ...]:
+        return tuple(as_expr(d) for d in self.op.shape)
+
+    def alias(self) -> int | None:
+        return 0 if self.op.kind == "scatter_nocopy" else self.op.alias
+
+    def write_view(self) -> ShapeTracker:
+        """Where the op's logical output element lands in ``out``."""
+        a = self.alias()
+        if a is None:
+            return ShapeTracker.contiguous(self.out_shape())
+        v = self.op.args[a].view
+        src = self.op.args[a].src
+        for k, other in enumerate(self.op.args):
+            if k != a and other.src == src and (other.view != v or self.op.kind != "elementwise"):
+                raise CodegenError(f"in place (alias {a}): argument {k} also reads the aliased buffer through "
+                                   "another view, which threads would race on")
+        if v.mask is not None and any(not _mask_trivial(v, k) for k in range(v.ndim)):
+            raise CodegenError("an in-place op cannot write through a padded (masked) view")
+        if tuple(v.shape) != self.out_shape() and self.op.kind != "scatter_nocopy":
+            raise CodegenError("the aliased argument's view must have the op's shape")
+        return ShapeTracker(v.shape, v.strides, v.offset, None)
+
+    def params(self) -> tuple[Param, ...]:
+        a = self.alias()
+        out_t = STORAGE_C[self.op.dtype]
+        ps = [Param("out", "out", None, self.op.dtype,
+                    f"{out_t}* {'' if a is not None else '__restrict__ '}out")]
+        for k, dt in enumerate(self.dts):
+            if self.op.kind == "scatter_nocopy" and k == 0:
+                ps.append(Param("in0", "arg", 0, dt, "const void* in0"))
+            elif a == k:
+                ps.append(Param(f"in{k}", "arg", k, dt, f"const {STORAGE_C[dt]}* in{k}"))
+            else:
+                ps.append(Param(f"in{k}", "arg", k, dt, f"const {STORAGE_C[dt]}* __restrict__ in{k}"))
+        ps.append(Param("dyn", "dyn", None, None, "const long long* __restrict__ dyn"))
+        return tuple(ps)
+
+    def params_c(self) -> str:
+        return ", ".join(p.ctype for p in self.params())
+
+    def grid(self, items: Expr, per_block: int) -> tuple[Expr, Expr, Expr]:
+        g = smax(1, smin(cdiv(items, per_block), self.max_blocks))
+        return (g, as_expr(1), as_expr(1))
+
+    def load(self, k: int, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
+             extra_terms: Sequence[tuple[Expr, Expr]] = (), guard: str | None = None) -> str:
+        """Value (in the arg's kind) of args[k] read through ``view`` at ``idx``; 0 where padded."""
+        dt = self.dts[k]
+        phys, valid = view_access(self.ctx, view, idx, extra_phys, extra_terms)
+        conds = [c for c in (guard, valid) if c]
+        if valid == "false":
+            return _ZERO[_kind(dt)]
+        val = _load_conv(dt, f"in{k}[{phys}]")
+        return f"(({' && '.join(conds)}) ? {val} : {_ZERO[_kind(dt)]})" if conds else val
+
+    def common_values(self, ept: int) -> dict[str, Any]:
+        return {"KERNEL": _ENTRY, "THREADS": self.threads, "EPT": ept, "IDX_T": "@IDX_T@",
+                "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@"}
+
+    # ------------------------------------------------------------------ elementwise
+    def _elementwise_body(self, op_name: str, arg_ids: Sequence[int], shape: tuple[Expr, ...],
+                          write: ShapeTracker, contiguous_out: bool) -> tuple[str, Expr, dict[str, Any], int]:
+        """BODY, number of work items, effective (vec, ept) and per-block tile for an elementwise op."""
+        views = [write] + [self.op.args[k].view for k in arg_ids]
+        for k, v in zip(arg_ids, views[1:]):
+            if tuple(v.shape) != shape:
+                raise CodegenError(f"argument {k}'s view has shape {[str(x) for x in v.shape]}, the op "
+                                   f"{[str(x) for x in shape]}")
+        cshape, cviews = coalesce(shape, views)
+        dts = [self.op.dtype] + [self.dts[k] for k in arg_ids]
+        vec = self._pick_vec(cshape, cviews, dts)
+        ept = self.ept if self.ept is not None else (4 if vec == 1 else 2)
+        if ept < 1 or ept > 16:
+            raise CodegenError(f"ept must be in [1, 16], got {ept}")
+        ind = " " * 8
+        n = numel(cshape)
+        items = n if vec == 1 else n // vec
+        self.ctx.c(items)
+        self.ctx.c(n)
+        lines = [_unravel(self.ctx, "lum_w", cshape, ind, vec).rstrip("\n")]
+        idx = index_vars(len(cshape))
+        wview, aviews = cviews[0], cviews[1:]
+        raw = op_name in ("Cast", "Contiguous") and self.dts[arg_ids[0]] == self.op.dtype
+        st = STORAGE_C[self.op.dtype]
+        if raw:   # same storage type: move the bits, no conversion round trip
+            k, v = arg_ids[0], aviews[0]
+            if vec == 1:
+                phys, valid = view_access(self.ctx, v, idx)
+                val = f"({st})0" if valid == "false" else f"(({valid}) ? in{k}[{phys}] : ({st})0)" if valid \
+                    else f"in{k}[{phys}]"
+                dest = "lum_w" if contiguous_out else view_access(self.ctx, wview, idx)[0]
+                lines.append(f"{ind}out[{dest}] = {val};")
+            else:
+                vt = f"lum_vec<{st}, {vec}>"
+                if v.strides[-1] == as_expr(0):
+                    phys, valid = view_access(self.ctx, v, idx)
+                    val = f"({st})0" if valid == "false" else f"(({valid}) ? in{k}[{phys}] : ({st})0)" if valid \
+                        else f"in{k}[{phys}]"
+                    lines.append(f"{ind}const {st} lum_s0 = {val};")
+                    lines.append(f"{ind}{vt} lum_o;")
+                    lines.append(f"{ind}#pragma unroll")
+                    lines.append(f"{ind}for (int lum_k = 0; lum_k < {vec}; ++lum_k) lum_o.v[lum_k] = lum_s0;")
+                else:
+                    phys, valid = view_access(self.ctx, v, idx)
+                    ld = f"*reinterpret_cast<const {vt}*>(in{k} + ({phys}))"
+                    ld = f"{vt}{{}}" if valid == "false" else f"(({valid}) ? {ld} : {vt}{{}})" if valid else ld
+                    lines.append(f"{ind}const {vt} lum_o = {ld};")
+                dest = f"lum_w * {vec}" if contiguous_out else view_access(self.ctx, wview, idx)[0]
+                lines.append(f"{ind}*reinterpret_cast<{vt}*>(out + ({dest})) = lum_o;")
+        elif vec == 1:
+            args = []
+            for j, (k, v) in enumerate(zip(arg_ids, aviews)):
+                lines.append(f"{ind}const {_KIND_C[_kind(self.dts[k])]} lum_a{j} = {self.load(k, v, idx)};")
+                args.append((f"lum_a{j}", _kind(self.dts[k])))
+            expr, kind = _compute(op_name, args, self.math)
+            if contiguous_out:
+                self.ctx.c(as_expr(0))
+                dest = "lum_w"
+            else:
+                dest, _ = view_access(self.ctx, wview, idx)
+            lines.append(f"{ind}out[{dest}] = {_store_conv(kind, expr, self.op.dtype)};")
+        else:
+            args = []
+            for j, (k, v) in enumerate(zip(arg_ids, aviews)):
+                dt, kk = self.dts[k], _kind(self.dts[k])
+                if v.strides[-1] == as_expr(0):          # broadcast along the vector: one scalar
+                    lines.append(f"{ind}const {_KIND_C[kk]} lum_s{j} = {self.load(k, v, idx)};")
+                    args.append((f"lum_s{j}", kk))
+                    continue
+                phys, valid = view_access(self.ctx, v, idx)
+                vt = f"lum_vec<{STORAGE_C[dt]}, {vec}>"
+                ld = f"*reinterpret_cast<const {vt}*>(in{k} + ({phys}))"
+                if valid == "false":
+                    ld = f"{vt}{{}}"
+                elif valid:
+                    ld = f"(({valid}) ? {ld} : {vt}{{}})"
+                lines.append(f"{ind}const {vt} lum_v{j} = {ld};")
+                args.append((_load_conv(dt, f"lum_v{j}.v[lum_k]"), kk))
+            ot = f"lum_vec<{STORAGE_C[self.op.dtype]}, {vec}>"
+            lines.append(f"{ind}{ot} lum_o;")
+            lines.append(f"{ind}#pragma unroll")
+            lines.append(f"{ind}for (int lum_k = 0; lum_k < {vec}; ++lum_k) {{")
+            named = []
+            for j, (c_expr, kk) in enumerate(args):
+                lines.append(f"{ind}  const {_KIND_C[kk]} lum_a{j} = {c_expr};")
+                named.append((f"lum_a{j}", kk))
+            expr, kind = _compute(op_name, named, self.math)
+            lines.append(f"{ind}  lum_o.v[lum_k] = {_store_conv(kind, expr, self.op.dtype)};")
+            lines.append(f"{ind}}}")
+            dest = "lum_w * " + str(vec) if contiguous_out else view_access(self.ctx, wview, idx)[0]
+            lines.append(f"{ind}*reinterpret_cast<{ot}*>(out + ({dest})) = lum_o;")
+        body = "\n".join(ln for ln in lines if ln)
+        return body, items, {"vec": vec, "ept": ept}, self.threads * ept
+
+    def _pick_vec(self, shape: tuple[Expr, ...], views: list[ShapeTracker], dts: list[DType]) -> int:
+        if self.vec is not None and self.vec not in (1, 2, 4, 8):
+            raise CodegenError(f"vec must be 1, 2, 4 or 8, got {self.vec}")
+        if self.vec == 1 or not shape:
+            return 1
+        last = shape[-1]
+        # itemsizes of the views read/written contiguously along the vector
+        sizes = [dt.itemsize for v, dt in zip(views, dts) if v.strides[-1] == as_expr(1)]
+        if views[0].strides[-1] != as_expr(1):
+            return 1
+        for v in views:
+            if v.strides[-1] not in (as_expr(0), as_expr(1)) or not _mask_trivial(v, v.ndim - 1):
+                return 1
+        cands = [self.vec] if self.vec is not None else [8, 4, 2]
+        for w in cands:
+            if last % w != as_expr(0) or w * max(sizes) > 16:
+                continue
+            aligned = True
+            for v in views:
+                if v.strides[-1] != as_expr(1):
+                    continue
+                for e in (v.offset, *v.strides[:-1]):
+                    if e % w != as_expr(0):
+                        aligned = False
+            if aligned:
+                return w
+        return 1
+
+    def k_elementwise(self):
+        op = self.op
+        if op.op not in _ARITY:
+            raise CodegenError(f"unknown elementwise op {op.op!r}")
+        if len(op.args) != _ARITY[op.op]:
+            raise CodegenError(f"{op.op} takes {_ARITY[op.op]} argument(s), got {len(op.args)}")
+        shape = self.out_shape()
+        write = self.write_view()
+        body, items, tun, tile = self._elementwise_body(op.op, range(len(op.args)), shape, write,
+                                                        self.alias() is None)
+        src = render(load_template("elementwise.cu"),
+                     {**self.common_values(tun["ept"]), "NUM_ITEMS": self.ctx.c(items), "BODY": body})
+        tuning = {"threads": self.threads, **tun, "max_blocks": self.max_blocks, "math": self.math}
+        return [src], [("", self.grid(items, tile), (self.threads, 1, 1))], tuning, self.max_blocks * tile
+
+    # ------------------------------------------------------------------ iota
+    def k_iota(self):
+        op = self.op
+        if len(op.args) != 0 or len(op.shape) != 1:
+            raise CodegenError("iota takes no arguments and has a 1-D shape")
+        n = as_expr(op.params.get("n", op.shape[0]))
+        self.ctx.c(n)
+        src = render(load_template("iota.cu"), {
+            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "DYN_LOADS": "@DYN_LOADS@", "N": self.ctx.c(n),
+            "STORE": f"out[lum_w] = {_store_conv('i', 'lum_v', op.dtype)};"})
+        tuning = {"threads": self.threads, "max_blocks": self.max_blocks}
+        return [src], [("", self.grid(n, self.threads), (self.threads, 1, 1))], tuning, self.max_blocks * self.threads
+
+    # ------------------------------------------------------------------ reduce
+    def k_reduce(self):
+        op = self.op
+        if op.op not in ("Sum", "Max"):
+            raise CodegenError(f"unknown reduce op {op.op!r}; expected Sum or Max")
+        if len(op.args) != 1:
+            raise CodegenError("reduce takes one argument")
+        inv = op.args[0].view
+        axis = op.params.get("axis")
+        if isinstance(axis, bool) or not isinstance(axis, int) or not -inv.ndim <= axis < inv.ndim:
+            raise CodegenError(f"reduce axis {axis!r} out of range for {inv.ndim} dims")
+        axis %= inv.ndim
+        shape = self.out_shape()
+        rest = [k for k in range(inv.ndim) if k != axis]
+        if tuple(inv.shape[k] for k in rest) != shape:
+            raise CodegenError("the reduced input's shape without the axis differs from the op's shape")
+        red = inv.shape[axis]
+        rstride = inv.strides[axis]
+        in_rest = ShapeTracker(shape, tuple(inv.strides[k] for k in rest), inv.offset,
+                               None if inv.mask is None else tuple(inv.mask[k] for k in rest))
+        ax_mask = None if inv.mask is None or _mask_trivial(inv, axis) else inv.mask[axis]
+        write = self.write_view()
+        cshape, (wview, rview) = coalesce(shape, [write, in_rest])
+        rows = numel(cshape)
+        dt_in = self.dts[0]
+        acc_kind = ("d" if self.acc == "f64" else "f") if dt_in.is_float else "i"
+        acc_t = _KIND_C[acc_kind]
+        # group: threads per output row
+        group = self.group
+        if group is None:
+            rows_hi = rows.bounds(self.ctx._dyn_bounds())[1]
+            if rstride == as_expr(1):
+                group = 32 if (not red.is_const or red.value <= 4096) else self.threads
+            else:
+                group = 1 if rows_hi >= 1024 else 32
+            group = min(group, self.threads)
+        if group < 1 or group > self.threads or group & (group - 1):
+            raise CodegenError(f"group must be a power of two in [1, threads], got {group}")
+        ind = " " * 6
+        ctx = self.ctx
+        idx = index_vars(len(cshape))
+        setup = [_unravel(ctx, "lum_row", cshape, ind).rstrip("\n")]
+        ctx.bound_var("lum_r", red)
+        base, valid = view_access(ctx, rview, idx)
+        setup.append(f"{ind}const bool lum_valid = {valid or 'true'};")
+        setup.append(f"{ind}const idx_t lum_base = {base};")
+        setup.append(f"{ind}const idx_t lum_rstride = {ctx.c(rstride)};")
+        if ax_mask is None:
+            setup.append(f"{ind}const idx_t lum_rlo = 0;")
+            setup.append(f"{ind}const idx_t lum_rhi = lum_red;")
+        else:
+            setup.append(f"{ind}const idx_t lum_rlo = lum_max((idx_t)0, (idx_t)({ctx.c(ax_mask[0])}));")
+            setup.append(f"{ind}const idx_t lum_rhi = lum_min(lum_red, (idx_t)({ctx.c(ax_mask[1])}));")
+        # check the full physical index (row part + axis part) for the index-width decision
+        ctx.exprs.append(rview.physical_index(idx) + Var("lum_r") * rstride)
+        load = _load_conv(dt_in, "in0[lum_p]")
+        if op.op == "Sum":
+            identity = "(acc_t)0"
+            fixup = ""
+        else:
+            identity = ("(acc_t)(-LUM_INF_F32)" if acc_kind in ("f", "d") else
+                        "(acc_t)0" if dt_in == DType.bool else "LUM_LLONG_MIN")
+            fixup = ""
+            if inv.mask is not None:
+                fixup = (f"{ind}  if (lum_red > 0 && (!lum_valid || lum_rlo > 0 || lum_rhi < lum_red)) "
+                         f"lum_acc = LumMax::apply(lum_acc, (acc_t)0);")
+        if self.alias() is None:
+            dest = "lum_row"
+        else:
+            dest, _ = view_access(ctx, wview, idx)
+        store = f"{ind}  out[{dest}] = {_store_conv(acc_kind, 'lum_acc', op.dtype)};"
+        src = render(load_template("reduce.cu"), {
+            "KERNEL": _ENTRY, "THREADS": self.threads, "GROUP": group, "IDX_T": "@IDX_T@",
+            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "ACC_T": acc_t, "OP": f"Lum{op.op}",
+            "IDENTITY": identity, "ROWS": ctx.c(rows), "RED": ctx.c(red), "ROW_SETUP": "\n".join(s for s in setup if s),
+            "LOAD": load, "PAD_FIXUP": fixup or f"{ind}  (void)0;", "STORE": store})
+        per_block = self.threads // group
+        tuning = {"threads": self.threads, "group": group, "max_blocks": self.max_blocks, "acc": self.acc}
+        return [src], [("", self.grid(rows, per_block), (self.threads, 1, 1))], tuning, self.max_blocks * per_block
+
+    # ------------------------------------------------------------------ gather
+    @staticmethod
+    def _ext_index_view(iv: ShapeTracker, rest: Sequence[Expr]) -> ShapeTracker:
+        """An index view [J…] broadcast over trailing row dims [R…]."""
+        r = len(rest)
+        mask = None if iv.mask is None else tuple(iv.mask) + tuple((as_expr(0), d) for d in rest)
+        return ShapeTracker(tuple(iv.shape) + tuple(rest), tuple(iv.strides) + (as_expr(0),) * r, iv.offset, mask)
+
+    @staticmethod
+    def _ext_row_view(tv: ShapeTracker, lead: Sequence[Expr]) -> ShapeTracker:
+        """A [rows, R…] view without its dim 0, broadcast over leading dims [J…]."""
+        j = len(lead)
+        mask = None if tv.mask is None else tuple((as_expr(0), d) for d in lead) + tuple(tv.mask[1:])
+        return ShapeTracker(tuple(lead) + tuple(tv.shape[1:]), (as_expr(0),) * j + tuple(tv.strides[1:]),
+                            tv.offset, mask)
+
+    def _check_index_dtype(self, k: int) -> None:
+        if not self.dts[k].is_int:
+            raise CodegenError(f"index argument {k} must be an integer tensor, got {self.dts[k]}")
+
+    def _row_terms(self, tv: ShapeTracker) -> list[tuple[Expr, str, Expr]]:
+        if tv.mask is None or _mask_trivial(tv, 0):
+            return []
+        lo, hi = tv.mask[0]
+        return validity_terms(ShapeTracker((tv.shape[0],), (as_expr(1),), as_expr(0), ((lo, hi),)), [Var("lum_row")])
+
+    def k_gather(self):
+        op = self.op
+        if len(op.args) != 2:
+            raise CodegenError("gather takes (table, idx)")
+        self._check_index_dtype(1)
+        tv, iv = op.args[0].view, op.args[1].view
+        if tv.ndim < 1:
+            raise CodegenError("gather needs a table of at least 1 dim")
+        shape = self.out_shape()
+        if tuple(iv.shape) + tuple(tv.shape[1:]) != shape:
+            raise CodegenError("gather: the op's shape is not idx.shape + table.shape[1:]")
+        lead = tuple(iv.shape)
+        write = self.write_view()
+        views = [write, self._ext_index_view(iv, tv.shape[1:]), self._ext_row_view(tv, lead)]
+        cshape, (wview, iview, tview) = coalesce(shape, views)
+        ctx = self.ctx
+        ept = self.ept or 2
+        ind = " " * 8
+        unravel = _unravel(ctx, "lum_w", cshape, ind).rstrip("\n")
+        idx = index_vars(len(cshape))
+        ctx.bound_var("lum_row", tv.shape[0])
+        row = f"(long long)({self.load(1, iview, idx)})"
+        row_phys, row_terms = Var("lum_row") * tv.strides[0], self._row_terms(tv)
+        if self.dts[0] == op.dtype:   # same storage type: move the raw bits (no conversion round trip)
+            st = STORAGE_C[op.dtype]
+            phys, valid = view_access(ctx, tview, idx, row_phys, row_terms)
+            conds = " && ".join(c for c in ("lum_ok", valid) if c)
+            value = f"({st})0" if valid == "false" else f"(({conds}) ? ({st})in0[{phys}] : ({st})0)"
+            store_val = "lum_v"
+        else:
+            value = self.load(0, tview, idx, extra_phys=row_phys, extra_terms=row_terms, guard="lum_ok")
+            store_val = _store_conv(_kind(self.dts[0]), "lum_v", op.dtype)
+        dest = "lum_w" if self.alias() is None else view_access(ctx, wview, idx)[0]
+        n = numel(cshape)
+        src = render(load_template("gather.cu"), {
+            **self.common_values(ept), "NUM_ITEMS": ctx.c(n), "ROWS": ctx.c(tv.shape[0]), "UNRAVEL": unravel,
+            "ROW": row, "VALUE": value, "STORE": f"out[{dest}] = {store_val};"})
+        tile = self.threads * ept
+        tuning = {"threads": self.threads, "ept": ept, "max_blocks": self.max_blocks}
+        return [src], [("", self.grid(n, tile), (self.threads, 1, 1))], tuning, self.max_blocks * tile
+
+    # ------------------------------------------------------------------ scatter
+    def _scatter_rows(self, ept: int) -> tuple[str, Expr]:
+        op = self.op
+        if len(op.args) != 3:
+            raise CodegenError(f"{op.kind} takes (dest, src, idx)")
+        self._check_index_dtype(2)
+        dv, sv, iv = (a.view for a in op.args)
+        shape = self.out_shape()
+        if tuple(dv.shape) != shape or len(shape) < 1:
+            raise CodegenError("scatter: dest's view must have the op's shape (at least 1 dim)")
+        sshape = tuple(iv.shape) + tuple(shape[1:])
+        if tuple(sv.shape) != sshape:
+            raise CodegenError("scatter: src's shape is not idx.shape + dest.shape[1:]")
+        write = self.write_view()                   # contiguous (scatter) or dest's view (nocopy)
+        lead = tuple(iv.shape)
+        views = [sv, self._ext_index_view(iv, shape[1:]), self._ext_row_view(write, lead)]
+        cshape, (sview, iview, dview) = coalesce(sshape, views)
+        ctx = self.ctx
+        ind = " " * 8
+        unravel = _unravel(ctx, "lum_w", cshape, ind).rstrip("\n")
+        idx = index_vars(len(cshape))
+        ctx.bound_var("lum_row", shape[0])
+        row = f"(long long)({self.load(2, iview, idx)})"
+        dest, _ = view_access(ctx, dview, idx, Var("lum_row") * write.strides[0])
+        if self.dts[1] == op.dtype and sview.mask is None:
+            value = f"in1[{view_access(ctx, sview, idx)[0]}]"
+        else:
+            value = _store_conv(_kind(self.dts[1]), self.load(1, sview, idx), op.dtype)
+        n = numel(cshape)
+        src = render(load_template("scatter.cu"), {
+            **self.common_values(ept), "NUM_ITEMS": ctx.c(n), "ROWS": ctx.c(shape[0]), "UNRAVEL": unravel,
+            "ROW": row, "VALUE": value, "DEST": dest})
+        return src, n
+
+    def k_scatter(self):
+        op = self.op
+        ept = self.ept or 2
+        tile = self.threads * ept
+        # launch 1: out = dest (converted), an elementwise copy through dest's view
+        body, items, tun, ctile = self._elementwise_body("Contiguous", [0], self.out_shape(),
+                                                         ShapeTracker.contiguous(self.out_shape()), True)
+        copy = render(load_template("elementwise.cu"),
+                      {**self.common_values(tun["ept"]), "NUM_ITEMS": self.ctx.c(items), "BODY": body})
+        copy = copy.replace(_ENTRY, _ENTRY + "_copy", 1)
+        rows, n = self._scatter_rows(ept)
+        rows = rows.replace(_ENTRY, _ENTRY + "_rows", 1)
+        tuning = {"threads": self.threads, "ept": ept, "copy_vec": tun["vec"], "copy_ept": tun["ept"],
+                  "max_blocks": self.max_blocks}
+        launches = [("_copy", self.grid(items, ctile), (self.threads, 1, 1)),
+                    ("_rows", self.grid(n, tile), (self.threads, 1, 1))]
+        return [copy, rows], launches, tuning, self.max_blocks * max(tile, ctile)
+
+    def k_scatter_nocopy(self):
+        if self.op.alias not in (None, 0):
+            raise CodegenError("scatter_nocopy must alias argument 0")
+        ept = self.ept or 2
+        tile = self.threads * ept
+        src, n = self._scatter_rows(ept)
+        tuning = {"threads": self.threads, "ept": ept, "max_blocks": self.max_blocks}
+        return [src], [("", self.grid(n, tile), (self.threads, 1, 1))], tuning, self.max_blocks * tile

@@ -1,0 +1,183 @@
+// lum/templates/common.cuh — shared device helpers, pasted verbatim at the top of every generated
+// CUDA module (NVRTC gets no include path). Needs no CUDA header: NVRTC 13 only offers cuda_fp16.h /
+// cuda_bf16.h after extracting them to disk (nvrtcInstallBundledHeaders + -I), so 16-bit floats are
+// stored as raw 16-bit words here and converted by the functions below, bit-exactly
+// (round-to-nearest-even, as numpy / ml_dtypes; NaNs stay NaN, payload bits may differ).
+//
+// The conversions are LUM_HD (host+device) plain C++ so the test suite can also compile this file
+// with a host C++ compiler and check them exhaustively against numpy/ml_dtypes. On the device they
+// use single PTX cvt instructions (documented RNE); define LUM_SOFT_CVT to force the portable
+// integer versions everywhere.
+#ifndef LUM_COMMON_CUH
+#define LUM_COMMON_CUH
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define LUM_HD __host__ __device__ __forceinline__
+#define LUM_D __device__ __forceinline__
+#else
+#include <cstring>
+#define LUM_HD inline
+#define LUM_D inline
+#endif
+
+typedef unsigned short lum_f16;   // IEEE binary16, raw bits
+typedef unsigned short lum_bf16;  // bfloat16, raw bits (upper half of a binary32)
+typedef unsigned char lum_bool;   // 0 or 1, one byte (numpy bool)
+
+// ------------------------------------------------------------------------------ bit casts
+LUM_HD unsigned int lum_f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  unsigned int u; std::memcpy(&u, &f, 4); return u;
+#endif
+}
+LUM_HD float lum_bits_f32(unsigned int u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f; std::memcpy(&f, &u, 4); return f;
+#endif
+}
+#define LUM_INF_F32 (lum_bits_f32(0x7f800000u))
+#define LUM_LLONG_MIN (-9223372036854775807LL - 1LL)
+
+// ------------------------------------------------------------------------------ f16 / bf16, portable
+LUM_HD float lum_soft_f16_to_f32(unsigned short h) {
+  const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+  const unsigned int exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in binary32
+    const float v = (float)man * 5.9604644775390625e-8f;
+    return lum_bits_f32(lum_f32_bits(v) | sign);
+  }
+  if (exp == 31) return lum_bits_f32(sign | 0x7f800000u | (man << 13));  // inf / nan (payload kept)
+  return lum_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+LUM_HD unsigned short lum_soft_f32_to_f16(float f) {
+  const unsigned int x = lum_f32_bits(f);
+  const unsigned short sign = (unsigned short)((x >> 16) & 0x8000u);
+  const unsigned int u = x & 0x7fffffffu;
+  if (u > 0x7f800000u) {  // NaN: keep the top payload bits, force quiet
+    return (unsigned short)(sign | 0x7e00u | ((u >> 13) & 0x3ffu));
+  }
+  if (u >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 (or inf): inf
+  if (u >= 0x38800000u) {  // normal f16 (>= 2^-14): rebias, round the 13 dropped bits to nearest even
+    unsigned int h = (u >> 13) - (112u << 10);
+    const unsigned int rem = u & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+    return (unsigned short)(sign | h);
+  }
+  if (u <= 0x33000000u) return sign;  // <= 2^-25: rounds (ties to even) to zero
+  // subnormal f16: value = m * 2^(e-150) with the implicit bit; result units are 2^-24
+  const unsigned int e = u >> 23, m = (u & 0x7fffffu) | 0x800000u;
+  const unsigned int shift = 126u - e;  // 14..24 here
+  unsigned int h = m >> shift;
+  const unsigned int rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (h & 1u))) ++h;
+  return (unsigned short)(sign | h);
+}
+
+LUM_HD float lum_soft_bf16_to_f32(unsigned short h) { return lum_bits_f32((unsigned int)h << 16); }
+
+LUM_HD unsigned short lum_soft_f32_to_bf16(float f) {
+  unsigned int u = lum_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even (overflow lands on inf, as it must)
+  return (unsigned short)(u >> 16);
+}
+
+// ------------------------------------------------------------------------------ f16 / bf16, used by kernels
+LUM_HD float lum_f16_to_f32(unsigned short h) {
+#if defined(__CUDA_ARCH__) && !defined(LUM_SOFT_CVT)
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#else
+  return lum_soft_f16_to_f32(h);
+#endif
+}
+LUM_HD unsigned short lum_f32_to_f16(float f) {
+#if defined(__CUDA_ARCH__) && !defined(LUM_SOFT_CVT)
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+#else
+  return lum_soft_f32_to_f16(f);
+#endif
+}
+LUM_HD float lum_bf16_to_f32(unsigned short h) { return lum_soft_bf16_to_f32(h); }
+LUM_HD unsigned short lum_f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(LUM_SOFT_CVT)
+  unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+#else
+  return lum_soft_f32_to_bf16(f);
+#endif
+}
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+// ------------------------------------------------------------------------------ index helpers
+// Expr.to_c() prints floor-div / ceil-div / mod / min / max with these (round toward -inf, like Python).
+template <typename A, typename B>
+LUM_D auto lum_floordiv(A a, B b) -> decltype(a / b) {
+  typedef decltype(a / b) T;
+  const T q = (T)a / (T)b;
+  return ((T)a % (T)b != 0 && (((T)a < 0) != ((T)b < 0))) ? q - 1 : q;
+}
+template <typename A, typename B>
+LUM_D auto lum_ceildiv(A a, B b) -> decltype(a / b) { return -lum_floordiv(-a, b); }
+template <typename A, typename B>
+LUM_D auto lum_mod(A a, B b) -> decltype(a % b) {
+  typedef decltype(a % b) T;
+  const T r = (T)a % (T)b;
+  return (r != 0 && ((r < 0) != ((T)b < 0))) ? r + (T)b : r;
+}
+template <typename A, typename B>
+LUM_D auto lum_min(A a, B b) -> decltype(a + b) { return a < b ? (decltype(a + b))a : (decltype(a + b))b; }
+template <typename A, typename B>
+LUM_D auto lum_max(A a, B b) -> decltype(a + b) { return a < b ? (decltype(a + b))b : (decltype(a + b))a; }
+
+// ------------------------------------------------------------------------------ value helpers
+// Floored modulo as numpy's np.mod: the result takes the divisor's sign; x % 0 is nan (floats), 0 (ints).
+LUM_D float lum_fmod_floor(float a, float b) {
+  float m = fmodf(a, b);
+  if (b == 0.0f) return m;
+  if (m != 0.0f) { if ((b < 0.0f) != (m < 0.0f)) m += b; }
+  else m = copysignf(0.0f, b);
+  return m;
+}
+LUM_D double lum_fmod_floor(double a, double b) {
+  double m = fmod(a, b);
+  if (b == 0.0) return m;
+  if (m != 0.0) { if ((b < 0.0) != (m < 0.0)) m += b; }
+  else m = copysign(0.0, b);
+  return m;
+}
+LUM_D long long lum_imod_floor(long long a, long long b) {
+  if (b == 0) return 0;
+  if (b == -1) return 0;  // avoids LLONG_MIN % -1
+  const long long r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+// Reductions. Max propagates NaN (as numpy's max does).
+struct LumSum {
+  template <typename T> LUM_D static T apply(T a, T b) { return a + b; }
+};
+struct LumMax {
+  LUM_D static float apply(float a, float b) { return (a > b || a != a) ? a : b; }
+  LUM_D static double apply(double a, double b) { return (a > b || a != a) ? a : b; }
+  LUM_D static long long apply(long long a, long long b) { return a > b ? a : b; }
+};
+
+// Reduce across WIDTH consecutive lanes (WIDTH a power of two <= 32); every lane gets the result.
+// All 32 lanes of the warp must call it.
+template <typename Op, int WIDTH, typename T>
+LUM_D T lum_warp_reduce(T v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o, WIDTH));
+  return v;
+}
+
+// N consecutive elements moved as one (aligned) memory access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) lum_vec { T v[N]; };
+#endif  // CUDA
+
+#endif  // LUM_COMMON_CUH

@@ -1,0 +1,318 @@
+"""Every kernel template compiles with NVRTC for sm_90 (no GPU needed), in every dtype it supports,
+through codegen on hand-built LLIR ops (broadcast / permuted / padded views, symbolic dims).
+
+Kernels of one family are batched into one module (one NVRTC call each for cubin and PTX) and compiled
+into a fresh temporary cache, so the test really compiles. Also checked here: the cache, error
+reporting, and — with a host C++ compiler, if one is installed — that common.cuh's f16/bf16
+conversions are bit-exact against numpy / ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lum.builder import codegen, nvrtc
+from lum.builder.codegen import KernelSource, generate, module_source
+from lum.format.dtypes import DType
+from lum.format.expr import Var, as_expr
+from lum.format.llir import Arg, LOp
+from lum.format.shapetracker import ShapeTracker
+
+try:
+    NVRTC_VERSION = nvrtc.nvrtc_version()
+except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
+    pytest.skip(f"NVRTC not available: {e}", allow_module_level=True)
+
+S, P = Var("s"), Var("p")
+DYN = ["s", "p"]
+ALL = list(DType)
+FLOATS = [DType.f32, DType.f16, DType.bf16]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nvrtc_cache")
+
+
+# ============================================================================ representative ops
+def _views():
+    x = ShapeTracker.contiguous((S, 8, 16))                               # contiguous (vectorisable)
+    xp = ShapeTracker.contiguous((S, 16, 8)).permute((0, 2, 1))           # permuted
+    xpad = ShapeTracker.contiguous((S, 8, 12)).pad(2, 1, 3)               # padded (mask)
+    bc = ShapeTracker.contiguous((16,)).expand_dim(0, 8).expand_dim(0, S)  # broadcast rows
+    win = ShapeTracker.contiguous((P + S, 8, 16)).slice(0, P, P + S)      # a window at a dyn offset
+    return [x, xp, xpad, bc, win]
+
+
+def elementwise_ops() -> list[tuple[LOp, list[DType]]]:
+    out = []
+    views = _views()
+    shape = (S, as_expr(8), as_expr(16))
+    for di, dt in enumerate(ALL):
+        for oi, (name, ar) in enumerate(codegen._ARITY.items()):
+            vs = [views[(di + oi + k) % len(views)] for k in range(ar)]
+            dts = [dt] * ar
+            res = dt
+            if name == "Cast":
+                res = ALL[(di + 1) % len(ALL)]
+            if name == "LessThan":
+                res = DType.bool
+            if name == "Where":
+                dts[0] = DType.bool
+            out.append((LOp(1, "elementwise", name, tuple(Arg(0, v) for v in vs), shape, res), dts))
+    # every dtype pair through Cast, vectorised (contiguous) and not (permuted)
+    x, xp = views[0], views[1]
+    for a in ALL:
+        for b in ALL:
+            if a != b:
+                out.append((LOp(1, "elementwise", "Cast", (Arg(0, x if (a.value < b.value) else xp),), shape, b), [a]))
+    # in place (alias) through a window of a bigger buffer
+    out.append((LOp(2, "elementwise", "Add", (Arg(0, views[4]), Arg(1, views[3])), shape, DType.bf16, alias=0),
+                [DType.bf16, DType.bf16]))
+    return out
+
+
+def reduce_ops() -> list[tuple[LOp, dict]]:
+    out = []
+    x = ShapeTracker.contiguous((S, 8, 16))
+    xpad = ShapeTracker.contiguous((S, 8, 12)).pad(2, 1, 3)
+    xp = ShapeTracker.contiguous((S, 16, 8)).permute((0, 2, 1))
+    for dt in ALL:
+        for red in ("Sum", "Max"):
+            for view, axis, group in ((x, 2, None), (xpad, -1, 64), (xp, 0, 1), (x, 1, 32), (xpad, 2, 8)):
+                shape = tuple(d for k, d in enumerate(view.shape) if k != axis % 3)
+                out.append((LOp(1, "reduce", red, (Arg(0, view),), shape, dt, {"axis": axis}), {"group": group}))
+        out.append((LOp(1, "reduce", "Sum", (Arg(0, x),), (S, as_expr(8)), dt, {"axis": 2}),
+                    {"group": 256, "acc": "f64"}))
+    return out
+
+
+def row_ops() -> list[tuple[LOp, list[DType]]]:
+    out = []
+    table = ShapeTracker.contiguous((1000, 64))
+    table_t = ShapeTracker.contiguous((64, 1000)).permute((1, 0))
+    idx = ShapeTracker.contiguous((S,))
+    idx2 = ShapeTracker.contiguous((2, S))
+    cache = ShapeTracker.contiguous((4096, 8, 64))
+    for dt in ALL:
+        for it in (DType.i32, DType.i64):
+            out.append((LOp(2, "gather", "", (Arg(0, table), Arg(1, idx)), (S, as_expr(64)), dt), [dt, it]))
+            out.append((LOp(2, "gather", "", (Arg(0, table_t), Arg(1, idx2)), (as_expr(2), S, as_expr(64)), dt),
+                        [DType.f32 if dt != DType.f32 else DType.bf16, it]))
+            src = ShapeTracker.contiguous((S, 8, 64))
+            src_p = ShapeTracker.contiguous((8, S, 64)).permute((1, 0, 2))
+            out.append((LOp(3, "scatter", "", (Arg(0, cache), Arg(1, src), Arg(2, idx)), cache.shape, dt),
+                        [dt, dt, it]))
+            out.append((LOp(3, "scatter", "", (Arg(0, cache), Arg(1, src_p), Arg(2, idx)), cache.shape, dt),
+                        [DType.f32, DType.bf16 if dt != DType.bf16 else DType.f16, it]))
+            out.append((LOp(3, "scatter_nocopy", "", (Arg(0, cache), Arg(1, src), Arg(2, idx)), cache.shape, dt,
+                            alias=0), [dt, dt, it]))
+        out.append((LOp(4, "iota", "", (), (S + P,), dt, {"n": S + P}), []))
+    return out
+
+
+def _check(res: nvrtc.CompileResult, kernels: list[KernelSource]) -> None:
+    assert res.cubin[:4] == b"\x7fELF"
+    assert ".target sm_90" in res.ptx
+    for k in kernels:
+        for name in k.kernel_names:
+            assert f".entry {name}(" in res.ptx
+            assert name.encode() in res.cubin
+
+
+def _compile_family(kernels: list[KernelSource], cache_dir, **kw) -> nvrtc.CompileResult:
+    src = module_source(kernels)
+    t0 = time.perf_counter()
+    res = nvrtc.compile_cuda(src, "sm_90", cache_dir=cache_dir, **kw)
+    assert not res.cached                                   # fresh temporary cache: a real compile
+    assert "warning" not in res.log.lower(), res.log[:3000]
+    print(f"{len(kernels)} kernels, {len(src)} chars: {time.perf_counter() - t0:.2f} s")
+    _check(res, kernels)
+    return res
+
+
+# ============================================================================ the families
+def test_elementwise_all_ops_all_dtypes(cache_dir):
+    ks = [generate(op, DYN, arg_dtypes=dts) for op, dts in elementwise_ops()]
+    assert {k.tuning["vec"] for k in ks} >= {1, 4, 8}
+    _compile_family(ks, cache_dir)
+
+
+def test_elementwise_tuning_variants(cache_dir):
+    x = ShapeTracker.contiguous((S, 8, 16))
+    xp = ShapeTracker.contiguous((S, 16, 8)).permute((0, 2, 1))
+    ks = []
+    for dt in FLOATS:
+        for tun in ({"threads": 128, "ept": 1}, {"threads": 1024, "ept": 8, "vec": 2}, {"math": "f64"},
+                    {"index_bits": 32}, {"max_dyn": {"s": 4096, "p": 4096}}):
+            ks.append(generate(LOp(1, "elementwise", "Exp2", (Arg(0, x),), x.shape, dt), DYN, **tun))
+            ks.append(generate(LOp(1, "elementwise", "Mul", (Arg(0, x), Arg(0, xp)), x.shape, dt), DYN, **tun))
+    assert {k.tuning["index_bits"] for k in ks} == {32, 64}
+    _compile_family(ks, cache_dir)
+
+
+def test_reduce_all_dtypes(cache_dir):
+    ks = [generate(op, DYN, **tun) for op, tun in reduce_ops()]
+    assert {k.tuning["group"] for k in ks} >= {1, 8, 32, 64, 256}
+    _compile_family(ks, cache_dir)
+
+
+def test_gather_scatter_iota_all_dtypes(cache_dir):
+    ks = [generate(op, DYN, arg_dtypes=dts) for op, dts in row_ops()]
+    kinds = {k.kind for k in ks}
+    assert kinds == {"gather", "scatter", "scatter_nocopy", "iota"}
+    assert all(len(k.launches) == 2 for k in ks if k.kind == "scatter")
+    _compile_family(ks, cache_dir)
+
+
+def test_single_kernel_source_compiles_alone(cache_dir):
+    """KernelSource.source is a complete module by itself."""
+    op, dts = elementwise_ops()[3]
+    ks = generate(op, DYN, arg_dtypes=dts)
+    res = nvrtc.compile_cuda(ks.source, "sm_90", cache_dir=cache_dir)
+    _check(res, [ks])
+
+
+def test_soft_conversions_and_older_arch_compile(cache_dir):
+    """The portable f16/bf16 conversions (LUM_SOFT_CVT, and sm_75 where cvt.bf16 does not exist)."""
+    ks = [generate(LOp(1, "elementwise", "Cast", (Arg(0, ShapeTracker.contiguous((S,))),), (S,), b), DYN,
+                   arg_dtypes=[a]) for a in FLOATS for b in FLOATS if a != b]
+    _compile_family(ks, cache_dir, extra_options=["-DLUM_SOFT_CVT"])
+    res = nvrtc.compile_cuda(module_source(ks), "sm_75", cache_dir=cache_dir)
+    assert res.cubin[:4] == b"\x7fELF" and ".target sm_75" in res.ptx
+
+
+# ============================================================================ nvrtc module
+def test_cache_hit_is_identical_and_keyed_by_options(tmp_path):
+    ks = generate(LOp(1, "elementwise", "Sqrt", (Arg(0, ShapeTracker.contiguous((64,))),), (as_expr(64),),
+                      DType.f32), [])
+    a = nvrtc.compile_cuda(ks.source, cache_dir=tmp_path)
+    b = nvrtc.compile_cuda(ks.source, cache_dir=tmp_path)
+    assert not a.cached and b.cached and a.cubin == b.cubin and a.ptx == b.ptx and a.key == b.key
+    entry = tmp_path / a.key
+    assert sorted(p.name for p in entry.iterdir()) == ["kernel.cubin", "kernel.ptx", "meta.json"]
+    c = nvrtc.compile_cuda(ks.source, cache_dir=tmp_path, fast_math=True)
+    assert not c.cached and c.key != a.key and "--use_fast_math" in c.options
+    assert "--use_fast_math" not in a.options
+    # a damaged entry is ignored and rewritten, never returned
+    (entry / "kernel.cubin").write_bytes(b"junk")
+    d = nvrtc.compile_cuda(ks.source, cache_dir=tmp_path)
+    assert not d.cached and d.cubin == a.cubin
+    assert not any(p.name.endswith(".tmp") for p in entry.iterdir())
+    # no cache at all
+    assert not nvrtc.compile_cuda(ks.source, cache_dir=False).cached
+
+
+def test_default_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("LUM_NVRTC_CACHE", str(tmp_path / "c"))
+    assert nvrtc.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("LUM_NVRTC_CACHE")
+    assert nvrtc.default_cache_dir().parts[-2:] == ("lum", "nvrtc")
+
+
+def test_compile_error_has_log_and_source_head(tmp_path):
+    src = "// line one\nextern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }\n"
+    with pytest.raises(nvrtc.CompileError) as ei:
+        nvrtc.compile_cuda(src, cache_dir=tmp_path)
+    err = ei.value
+    assert "undefined_name" in err.log and "undefined_name" in str(err)
+    assert "   1| // line one" in err.source_head and "--gpu-architecture=sm_90" in str(err)
+    assert not any(tmp_path.iterdir())                      # failures are not cached
+
+
+def test_nvrtc_version_and_archs():
+    major, minor = nvrtc.nvrtc_version()
+    assert major >= 12
+    assert 90 in nvrtc.supported_archs()
+    assert os.path.exists(nvrtc.nvrtc_library_path()) or "libnvrtc" in nvrtc.nvrtc_library_path()
+
+
+def test_missing_library_message(monkeypatch):
+    monkeypatch.setattr(nvrtc, "_lib", None)
+    monkeypatch.setattr(nvrtc, "_candidate_paths", lambda: ["/nonexistent/libnvrtc.so*"])
+    monkeypatch.setattr(nvrtc.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    with pytest.raises(nvrtc.NvrtcNotFound, match="/nonexistent/libnvrtc.so"):
+        nvrtc.nvrtc_version()
+
+
+# ============================================================================ conversions (host C++)
+CXX = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+
+
+@pytest.fixture(scope="module")
+def conv_lib(tmp_path_factory):
+    if CXX is None:
+        pytest.skip("no host C++ compiler to check common.cuh's conversions")
+    d = tmp_path_factory.mktemp("conv")
+    (d / "common.cuh").write_text(codegen.common_header())
+    (d / "conv.cpp").write_text(
+        '#include "common.cuh"\nextern "C" {\n'
+        "void f32_to_f16(const float* x, unsigned short* y, long n) { for (long i = 0; i < n; ++i) y[i] = lum_f32_to_f16(x[i]); }\n"
+        "void f32_to_bf16(const float* x, unsigned short* y, long n) { for (long i = 0; i < n; ++i) y[i] = lum_f32_to_bf16(x[i]); }\n"
+        "void f16_to_f32(const unsigned short* x, float* y, long n) { for (long i = 0; i < n; ++i) y[i] = lum_f16_to_f32(x[i]); }\n"
+        "void bf16_to_f32(const unsigned short* x, float* y, long n) { for (long i = 0; i < n; ++i) y[i] = lum_bf16_to_f32(x[i]); }\n"
+        "}\n")
+    subprocess.run([CXX, "-O2", "-shared", "-fPIC", "-o", str(d / "conv.so"), str(d / "conv.cpp")], check=True)
+    return ctypes.CDLL(str(d / "conv.so"))
+
+
+def _call(lib, fn: str, x: np.ndarray, out_dtype) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    y = np.empty(x.shape, out_dtype)
+    getattr(lib, fn)(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(y.ctypes.data), ctypes.c_long(x.size))
+    return y
+
+
+def _tricky_f32() -> np.ndarray:
+    """Every rounding boundary of f16 and bf16 (exact ties and their f32 neighbours), plus random bits."""
+    h = np.arange(0, 0x7c00, dtype=np.uint32)                        # finite non-negative f16
+    f16 = h.astype(np.uint16).view(np.float16).astype(np.float64)
+    mids16 = ((f16[:-1] + f16[1:]) / 2).astype(np.float32)          # exact in f32
+    b = np.arange(0, 0x7f80, dtype=np.uint32)
+    bf = (b << 16).view(np.float32).astype(np.float64)
+    midsb = ((bf[:-1] + bf[1:]) / 2).astype(np.float32)
+    mids = np.concatenate([mids16, midsb, np.float32([65504, 65519.996, 65520, 2.0**-25, 2.0**-24 * 1.5])])
+    bits = mids.view(np.uint32)
+    near = np.concatenate([bits, bits + 1, bits - 1])
+    rng = np.random.default_rng(0)
+    rnd = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    special = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3.4e38, -3.4e38]).view(np.uint32)
+    allbits = np.concatenate([near, near | 0x80000000, rnd, special])
+    return allbits.view(np.float32)
+
+
+def test_f32_to_16bit_conversions_are_bit_exact(conv_lib):
+    x = _tricky_f32()
+    nan = np.isnan(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref16 = x.astype(np.float16).view(np.uint16)
+        refb = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    h = _call(conv_lib, "f32_to_f16", x, np.uint16)
+    b = _call(conv_lib, "f32_to_bf16", x, np.uint16)
+    bad = np.flatnonzero(h[~nan] != ref16[~nan])
+    assert bad.size == 0, [(float(v), hex(int(g)), hex(int(r))) for v, g, r in
+                           zip(x[~nan][bad[:5]], h[~nan][bad[:5]], ref16[~nan][bad[:5]])]
+    bad = np.flatnonzero(b[~nan] != refb[~nan])
+    assert bad.size == 0, [(float(v), hex(int(g)), hex(int(r))) for v, g, r in
+                           zip(x[~nan][bad[:5]], b[~nan][bad[:5]], refb[~nan][bad[:5]])]
+    assert np.isnan(h[nan].view(np.float16)).all()
+    assert np.isnan(b[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+
+
+def test_16bit_to_f32_conversions_are_exact(conv_lib):
+    allh = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = _call(conv_lib, "f16_to_f32", allh, np.float32)
+    ref = allh.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(got.view(np.uint32)[~nan], ref.view(np.uint32)[~nan]) and np.isnan(got[nan]).all()
+    got = _call(conv_lib, "bf16_to_f32", allh, np.float32)
+    ref = allh.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
