@@ -64,7 +64,7 @@ from typing import Any, Mapping, Sequence
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import LOp, Program
-from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
+from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",

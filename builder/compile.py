@@ -36,19 +36,6 @@ class CompiledGroup:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _default_cost_fn() -> CostFn | None:
-    """The colleague's cost model when present (``lum.builder.costmodel``), else None (built-in)."""
-    try:
-        from lum.builder import costmodel  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    for name in ("op_cost", "cost", "lop_cost"):
-        fn = getattr(costmodel, name, None)
-        if callable(fn):
-            return fn
-    return None
-
-
 def compile_group(group_graph: Graph, cost_fn: CostFn | None = None, choice: Choice | None = None,
                   sat: SaturatedGroup | None = None) -> tuple[Program, dict[str, Any]]:
     """Saturate, extract (by ``choice`` if given, else the cheapest under ``cost_fn``) and lower one group."""
@@ -57,7 +44,7 @@ def compile_group(group_graph: Graph, cost_fn: CostFn | None = None, choice: Cho
         sat = saturate(group_graph)
     t1 = time.perf_counter()
     if choice is None:
-        choice = choose_by_cost(sat, cost_fn or _default_cost_fn())
+        choice = choose_by_cost(sat, cost_fn)
     program = lower(sat, choice, name=group_graph.name)
     t2 = time.perf_counter()
     stats = group_stats(sat, program)

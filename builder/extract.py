@@ -19,14 +19,15 @@ import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+from lum.builder import costmodel
 from lum.builder.egraph import ENode, SaturatedGroup
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax
 from lum.format.llir import Arg, LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
-__all__ = ["Choice", "random_choice", "choose_by_cost", "lower", "lower_enode", "op_bytes", "op_flops",
-           "default_cost", "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
+__all__ = ["Choice", "random_choice", "choose_by_cost", "lower", "lower_enode", 
+           "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
            "choice_to_genome"]
 
 Choice = dict  # class id -> option index
@@ -141,36 +142,15 @@ def describe_choice(sat: SaturatedGroup, choice: Mapping[int, int]) -> dict[int,
 
 
 # ====================================================================== cost-based choice
-def default_cost(lop: LOp, dyn: Mapping[str, int] | None = None) -> float:
-    """A roofline-ish estimate in seconds: bytes at 3 TB/s, flops at 50 TFLOP/s (H200-like), plus a
-    launch overhead of 2 µs per kernel; dyn vars default to 64 (within every model's max_seq)."""
-    if lop.kind in ("input", "output", "constant"):
-        return 0.0
-    env = _dyn_env(lop, dyn)
-    nbytes = float(lop.bytes.evaluate(env))
-    flops = float(lop.flops.evaluate(env))
-    return 2e-6 + max(nbytes / 3e12, flops / (1e15 if lop.kind == "gemm" else 5e13))
-
-
-def _dyn_env(lop: LOp, dyn: Mapping[str, int] | None) -> dict[str, int]:
-    names = lop.bytes.vars() | lop.flops.vars()
-    env = {v: 64 for v in names}
-    if dyn:
-        env.update({k: v for k, v in dyn.items() if k in names})
-    return env
-
-
 def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None = None) -> Choice:
-    """The cheapest selection under ``cost_fn(lop) -> float`` (default: :func:`lum.builder.costmodel.op_cost`,
-    else :func:`default_cost`).
+    """The cheapest selection under ``cost_fn(lop) -> float`` (default: :func:`lum.builder.costmodel.op_cost`).
 
     Bottom-up min-cost over the reachable classes: cost(class) = min over its options of
     cost_fn(option lowered on its own) + the cost of its Op children (tree cost: a class shared by
     two consumers counts twice, which favours options that read fewer intermediate buffers).
     """
     if cost_fn is None:
-        cm = _costmodel()
-        cost_fn = getattr(cm, "op_cost", None) or default_cost
+        cost_fn = costmodel.op_cost
     classes = sat.reachable
     local: dict[tuple[int, int], float] = {}
     for c in classes:
@@ -238,13 +218,11 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
     op = node.op
     a = node.args
 
-    isz: list[int] = []
     arg_dtypes: list[DType | None] = []
 
     def note(c: int) -> None:
         dt = sat.dtype.get(c)
         arg_dtypes.append(DType.parse(dt) if dt else None)
-        isz.append(arg_dtypes[-1].itemsize if dt else 4)
 
     def arg(c: int) -> Arg:
         ld = next(n for n in sat.options[c] if n.op == "Ld")
@@ -293,64 +271,14 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
                   DType.parse(a[13]), params)
     else:
         raise ValueError(f"e-node {op} is not executable")
-    _set_bytes_flops(lop, isz, arg_dtypes)
+    _set_bytes_flops(lop, arg_dtypes)
     return lop
 
 
-def _costmodel():
-    try:
-        from lum.builder import costmodel
-    except ImportError:  # pragma: no cover - the cost model ships with the builder
-        return None
-    return costmodel if hasattr(costmodel, "op_bytes") and hasattr(costmodel, "op_flops") else None
-
-
-def _set_bytes_flops(lop: LOp, isz: list[int], arg_dtypes: list[DType | None]) -> None:
-    """``bytes``/``flops`` from :mod:`lum.builder.costmodel` (producer dtypes from the e-graph's DT),
-    or from the simple model below when it is missing."""
-    cm = _costmodel()
-    if cm is None or any(d is None for d in arg_dtypes):
-        lop.bytes, lop.flops = op_bytes(lop, isz), op_flops(lop)
-        return
-    stub = SimpleNamespace(ops={a.src: SimpleNamespace(dtype=d) for a, d in zip(lop.args, arg_dtypes)})
-    lop.bytes, lop.flops = cm.op_bytes(lop, stub), cm.op_flops(lop)
-
-
-def op_bytes(lop: LOp, arg_itemsizes: list[int] | None = None) -> Expr:
-    """Bytes moved: every argument read once (a broadcast dim is not re-read) plus the output written.
-
-    ``arg_itemsizes`` are the arguments' element sizes (default: the op's own)."""
-    isz = arg_itemsizes or [lop.dtype.itemsize] * len(lop.args)
-    out = numel(lop.shape) * lop.dtype.itemsize
-    if lop.kind == "scatter_nocopy":
-        out = numel(lop.args[1].view.shape) * lop.dtype.itemsize  # only the scattered rows are written
-    if lop.kind == "gemm":
-        p = lop.params
-        a_b = p["batch"] if not _is_zero(p["stride_a"]) else as_expr(1)
-        b_b = p["batch"] if not _is_zero(p["stride_b"]) else as_expr(1)
-        return out + a_b * p["m"] * p["k"] * isz[0] + b_b * p["k"] * p["n"] * isz[1]
-    reads = as_expr(0)
-    for i, a in enumerate(lop.args):
-        if lop.kind == "scatter_nocopy" and i == 0:
-            continue  # the destination is not read
-        dims = [d for d, s in zip(a.view.shape, a.view.strides) if not _is_zero(s)]
-        reads = reads + numel(dims) * isz[i]
-    return out + reads
-
-
-def op_flops(lop: LOp) -> Expr:
-    if lop.kind == "gemm":
-        p = lop.params
-        return 2 * p["batch"] * p["m"] * p["n"] * p["k"]
-    if lop.kind in ("elementwise",):
-        return numel(lop.shape)
-    if lop.kind == "reduce":
-        return numel(lop.args[0].view.shape)
-    return as_expr(0)
-
-
-def _is_zero(e: Expr) -> bool:
-    return e.is_const and e.value == 0
+def _set_bytes_flops(lop: LOp, arg_dtypes: list[DType | None]) -> None:
+    """``bytes``/``flops`` from the cost model, with the producers' dtypes taken from the e-graph."""
+    stub = SimpleNamespace(ops={a.src: SimpleNamespace(dtype=d or lop.dtype) for a, d in zip(lop.args, arg_dtypes)})
+    lop.bytes, lop.flops = costmodel.op_bytes(lop, stub), costmodel.op_flops(lop)
 
 
 def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None) -> Program:

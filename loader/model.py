@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -24,17 +24,11 @@ from lum.format.expr import Expr
 from lum.format.llir import Program
 from lum.format.manifest import Entry, Manifest
 from lum.format.package import PackageReader, open_package
+from lum.format.shapetracker import numel
 from lum.loader.arena import ArenaPlan, BufferRequest, plan_arena
+from lum.loader.errors import BackendUnavailableError, SessionError
 
 BACKENDS = ("auto", "reference", "cuda")
-
-
-class SessionError(LumError):
-    """A session was asked for something its package cannot do (unknown entry, bad input, full cache)."""
-
-
-class BackendUnavailableError(LumError):
-    """The requested backend cannot run here (no GPU, or not built into this lum)."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +149,7 @@ class Package:
                 if op.alias is not None:
                     target = names[op.args[op.alias].src]
                     alias = target if target in out else None
-                size = _numel(op.shape) * op.dtype.itemsize
+                size = numel(op.shape) * op.dtype.itemsize
                 out[name] = BufferInfo(name, size, step, step, alias, "intermediate")
         return [BufferInfo(b.name, b.size, b.first, max(b.last, last_use.get(b.name, b.last)), b.alias_of, b.kind)
                 for b in out.values()]
@@ -173,14 +167,6 @@ class Package:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _numel(shape: Iterable[Expr]) -> Expr:
-    from lum.format.expr import as_expr
-    out = as_expr(1)
-    for d in shape:
-        out = out * d
-    return out
 
 
 def _one_line(exc: BaseException) -> str:

@@ -64,7 +64,12 @@ def test_verify_and_corruption_gives_one_line_exit_2(built, tmp_path):
     _, _, pkg = built
     assert "OK" in lum("verify", str(pkg)).stdout
     data = bytearray(pkg.read_bytes())
-    for where in (len(data) // 2, len(data) - 10):   # inside the weights
+    from lum.format.package import open_package
+
+    with open_package(pkg) as reader:
+        weights = [s for s in reader.sections if s.kind == "weight"]
+    first, last = weights[0], max(weights, key=lambda s: s.stored_length)
+    for where in (first.offset, last.offset + last.stored_length // 2):   # inside weight sections
         bad = tmp_path / "bad.lumpkg"
         flipped = bytearray(data)
         flipped[where] ^= 0x40
