@@ -1,0 +1,843 @@
+"""Batch-1 greedy decode speed of a lum package against Hugging Face transformers, on the same weights.
+
+    python benchmarks/decode.py --model gemma3-4b --dtype bf16 --steps 128 [--systems lum,hf-eager,hf-compile]
+                                [--out DIR] [--prompt-len 16] [--warmup 16] [--max-seq 512] [--time-limit 470]
+                                [--workdir DIR --keep] [--hf-dir DIR] [--pkg FILE]
+
+What it does, in one run on one GPU:
+
+1. Measures the device-to-device copy bandwidth (a 2 GiB torch copy, bytes read + written, median of 20).
+2. Makes a Hugging Face model of the named config (``lum.builder.models.named_config``) with random weights,
+   directly on the GPU (norms perturbed, other weights ×5 as tests/hf_checkpoints.py does, so tokens differ),
+   and saves it as an HF folder. ``lum build <folder> --dtype D`` turns that folder into the package, so every
+   system reads identical weights from disk.
+3. Runs each system in its own subprocess (a crash or a missing backend becomes that row's ``error``):
+   * ``lum``: ``lum.loader.open(pkg).session(backend="cuda")``; records package open → first token (prefill
+     and argmax included); decode steps through ``sess.run("decode", …)`` (or, if that loop fails, the
+     difference of two ``sess.generate`` calls).
+   * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
+   * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
+     mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
+     position ids (and ``cache_position`` where the model's forward takes it). For Gemma 3 the sliding-window
+     static layers are replaced by plain static layers while ``max_seq`` ≤ the window (same attention, since no
+     position is past the window; transformers' sliding static layer keeps a Python int that makes
+     ``torch.compile`` recompile every step). Recompiles during the timed steps are counted and reported.
+   Every system: the same prompt ids, ``--warmup`` untimed decode steps, then ``--steps`` timed decode steps
+   (wall clock between two device synchronisations), each step choosing the argmax token.
+4. Writes ``<out>/decode-<model>-<dtype>-<date>.json``: ``commit``, ``gpu``, ``driver``, ``date``, ``copy_GBps``
+   and ``rows`` (``model dtype system tok_per_s weight_bytes roofline_tok_per_s`` …; ``open_to_first_token_s``
+   for lum). The roofline is ``copy_GBps·1e9 / weight_bytes``: a decode step reads every weight once.
+
+The whole run for gemma3-4b bf16 stays under ``--time-limit`` seconds (default 470, under 8 minutes on an
+H200): workers get what is left of it, and a system that would not fit is recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ("lum", "hf-eager", "hf-compile")
+CAP_S = {"lum": 200.0, "hf-eager": 150.0, "hf-compile": 330.0}   # per-worker caps (the global limit wins)
+BUILD_CAP_S = 240.0
+TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[decode-bench {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def _one_line(exc: BaseException | str, n: int = 400) -> str:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return " ".join(str(text).split())[:n]
+
+
+# ====================================================================== environment
+def _commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=HERE).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True,
+                               cwd=HERE).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # noqa: BLE001 - best effort
+        return "unknown"
+
+
+def prompt_ids(vocab: int, bos: int | None, n: int) -> list[int]:
+    ids = [(1000 + 37 * i) % vocab for i in range(n)]
+    if bos is not None and n:
+        ids[0] = int(bos)
+    return ids
+
+
+def _sync(torch, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_GBps(torch, device: str = "cuda", nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written over the median time of ``reps`` copies (CUDA events)."""
+    if device != "cuda":
+        nbytes, reps = 2**28, 5
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(torch, device)
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+    times.sort()
+    med = times[len(times) // 2]
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return moved / med / 1e9
+
+
+# ====================================================================== HF model on the GPU
+def hf_classes(model_type: str):
+    import transformers as T
+
+    return {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+            "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}[model_type]
+
+
+def make_hf_folder(name: str, dtype: str, folder: Path, seed: int, device: str = "cuda") -> dict:
+    """A random HF model of our named config, initialised on the GPU, saved to ``folder``."""
+    import torch
+
+    cfg = _named_config(name).to_hf_dict()
+    config_cls, model_cls = hf_classes(cfg["model_type"])
+    hf_config = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    tdt = getattr(torch, TORCH_DTYPES[dtype])
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    def construct():
+        try:
+            return model_cls._from_config(hf_config, dtype=tdt)
+        except TypeError:
+            return model_cls._from_config(hf_config, torch_dtype=tdt)
+
+    try:
+        with torch.device(device):        # initialised on the GPU: seconds, not minutes
+            model = construct()
+    except (ValueError, ImportError) as exc:
+        if "accelerate" not in str(exc):
+            raise
+        log(f"initialising on the CPU ({_one_line(exc, 120)})")
+        model = construct()
+    model = model.to(device=device, dtype=tdt).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.mul_(5.0)
+    _sync(torch, device)
+    t1 = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    t2 = time.perf_counter()
+    info = {"hf_init_s": round(t1 - t0, 2), "hf_save_s": round(t2 - t1, 2), "weight_bytes": weight_bytes_of(model)}
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return info
+
+
+def _named_config(name: str):
+    """lum's named config; straight from builder/models/config.py (numpy only) if lum is not installed."""
+    try:
+        from lum.builder.models import named_config
+    except ImportError:
+        import importlib.util
+
+        path = HERE.parent / "builder" / "models" / "config.py"
+        mod_spec = importlib.util.spec_from_file_location("_lum_model_config", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = mod          # dataclasses look their module up
+        mod_spec.loader.exec_module(mod)
+        named_config = mod.named_config
+    return named_config(name)
+
+
+def weight_bytes_of(model) -> int:
+    """Bytes of distinct parameter storages (a tied embedding / lm head counts once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return int(total)
+
+
+def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str, timeout: float, log_path: Path):
+    cmd = [sys.executable, "-c", "import sys; from lum.loader.cli import main; main(sys.argv[1:])", "build",
+           str(hf_dir), "-o", str(pkg), "--dtype", dtype, "--max-seq", str(max_seq), "--target", target]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            res = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"lum build timed out after {timeout:.0f} s"
+    dt = time.perf_counter() - t0
+    if res.returncode != 0 or not pkg.exists():
+        tail = log_path.read_text(errors="replace")[-600:]
+        return None, f"lum build failed (exit {res.returncode}): {_one_line(tail)}"
+    return dt, None
+
+
+# ====================================================================== workers (subprocesses)
+def _argmax_last(x) -> int:
+    """The argmax of the last row of a logits array: numpy, torch, DLPack or __cuda_array_interface__."""
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        return int(np.argmax(x.reshape(-1, x.shape[-1])[-1]))
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        if isinstance(x, torch.Tensor):
+            t = x
+        elif hasattr(x, "__dlpack__"):
+            t = torch.from_dlpack(x)
+        elif hasattr(x, "__cuda_array_interface__"):
+            t = torch.as_tensor(x, device="cuda")
+        else:
+            t = None
+        if t is not None:
+            return int(t.reshape(-1, t.shape[-1])[-1].argmax())
+    arr = np.asarray(x)
+    return int(np.argmax(arr.reshape(-1, arr.shape[-1])[-1]))
+
+
+def _sync_all() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            return
+    except ImportError:
+        pass
+    try:
+        from cuda.bindings import driver as cu
+
+        cu.cuCtxSynchronize()
+    except Exception:  # noqa: BLE001 - nothing to synchronise
+        pass
+
+
+def worker_lum(spec: dict) -> dict:
+    import numpy as np
+
+    try:
+        import torch  # noqa: F401 - imported before the clock starts; used for device-array argmax
+    except ImportError:
+        pass
+    import lum.loader
+
+    prompt, warmup, steps = spec["prompt"], spec["warmup"], spec["steps"]
+    out: dict = {"details": {}}
+    t0 = time.perf_counter()
+    pkg = lum.loader.open(spec["pkg"])
+    t_open = time.perf_counter()
+    sess = pkg.session(backend=spec.get("lum_backend", "cuda"))
+    t_sess = time.perf_counter()
+    out["details"]["backend"] = getattr(sess, "backend", "?")
+    logits = sess.run("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})["logits"]
+    tok = _argmax_last(logits)
+    t_first = time.perf_counter()
+    out["open_to_first_token_s"] = round(t_first - t0, 4)
+    out["details"].update(open_s=round(t_open - t0, 4), session_s=round(t_sess - t_open, 4),
+                          prefill_first_token_s=round(t_first - t_sess, 4))
+    tokens = [tok]
+    pos = len(prompt)
+    rates = {}
+    try:
+        for _ in range(warmup):
+            logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
+            tok = _argmax_last(logits)
+            tokens.append(tok)
+            pos += 1
+        _sync_all()
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
+            tok = _argmax_last(logits)
+            tokens.append(tok)
+            pos += 1
+        _sync_all()
+        t2 = time.perf_counter()
+        rates["run_loop"] = steps / (t2 - t1)
+        out["tokens"] = tokens
+    except Exception as exc:  # noqa: BLE001 - generate() below may still work
+        out["details"]["run_loop_error"] = _one_line(exc)
+    # generate(): the session's own greedy loop (it may keep the argmax on the device). Its decode rate is
+    # the difference of two calls that share the prefill and the warm-up steps.
+    n0, n1 = warmup + 1, warmup + 1 + steps
+    if "run_loop" in rates:
+        _partial(spec, out, rates)     # kept if the worker is stopped during generate()
+        left = spec.get("budget_s", 1e9) - (time.perf_counter() - spec.get("_t0", t0))
+        if (2 * n0 + n1) / rates["run_loop"] * 1.5 > left:
+            out["details"]["generate_error"] = f"skipped: about {left:.0f} s left of the worker's time"
+            n0 = None
+    try:
+        if n0 is None:
+            raise RuntimeError("skipped")
+        sess.generate(prompt, n0)                   # warm
+        _sync_all()
+        ta = time.perf_counter()
+        sess.generate(prompt, n0)
+        _sync_all()
+        tb = time.perf_counter()
+        toks = sess.generate(prompt, n1)
+        _sync_all()
+        tc = time.perf_counter()
+        rates["generate"] = steps / max((tc - tb) - (tb - ta), 1e-9)
+        out["details"]["generate_tokens_equal_run_loop"] = (list(map(int, toks)) == out["tokens"]
+                                                            if "tokens" in out else None)
+        out.setdefault("tokens", list(map(int, toks)))
+    except Exception as exc:  # noqa: BLE001
+        out["details"].setdefault("generate_error", _one_line(exc))
+    if not rates:
+        raise RuntimeError(f"no decode measurement worked: {out['details']}")
+    return _finish_lum(out, rates)
+
+
+def _finish_lum(out: dict, rates: dict) -> dict:
+    best = max(rates, key=rates.get)
+    out["tok_per_s"] = rates[best]
+    out["details"].update({f"{k}_tok_per_s": round(v, 2) for k, v in rates.items()})
+    out["details"]["method"] = {"run_loop": "session.run decode loop, host argmax each step",
+                                "generate": "difference of two session.generate calls"}[best]
+    out["details"]["ms_per_step"] = round(1e3 / out["tok_per_s"], 4)
+    return out
+
+
+def _partial(spec: dict, out: dict, rates: dict) -> None:
+    if spec.get("_result"):
+        res = _finish_lum(json.loads(json.dumps(out)), dict(rates))
+        res["details"]["partial"] = "the worker stopped before generate() was timed"
+        Path(spec["_result"]).write_text(json.dumps(res))
+
+
+def _hf_load(spec: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tdt = getattr(torch, TORCH_DTYPES[spec["dtype"]])
+    dev = spec.get("device", "cuda")
+
+    def load(**kw):
+        try:
+            return AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=tdt, attn_implementation="sdpa", **kw)
+        except TypeError:
+            return AutoModelForCausalLM.from_pretrained(spec["hf_dir"], torch_dtype=tdt, attn_implementation="sdpa",
+                                                        **kw)
+
+    try:
+        model = load(device_map=dev)          # straight to the GPU (needs accelerate)
+    except (ValueError, ImportError) as exc:
+        if "accelerate" not in str(exc):
+            raise
+        model = load().to(dev)
+    return model.eval()
+
+
+def _cache_kw(model) -> tuple[str, bool]:
+    """The name of the forward's cache argument (``cache`` in newer transformers, ``past_key_values`` before)
+    and whether it takes ``cache_position``."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    return name, "cache_position" in params
+
+
+def _out_cache(out):
+    c = getattr(out, "cache", None)
+    return c if c is not None else getattr(out, "past_key_values", None)
+
+
+def worker_hf_eager(spec: dict) -> dict:
+    import torch
+
+    t0 = time.perf_counter()
+    model = _hf_load(spec)
+    t_load = time.perf_counter() - t0
+    prompt, warmup, steps = spec["prompt"], spec["warmup"], spec["steps"]
+    cname, _ = _cache_kw(model)
+    dev = spec.get("device", "cuda")
+    with torch.inference_mode():
+        ids = torch.tensor([prompt], device=dev)
+        out = model(input_ids=ids, use_cache=True)
+        cache = _out_cache(out)
+        tok = out.logits[:, -1].argmax(-1)
+        toks = [tok]
+
+        def step(tok):
+            o = model(input_ids=tok.view(1, 1), use_cache=True, **{cname: cache})
+            return o.logits[:, -1].argmax(-1)
+
+        for _ in range(warmup):
+            tok = step(tok)
+            toks.append(tok)
+        _sync(torch, dev)
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            tok = step(tok)
+            toks.append(tok)
+        _sync(torch, dev)
+        t2 = time.perf_counter()
+    tps = steps / (t2 - t1)
+    return {"tok_per_s": tps, "tokens": [int(t) for t in torch.cat(toks).tolist()],
+            "details": {"load_s": round(t_load, 2), "ms_per_step": round(1e3 / tps, 4), "cache": type(cache).__name__,
+                        "attn_implementation": getattr(model.config, "_attn_implementation", "?"),
+                        "method": "manual greedy loop, dynamic cache, device argmax"}}
+
+
+def _static_cache(model, max_len: int) -> tuple[object, str]:
+    """A StaticCache; sliding-window layers become plain static layers while max_len <= the window."""
+    from transformers import StaticCache
+
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:
+        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len,
+                            device=model.device, dtype=model.dtype)
+    layers = getattr(cache, "layers", None)
+    window = getattr(model.config, "sliding_window", None)
+    if not layers or not any(getattr(layer, "is_sliding", False) for layer in layers):
+        return cache, "static"
+    if window is None or max_len > window:
+        return cache, "static with sliding layers (max_seq exceeds the window: expect recompiles)"
+    from transformers.cache_utils import StaticLayer
+
+    n = 0
+    for i, layer in enumerate(layers):
+        if getattr(layer, "is_sliding", False):
+            layers[i] = StaticLayer(max_cache_len=max_len)
+            n += 1
+    flags = cache.__dict__.get("is_sliding")
+    if isinstance(flags, list):   # older transformers kept the per-layer flags in a list
+        cache.__dict__["is_sliding"] = [False] * len(flags)
+    return cache, f"static; {n} sliding layers as plain static layers (max_seq {max_len} <= window {window})"
+
+
+def _graph_count(torch) -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def worker_hf_compile(spec: dict) -> dict:
+    import torch
+
+    t0 = time.perf_counter()
+    model = _hf_load(spec)
+    t_load = time.perf_counter() - t0
+    prompt, warmup, steps, max_len = spec["prompt"], max(spec["warmup"], 4), spec["steps"], spec["max_seq"]
+    cname, has_cp = _cache_kw(model)
+    dev = spec.get("device", "cuda")
+    cache, cache_note = _static_cache(model, max_len)
+    positions = torch.arange(max_len, device=dev, dtype=torch.long)
+    tok_buf = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    pos_buf = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def kwargs(ids, pos_ids):
+        kw = {"input_ids": ids, "position_ids": pos_ids, "use_cache": True, cname: cache}
+        if has_cp:
+            kw["cache_position"] = pos_ids.view(-1)
+        return kw
+
+    with torch.no_grad():
+        n = len(prompt)
+        out = model(**kwargs(torch.tensor([prompt], device=dev), positions[:n].view(1, n)))   # eager prefill
+        tok = out.logits[:, -1].argmax(-1)
+        toks = [tok]
+        pos = n
+
+        def step(tok, pos):
+            tok_buf.copy_(tok.view(1, 1))
+            pos_buf.copy_(positions[pos].view(1, 1))
+            if mark is not None:
+                mark()
+            o = fwd(**kwargs(tok_buf, pos_buf))
+            return o.logits[:, -1].argmax(-1)
+
+        tc = time.perf_counter()
+        for _ in range(warmup):
+            tok = step(tok, pos)
+            toks.append(tok)
+            pos += 1
+        _sync(torch, dev)
+        t_compile = time.perf_counter() - tc
+        g0 = _graph_count(torch)
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            tok = step(tok, pos)
+            toks.append(tok)
+            pos += 1
+        _sync(torch, dev)
+        t2 = time.perf_counter()
+        g1 = _graph_count(torch)
+    tps = steps / (t2 - t1)
+    return {"tok_per_s": tps, "tokens": [int(t) for t in torch.cat(toks).tolist()],
+            "details": {"load_s": round(t_load, 2), "compile_warmup_s": round(t_compile, 2),
+                        "warmup_steps": warmup, "ms_per_step": round(1e3 / tps, 4), "cache": cache_note,
+                        "graphs_compiled": g1, "recompiles_during_timing": (g1 - g0) if g0 >= 0 else None,
+                        "attn_implementation": getattr(model.config, "_attn_implementation", "?"),
+                        "cache_position_arg": has_cp,
+                        "method": "torch.compile(model.forward, mode='reduce-overhead', fullgraph=True), "
+                                  "static cache, manual greedy loop"}}
+
+
+WORKERS = {"lum": worker_lum, "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
+
+
+def run_worker_main(system: str, spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    spec["_result"], spec["_t0"] = result_path, time.perf_counter()
+    try:
+        res = WORKERS[system](spec)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's error
+        res = {"error": _one_line(exc), "traceback": traceback.format_exc()[-3000:]}
+        code = 1
+    Path(result_path).write_text(json.dumps(res))
+    return code
+
+
+def run_worker(system: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    spec_path = workdir / f"spec-{system}.json"
+    res_path = workdir / f"result-{system}.json"
+    log_path = workdir / f"log-{system}.txt"
+    spec_path.write_text(json.dumps({**spec, "budget_s": timeout}))
+    if res_path.exists():
+        res_path.unlink()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", system, "--_spec", str(spec_path),
+           "--_result", str(res_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            if res_path.exists():      # a partial result written before the stop
+                res = json.loads(res_path.read_text())
+                res["wall_s"] = round(time.perf_counter() - t0, 1)
+                return res
+            return {"error": f"timed out after {timeout:.0f} s", "wall_s": round(time.perf_counter() - t0, 1)}
+    wall = round(time.perf_counter() - t0, 1)
+    if res_path.exists():
+        res = json.loads(res_path.read_text())
+    else:
+        tail = log_path.read_text(errors="replace")[-600:]
+        res = {"error": f"worker exited {rc} without a result: {_one_line(tail)}"}
+    res["wall_s"] = wall
+    if "traceback" in res:
+        log(f"{system} failed:\n{res['traceback']}")
+    return res
+
+
+# ====================================================================== main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-4b", help="a lum named config (lum.builder.models.NAMED_CONFIGS)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(TORCH_DTYPES))
+    ap.add_argument("--steps", type=int, default=128, help="timed decode steps")
+    ap.add_argument("--warmup", type=int, default=16, help="untimed decode steps before timing")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-seq", type=int, default=512, help="package max_seq and HF static cache length")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON result")
+    ap.add_argument("--workdir", default=None, help="where the HF folder and the package go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--hf-dir", default=None, help="reuse this HF folder instead of making one")
+    ap.add_argument("--pkg", default=None, help="reuse this package instead of building one")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD here)")
+    ap.add_argument("--time-limit", type=float, default=470.0, help="seconds for the whole run")
+    ap.add_argument("--lum-backend", default="cuda", help=argparse.SUPPRESS)   # reference: smoke tests only
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a smoke test of the script on tiny models (lum's cuda row then records its error)")
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        return run_worker_main(args._worker, args._spec, args._result)
+    t_start = time.perf_counter()
+    deadline = t_start + args.time_limit
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        sys.stderr.write(f"error: unknown systems {bad}; choose from {SYSTEMS}\n")
+        return 2
+    need = args.prompt_len + args.warmup + max(args.steps, 0) + 8
+    max_seq = max(args.max_seq, need)
+    today = _dt.date.today().isoformat()
+    result: dict = {"benchmark": "decode", "commit": args.commit or _commit(), "gpu": None, "driver": _driver(),
+                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "copy_GBps": None,
+                    "config": {"model": args.model, "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
+                               "prompt_len": args.prompt_len, "max_seq": max_seq, "batch": 1, "greedy": True},
+                    "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
+    rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "tok_per_s": None, "weight_bytes": None,
+                "roofline_tok_per_s": None, "error": None} for s in systems}
+    if "lum" in rows:
+        rows["lum"]["open_to_first_token_s"] = None
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir / f"decode-{args.model}-{args.dtype}-{today}.json"
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lum-decode-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def finish(code: int) -> int:
+        result["rows"] = [rows[s] for s in systems]
+        result["timings_s"]["total"] = round(time.perf_counter() - t_start, 1)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {out_path}")
+        print_table(result)
+        if not args.keep and not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return code
+
+    try:
+        import torch
+        import transformers
+
+        result["versions"].update(torch=torch.__version__, transformers=transformers.__version__)
+        if args.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA GPU visible to torch")
+            result["gpu"] = torch.cuda.get_device_name(0)
+            cap = torch.cuda.get_device_capability(0)
+            target = f"sm_{cap[0]}{cap[1]}"
+        else:
+            result["gpu"], target = "cpu (smoke test)", "sm_90"
+        result["target"] = target
+    except Exception as exc:  # noqa: BLE001
+        for r in rows.values():
+            r["error"] = f"environment: {_one_line(exc)}"
+        return finish(1)
+
+    try:
+        import lum
+
+        result["versions"]["lum"] = getattr(lum, "__version__", None) or _lum_version()
+    except ImportError:
+        pass
+
+    try:
+        _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
+    except Exception as exc:  # noqa: BLE001 - the JSON is written whatever happens
+        log(traceback.format_exc())
+        result["error"] = _one_line(exc)
+        for r in rows.values():
+            if r["tok_per_s"] is None and not r["error"]:
+                r["error"] = f"benchmark stopped: {_one_line(exc)}"
+        return finish(1)
+    return finish(0)
+
+
+def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir) -> None:
+    # 1. copy bandwidth
+    t0 = time.perf_counter()
+    copy = copy_bandwidth_GBps(torch, args.device)
+    result["copy_GBps"] = round(copy, 1)
+    result["timings_s"]["copy_bandwidth"] = round(time.perf_counter() - t0, 1)
+    log(f"copy bandwidth {copy:.0f} GB/s (read + write)")
+
+    # 2. the HF folder (the weights every system reads)
+    hf_dir = Path(args.hf_dir) if args.hf_dir else workdir / "hf"
+    weight_bytes = None
+    try:
+        if not (hf_dir / "config.json").exists():
+            log(f"making a random {args.model} {args.dtype} HF model on the GPU → {hf_dir}")
+            info = make_hf_folder(args.model, args.dtype, hf_dir, args.seed, args.device)
+            weight_bytes = info.pop("weight_bytes")
+            result["timings_s"].update(info)
+        if weight_bytes is None:
+            weight_bytes = _weight_bytes_from_config(hf_dir, args.dtype)
+    except Exception as exc:  # noqa: BLE001
+        log(traceback.format_exc())
+        for r in rows.values():
+            r["error"] = f"making the HF checkpoint failed: {_one_line(exc)}"
+        return
+    result["weight_bytes"] = weight_bytes
+    roof = copy * 1e9 / weight_bytes if weight_bytes else None
+    for r in rows.values():
+        r["weight_bytes"] = weight_bytes
+        r["roofline_tok_per_s"] = round(roof, 2) if roof else None
+
+    from transformers import AutoConfig
+
+    hf_cfg = AutoConfig.from_pretrained(hf_dir)
+    vocab = int(getattr(hf_cfg, "vocab_size", None) or hf_cfg.get_text_config().vocab_size)
+    bos = getattr(hf_cfg, "bos_token_id", None)
+    spec = {"hf_dir": str(hf_dir), "dtype": args.dtype, "prompt": prompt_ids(vocab, bos, args.prompt_len),
+            "warmup": args.warmup, "steps": args.steps, "max_seq": max_seq, "device": args.device,
+            "lum_backend": args.lum_backend}
+
+    # 3. the lum package
+    if "lum" in rows:
+        pkg = Path(args.pkg) if args.pkg else workdir / f"{args.model}-{args.dtype}.lumpkg"
+        if not pkg.exists():
+            left = deadline - time.perf_counter()
+            log(f"lum build → {pkg}")
+            build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, min(BUILD_CAP_S, left - 30),
+                                         workdir / "log-build.txt")
+            if err:
+                rows["lum"]["error"] = err
+                log(err)
+            else:
+                result["timings_s"]["lum_build"] = round(build_s, 1)
+                rows["lum"]["build_s"] = round(build_s, 1)
+        if pkg.exists():
+            spec["pkg"] = str(pkg)
+            rows["lum"]["package_bytes"] = pkg.stat().st_size
+
+    # 4. the systems, each in its own process
+    outputs: dict[str, dict] = {}
+    for s in systems:
+        row = rows[s]
+        if row["error"]:
+            continue
+        left = deadline - time.perf_counter() - 10
+        if left < 30:
+            row["error"] = f"skipped: {left + 10:.0f} s left of the {args.time_limit:.0f} s time limit"
+            continue
+        log(f"{s}: running (up to {min(CAP_S[s], left):.0f} s)")
+        res = run_worker(s, spec, workdir, min(CAP_S[s], left))
+        outputs[s] = res
+        row["wall_s"] = res.get("wall_s")
+        if res.get("error"):
+            row["error"] = res["error"]
+            log(f"{s}: {res['error']}")
+            continue
+        row["tok_per_s"] = round(res["tok_per_s"], 2)
+        if roof:
+            row["fraction_of_roofline"] = round(res["tok_per_s"] / roof, 3)
+        if "open_to_first_token_s" in res:
+            row["open_to_first_token_s"] = res["open_to_first_token_s"]
+        row["details"] = res.get("details", {})
+        log(f"{s}: {row['tok_per_s']} tok/s")
+
+    ref = outputs.get("hf-eager", {}).get("tokens")
+    if ref:
+        for s, res in outputs.items():
+            if s != "hf-eager" and res.get("tokens"):
+                rows[s]["tokens_match_hf_eager"] = _prefix(res["tokens"], ref)
+                rows[s]["tokens_compared"] = min(len(res["tokens"]), len(ref))
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if int(x) != int(y):
+            break
+        n += 1
+    return n
+
+
+def _lum_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("lum")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _weight_bytes_from_config(hf_dir: Path, dtype: str) -> int:
+    """Parameter bytes of an HF folder in ``dtype``: element counts from the safetensors headers (a tied
+    weight is stored once) times the item size."""
+    import struct
+
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+    item = {"bf16": 2, "f16": 2, "f32": 4}[dtype]
+    n = 0
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(hlen))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                n += (end - start) // sizes[info["dtype"]]
+    return n * item
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result.get('gpu')}  driver {result.get('driver')}  copy {result.get('copy_GBps')} GB/s  "
+          f"commit {str(result.get('commit'))[:12]}")
+    print(f"{'system':<11} {'tok/s':>9} {'roofline':>9} {'frac':>6} {'open→1st':>9}  note")
+    for r in result["rows"]:
+        tps = f"{r['tok_per_s']:.1f}" if r.get("tok_per_s") else "-"
+        roof = f"{r['roofline_tok_per_s']:.1f}" if r.get("roofline_tok_per_s") else "-"
+        frac = f"{r['fraction_of_roofline']:.2f}" if r.get("fraction_of_roofline") else "-"
+        o = f"{r['open_to_first_token_s']:.2f}s" if r.get("open_to_first_token_s") else "-"
+        note = r.get("error") or ""
+        if not note and "tokens_match_hf_eager" in r:
+            note = f"tokens = hf-eager for {r['tokens_match_hf_eager']}/{r['tokens_compared']}"
+        print(f"{r['system']:<11} {tps:>9} {roof:>9} {frac:>6} {o:>9}  {note[:150]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""benchmarks/decode.py end to end on the CPU (its smoke-test mode): a tiny HF model made and saved, built
+with ``lum build``, decoded by lum (reference backend) and HF eager, the JSON written with every field; and
+a lum backend that cannot run becomes that row's error instead of a crash."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "decode.py"
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--model", "tiny-llama", "--dtype", "f32", "--steps", "6", "--warmup", "2",
+           "--prompt-len", "4", "--max-seq", "32", "--device", "cpu", "--out", str(out), "--commit", "test", *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (path,) = out.glob("decode-tiny-llama-f32-*.json")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_decode_benchmark_smoke(tmp_path):
+    d = _run(tmp_path, "--systems", "lum,hf-eager", "--lum-backend", "reference")
+    for key in ("commit", "gpu", "driver", "date", "copy_GBps", "rows"):
+        assert key in d
+    assert d["commit"] == "test" and d["copy_GBps"] > 0
+    rows = {r["system"]: r for r in d["rows"]}
+    assert set(rows) == {"lum", "hf-eager"}
+    for r in rows.values():
+        assert r["error"] is None, r["error"]
+        assert r["model"] == "tiny-llama" and r["dtype"] == "f32"
+        assert r["tok_per_s"] > 0 and r["weight_bytes"] > 0 and r["roofline_tok_per_s"] > 0
+    assert rows["lum"]["open_to_first_token_s"] > 0
+    # the same weights and greedy decoding: lum's reference backend reproduces HF's tokens
+    assert rows["lum"]["tokens_match_hf_eager"] == rows["lum"]["tokens_compared"] == 9
+
+
+@pytest.mark.slow
+def test_decode_benchmark_records_an_unavailable_backend(tmp_path):
+    d = _run(tmp_path, "--systems", "lum", "--lum-backend", "no-such-backend")
+    (row,) = d["rows"]
+    assert row["tok_per_s"] is None and "no-such-backend" in row["error"]
