@@ -13,7 +13,7 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from lum.builder.hlir import Graph
 from lum.builder.models import ModelSpec
 from lum.builder.partition import Chunk, chunk_graph, group_chunks, partition
 from lum.format import __version__ as LUM_VERSION
+from lum.format.dtypes import from_numpy
 from lum.format.llir import Program
 from lum.format.manifest import Call, Entry, GroupRef, Manifest, TensorSpec, WeightRef
 from lum.format.package import PackageWriter
@@ -34,6 +35,9 @@ class BuildOptions:
     budget: int = 0                   # measured-search evaluations per group (0: cost model only)
     compile_kernels: bool = True      # NVRTC cubins for the target (needs no GPU)
     provenance: dict = field(default_factory=dict)
+    max_dyn: dict | None = None       # dyn bounds the kernels may assume (None: from max_seq, see kernels.py)
+    kernel_tuning: dict = field(default_factory=dict)   # codegen keyword arguments for every kernel
+    nvrtc_cache: Any = None           # NVRTC cache dir (None: the default on-disk cache, False: none)
 
 
 @dataclass
@@ -135,11 +139,14 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
     hashes, programs, entries = plan_model(spec, compile_group or cost_model_compiler(spec), progress)
     w = PackageWriter()
     groups = []
+    kernel_info: dict[str, str] = {}
+    if options.compile_kernels:
+        tables, kernel_info = _compile_kernels(w, programs, entries, spec.max_seq, options, progress)
     for k, (h, prog) in enumerate(zip(hashes, programs)):
         section = f"llir/{k}"
         w.add_section(section, prog.dumps().encode(), kind="llir")
         n_calls = sum(1 for e in entries.values() for c in e.calls if c.group == k)
-        groups.append(GroupRef(h, section, n_calls))
+        groups.append(GroupRef(h, section, n_calls, tables[k] if options.compile_kernels else {}))
     weights = {}
     names = list(spec.weights.names())
     for i, name in enumerate(names):
@@ -158,16 +165,48 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
     manifest = Manifest(
         model={"name": spec.name, "arch": cfg.arch, "dtype": spec.dtype.value, "max_seq": spec.max_seq,
                "vocab_size": cfg.vocab_size, "param_count": spec.param_count, "config": cfg.to_hf_dict()},
-        target={"sm": options.target},
+        target={"sm": options.target, **({"nvrtc": kernel_info["nvrtc"]} if kernel_info else {})},
         provenance={"lum": LUM_VERSION, "python": platform.python_version(), "numpy": np.__version__,
                     "source": spec.source, "extraction": "measured" if options.budget else "cost-model",
-                    **_tool_versions(), **options.provenance},
+                    **_tool_versions(), **kernel_info, **options.provenance},
         groups=groups, entries=entries, state=state, weights=weights,
         tokenizer="tokenizer" if tokenizer_json is not None else None,
         generation={"bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_id)},
     )
     w.set_manifest(manifest.to_json())
     return w.write(out)
+
+
+def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[str, Entry], max_seq: int,
+                     options: BuildOptions, progress: ProgressFn | None) -> tuple[list[dict], dict[str, str]]:
+    """NVRTC-compile every group's kernels (one module each) into sections ``cubin/<k>`` (raw, so the
+    loader hands the mapped bytes to the driver) and ``ptx/<k>`` (zstd, optional: only a newer GPU
+    needs it); returns each group's launch table and the provenance entries."""
+    from lum.builder.kernels import compile_group_kernels, default_max_dyn, program_dyn_vars
+
+    # one slot order for the whole package: every group's kernels read the same device dyn buffer
+    dyn_vars = sorted(set(program_dyn_vars(programs)) | {d for e in entries.values() for d in e.dyn})
+    max_dyn = options.max_dyn if options.max_dyn is not None else default_max_dyn(dyn_vars, max_seq)
+    tables = []
+    version = ""
+    for k, prog in enumerate(programs):
+        if progress:
+            progress("kernels", k, len(programs))
+        gk = compile_group_kernels(prog, arch=options.target, dyn_vars=dyn_vars, max_dyn=max_dyn,
+                                   tuning=options.kernel_tuning, cache_dir=options.nvrtc_cache)
+        version = gk.nvrtc
+        table = dict(gk.table)
+        table["cubin"] = table["ptx"] = None
+        if gk.cubin is not None:
+            table["cubin"] = f"cubin/{k}"
+            w.add_section(table["cubin"], gk.cubin, codec="none", kind="cubin")
+            if gk.ptx:
+                table["ptx"] = f"ptx/{k}"
+                w.add_section(table["ptx"], gk.ptx.encode(), kind="ptx", required=False)
+        tables.append(table)
+    if progress:
+        progress("kernels", len(programs), len(programs))
+    return tables, ({"nvrtc": version} if version else {})
 
 
 def _weight_chunks(spec: ModelSpec, name: str):
@@ -188,3 +227,36 @@ def _tool_versions() -> dict[str, str]:
             if m is not None:
                 out[mod] = getattr(m, "__version__", "unknown")
     return out
+
+
+def write_program_package(out: str | Path, programs: list[Program], entries: dict[str, Entry], *,
+                          weights: dict[str, np.ndarray] | None = None, state: dict[str, TensorSpec] | None = None,
+                          model: dict | None = None, options: BuildOptions | None = None) -> Path:
+    """A package from hand-made LLIR programs (no frontend, no e-graph): kernel tests and tools that
+    want to run a specific program through the loaders. ``entries`` call ``programs`` by index;
+    ``weights`` become raw weight sections; ``state`` declares state tensors; ``model`` (e.g.
+    ``{"max_seq": 64}``) bounds the kernels' dyn vars as for a model."""
+    options = options or BuildOptions()
+    model = dict(model or {})
+    w = PackageWriter()
+    tables: list[dict] = [{} for _ in programs]
+    kernel_info: dict[str, str] = {}
+    if options.compile_kernels:
+        tables, kernel_info = _compile_kernels(w, programs, entries, int(model.get("max_seq", 0) or 0), options, None)
+    groups = []
+    for k, prog in enumerate(programs):
+        w.add_section(f"llir/{k}", prog.dumps().encode(), kind="llir")
+        n_calls = sum(1 for e in entries.values() for c in e.calls if c.group == k)
+        groups.append(GroupRef(f"program-{k}", f"llir/{k}", max(n_calls, 1), tables[k]))
+    wrefs = {}
+    for name, arr in (weights or {}).items():
+        arr = np.ascontiguousarray(arr)
+        w.add_section(f"weight/{name}", arr.tobytes(), codec="none", kind="weight")
+        wrefs[name] = WeightRef(name, f"weight/{name}", tuple(arr.shape), from_numpy(arr.dtype))
+    manifest = Manifest(
+        model={"name": "programs", **model},
+        target={"sm": options.target, **({"nvrtc": kernel_info["nvrtc"]} if kernel_info else {})},
+        provenance={"lum": LUM_VERSION, "source": "programs", **kernel_info, **options.provenance},
+        groups=groups, entries=entries, state=dict(state or {}), weights=wrefs)
+    w.set_manifest(manifest.to_json())
+    return w.write(out)

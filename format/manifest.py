@@ -6,10 +6,43 @@ groups (one LLIR program each, section ``llir/<k>``) and, per entry point, the o
 compute it with the names of the values each call reads and writes. Parsing is strict: every field is
 type-checked and every cross-reference resolved, and a violation raises :class:`PackageFormatError`
 with one line, so a corrupt or hostile manifest never reaches the runtime.
+
+``target`` is ``{"sm": "sm_90", "nvrtc": "13.0"}``: the architecture the cubins were compiled for
+(``sm_<digits>`` with an optional ``a``/``f`` feature suffix) and, when kernels were compiled, the
+NVRTC version that compiled them (a driver older than its major version cannot load them).
+
+**Kernel tables** (``groups[k].kernels``, schema version 1). An empty object means the group's
+kernels were not compiled (``BuildOptions.compile_kernels=False``); the CUDA backend then refuses
+the package and the reference backend runs it. Otherwise::
+
+    {"version": 1,
+     "arch": "sm_90",                 # == target.sm
+     "cubin": "cubin/3",              # raw section with the group's module (null iff ops is empty)
+     "ptx": "ptx/3",                  # optional zstd section: the same module as PTX (or null)
+     "dyn_vars": ["p", "s"],          # slot order of the int64 device buffer the kernels read
+     "max_dyn": {"p": 64, "s": 64},   # the kernels' index arithmetic assumes var <= bound
+     "ops": [{"op": 12,               # LLIR op id, one entry per kernel op (kinds of KERNEL_OP_KINDS)
+              "kind": "elementwise",  # its LLIR kind, checked against the program
+              "name": "lum_elementwise_add_…",
+              "launches": [{"kernel": "lum_elementwise_add_…",    # entry point in the cubin
+                            "grid": ["max(1, min(cdiv(64 * s, 1024), 65536))", "1", "1"],
+                            "block": [256, 1, 1], "shared_mem": 0}],
+              "params": ["out", "in0", "in1", "dyn"],             # out, one per op.args, dyn
+              "dyn_slots": {"s": 1},  # the vars this kernel reads
+              "tuning": {…}}]}        # informational: the template parameters used
+
+A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1); launches of one op
+run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
+in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
+``dyn`` the device buffer of int64 values in ``dyn_vars`` order. ``gemm`` ops have no entry: they
+are cuBLASLt calls described by the LLIR alone. The parser checks everything above that a loader
+relies on (names, expressions and their vars, block limits, the parameter convention); the loader
+checks the table against the LLIR (every kernel op covered, kinds and arities equal).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +52,14 @@ from lum.format.expr import Expr, ExprParseError, parse
 
 SCHEMA = "lum.model"
 SCHEMA_VERSION = 1
+KERNEL_TABLE_VERSION = 1
+KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota")
+SM_RE = re.compile(r"sm_(\d{2,3})([af]?)")
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+_VERSION_RE = re.compile(r"\d{1,4}\.\d{1,4}")
+MAX_BLOCK_THREADS = 1024
+MAX_SHARED_MEM = 227 * 1024
+MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
 @dataclass(frozen=True)
@@ -71,11 +112,46 @@ class WeightRef:
 
 
 @dataclass(frozen=True)
+class KernelLaunch:
+    kernel: str                              # entry point in the group's cubin
+    grid: tuple[Expr, Expr, Expr]            # over the table's dyn_vars
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    op: int                                  # LLIR op id
+    kind: str
+    name: str
+    launches: tuple[KernelLaunch, ...]
+    params: tuple[str, ...]                  # "out", "in0" …, "dyn"
+    dyn_slots: dict[str, int] = field(default_factory=dict, compare=False)
+    tuning: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """A group's compiled kernels and how to launch them (parsed ``groups[k].kernels``)."""
+
+    arch: str
+    cubin: str | None
+    ptx: str | None
+    dyn_vars: tuple[str, ...]
+    max_dyn: dict[str, int]
+    ops: tuple[KernelOp, ...]
+
+    def by_op(self) -> dict[int, KernelOp]:
+        return {k.op: k for k in self.ops}
+
+
+@dataclass(frozen=True)
 class GroupRef:
     hash: str
     llir: str                       # section holding the LLIR JSON
     chunks: int                     # how many chunks of the model run this group
-    kernels: dict[str, Any] = field(default_factory=dict)   # filled by the CUDA backend issue
+    kernels: dict[str, Any] = field(default_factory=dict)   # the launch table as stored (see above)
+    table: KernelTable | None = field(default=None, compare=False)   # parsed ``kernels`` (None if empty)
 
     def to_json(self) -> dict[str, Any]:
         return {"hash": self.hash, "llir": self.llir, "chunks": self.chunks, "kernels": self.kernels}
@@ -172,13 +248,16 @@ class _Parser:
         model = self.obj(d.get("model"), "model")
         target = self.obj(d.get("target"), "target")
         provenance = self.obj(d.get("provenance"), "provenance")
+        self.target_(target)
         groups = []
         for i, g in enumerate(self.lst(d.get("groups"), "groups")):
             g = self.obj(g, f"groups[{i}]")
+            kernels = self.obj(g.get("kernels", {}), f"groups[{i}].kernels")
+            table = self.kernel_table(kernels, f"groups[{i}].kernels", target) if kernels else None
             groups.append(GroupRef(self.string(g.get("hash"), f"groups[{i}].hash"),
                                    self.section(g.get("llir"), f"groups[{i}].llir"),
                                    self.integer(g.get("chunks"), f"groups[{i}].chunks", 1),
-                                   self.obj(g.get("kernels", {}), f"groups[{i}].kernels")))
+                                   kernels, table))
         weights = {}
         for name, w in self.obj(d.get("weights"), "weights").items():
             w = self.obj(w, f"weights[{name!r}]")
@@ -194,6 +273,85 @@ class _Parser:
         tokenizer = None if tok is None else self.section(tok, "tokenizer")
         return Manifest(model, target, provenance, groups, entries, state, weights, tokenizer,
                         self.obj(d.get("generation", {}), "generation"))
+
+    def target_(self, t: dict) -> None:
+        sm = t.get("sm")
+        if sm is not None and (not isinstance(sm, str) or not SM_RE.fullmatch(sm)):
+            raise self.fail("target.sm", f"expected an architecture like 'sm_90', found {sm!r}")
+        nv = t.get("nvrtc")
+        if nv is not None and (not isinstance(nv, str) or not _VERSION_RE.fullmatch(nv)):
+            raise self.fail("target.nvrtc", f"expected a version like '13.0', found {nv!r}")
+
+    def kernel_table(self, d: dict, where: str, target: dict) -> KernelTable:
+        if d.get("version") != KERNEL_TABLE_VERSION:
+            raise self.fail(where + ".version", f"unsupported kernel table version {d.get('version')!r} "
+                                                f"(this loader reads {KERNEL_TABLE_VERSION})")
+        arch = self.string(d.get("arch"), where + ".arch")
+        if not SM_RE.fullmatch(arch):
+            raise self.fail(where + ".arch", f"expected an architecture like 'sm_90', found {arch!r}")
+        if target.get("sm") != arch:
+            raise self.fail(where + ".arch", f"kernels compiled for {arch} but the package targets "
+                                             f"{target.get('sm')!r}")
+        cubin = None if d.get("cubin") is None else self.section(d.get("cubin"), where + ".cubin")
+        ptx = None if d.get("ptx") is None else self.section(d.get("ptx"), where + ".ptx")
+        dyn_vars = tuple(self.ident(x, where + ".dyn_vars") for x in self.lst(d.get("dyn_vars"), where + ".dyn_vars"))
+        if len(set(dyn_vars)) != len(dyn_vars):
+            raise self.fail(where + ".dyn_vars", f"duplicate names in {list(dyn_vars)}")
+        max_dyn = {}
+        for k, v in self.obj(d.get("max_dyn", {}), where + ".max_dyn").items():
+            if k not in dyn_vars:
+                raise self.fail(where + ".max_dyn", f"bound for {k!r}, which is not in dyn_vars")
+            max_dyn[k] = self.integer(v, f"{where}.max_dyn[{k!r}]")
+        ops: list[KernelOp] = []
+        for j, o in enumerate(self.lst(d.get("ops"), where + ".ops")):
+            ow = f"{where}.ops[{j}]"
+            o = self.obj(o, ow)
+            op_id = self.integer(o.get("op"), ow + ".op")
+            if ops and op_id <= ops[-1].op:
+                raise self.fail(ow + ".op", "ops must be sorted by op id without duplicates")
+            kind = self.string(o.get("kind"), ow + ".kind")
+            if kind not in KERNEL_OP_KINDS:
+                raise self.fail(ow + ".kind", f"{kind!r} is not a kernel op kind {KERNEL_OP_KINDS}")
+            launches = []
+            raw = self.lst(o.get("launches"), ow + ".launches")
+            if not 1 <= len(raw) <= 4:
+                raise self.fail(ow + ".launches", f"expected 1 to 4 launches, found {len(raw)}")
+            for li, lc in enumerate(raw):
+                lw = f"{ow}.launches[{li}]"
+                lc = self.obj(lc, lw)
+                grid = tuple(self.expr(x, lw + ".grid") for x in self.lst(lc.get("grid"), lw + ".grid"))
+                block = tuple(self.integer(x, lw + ".block", 1, MAX_BLOCK_THREADS)
+                              for x in self.lst(lc.get("block"), lw + ".block"))
+                if len(grid) != 3 or len(block) != 3:
+                    raise self.fail(lw, "grid and block need 3 dimensions each")
+                if block[0] * block[1] * block[2] > MAX_BLOCK_THREADS:
+                    raise self.fail(lw + ".block", f"{list(block)} exceeds {MAX_BLOCK_THREADS} threads")
+                for g in grid:
+                    extra = g.vars() - set(dyn_vars)
+                    if extra:
+                        raise self.fail(lw + ".grid", f"uses {sorted(extra)}, which are not in dyn_vars")
+                shared = self.integer(lc.get("shared_mem", 0), lw + ".shared_mem", 0, MAX_SHARED_MEM)
+                name = self.ident(lc.get("kernel"), lw + ".kernel")
+                launches.append(KernelLaunch(name, grid, block, shared))  # type: ignore[arg-type]
+            params = tuple(self.string(x, ow + ".params") for x in self.lst(o.get("params"), ow + ".params"))
+            n_in = len(params) - 2
+            if n_in < 0 or params != ("out",) + tuple(f"in{k}" for k in range(n_in)) + ("dyn",):
+                raise self.fail(ow + ".params", f"expected ['out', 'in0', …, 'dyn'], found {list(params)}")
+            slots = {}
+            for k, v in self.obj(o.get("dyn_slots", {}), ow + ".dyn_slots").items():
+                if k not in dyn_vars or v != dyn_vars.index(k):
+                    raise self.fail(ow + ".dyn_slots", f"slot of {k!r} disagrees with dyn_vars {list(dyn_vars)}")
+                slots[k] = v
+            ops.append(KernelOp(op_id, kind, self.string(o.get("name"), ow + ".name"), tuple(launches), params,
+                                slots, self.obj(o.get("tuning", {}), ow + ".tuning")))
+        if ops and cubin is None:
+            raise self.fail(where + ".cubin", "the table has kernels but names no cubin section")
+        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops))
+
+    def ident(self, v: Any, where: str) -> str:
+        if not isinstance(v, str) or not _IDENT_RE.fullmatch(v):
+            raise self.fail(where, f"expected a C identifier, found {v!r}"[:200])
+        return v
 
     def entry(self, name: str, d: Any, n_groups: int, globals_: set[str]) -> Entry:
         where = f"entries[{name!r}]"

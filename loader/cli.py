@@ -306,7 +306,7 @@ def run_cmd(
     dt = time.perf_counter() - t0
     text = tok.decode(out) if tok is not None else None
     result = {"tokens": out, "text": text, "tok_per_s": (len(out) / dt) if dt > 0 else None,
-              "backend": sess.backend}
+              "backend": sess.backend, "backend_reason": sess.backend_reason}
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

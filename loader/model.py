@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from lum.format.errors import LumError, PackageFormatError
+from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import Expr
 from lum.format.llir import Program
-from lum.format.manifest import Entry, Manifest
+from lum.format.manifest import KERNEL_OP_KINDS, Entry, Manifest
 from lum.format.package import PackageReader, open_package
 from lum.format.shapetracker import numel
 from lum.loader.arena import ArenaPlan, BufferRequest, plan_arena
@@ -53,6 +53,7 @@ class Package:
             self.manifest = Manifest.from_json(self.reader.manifest, set(self.reader.names()))
             self.programs = [self._program(i) for i in range(len(self.manifest.groups))]
             self._check_calls()
+            self._check_kernels()
         except LumError as exc:
             self.reader.close()
             if exc.path is None:
@@ -82,6 +83,30 @@ class Package:
                         f"entry {entry.name!r} call {k}: group {call.group} takes {n_in} inputs and gives {n_out} "
                         f"outputs, the call binds {len(call.inputs)} and {len(call.outputs)}")
 
+    def _check_kernels(self) -> None:
+        """Each group's launch table (parsed strictly by the manifest) must match its LLIR exactly:
+        one entry per kernel op, same kind, one ``in`` parameter per argument, ops that exist."""
+        for i, (ref, prog) in enumerate(zip(self.manifest.groups, self.programs)):
+            if ref.table is None:
+                continue
+            table = ref.table.by_op()
+            for op in prog.ops:
+                k = table.pop(op.id, None)
+                if op.kind in KERNEL_OP_KINDS:
+                    if k is None:
+                        raise PackageFormatError(f"group {i}: LLIR op {op.id} ({op.kind}) has no kernel in the "
+                                                 "launch table")
+                    if k.kind != op.kind or len(k.params) != len(op.args) + 2:
+                        raise PackageFormatError(f"group {i}: the launch table's op {op.id} ({k.kind}, "
+                                                 f"{len(k.params) - 2} buffers) does not match the LLIR "
+                                                 f"({op.kind}, {len(op.args)} arguments)")
+                elif k is not None:
+                    raise PackageFormatError(f"group {i}: the launch table has a kernel for LLIR op {op.id}, "
+                                             f"a {op.kind} op")
+            if table:
+                raise PackageFormatError(f"group {i}: the launch table names LLIR ops {sorted(table)[:5]} that "
+                                         "do not exist")
+
     # ------------------------------------------------------------------ access
     @property
     def entries(self) -> dict[str, Entry]:
@@ -106,8 +131,10 @@ class Package:
         """Hash every section (weights and cubins included)."""
         self.reader.verify()
 
-    def session(self, dyn: Mapping[str, int] | None = None, backend: str = "auto") -> Session:
-        return Session(self, dict(dyn or {}), backend)
+    def session(self, dyn: Mapping[str, int] | None = None, backend: str = "auto", **options: Any) -> Session:
+        """A session: ``dyn`` bounds the dyn values it will run (CUDA sizes its memory for them; default
+        ``s`` = max_seq, ``p`` = max_seq - 1); ``options`` go to the CUDA backend (see :class:`Session`)."""
+        return Session(self, dict(dyn or {}), backend, **options)
 
     # ------------------------------------------------------------------ buffer plan
     def buffers(self, entry: str) -> list[BufferInfo]:
@@ -144,13 +171,22 @@ class Package:
                     names[op.id] = value
                     continue
                 name = f"c{c}.{op.id}"
-                names[op.id] = name
                 alias = None
-                if op.alias is not None:
-                    target = names[op.args[op.alias].src]
-                    alias = target if target in out else None
+                alias_arg = 0 if op.kind == "scatter_nocopy" else op.alias
+                if alias_arg is not None:
+                    target = names[op.args[alias_arg].src]
+                    if target not in out:
+                        # in place into a buffer that lives outside the arena (a state input: the
+                        # KV cache): the op's buffer *is* that one and takes no arena space
+                        names[op.id] = target
+                        continue
+                    alias = target
+                names[op.id] = name
                 size = numel(op.shape) * op.dtype.itemsize
                 out[name] = BufferInfo(name, size, step, step, alias, "intermediate")
+        for t in e.outputs:                 # the entry's results must survive until the run ends
+            if t.name in out:
+                last_use[t.name] = step
         return [BufferInfo(b.name, b.size, b.first, max(b.last, last_use.get(b.name, b.last)), b.alias_of, b.kind)
                 for b in out.values()]
 
@@ -178,25 +214,27 @@ def open(path: str | os.PathLike, verify: str = "metadata") -> Package:  # noqa:
     return Package(path, verify)
 
 
-class Session:
-    """Runs a package's entry points, carrying its state (KV caches) between calls."""
+class ReferenceRunner:
+    """The numpy reference backend: runs each call's LLIR with :func:`lum.loader.reference_backend.execute`,
+    weights zero-copy from the memory map, state in numpy arrays updated in place."""
 
-    def __init__(self, pkg: Package, dyn: dict[str, int], backend: str):
-        if backend not in BACKENDS:
-            raise SessionError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-        if backend == "cuda":
-            raise BackendUnavailableError("the CUDA backend is not available in this build of lum")
-        self.backend = "reference"
+    name = "reference"
+
+    def __init__(self, pkg: Package):
         self.pkg = pkg
-        self.dyn = dyn
         self._weights: dict[str, np.ndarray] = {}
         self.state = {n: np.zeros(t.concrete_shape({}), dtype=t.dtype.np) for n, t in pkg.manifest.state.items()}
-        self.position = 0
 
     def reset(self) -> None:
         for arr in self.state.values():
             arr[...] = 0
-        self.position = 0
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return self.state
+
+    def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        for n, arr in arrays.items():
+            self.state[n][...] = arr
 
     def _value(self, name: str, values: dict[str, np.ndarray]) -> np.ndarray:
         if name in values:
@@ -214,19 +252,7 @@ class Session:
         from lum.loader.reference_backend import execute
 
         e = self.pkg.entry(entry)
-        dyn = {k: int(v) for k, v in dyn.items()}
-        missing = [d for d in e.dyn if d not in dyn]
-        if missing:
-            raise SessionError(f"entry {entry!r} needs dyn values for {missing}")
-        values: dict[str, np.ndarray] = {}
-        for spec in e.inputs:
-            if spec.name not in inputs:
-                raise SessionError(f"entry {entry!r} needs input {spec.name!r}")
-            arr = np.asarray(inputs[spec.name])
-            want = spec.concrete_shape(dyn)
-            if arr.shape != want:
-                raise SessionError(f"input {spec.name!r} has shape {arr.shape}, entry {entry!r} expects {want}")
-            values[spec.name] = arr.astype(spec.dtype.np, copy=False)
+        values = dict(inputs)
         for call in e.calls:
             prog = self.pkg.programs[call.group]
             bound = {op.params["name"]: self._value(v, values) for op, v in zip(prog.inputs(), call.inputs)}
@@ -237,7 +263,125 @@ class Session:
                     self.state[v][...] = arr
                 else:
                     values[v] = arr
-        return {t.name: values[t.name] if t.name in values else self.state[t.name] for t in e.outputs}
+        return {t.name: values[t.name] if t.name in values else self.state[t.name].copy() for t in e.outputs}
+
+    def close(self) -> None:
+        pass
+
+
+def _make_runner(pkg: Package, dyn: dict[str, int], backend: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """(runner, one-line reason). ``auto`` takes CUDA only when the device matches the package's sm
+    exactly and everything else is in place; any reason it cannot becomes ``backend_reason``."""
+    if backend == "reference":
+        return ReferenceRunner(pkg), "the reference backend was asked for"
+    try:
+        from lum.loader.cuda.runner import CudaRunner   # imports cuda-python: only now
+
+        opts = dict(options)
+        if backend == "auto":
+            opts["allow_ptx"] = False
+        runner = CudaRunner(pkg, dyn, **opts)
+        return runner, runner.reason
+    except (BackendUnavailableError, IncompatibleTargetError) as exc:
+        if backend == "cuda":
+            raise
+        return ReferenceRunner(pkg), f"reference backend, because {exc.reason}"
+
+
+class Session:
+    """Runs a package's entry points, carrying its state (KV caches) between calls.
+
+    ``backend``: ``"reference"`` (numpy), ``"cuda"`` (raises :class:`BackendUnavailableError` or
+    :class:`IncompatibleTargetError` when it cannot run here) or ``"auto"`` (CUDA when a GPU of the
+    package's sm and everything it needs are present, else the reference backend; ``backend_reason``
+    says which and why). Both run the same LLIR with the same ``run``/``generate`` semantics.
+
+    ``dyn`` bounds the dyn values later runs may use (the CUDA backend sizes its arena for them).
+    CUDA options: ``device`` (ordinal, default 0), ``graphs`` (capture and replay CUDA graphs,
+    default True), ``graph_cache`` (graphs kept per entry, LRU, default 1024), ``upload_method``
+    (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure).
+    """
+
+    def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):
+        if backend not in BACKENDS:
+            raise SessionError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        self.pkg = pkg
+        self.dyn = dyn
+        self.position = 0
+        self._runner, self.backend_reason = _make_runner(pkg, dyn, backend, options)
+        self.backend: str = self._runner.name
+
+    # ------------------------------------------------------------------ backend-specific views
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The state tensors (KV caches): the live arrays on the reference backend, host copies on CUDA."""
+        return self._runner.state_arrays()
+
+    @property
+    def upload_gbps(self) -> float | None:
+        """Weight upload rate of the CUDA backend (GB/s, mmap → device); None on the reference backend."""
+        up = getattr(self._runner, "upload", None)
+        return None if up is None else up.gbps
+
+    @property
+    def runner(self) -> Any:
+        """The backend object (``ReferenceRunner`` or ``lum.loader.cuda.runner.CudaRunner``)."""
+        return self._runner
+
+    def reset(self) -> None:
+        self._runner.reset()
+        self.position = 0
+
+    def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite state tensors (KV caches) by name with host arrays of their shape and dtype."""
+        unknown = set(arrays) - set(self.pkg.manifest.state)
+        if unknown:
+            raise SessionError(f"no state named {sorted(unknown)}")
+        self._runner.load_state(arrays)
+
+    def close(self) -> None:
+        """Free the backend's resources (device memory, graphs, modules). Idempotent."""
+        self._runner.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ running
+    def _inputs(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> tuple[dict, dict]:
+        e = self.pkg.entry(entry)
+        dyn = {k: int(v) for k, v in dyn.items()}
+        missing = [d for d in e.dyn if d not in dyn]
+        if missing:
+            raise SessionError(f"entry {entry!r} needs dyn values for {missing}")
+        negative = [f"{k}={v}" for k, v in dyn.items() if v < 0]
+        if negative:
+            raise SessionError(f"dyn values must be non-negative: {negative}")
+        values: dict[str, np.ndarray] = {}
+        for spec in e.inputs:
+            if spec.name not in inputs:
+                raise SessionError(f"entry {entry!r} needs input {spec.name!r}")
+            arr = np.asarray(inputs[spec.name])
+            want = spec.concrete_shape(dyn)
+            if arr.shape != want:
+                raise SessionError(f"input {spec.name!r} has shape {arr.shape}, entry {entry!r} expects {want}")
+            values[spec.name] = arr.astype(spec.dtype.np, copy=False)
+        return values, dyn
+
+    def run(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> dict[str, np.ndarray]:
+        """Run ``entry``; returns its outputs as host numpy arrays."""
+        values, dyn = self._inputs(entry, inputs, dyn)
+        return self._runner.run(entry, values, dyn)
+
+    def run_device(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> dict[str, Any]:
+        """CUDA only: run ``entry`` and leave its outputs on the device as ``DeviceArray`` objects
+        (``__cuda_array_interface__`` and DLPack), valid until the session's next run."""
+        if not hasattr(self._runner, "run_device"):
+            raise SessionError(f"run_device needs the CUDA backend; this session uses {self.backend}")
+        values, dyn = self._inputs(entry, inputs, dyn)
+        return self._runner.run_device(entry, values, dyn)
 
     # ------------------------------------------------------------------ LLM convenience
     def generate(self, token_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
@@ -256,14 +400,22 @@ class Session:
         eos = set(self.pkg.manifest.generation.get("eos_token_ids", [])) if stop_at_eos else set()
         self.reset()
         ids = np.asarray(token_ids, dtype=np.int32)
-        logits = self.run("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+        logits = self._last_logits("prefill", {"tokens": ids}, {"s": len(ids)})
         self.position = len(ids)
         out: list[int] = []
         while len(out) < max_new_tokens:
-            nxt = int(np.argmax(logits[-1]))
+            nxt = int(np.argmax(logits))
             out.append(nxt)
             if nxt in eos or len(out) == max_new_tokens:
                 break
-            logits = self.run("decode", {"tokens": np.asarray([nxt], np.int32)}, {"p": self.position})["logits"]
+            logits = self._last_logits("decode", {"tokens": np.asarray([nxt], np.int32)}, {"p": self.position})
             self.position += 1
         return out
+
+    def _last_logits(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> np.ndarray:
+        """The last row of ``logits``; on the GPU only that row comes back to the host (a prefill's
+        logits are [s, vocab], easily hundreds of MB)."""
+        if hasattr(self._runner, "run_device"):
+            dev = self.run_device(entry, inputs, dyn)["logits"]
+            return dev.row(-1).numpy()
+        return self.run(entry, inputs, dyn)["logits"][-1]

@@ -1,0 +1,129 @@
+"""A group's kernels, built: every kernel op of its LLIR program through codegen, one NVRTC module.
+
+    gk = compile_group_kernels(program, arch="sm_90", dyn_vars=["p", "s"], max_dyn={"p": 64, "s": 64})
+    gk.cubin, gk.ptx          # for sections cubin/<k> (raw) and ptx/<k> (zstd)
+    gk.table                  # the launch table, stored as the manifest's groups[k].kernels
+
+One module per group (not per kernel) because an NVRTC call costs ~0.25 s whatever its size, and
+because a loaded module is the unit the loader keeps per session. NVRTC needs no GPU, so a package
+built on a CPU box carries real cubins for its target (plus PTX, which a newer driver can JIT).
+Compiles go through :func:`lum.builder.nvrtc.compile_cuda`'s on-disk cache keyed by source hash,
+so rebuilding a model (or the test suite) re-runs NVRTC only for groups whose kernels changed.
+
+The launch table (schema in :mod:`lum.format.manifest`) is everything the loader needs to launch a
+kernel op without codegen: kernel names, grid expressions as text, block, dynamic shared memory,
+the parameter order (``out, in0 … in{n-1}, dyn`` — ``inK`` is the buffer of ``op.args[K]``), the
+dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the tuning parameters used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from lum.builder.codegen import KernelSource, generate_program, module_source
+from lum.format.llir import Program
+
+__all__ = ["KERNEL_TABLE_VERSION", "GroupKernels", "launch_table", "compile_group_kernels", "program_dyn_vars",
+           "default_max_dyn"]
+
+KERNEL_TABLE_VERSION = 1
+
+
+@dataclass
+class GroupKernels:
+    """One group's compiled kernels. ``cubin`` and ``ptx`` are None when the group has no kernel op
+    (only library calls and inputs/outputs): it then gets no sections and a table with no ops."""
+
+    table: dict[str, Any]
+    cubin: bytes | None
+    ptx: str | None
+    source: str
+    nvrtc: str
+    seconds: float = 0.0                 # NVRTC wall time (0 when every compile hit the cache)
+    cached: bool = False
+    sources: dict[int, KernelSource] = field(default_factory=dict, repr=False)
+
+
+def program_dyn_vars(programs: Iterable[Program]) -> list[str]:
+    """Every dyn var the programs mention (shapes, views, params), sorted: the package-wide slot order."""
+    from lum.format.expr import Expr
+
+    names: set[str] = set()
+    for program in programs:
+        for o in program.ops:
+            for d in o.shape:
+                names |= d.vars()
+            for a in o.args:
+                v = a.view
+                for x in (*v.shape, *v.strides, v.offset, *(b for lh in (v.mask or ()) for b in lh)):
+                    names |= x.vars()
+            for p in o.params.values():
+                if isinstance(p, Expr):
+                    names |= p.vars()
+    return sorted(names)
+
+
+def default_max_dyn(dyn_vars: Sequence[str], max_seq: int | None) -> dict[str, int]:
+    """Bounds the kernels' index arithmetic may assume (32-bit indexing where they make it fit).
+
+    Only the LLM vars whose meaning lum defines are bounded: ``s`` (prompt length) ≤ max_seq and
+    ``p`` (past length) < max_seq. Any other var stays unbounded (64-bit indexing). The loader
+    refuses dyn values beyond these bounds, so a bound is a promise, not a hint."""
+    if not max_seq:
+        return {}
+    known = {"s": int(max_seq), "p": int(max_seq)}
+    return {v: known[v] for v in dyn_vars if v in known}
+
+
+def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *, arch: str,
+                 dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The JSON launch table of a program's kernel ops (pure: no NVRTC). Section names (``cubin``,
+    ``ptx``) are left for the package builder to fill in."""
+    ops = []
+    for op in program.ops:
+        ks = sources.get(op.id)
+        if ks is None:
+            continue
+        if tuple(ks.dyn_vars) != tuple(dyn_vars):
+            raise ValueError(f"op {op.id}: kernel compiled for dyn slots {list(ks.dyn_vars)}, not {list(dyn_vars)}")
+        params = [p.name for p in ks.params]
+        want = ["out"] + [f"in{k}" for k in range(len(op.args))] + ["dyn"]
+        if params != want:
+            raise ValueError(f"op {op.id}: kernel parameters {params} do not follow the convention {want}")
+        ops.append({
+            "op": op.id, "kind": op.kind, "name": ks.name,
+            "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
+                          "shared_mem": int(lc.shared_mem)} for lc in ks.launches],
+            "params": params,
+            "dyn_slots": dict(ks.dyn_slots),
+            "tuning": {k: v for k, v in sorted(ks.tuning.items())},
+        })
+    return {"version": KERNEL_TABLE_VERSION, "arch": arch, "dyn_vars": list(dyn_vars),
+            "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops}
+
+
+def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,
+                          max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
+                          ptx: bool = True, cache_dir: Any = None) -> GroupKernels:
+    """Generate every kernel op of ``program`` and compile them as one NVRTC module for ``arch``.
+
+    ``dyn_vars``: the dyn-buffer slot order (default: the program's own vars, sorted; a package
+    passes one order for all its groups so one device buffer serves every launch). ``max_dyn``:
+    see :func:`default_max_dyn`. ``tuning``: keyword arguments for :func:`lum.builder.codegen.generate`.
+    """
+    from lum.builder import nvrtc
+
+    if dyn_vars is None:
+        dyn_vars = program_dyn_vars([program])
+    dyn_vars = list(dyn_vars)
+    max_dyn = {k: int(v) for k, v in (max_dyn or {}).items() if k in dyn_vars}
+    gen = generate_program(program, dyn_vars, max_dyn=max_dyn or None, **dict(tuning or {}))
+    sources = {i: ks for i, ks in gen.items() if ks is not None}
+    table = launch_table(program, sources, arch=arch, dyn_vars=dyn_vars, max_dyn=max_dyn)
+    version = "%d.%d" % nvrtc.nvrtc_version()
+    if not sources:
+        return GroupKernels(table, None, None, "", version, 0.0, True, {})
+    src = module_source(list(sources.values()))
+    res = nvrtc.compile_cuda(src, arch, name=f"{program.name or 'group'}.cu", ptx=ptx, cache_dir=cache_dir)
+    return GroupKernels(table, res.cubin, res.ptx if ptx else None, src, version, res.seconds, res.cached, sources)

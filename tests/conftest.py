@@ -1,0 +1,17 @@
+"""Shared fixtures. ``cuda_device``: the GPU tests' gate — a usable CUDA device, or a skip saying why."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    """:class:`lum.loader.cuda.driver.DeviceInfo` of device 0 after a successful ``cuInit``; skips the
+    test (with the reason: no cuda-python, no driver, no device) where there is none."""
+    try:
+        from lum.loader.cuda import driver as cu
+
+        return cu.device_info(0)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no GPU tests here
+        pytest.skip(f"no usable CUDA device: {' '.join(str(exc).split())[:200]}")

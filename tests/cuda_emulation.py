@@ -1,0 +1,228 @@
+"""Run lum's CUDA backend without a GPU: a fake libcuda (tests/fake_cuda.c: host memory, graph capture
+and replay, misuse checks), lum's generated kernels compiled for the host (CUDA threads as coroutines
+where a kernel synchronises, a plain loop where it does not), and the host-memory cuBLASLt of
+tests/fake_cublaslt.c routed through the fake stream so graph capture records it.
+
+Everything the CUDA backend does in Python — driver calls and their argument types, pointers,
+arena/state/weight layouts, parameter packing, graph capture, replay and eviction, dyn buffer
+updates, in-place KV-cache writes, output copies — then runs for real; only the GPU itself is
+missing. :func:`run_emulated` executes a script in a subprocess whose dynamic loader finds the fake
+libcuda first (cuda-bindings loads the driver once per process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from lum.builder.codegen import KernelSource, module_source
+
+CC = shutil.which("cc") or shutil.which("gcc")
+CXX = shutil.which("g++") or shutil.which("clang++")
+HERE = Path(__file__).resolve().parent
+
+_SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+#include <functional>
+#include <ucontext.h>
+// CUDA threads of a block as coroutines on one OS thread: a barrier (__syncthreads, or a warp shuffle,
+// which lum's templates always call with every thread of the block) yields to the scheduler, which
+// resumes each thread in turn; a round ends when every thread has reached the barrier or finished.
+struct lum_dim3 { unsigned x = 0, y = 0, z = 0; };
+static lum_dim3 threadIdx, blockIdx, blockDim, gridDim;
+static ucontext_t lum_sched;
+static std::vector<ucontext_t> lum_ctx;
+static std::vector<char*> lum_stacks;
+static std::vector<uint64_t> lum_slots;
+static std::vector<char> lum_done;
+static const std::function<void()>* lum_fn = nullptr;
+static unsigned lum_cur = 0;
+static void lum_yield() { swapcontext(&lum_ctx[lum_cur], &lum_sched); }
+static void __syncthreads() { lum_yield(); }
+template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {
+  const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
+  uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
+  lum_slots[tid] = bits;
+  lum_yield();
+  int src = lane ^ lane_mask;
+  if (src / width != lane / width) src = lane;
+  uint64_t got = lum_slots[warp * 32 + src];
+  lum_yield();
+  T out; std::memcpy(&out, &got, sizeof(T)); return out;
+}
+static void lum_entry() { (*lum_fn)(); lum_done[lum_cur] = 1; }
+static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std::function<void()>& fn) {
+  gridDim.x = grid; blockDim.x = block;
+  if (!threaded) {   // no barriers or shuffles: the threads of a block can run one after another
+    for (unsigned b = 0; b < grid; ++b)
+      for (unsigned t = 0; t < block; ++t) { threadIdx.x = t; blockIdx.x = b; fn(); }
+    return;
+  }
+  const size_t stack = 256 * 1024;
+  while (lum_stacks.size() < block) lum_stacks.push_back((char*)std::malloc(stack));
+  lum_ctx.resize(block > lum_ctx.size() ? block : lum_ctx.size());
+  lum_slots.assign(block, 0);
+  lum_fn = &fn;
+  for (unsigned b = 0; b < grid; ++b) {
+    blockIdx.x = b;
+    lum_done.assign(block, 0);
+    for (unsigned t = 0; t < block; ++t) {
+      getcontext(&lum_ctx[t]);
+      lum_ctx[t].uc_stack.ss_sp = lum_stacks[t];
+      lum_ctx[t].uc_stack.ss_size = stack;
+      lum_ctx[t].uc_link = &lum_sched;
+      makecontext(&lum_ctx[t], lum_entry, 0);
+    }
+    for (bool left = true; left;) {
+      left = false;
+      for (unsigned t = 0; t < block; ++t) {
+        if (lum_done[t]) continue;
+        lum_cur = t; threadIdx.x = t;
+        swapcontext(&lum_sched, &lum_ctx[t]);
+        if (!lum_done[t]) left = true;
+      }
+    }
+  }
+}
+#define __CUDACC__ 1
+#define __host__
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+"""
+
+
+def _ptype(ctype: str) -> str:
+    return re.sub(r"\b__restrict__\b", "", ctype.rsplit(" ", 1)[0]).strip()
+
+
+def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
+    """Compile ``kernels`` for the host; each launch kernel ``K`` gets ``run_K(void** params, grid, block)``
+    taking ``cuLaunchKernel``-style parameters (an array of pointers to the values)."""
+    uniq: dict[str, KernelSource] = {}
+    for k in kernels:
+        uniq.setdefault(k.name, k)
+    src = [_SHIM, module_source(list(uniq.values()))]
+    for k in uniq.values():
+        threaded = "__syncthreads" in k.body or "__shfl" in k.body
+        for lc in k.launches:
+            args = ", ".join(f"*({_ptype(p.ctype)}*)p[{i}]" for i, p in enumerate(k.params))
+            sync = "true" if threaded else "false"
+            src.append(f'extern "C" void run_{lc.kernel}(void** p, unsigned grid, unsigned block) '
+                       f'{{ lum_emu_run(grid, block, {sync}, [&] {{ {lc.kernel}({args}); }}); }}')
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cpp = out_dir / "kernels.cpp"
+    cpp.write_text("\n".join(src))
+    so = out_dir / "libkernels.so"
+    r = subprocess.run([CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
+                        "-o", str(so), str(cpp)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[:5000])
+    return so
+
+
+def package_kernel_sources(pkg: Any) -> list[KernelSource]:
+    """Regenerate a package's kernels from its LLIR and launch tables (same sources, so same names)."""
+    from lum.builder.codegen import generate_program
+
+    out = []
+    for ref, prog in zip(pkg.manifest.groups, pkg.programs):
+        t = ref.table
+        if t is None or not t.ops:
+            continue
+        gen = generate_program(prog, list(t.dyn_vars), max_dyn=dict(t.max_dyn) or None)   # default tuning
+        for k in t.ops:
+            ks = gen[k.op]
+            if ks is None or [lc.kernel for lc in ks.launches] != [lc.kernel for lc in k.launches]:
+                raise RuntimeError(f"op {k.op}: regenerated kernel differs from the package's ({k.name})")
+            out.append(ks)
+    return out
+
+
+def fake_driver(out_dir: Path) -> Path:
+    """Build tests/fake_cuda.c as ``out_dir/libcuda.so.1``; returns the folder."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so = out_dir / "libcuda.so.1"
+    r = subprocess.run([CC, "-shared", "-fPIC", "-O1", "-o", str(so), "-Wl,-soname,libcuda.so.1",
+                        str(HERE / "fake_cuda.c"), "-ldl"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[:5000])
+    return out_dir
+
+
+def fake_cublaslt(out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so = out_dir / "libfakecublasLt.so"
+    r = subprocess.run([CC, "-shared", "-fPIC", "-O1", "-o", str(so), str(HERE / "fake_cublaslt.c")],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[:5000])
+    return so
+
+
+# The prelude of every emulated script: route the fake cuBLASLt's matmuls through the fake stream (so
+# a graph capture records them) and load it instead of the real library.
+PRELUDE = r'''
+import ctypes, json, os, sys
+import numpy as np
+from lum.loader import cublaslt as _lt
+_FAKE = ctypes.CDLL("libcuda.so.1")
+_FAKE.fake_enqueue_host.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+for _n in ("fake_live", "fake_launches", "fake_graph_launches", "fake_captures"):
+    getattr(_FAKE, _n).restype = ctypes.c_long
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_PENDING = {}
+_NEXT = [1]
+
+@_HOST_FN
+def _host_call(arg):
+    _PENDING[arg]()
+
+class _Plan:
+    def __init__(self, plan): self._p = plan
+    def __getattr__(self, k): return getattr(self._p, k)
+    def run(self, stream, a, b, c, ws=0, wsn=0):
+        key = _NEXT[0]; _NEXT[0] += 1
+        _PENDING[key] = lambda: self._p.run(0, a, b, c, ws, wsn)
+        assert _FAKE.fake_enqueue_host(stream, _host_call, key) == 0
+
+_orig_plan = _lt.CublasLt.matmul_plan
+_lt.CublasLt.matmul_plan = lambda self, *a, **k: _Plan(_orig_plan(self, *a, **k))
+_orig_load = _lt.CublasLt.load.__func__
+_lt.CublasLt.load = classmethod(lambda cls, path=None: _orig_load(cls, os.environ["LUM_FAKE_CUBLASLT"]))
+
+def fake_stats():
+    return {"live": [_FAKE.fake_live(i) for i in range(7)], "launches": _FAKE.fake_launches(),
+            "graph_launches": _FAKE.fake_graph_launches(), "captures": _FAKE.fake_captures(),
+            "bad_guards": _FAKE.fake_check_guards()}
+'''
+
+
+def run_emulated(script: str, *, driver_dir: Path, kernels: Path | None, cublaslt: Path | None,
+                 env: dict[str, str] | None = None, timeout: int = 600) -> Any:
+    """Run ``PRELUDE + script`` in a fresh interpreter on the fake driver; the script prints one JSON
+    line last, which is returned."""
+    e = dict(os.environ)
+    e["LD_LIBRARY_PATH"] = f"{driver_dir}:{e.get('LD_LIBRARY_PATH', '')}"
+    if kernels is not None:
+        e["LUM_FAKE_CUDA_KERNELS"] = str(kernels)
+    if cublaslt is not None:
+        e["LUM_FAKE_CUBLASLT"] = str(cublaslt)
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", PRELUDE + script], capture_output=True, text=True, env=e,
+                       timeout=timeout, cwd=str(HERE.parent))
+    if r.returncode != 0:
+        raise AssertionError(f"emulated run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])

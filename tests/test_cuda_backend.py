@@ -1,0 +1,347 @@
+"""The CUDA backend's pure parts, on the CPU: launch tables (build → manifest → loader checks), target
+compatibility, grid buckets and segments, pointer layout and kernel-parameter packing, the buffer
+plan's in-place rules, session bounds, and that ``import lum.loader`` stays free of cuda-python.
+(tests/test_cuda_emulated.py runs the whole backend on a host-emulated driver; tests/test_gpu.py on a GPU.)
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import lum.loader
+from lum.builder.kernels import compile_group_kernels, default_max_dyn, launch_table, program_dyn_vars
+from lum.format.dtypes import DType
+from lum.format.errors import PackageFormatError
+from lum.format.expr import Var, as_expr, parse
+from lum.format.manifest import Manifest
+from lum.loader.cuda.plan import Layout, ParamPack, bucket, build_entry_plan, is_flat_prefix
+from lum.loader.cuda.target import check_target, parse_sm
+from lum.loader.cuda.upload import pack
+from lum.format.shapetracker import ShapeTracker
+from tests.kernel_cases import BOUNDS, DYN, gemm_cases, template_cases, write_case_package
+
+try:
+    from lum.builder import nvrtc
+
+    nvrtc.nvrtc_version()
+    HAVE_NVRTC = True
+except Exception:  # noqa: BLE001
+    HAVE_NVRTC = False
+
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_pkg(tmp_path_factory):
+    if not HAVE_NVRTC:
+        pytest.skip("NVRTC is not installed")
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    path = build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path_factory.mktemp("tl") / "t.lumpkg")
+    return lum.loader.open(path)
+
+
+# ============================================================================ build side
+@needs_nvrtc
+def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
+    pkg = tiny_pkg
+    m = pkg.manifest
+    assert m.target["sm"] == "sm_90" and m.target["nvrtc"] == m.provenance["nvrtc"] == "%d.%d" % nvrtc.nvrtc_version()
+    sections = {s.name: s for s in pkg.reader.sections}
+    for k, (ref, prog) in enumerate(zip(m.groups, pkg.programs)):
+        t = ref.table
+        assert t is not None and t.arch == "sm_90" and t.dyn_vars == ("p", "s") and t.max_dyn == {"p": 32, "s": 32}
+        kernel_ops = [o for o in prog.ops if o.kind in ("elementwise", "reduce", "gather", "scatter",
+                                                         "scatter_nocopy", "iota")]
+        assert [k.op for k in t.ops] == [o.id for o in kernel_ops]
+        if kernel_ops:
+            cub, ptx = sections[t.cubin], sections[t.ptx]
+            assert cub.codec == "none" and cub.required and cub.kind == "cubin"
+            assert ptx.codec == "zstd" and not ptx.required
+            assert pkg.reader.section_bytes(t.cubin)[:4] == b"\x7fELF"
+            text = pkg.reader.section_bytes(t.ptx).decode()
+            assert ".target sm_90" in text
+            for kop in t.ops:
+                for lc in kop.launches:
+                    assert f".entry {lc.kernel}(" in text     # every launch names an entry of the module
+                    assert all(g.vars() <= {"p", "s"} for g in lc.grid)
+        for kop, op in zip(t.ops, kernel_ops):
+            want = ("out",) + tuple(f"in{i}" for i in range(len(op.args))) + ("dyn",)
+            assert kop.kind == op.kind and kop.params == want
+            assert len(kop.launches) == (2 if op.kind == "scatter" else 1)
+
+
+@needs_nvrtc
+def test_launch_table_round_trips_through_the_manifest(tiny_pkg):
+    m = tiny_pkg.manifest
+    again = Manifest.from_json(json.loads(json.dumps(m.to_json())), set(tiny_pkg.reader.names()))
+    assert [g.table for g in again.groups] == [g.table for g in m.groups]
+
+
+def _manifest_with(tiny_pkg, mutate) -> dict:
+    d = copy.deepcopy(tiny_pkg.manifest.to_json())
+    mutate(d["groups"][1]["kernels"], d)
+    return d
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("mutate,match", [
+    (lambda t, d: t.update(version=2), "kernel table version"),
+    (lambda t, d: t.update(arch="sm_80"), "targets"),
+    (lambda t, d: t["ops"][0]["launches"][0].update(kernel="bad name;"), "C identifier"),
+    (lambda t, d: t["ops"][0]["launches"][0].update(grid=["q + 1", "1", "1"]), "not in dyn_vars"),
+    (lambda t, d: t["ops"][0]["launches"][0].update(grid=["1", "1"]), "3 dimensions"),
+    (lambda t, d: t["ops"][0]["launches"][0].update(block=[1024, 2, 1]), "exceeds 1024"),
+    (lambda t, d: t["ops"][0].update(params=["in0", "out", "dyn"]), "expected \\['out'"),
+    (lambda t, d: t["ops"].reverse(), "sorted"),
+    (lambda t, d: t.update(cubin="cubin/nope"), "missing section"),
+    (lambda t, d: t.update(cubin=None), "names no cubin"),
+    (lambda t, d: t.update(dyn_vars=["p", "p"]), "duplicate"),
+    (lambda t, d: t["max_dyn"].update(z=3), "not in dyn_vars"),
+    (lambda t, d: t["ops"][0].update(kind="gemm"), "not a kernel op kind"),
+    (lambda t, d: d["target"].update(sm="hopper"), "architecture like"),
+])
+def test_manifest_rejects_bad_launch_tables(tiny_pkg, mutate, match):
+    with pytest.raises(PackageFormatError, match=match):
+        Manifest.from_json(_manifest_with(tiny_pkg, mutate), set(tiny_pkg.reader.names()))
+
+
+@needs_nvrtc
+def test_loader_checks_launch_table_against_llir(tiny_pkg, tmp_path):
+    from lum.format.package import PackageWriter
+
+    def rewrite(mutate, name):
+        d = _manifest_with(tiny_pkg, mutate)
+        w = PackageWriter()
+        for s in tiny_pkg.reader.sections:
+            if s.name != "manifest":
+                w.add_section(s.name, tiny_pkg.reader.section_bytes(s.name), codec=s.codec, kind=s.kind,
+                              required=s.required)
+        w.set_manifest(d)
+        return w.write(tmp_path / name)
+
+    first = tiny_pkg.manifest.groups[1].table.ops[0].op
+    bad = rewrite(lambda t, d: t["ops"].pop(0), "missing.lumpkg")
+    with pytest.raises(PackageFormatError, match=f"op {first} .* has no kernel"):
+        lum.loader.open(bad)
+    bad = rewrite(lambda t, d: t["ops"][0]["params"].insert(-1, f"in{len(t['ops'][0]['params']) - 2}"), "arity.lumpkg")
+    with pytest.raises(PackageFormatError, match="does not match the LLIR"):
+        lum.loader.open(bad)
+    ok = rewrite(lambda t, d: None, "same.lumpkg")
+    lum.loader.open(ok).close()
+
+
+def test_launch_table_is_pure_and_follows_the_convention():
+    from lum.builder.codegen import generate_program
+
+    prog, _, _ = template_cases(DType.f32)
+    dv = program_dyn_vars([prog])
+    assert dv == ["s"]
+    sources = {i: k for i, k in generate_program(prog, dv, max_dyn={"s": 8}).items() if k is not None}
+    t = launch_table(prog, sources, arch="sm_90", dyn_vars=dv, max_dyn={"s": 8})
+    assert t["version"] == 1 and t["max_dyn"] == {"s": 8} and len(t["ops"]) == len(sources)
+    for entry in t["ops"]:
+        op = prog.ops[entry["op"]]
+        assert entry["params"] == ["out"] + [f"in{k}" for k in range(len(op.args))] + ["dyn"]
+        for lc in entry["launches"]:
+            assert [parse(g) for g in lc["grid"]] and lc["block"][0] == entry["tuning"]["threads"]
+    with pytest.raises(ValueError, match="dyn slots"):
+        launch_table(prog, sources, arch="sm_90", dyn_vars=["p", "s"])
+    assert default_max_dyn(["p", "s", "b"], 64) == {"p": 64, "s": 64}
+    assert default_max_dyn(["s"], 0) == {}
+
+
+@needs_nvrtc
+def test_group_without_kernels_gets_an_empty_table():
+    prog, _, _ = gemm_cases(DType.f32)
+    gk = compile_group_kernels(prog, arch="sm_90", dyn_vars=["s"])
+    assert gk.cubin is None and gk.table["ops"] == []
+
+
+def test_import_lum_loader_does_not_import_cuda():
+    code = ("import sys, lum.loader, lum.loader.model, lum.loader.reference_backend, lum.loader.inspect; "
+            "bad = [m for m in sys.modules if m == 'cuda' or m.startswith(('cuda.', 'lum.loader.cuda'))]; "
+            "print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ============================================================================ target
+@pytest.mark.parametrize("sm,cc,driver,has_ptx,allow,ok,ptx,match", [
+    ("sm_90", (9, 0), 13000, True, True, True, False, "matches"),
+    ("sm_90", (9, 0), 12080, True, True, False, False, "need a CUDA 13 driver"),
+    ("sm_90", (8, 0), 13000, True, True, False, False, "older"),
+    ("sm_90", (10, 0), 13000, True, True, True, True, "JIT"),
+    ("sm_90", (10, 0), 13000, True, False, False, False, "rebuild"),
+    ("sm_90", (10, 0), 13000, False, True, False, False, "no PTX"),
+    ("sm_90a", (10, 0), 13000, True, True, False, False, "architecture-specific"),
+    ("sm_90", (12, 0), 12090, True, True, False, False, "need a CUDA 13 driver|driver too old"),
+])
+def test_target_compatibility(sm, cc, driver, has_ptx, allow, ok, ptx, match):
+    c = check_target(sm, "13.0", cc, driver, has_ptx, "GPU", allow)
+    assert (c.ok, c.use_ptx) == (ok, ptx), c.reason
+    assert __import__("re").search(match, c.reason), c.reason
+    assert parse_sm("sm_100a") == (10, 0, "a") and parse_sm("sm_120") == (12, 0, "")
+
+
+# ============================================================================ plans
+def test_bucket_rounds_up_to_powers_of_two_within_the_cap():
+    assert [bucket(g, 100) for g in (1, 2, 3, 5, 9, 64, 65, 100)] == [1, 2, 4, 8, 16, 64, 100, 100]
+    assert bucket(130, 100) == 130            # above the cap (a bigger run than planned): exact
+    assert bucket(7, 4) == 7
+
+
+def test_param_pack_is_a_void_pointer_array():
+    pp = ParamPack([0x1000, 0xDEADBEEF000, 0])
+    assert pp.read_back() == (0x1000, 0xDEADBEEF000, 0)
+    ptrs = (ctypes.c_void_p * 3).from_address(pp.address)
+    assert ptrs[1] - ptrs[0] == 8               # each points at its 8-byte value
+
+
+def test_is_flat_prefix():
+    s = Var("s")
+    assert is_flat_prefix(ShapeTracker.contiguous((s, 64)))
+    assert is_flat_prefix(ShapeTracker((as_expr(1), as_expr(64)), (as_expr(0), as_expr(1)), as_expr(0)))
+    assert not is_flat_prefix(ShapeTracker.contiguous((s, 64)).permute((1, 0)))
+    assert not is_flat_prefix(ShapeTracker.contiguous((s + 1, 64)).slice(0, 1, s + 1))
+    assert not is_flat_prefix(ShapeTracker.contiguous((s, 60)).pad(1, 0, 4))
+
+
+def test_pack_aligns_and_keeps_order():
+    lay = pack({"a": 10, "b": 0, "c": 300})
+    assert lay.offsets == {"a": 0, "b": 256, "c": 512} and lay.total == 1024
+
+
+def _fake_layout(pkg, entry, bounds, base=1 << 40):
+    """Addresses as a session would lay them out, without a driver."""
+    m = pkg.manifest
+    ap = pkg.plan(entry, bounds)
+    wl = pack({n: int(np.prod(w.shape)) * w.dtype.itemsize for n, w in m.weights.items()})
+    sl = pack({n: int(np.prod(t.concrete_shape({}))) * t.dtype.itemsize for n, t in m.state.items()})
+    wbase, sbase, cbase, dbase = base + (1 << 36), base + (2 << 36), base + (3 << 36), base + (4 << 36)
+    io = {}
+    pos = (ap.size + 255) // 256 * 256
+    for t in m.entries[entry].inputs:
+        n = int(np.prod(t.concrete_shape(bounds))) * t.dtype.itemsize
+        io[t.name] = (pos, n)
+        pos += (max(n, 1) + 255) // 256 * 256
+    consts, cbytes = {}, {}
+    for g, prog in enumerate(pkg.programs):
+        for op in prog.ops:
+            if op.kind == "constant":
+                consts[(g, op.id)] = cbase + 256 * len(consts)
+                cbytes[(g, op.id)] = 256
+    orders = {g.table.dyn_vars for g in m.groups if g.table is not None}
+    layout = Layout(base, ap.offsets, ap.sizes, {n: wbase + o for n, o in wl.offsets.items()}, wl.sizes,
+                    {n: sbase + o for n, o in sl.offsets.items()}, sl.sizes,
+                    {n: base + o for n, (o, _) in io.items()}, {n: s for n, (_, s) in io.items()},
+                    consts, cbytes, {o: dbase + 64 * i for i, o in enumerate(sorted(orders))})
+    return layout, ap
+
+
+@needs_nvrtc
+def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
+    pkg = tiny_pkg
+    bounds = {"p": 31}
+    layout, ap = _fake_layout(pkg, "decode", bounds)
+    fns = []
+    plan = build_entry_plan(pkg, "decode", layout, lambda g, name: fns.append((g, name)) or (g, name), bounds)
+    kernels = [s for s in plan.steps if type(s).__name__ == "KernelStep"]
+    gemms = [s for s in plan.steps if type(s).__name__ == "GemmStep"]
+    assert kernels and gemms and len(fns) == len(kernels)
+    lo, hi = layout.arena, layout.arena + ap.size
+    state = {v: (p, p + layout.state_bytes[v]) for v, p in layout.state.items()}
+    nocopy = 0
+    for k in kernels:
+        out, *ins, dyn = k.params.values
+        assert dyn == layout.dyn[("p", "s")]
+        if "scatter_nocopy" in k.where:           # the KV-cache write lands in the state allocation
+            nocopy += 1
+            assert any(a <= out < b for a, b in state.values()) and out == ins[0]
+        else:
+            assert lo <= out < hi, k.where
+        assert k.params.read_back() == k.params.values
+    assert nocopy == 2 * len([c for c in pkg.entry("decode").calls if "k_cache" in " ".join(c.inputs)])
+    # attention's gemms depend on p: volatile, eager between graph segments; the rest are static
+    vol = [g for g in gemms if plan.volatile(g)]
+    assert vol and len(vol) < len(gemms)
+    assert sum(not s.graph for s in plan.segments) == len(vol)
+    assert all(s.graph for s in plan.segments if not any(st in vol for st in s.steps))
+    # keys: segments keep their graph key as p grows within a grid bucket
+    graph_keys = [[seg.key(plan.values({"p": p})[1]) for seg in plan.segments if seg.graph] for p in range(32)]
+    assert len({tuple(k) for k in graph_keys}) <= 6
+    ops = plan.concrete(plan.values({"p": 9}), lambda spec: spec)
+    specs = [o[1] for o in ops if o[0] == "gemm"]
+    assert any(s.n == 10 or s.k == 10 for s in specs)        # n = p + 1 or k = p + 1
+    for o in ops:
+        if o[0] == "gemm":
+            assert o[2] % 256 == 0 and o[3] % 256 == 0        # operand bases (the library adds offsets)
+    plan.check({"p": 31})
+    with pytest.raises(lum.loader.SessionError, match="planned"):
+        plan.check({"p": 40})
+
+
+@needs_nvrtc
+def test_prefill_plan_copies_scattered_caches_into_state(tiny_pkg):
+    pkg = tiny_pkg
+    bounds = {"s": 32}
+    layout, ap = _fake_layout(pkg, "prefill", bounds)
+    plan = build_entry_plan(pkg, "prefill", layout, lambda g, n: (g, n), bounds)
+    copies = [s for s in plan.steps if type(s).__name__ == "CopyStep"]
+    uses_copy = any(o.kind == "scatter" for p in pkg.programs for o in p.ops)
+    if uses_copy:
+        assert copies and all(c.dst in layout.state.values() for c in copies)
+    out = plan.outputs[0]
+    assert out.name == "logits" and layout.arena <= out.ptr < layout.arena + ap.size
+
+
+@needs_nvrtc
+def test_buffers_give_in_place_state_writes_no_arena_space(tiny_pkg):
+    pkg = tiny_pkg
+    names = {b.name for b in pkg.buffers("decode")}
+    for c, call in enumerate(pkg.entry("decode").calls):
+        for op in pkg.programs[call.group].ops:
+            if op.kind == "scatter_nocopy":
+                assert f"c{c}.{op.id}" not in names
+    plan = pkg.buffers("decode")
+    last = max(b.last for b in plan)
+    logits = [b for b in plan if b.name == "logits"]
+    assert logits and logits[0].last == last    # an entry output lives until the run ends
+
+
+@needs_nvrtc
+def test_session_bounds_default_from_max_seq(tiny_pkg):
+    from lum.loader.cuda.runner import session_bounds
+
+    assert session_bounds(tiny_pkg, {}) == {"decode": {"p": 31}, "prefill": {"s": 32}}
+    assert session_bounds(tiny_pkg, {"s": 7}) == {"decode": {"p": 31}, "prefill": {"s": 7}}
+    with pytest.raises(lum.loader.SessionError, match="negative"):
+        session_bounds(tiny_pkg, {"p": -1})
+
+
+def test_kernel_case_programs_run_on_the_reference_backend(tmp_path):
+    for fn in (template_cases, gemm_cases):
+        prog, arrays, b = fn(DType.f32)
+        path = write_case_package(tmp_path / f"{fn.__name__}.lumpkg", prog, b, compile_kernels=False)
+        sess = lum.loader.open(path).session(dyn=BOUNDS, backend="reference")
+        sess.load_state(b.state_init)
+        out = sess.run("main", arrays, DYN)
+        assert len(out) == len(prog.outputs())          # the state cache is an entry output too
+        assert not any(np.isnan(np.asarray(v, dtype=np.float64)).any() for v in out.values())  # log2(padding) = -inf
+
+
+def test_cuda_backend_refuses_a_package_without_kernels(tmp_path):
+    prog, arrays, b = template_cases(DType.f32)
+    path = write_case_package(tmp_path / "nok.lumpkg", prog, b, compile_kernels=False)
+    pkg = lum.loader.open(path)
+    sess = pkg.session(dyn=BOUNDS, backend="auto")
+    assert sess.backend == "reference" and sess.backend_reason.startswith("reference backend, because")
+    with pytest.raises((lum.loader.BackendUnavailableError, lum.format.errors.IncompatibleTargetError)):
+        pkg.session(dyn=BOUNDS, backend="cuda")

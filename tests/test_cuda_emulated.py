@@ -1,0 +1,262 @@
+"""The whole CUDA backend on a host-emulated driver (tests/cuda_emulation.py): no GPU needed, but every
+driver call, pointer, graph capture/replay and kernel launch of a session really happens, with lum's
+own kernels compiled for the host and a host cuBLASLt. Checked against the numpy reference backend.
+
+What this cannot check: the GPU's own behaviour (real asynchrony, the NVRTC cubins themselves, the
+real cuBLASLt) — tests/test_gpu.py does, on the GPU.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+
+import lum.loader
+from lum.format.dtypes import DType
+from tests import cuda_emulation as emu
+from tests.kernel_cases import gemm_cases, template_cases, write_case_package
+
+if emu.CC is None or emu.CXX is None:
+    pytest.skip("no host C/C++ compiler for the CUDA emulation", allow_module_level=True)
+try:
+    from lum.builder import nvrtc
+
+    nvrtc.nvrtc_version()
+except Exception as _exc:  # noqa: BLE001
+    pytest.skip(f"NVRTC is not installed: {_exc}", allow_module_level=True)
+try:
+    import cuda.bindings.driver  # noqa: F401
+except ImportError:
+    pytest.skip("cuda-python is not installed", allow_module_level=True)
+
+MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
+MAX_SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Packages (kernel cases, tiny models), the fake driver, the emulated kernels, the fake cuBLASLt."""
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    root = tmp_path_factory.mktemp("emulated")
+    pkgs = {}
+    for fn in (template_cases, gemm_cases):
+        for dt in (DType.f32, DType.bf16):
+            prog, _, b = fn(dt)
+            pkgs[f"{fn.__name__}.{dt.value}"] = write_case_package(root / f"{fn.__name__}.{dt.value}.lumpkg", prog, b)
+    for name in MODELS:
+        pkgs[name] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg")
+    sources = []
+    for path in pkgs.values():
+        with lum.loader.open(path) as p:
+            sources += emu.package_kernel_sources(p)
+    return {"pkgs": {k: str(v) for k, v in pkgs.items()}, "driver": emu.fake_driver(root / "driver"),
+            "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": emu.fake_cublaslt(root / "lt")}
+
+
+def run(env, script: str, **extra_env: str):
+    head = f"PKGS = {env['pkgs']!r}\nMAX_SEQ = {MAX_SEQ}\n"
+    return emu.run_emulated(head + script, driver_dir=env["driver"], kernels=env["kernels"], cublaslt=env["cublaslt"],
+                            env=extra_env)
+
+
+def test_every_template_and_gemm_matches_reference(env):
+    res = run(env, r'''
+import lum.loader as L
+from lum.format.dtypes import DType
+from tests.kernel_cases import BOUNDS, DYN, compare, gemm_cases, template_cases
+errors, checked = {}, 0
+for fn in (template_cases, gemm_cases):
+    for dt in (DType.f32, DType.bf16):
+        pkg = L.open(PKGS[f"{fn.__name__}.{dt.value}"])
+        prog, arrays, b = fn(dt)
+        ref = pkg.session(dyn=BOUNDS, backend="reference"); ref.load_state(b.state_init)
+        want = ref.run("main", arrays, DYN); want.update(ref.state)
+        for graphs in (True, False):
+            with pkg.session(dyn=BOUNDS, backend="cuda", graphs=graphs) as sess:
+                sess.load_state(b.state_init)
+                sess.runner.fill_arena(0xFF)
+                got = sess.run("main", arrays, DYN); got.update(sess.state)
+            for k in want:
+                checked += 1
+                err = compare(got[k], want[k], b.tol.get(k) or 1e-2)
+                if err:
+                    errors[f"{fn.__name__}.{dt.value}:{graphs}:{k}"] = err
+print(json.dumps({"errors": errors, "checked": checked, "stats": fake_stats()}))
+''')
+    assert res["errors"] == {}
+    assert res["checked"] >= 200
+    assert res["stats"]["live"] == [0] * 7 and res["stats"]["bad_guards"] == 0   # close() freed everything
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tiny_model_generates_reference_tokens(env, model):
+    res = run(env, r'''
+import lum.loader as L
+from tests.kernel_cases import compare
+pkg = L.open(PKGS[MODEL])
+prompt = [1, 5, 9, 3, 17]
+ref = pkg.session(backend="reference")
+want = ref.generate(prompt, 6)
+out = {"want": want}
+for mode in ({}, {"graphs": False}, {"debug_sync": True}):
+    with pkg.session(backend="cuda", **mode) as sess:
+        out[str(mode)] = sess.generate(prompt, 6)
+        out["captures" + str(mode)] = sess.runner.captures
+ids = np.asarray(prompt, np.int32)
+ref.reset()
+w = ref.run("prefill", {"tokens": ids}, {"s": 5})["logits"]
+with pkg.session(backend="cuda") as sess:
+    g = sess.run("prefill", {"tokens": ids}, {"s": 5})["logits"]
+    sess.reset()
+    dev = sess.run_device("prefill", {"tokens": ids}, {"s": 5})["logits"]
+    cai = dev.__cuda_array_interface__
+    out["cai"] = [list(cai["shape"]), cai["typestr"], cai["version"], cai["data"][0] == dev.ptr,
+                  cai["stream"] == sess.runner.stream.ptr]
+    out["dlpack_device"] = list(dev.__dlpack_device__())
+    cap = dev.__dlpack__()
+    out["dev_equal"] = bool((dev.numpy() == g).all())
+    out["reason"] = sess.backend_reason
+    out["upload"] = [sess.runner.upload.bytes, sess.runner.upload.method, sess.upload_gbps > 0]
+out["logits_err"] = compare(g, w, 1e-5)
+out["stats"] = fake_stats()
+print(json.dumps(out))
+'''.replace("PKGS[MODEL]", f"PKGS[{model!r}]"))
+    assert res["{}"] == res["{'graphs': False}"] == res["{'debug_sync': True}"] == res["want"]
+    assert res["captures{'graphs': False}"] == res["captures{'debug_sync': True}"] == 0 < res["captures{}"]
+    assert res["logits_err"] is None
+    assert res["cai"] == [[5, 256], "<f4", 3, True, True] and res["dlpack_device"] == [2, 0]
+    assert res["dev_equal"] and "matches the package target sm_90" in res["reason"]
+    assert res["upload"][0] > 0 and res["upload"][1] == "staged" and res["upload"][2]
+    assert res["stats"]["bad_guards"] == 0
+
+
+def test_decode_loop_replays_graphs_with_flat_memory(env):
+    res = run(env, r'''
+import lum.loader as L
+from lum.loader.cuda import driver as cu
+pkg = L.open(PKGS["tiny-llama"])
+sess = pkg.session(backend="cuda")
+r = sess.runner
+sess.run("prefill", {"tokens": np.asarray([1, 2, 3], np.int32)}, {"s": 3})
+p, tok, marks = 3, 1, []
+for step in range(4 * MAX_SEQ):
+    if p == MAX_SEQ:
+        sess.reset(); p = 0
+    logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": p})["logits"]
+    tok = int(np.argmax(logits[-1])) % 200
+    p += 1
+    if step in (2 * MAX_SEQ, 4 * MAX_SEQ - 1):
+        marks.append([cu.mem_info()[0], r.captures, fake_stats()["live"]])
+n_graphs = sum(len(c) for c in r._graphs.values())
+segments = {e: [len(p.segments), sum(s.graph for s in p.segments)] for e, p in r.plans.items()}
+sess.close()
+print(json.dumps({"marks": marks, "graphs": n_graphs, "segments": segments, "after_close": fake_stats()["live"],
+                  "finite": bool(np.isfinite(logits).all())}))
+''')
+    (free0, cap0, live0), (free1, cap1, live1) = res["marks"]
+    assert free0 == free1 and cap0 == cap1 and live0 == live1, res
+    assert res["finite"] and res["after_close"] == [0] * 7
+    n, graph_segments = res["segments"]["decode"]
+    assert n > graph_segments > 0           # attention gemms (n = p + 1) run eagerly between graphs
+
+
+def test_two_sessions_with_different_bounds(env):
+    res = run(env, r'''
+import lum.loader as L
+from tests.kernel_cases import compare
+pkg = L.open(PKGS["tiny-qwen3"])
+small = pkg.session(dyn={"s": 6, "p": 9}, backend="cuda")
+big = pkg.session(backend="cuda")
+ref = pkg.session(backend="reference")
+errs = []
+for s in (3, 6):
+    ids = (np.arange(1, s + 1, dtype=np.int32) * 7) % 200
+    outs = []
+    for sess in (small, big, ref):
+        sess.reset()
+        outs.append(sess.run("prefill", {"tokens": ids}, {"s": s})["logits"])
+    for p in range(s, s + 3):
+        for sess in (small, big, ref):
+            outs.append(sess.run("decode", {"tokens": np.asarray([p], np.int32)}, {"p": p})["logits"])
+    for k in range(0, len(outs), 3):
+        errs += [compare(outs[k], outs[k + 2], 1e-5), compare(outs[k + 1], outs[k + 2], 1e-5)]
+try:
+    small.run("prefill", {"tokens": np.ones(8, np.int32)}, {"s": 8}); refused = None
+except L.SessionError as e:
+    refused = str(e)
+print(json.dumps({"errs": [e for e in errs if e], "refused": refused,
+                  "arenas": [small.runner.arena.nbytes, big.runner.arena.nbytes]}))
+''')
+    assert res["errs"] == [] and "bound" in res["refused"]
+    assert res["arenas"][0] < res["arenas"][1]
+
+
+def test_target_and_driver_checks(env):
+    script = r'''
+import lum.loader as L
+from lum.format.errors import IncompatibleTargetError
+pkg = L.open(PKGS["tiny-llama"])
+out = {}
+try:
+    s = pkg.session(backend="cuda"); out["cuda"] = [s.backend, s.runner.use_ptx, s.backend_reason]; s.close()
+except (IncompatibleTargetError, L.BackendUnavailableError) as e:
+    out["cuda"] = ["error", type(e).__name__, str(e)]
+s = pkg.session(backend="auto"); out["auto"] = [s.backend, s.backend_reason]
+if s.backend == "cuda":
+    out["tokens"] = s.generate([1, 2, 3], 3) == pkg.session(backend="reference").generate([1, 2, 3], 3)
+s.close()
+print(json.dumps(out))
+'''
+    older = run(env, script, LUM_FAKE_CUDA_CC="80")
+    assert older["cuda"][:2] == ["error", "IncompatibleTargetError"] and "older" in older["cuda"][2]
+    assert older["auto"][0] == "reference" and "older" in older["auto"][1]
+    newer = run(env, script, LUM_FAKE_CUDA_CC="100")
+    assert newer["cuda"][:2] == ["cuda", True] and "JIT" in newer["cuda"][2]
+    assert newer["auto"][0] == "reference" and "rebuild" in newer["auto"][1]
+    old_driver = run(env, script, LUM_FAKE_CUDA_DRIVER="12080")
+    assert old_driver["cuda"][1] == "IncompatibleTargetError" and "CUDA 13 driver" in old_driver["cuda"][2]
+    same = run(env, script)
+    assert same["auto"][0] == "cuda" and same["tokens"] is True
+
+
+def test_upload_paths(env):
+    script = r'''
+import lum.loader as L
+pkg = L.open(PKGS["tiny-gemma3"])
+ids = np.asarray([1, 2, 3], np.int32)
+want = pkg.session(backend="reference").run("prefill", {"tokens": ids}, {"s": 3})["logits"]
+with pkg.session(backend="cuda", upload_method="register") as s:
+    got = s.run("prefill", {"tokens": ids}, {"s": 3})["logits"]
+    same = bool(np.abs(got - want).max() <= 1e-5 * np.abs(want).max())
+    print(json.dumps({"method": s.runner.upload.method, "same": same}))
+'''
+    assert run(env, script) == {"method": "register", "same": True}
+    res = run(env, script, LUM_FAKE_CUDA_NO_REGISTER="1")
+    assert res["same"] and res["method"].startswith("staged (register failed: CUDA_ERROR_NOT_SUPPORTED")
+
+
+def test_staged_upload_of_large_pieces_is_exact(env, tmp_path):
+    """Pieces larger than the staging chunk, split across threads, read from a file and from memory."""
+    blob = tmp_path / "blob.bin"
+    data = __import__("numpy").random.default_rng(0).integers(0, 256, 45 << 20, dtype="uint8")
+    blob.write_bytes(data.tobytes())
+    res = run(env, rf'''
+from lum.loader.cuda import driver as cu
+from lum.loader.cuda.upload import HostBytes, upload_staged
+ctx = cu.Context(0); stream = cu.Stream()
+data = np.fromfile({str(blob)!r}, dtype=np.uint8)
+dev = cu.DeviceBuffer(data.size + 4096)
+pieces = [(HostBytes(data[:30 << 20], {str(blob)!r}, 0), dev.ptr),                  # from the file
+          (data[30 << 20:], dev.ptr + (30 << 20) + 4096),                          # from memory
+          (HostBytes(data[5:1000], {str(blob)!r}, 5), dev.ptr + (30 << 20))]       # small, unaligned
+st = upload_staged(pieces, stream, chunk=16 << 20, threads=3)
+back = np.empty(data.size + 4096, np.uint8)
+cu.call(cu.drv.cuMemcpyDtoH, back.ctypes.data, dev.ptr, back.size)
+ok = bool((back[:30 << 20] == data[:30 << 20]).all() and (back[(30 << 20) + 4096:] == data[30 << 20:]).all()
+          and (back[30 << 20:(30 << 20) + 995] == data[5:1000]).all())
+dev.close(); stream.close(); ctx.close()
+print(json.dumps({{"ok": ok, "bytes": st.bytes, "live": fake_stats()["live"]}}))
+''')
+    assert res == {"ok": True, "bytes": (45 << 20) + 995, "live": [0] * 7}

@@ -1,0 +1,265 @@
+"""The CUDA backend on a real GPU (marker ``gpu``; each test is skipped where no CUDA device is usable).
+
+    python -m pytest -m gpu tests/test_gpu.py -v -rs
+
+(a) every kernel template, f32 and bf16, on random inputs with the arena poisoned (NaN pattern), against
+the numpy reference backend; (b) gemm in every layout, plain and batched; (c) tiny Llama / Qwen 3 /
+Gemma 3 checkpoints → ``lum build`` → greedy tokens equal transformers' on the GPU; (d) 10,000 decode
+steps with flat device memory; (e) two sessions with different dyn bounds in one process. Plus device
+outputs through DLPack / ``__cuda_array_interface__``, eager vs graphs, backend auto, the upload paths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lum.loader
+from lum.format.dtypes import DType
+from lum.loader.errors import BackendUnavailableError, SessionError
+from tests.kernel_cases import BOUNDS, DYN, compare, gemm_cases, template_cases, write_case_package
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_device")]
+
+PROMPT = [1, 5, 9, 3, 17, 100, 7, 8]
+MAX_SEQ = 64
+DTYPES = [DType.f32, DType.bf16]
+_CASES = {(fn.__name__, dt): [o.params["name"] for o in fn(dt)[0].outputs()]
+          for fn in (template_cases, gemm_cases) for dt in DTYPES}
+_RESULTS: dict = {}
+
+
+def _run_cases(fn, dt: DType, tmp_path_factory) -> tuple[dict, dict, dict]:
+    """Backend and reference outputs of every case of ``fn`` in ``dt`` (computed once per module)."""
+    key = (fn.__name__, dt)
+    if key not in _RESULTS:
+        try:
+            _RESULTS[key] = _compute_cases(fn, dt, tmp_path_factory)
+        except Exception as exc:  # noqa: BLE001 - reported by every case of the package
+            _RESULTS[key] = exc
+    return _RESULTS[key]
+
+
+def _compute_cases(fn, dt: DType, tmp_path_factory):
+    prog, arrays, b = fn(dt)
+    path = write_case_package(tmp_path_factory.mktemp(fn.__name__) / f"{dt.value}.lumpkg", prog, b)
+    pkg = lum.loader.open(path)
+    ref = pkg.session(dyn=BOUNDS, backend="reference")
+    ref.load_state(b.state_init)
+    want = ref.run("main", arrays, DYN)
+    want.update(ref.state)
+    try:
+        sess = pkg.session(dyn=BOUNDS, backend="cuda")
+    except BackendUnavailableError as exc:
+        return exc
+    sess.load_state(b.state_init)
+    sess.runner.fill_arena(0xFF)              # NaN pattern: an unwritten output cannot pass
+    got = sess.run("main", arrays, DYN)
+    got.update(sess.state)
+    sess.close()
+    return got, want, b.tol
+
+
+def _check(fn, dt, name, tmp_path_factory) -> None:
+    res = _run_cases(fn, dt, tmp_path_factory)
+    if isinstance(res, BackendUnavailableError):
+        pytest.skip(f"CUDA backend unavailable: {res}")
+    if isinstance(res, Exception):
+        pytest.fail(f"the {fn.__name__} {dt} package failed to run: {type(res).__name__}: {res}")
+    got, want, tol = res
+    err = compare(got[name], want[name], tol.get(name) or 1e-2)
+    assert err is None, f"{name} ({dt}): {err}"
+
+
+# ============================================================================ (a) templates
+@pytest.mark.parametrize("dt,name", [(dt, n) for dt in DTYPES for n in _CASES[("template_cases", dt)]],
+                         ids=lambda v: str(v))
+def test_template_matches_reference(dt, name, tmp_path_factory):
+    _check(template_cases, dt, name, tmp_path_factory)
+
+
+# ============================================================================ (b) gemm
+@pytest.fixture(scope="module")
+def cublaslt():
+    try:
+        from lum.loader.cublaslt import CublasLt, CublasLtUnavailable
+    except ImportError as exc:
+        pytest.skip(f"lum.loader.cublaslt is missing: {exc}")
+    try:
+        return CublasLt.load()
+    except CublasLtUnavailable as exc:
+        pytest.skip(f"cuBLASLt unavailable: {exc}")
+
+
+@pytest.mark.parametrize("dt,name", [(dt, n) for dt in DTYPES for n in _CASES[("gemm_cases", dt)]],
+                         ids=lambda v: str(v))
+def test_gemm_matches_reference(dt, name, cublaslt, tmp_path_factory):
+    _check(gemm_cases, dt, name, tmp_path_factory)
+
+
+# ============================================================================ (c) tiny models vs transformers
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
+def tiny_model(request, tmp_path_factory):
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+    from tests.hf_checkpoints import save_hf_model
+
+    root = tmp_path_factory.mktemp(request.param)
+    model = save_hf_model(request.param, root / "hf")
+    pkg = build_package(load_spec(src=str(root / "hf"), max_seq=MAX_SEQ), root / "model.lumpkg")
+    return request.param, model, pkg
+
+
+def test_tiny_model_greedy_tokens_match_transformers_on_gpu(tiny_model, cublaslt):
+    import torch
+
+    name, model, path = tiny_model
+    torch.backends.cuda.matmul.allow_tf32 = False            # f32 means f32 on both sides
+    model = model.to("cuda")
+    model.generation_config.eos_token_id = None               # 16 tokens, as lum's generate gives
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=16, do_sample=False,
+                             pad_token_id=0)[0, len(PROMPT):].tolist()
+    pkg = lum.loader.open(path)
+    with pkg.session(backend="cuda") as sess:
+        assert sess.backend == "cuda", sess.backend_reason
+        out = sess.generate(PROMPT, 16)
+    assert out == ref, f"{name}: lum {out} vs transformers {ref}"
+    assert len(set(ref)) > 1
+
+
+def test_tiny_model_logits_match_reference_backend(tiny_model, cublaslt):
+    _, _, path = tiny_model
+    pkg = lum.loader.open(path)
+    ids = np.asarray(PROMPT, np.int32)
+    ref = pkg.session(backend="reference")
+    want = ref.run("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+    want_d = ref.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+    for graphs in (True, False):
+        with pkg.session(backend="cuda", graphs=graphs) as sess:
+            got = sess.run("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+            got_d = sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+        assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
+        assert compare(got_d, want_d, 1e-4) is None, compare(got_d, want_d, 1e-4)
+
+
+# ============================================================================ (d) 10,000 decode steps
+def test_10k_decode_steps_keep_device_memory_flat(tiny_model, cublaslt):
+    from lum.loader.cuda import driver as cu
+
+    name, _, path = tiny_model
+    if name != "tiny-llama":
+        pytest.skip("one model is enough")
+    pkg = lum.loader.open(path)
+    sess = pkg.session(backend="cuda")
+    runner = sess.runner
+    sess.run("prefill", {"tokens": np.asarray(PROMPT, np.int32)}, {"s": len(PROMPT)})
+    p, tok = len(PROMPT), 1
+    warm_free = warm_captures = None
+    for step in range(10_000):
+        if p == MAX_SEQ:                          # the cache is full: start over
+            sess.reset()
+            p = 0
+        logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": p})["logits"]
+        tok = int(np.argmax(logits[-1]))
+        p += 1
+        if step == 3 * MAX_SEQ:
+            warm_free, warm_captures = cu.mem_info()[0], runner.captures
+    assert np.isfinite(logits).all()
+    end_free = cu.mem_info()[0]
+    assert runner.captures == warm_captures, "graphs were still being captured after warm-up"
+    assert abs(end_free - warm_free) <= 2 << 20, f"device memory moved by {warm_free - end_free} bytes"
+    sess.close()
+
+
+# ============================================================================ (e) two sessions
+def test_two_sessions_with_different_dyn_bounds(tiny_model, cublaslt):
+    name, _, path = tiny_model
+    if name != "tiny-qwen3":
+        pytest.skip("one model is enough")
+    pkg = lum.loader.open(path)
+    small = pkg.session(dyn={"s": 16, "p": 31}, backend="cuda")
+    big = pkg.session(backend="cuda")
+    ref = pkg.session(backend="reference")
+    assert small.runner.arena.nbytes < big.runner.arena.nbytes
+    for s in (5, 12):
+        ids = np.arange(1, s + 1, dtype=np.int32) * 7 % 200
+        outs = []
+        for sess in (small, big, ref):
+            sess.reset()
+            outs.append(sess.run("prefill", {"tokens": ids}, {"s": s})["logits"])
+        for p in range(s, s + 4):                 # decode steps, interleaved between the sessions
+            step = []
+            for sess in (small, big, ref):
+                step.append(sess.run("decode", {"tokens": np.asarray([p % 50], np.int32)}, {"p": p})["logits"])
+            outs.extend(step)
+        for k in range(0, len(outs), 3):
+            assert compare(outs[k], outs[k + 2], 1e-4) is None
+            assert compare(outs[k + 1], outs[k + 2], 1e-4) is None
+    with pytest.raises(SessionError, match="bound"):
+        small.run("prefill", {"tokens": np.ones(20, np.int32)}, {"s": 20})
+    small.close()
+    big.close()
+
+
+# ============================================================================ interop, modes, upload
+def test_device_outputs_through_dlpack_and_cuda_array_interface(tiny_model, cublaslt):
+    import torch
+
+    name, _, path = tiny_model
+    if name != "tiny-llama":
+        pytest.skip("one model is enough")
+    pkg = lum.loader.open(path)
+    ids = np.asarray(PROMPT, np.int32)
+    with pkg.session(backend="cuda") as sess:
+        host = sess.run("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+        sess.reset()
+        dev = sess.run_device("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+        t = torch.from_dlpack(dev)
+        assert t.is_cuda and tuple(t.shape) == host.shape
+        np.testing.assert_array_equal(t.cpu().numpy(), host)
+        t2 = torch.as_tensor(dev, device="cuda")          # __cuda_array_interface__
+        np.testing.assert_array_equal(t2.cpu().numpy(), host)
+        np.testing.assert_array_equal(dev.numpy(), host)
+
+
+def test_auto_backend_takes_the_gpu_and_says_why(tiny_model, cublaslt):
+    _, _, path = tiny_model
+    pkg = lum.loader.open(path)
+    with pkg.session() as sess:
+        assert sess.backend == "cuda", sess.backend_reason
+        assert "sm_90" in sess.backend_reason
+
+
+@pytest.mark.parametrize("method", ["staged", "register"])
+def test_weight_upload_reports_its_rate(tiny_model, cublaslt, method):
+    name, _, path = tiny_model
+    if name != "tiny-llama":
+        pytest.skip("one model is enough")
+    pkg = lum.loader.open(path)
+    with pkg.session(backend="cuda", upload_method=method) as sess:
+        up = sess.runner.upload
+        assert up.bytes > 0 and sess.upload_gbps > 0
+        print(f"upload {method}: {up.bytes} bytes in {up.seconds * 1e3:.2f} ms = {up.gbps:.2f} GB/s ({up.method})")
+        ids = np.asarray(PROMPT, np.int32)
+        got = sess.run("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+    want = pkg.session(backend="reference").run("prefill", {"tokens": ids}, {"s": len(ids)})["logits"]
+    assert compare(got, want, 1e-4) is None
+
+
+def test_upload_rate_of_a_large_random_model(tmp_path, cublaslt):
+    """≥ 10 GB/s from the page cache: a ~1 GB random model (weights only; kernels compiled as usual)."""
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    path = build_package(load_spec(random_name="llama3-1b", dtype="bf16", max_seq=32), tmp_path / "big.lumpkg")
+    pkg = lum.loader.open(path)
+    with open(path, "rb") as f:                   # warm the page cache: measure the copy, not the disk
+        while f.read(64 << 20):
+            pass
+    rates = {}
+    for method in ("staged", "register"):
+        with pkg.session(backend="cuda", upload_method=method) as sess:
+            rates[method] = (sess.upload_gbps, sess.runner.upload.method)
+    print(f"upload of {pkg.reader.file_size / 1e9:.2f} GB: {rates}")
+    assert max(r for r, _ in rates.values()) >= 10.0, rates
