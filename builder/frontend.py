@@ -153,18 +153,20 @@ class GraphTensor:
         return self.sqrt().recip()
 
     def sigmoid(self) -> GraphTensor:
-        return ((-self).exp() + 1.0).recip()
+        return _in_f32(self, lambda x: ((-x).exp() + 1.0).recip())
 
     def tanh(self) -> GraphTensor:
         return tanh(self)
 
     def silu(self) -> GraphTensor:
-        return self * self.sigmoid()
+        return _in_f32(self, lambda x: x * x.sigmoid())
 
     def gelu(self) -> GraphTensor:
         """GELU, tanh approximation (as in Gemma's ``gelu_pytorch_tanh``)."""
-        inner = (self + self * self * self * 0.044715) * math.sqrt(2.0 / math.pi)
-        return self * 0.5 * (tanh(inner) + 1.0)
+        def f(x: GraphTensor) -> GraphTensor:
+            inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
+            return x * 0.5 * (tanh(inner) + 1.0)
+        return _in_f32(self, f)
 
     def relu(self) -> GraphTensor:
         return maximum(self, 0.0)
@@ -357,7 +359,15 @@ def dim_value(graph: Graph, n: ExprLike, dtype: DType = DType.f32) -> GraphTenso
 # ====================================================================== composites
 def tanh(x: GraphTensor) -> GraphTensor:
     """tanh(x) = 2·σ(2x) − 1."""
-    return (x * 2.0).sigmoid() * 2.0 - 1.0
+    return _in_f32(x, lambda x: (x * 2.0).sigmoid() * 2.0 - 1.0)
+
+
+def _in_f32(x: GraphTensor, fn) -> GraphTensor:
+    """``fn(x)`` computed in f32 and rounded once for 16-bit floats, as PyTorch's activation kernels do:
+    a composite of several primops would otherwise round after every one of them."""
+    if x.dtype in (DType.bf16, DType.f16):
+        return fn(x.cast(DType.f32)).cast(x.dtype)
+    return fn(x)
 
 
 def where(cond: GraphTensor, a: GraphTensor | Scalar, b: GraphTensor | Scalar) -> GraphTensor:

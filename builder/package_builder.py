@@ -131,17 +131,41 @@ def cost_model_compiler(spec: ModelSpec) -> Callable[[Graph], Program]:
     return lambda g: compile_group(g, cost_fn=lambda op: op_cost(op, dyn))[0]
 
 
+def _default_compiler(spec: ModelSpec, options: BuildOptions,
+                      progress: ProgressFn | None) -> Callable[[Graph], Program]:
+    """Measured search (:mod:`lum.builder.tuning`) when ``options.budget`` > 0 and a GPU of the target
+    is here; otherwise the cost model (with a warning when a budget was asked for)."""
+    if options.budget > 0:
+        from lum.builder.tuning import gpu_unavailable_reason, measured_compiler
+
+        reason = gpu_unavailable_reason(options.target)
+        if reason is None:
+            return measured_compiler(spec, options, progress)
+        import warnings
+
+        warnings.warn(f"lum: measured search skipped: {reason}; extracting with the cost model", stacklevel=3)
+    return cost_model_compiler(spec)
+
+
 def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Graph], Program] | None = None,
                   options: BuildOptions | None = None, tokenizer_json: str | None = None,
                   progress: ProgressFn | None = None) -> Path:
     """Compile ``spec`` and write the package atomically to ``out``."""
     options = options or BuildOptions()
-    hashes, programs, entries = plan_model(spec, compile_group or cost_model_compiler(spec), progress)
+    compiler = compile_group or _default_compiler(spec, options, progress)
+    hashes, programs, entries = plan_model(spec, compiler, progress)
+    # measured search (lum.builder.tuning): per-group template parameters, the tuning log, provenance
+    measured = getattr(compiler, "tuning_section", None) is not None
+    measured_prov = dict(compiler.provenance) if measured else {}
+    group_tuning = [compiler.kernel_tuning_for(p) for p in programs] if measured else None
+    extraction = "measured" if options.budget and (measured or compile_group is not None) else "cost-model"
     w = PackageWriter()
     groups = []
     kernel_info: dict[str, str] = {}
     if options.compile_kernels:
-        tables, kernel_info = _compile_kernels(w, programs, entries, spec.max_seq, options, progress)
+        tables, kernel_info = _compile_kernels(w, programs, entries, spec.max_seq, options, progress, group_tuning)
+    if measured:
+        w.add_section("tuning", compiler.tuning_section(programs), kind="tuning", required=False)
     for k, (h, prog) in enumerate(zip(hashes, programs)):
         section = f"llir/{k}"
         w.add_section(section, prog.dumps().encode(), kind="llir")
@@ -167,8 +191,8 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
                "vocab_size": cfg.vocab_size, "param_count": spec.param_count, "config": cfg.to_hf_dict()},
         target={"sm": options.target, **({"nvrtc": kernel_info["nvrtc"]} if kernel_info else {})},
         provenance={"lum": LUM_VERSION, "python": platform.python_version(), "numpy": np.__version__,
-                    "source": spec.source, "extraction": "measured" if options.budget else "cost-model",
-                    **_tool_versions(), **kernel_info, **options.provenance},
+                    "source": spec.source, "extraction": extraction,
+                    **_tool_versions(), **kernel_info, **measured_prov, **options.provenance},
         groups=groups, entries=entries, state=state, weights=weights,
         tokenizer="tokenizer" if tokenizer_json is not None else None,
         generation={"bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_id)},
@@ -178,7 +202,8 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
 
 
 def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[str, Entry], max_seq: int,
-                     options: BuildOptions, progress: ProgressFn | None) -> tuple[list[dict], dict[str, str]]:
+                     options: BuildOptions, progress: ProgressFn | None,
+                     group_tuning: list[dict] | None = None) -> tuple[list[dict], dict[str, str]]:
     """NVRTC-compile every group's kernels (one module each) into sections ``cubin/<k>`` (raw, so the
     loader hands the mapped bytes to the driver) and ``ptx/<k>`` (zstd, optional: only a newer GPU
     needs it); returns each group's launch table and the provenance entries."""
@@ -193,7 +218,8 @@ def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[st
         if progress:
             progress("kernels", k, len(programs))
         gk = compile_group_kernels(prog, arch=options.target, dyn_vars=dyn_vars, max_dyn=max_dyn,
-                                   tuning=options.kernel_tuning, cache_dir=options.nvrtc_cache)
+                                   tuning=options.kernel_tuning if group_tuning is None else group_tuning[k],
+                                   cache_dir=options.nvrtc_cache)
         version = gk.nvrtc
         table = dict(gk.table)
         table["cubin"] = table["ptx"] = None

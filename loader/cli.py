@@ -231,10 +231,13 @@ def build_cmd(
         from lum.builder.package_builder import BuildOptions, build_package
     except ImportError as exc:
         raise _builder_import_error(exc) from exc
-    if budget:
-        sys.stderr.write("note: measured search needs the CUDA backend, which this build of lum lacks; "
-                         "extracting with the cost model\n")
-        budget = 0
+    if budget:   # measured search (lum.builder.tuning) needs a GPU of the target; else the cost model
+        from lum.builder.tuning import gpu_unavailable_reason
+
+        reason = gpu_unavailable_reason(target)
+        if reason is not None:
+            sys.stderr.write(f"note: --budget ignored: {reason}; extracting with the cost model\n")
+            budget = 0
     tokenizer = None
     if src is not None and (src / "tokenizer.json").is_file():
         tokenizer = (src / "tokenizer.json").read_text(encoding="utf-8")

@@ -16,7 +16,8 @@ _CLASSES = {
 }
 
 
-def make_hf_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def make_hf_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  scale: float = 5.0):
     """A transformers model with the structure of our named config and random, non-trivial weights
     (built on ``device``: a 4B model initialises in seconds on a GPU, in minutes on a CPU)."""
     cfg = named_config(name).to_hf_dict()
@@ -30,13 +31,13 @@ def make_hf_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, 
             if "norm" in pname:
                 p.add_(0.1 * torch.randn_like(p))  # norms start at 0/1: make them matter
             else:
-                p.mul_(5.0)  # HF's std-0.02 init gives near-uniform logits; widen it so tokens differ
+                p.mul_(scale)  # HF's std-0.02 init gives near-uniform logits on tiny models; widen it
     return model.to(dtype).eval()
 
 
 def save_hf_model(name: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  max_shard_size: str | None = None, device: str = "cpu"):
-    model = make_hf_model(name, seed, dtype, device)
+                  max_shard_size: str | None = None, device: str = "cpu", scale: float = 5.0):
+    model = make_hf_model(name, seed, dtype, device, scale)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return model

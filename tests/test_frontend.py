@@ -234,7 +234,9 @@ def test_unary(name, dtype):
         x = np.abs(x)
     got, g = run(lambda g, t: lum_fn(t), {"x": (x, dtype)})
     close(got, ref_fn(q(x, dtype)), dtype)
-    assert all(n.dtype == dtype for n in g if n.op not in ("Where", "Output") and n.op != "LessThan")
+    # Activations of 16-bit tensors compute in f32 and round once (as torch does); all else stays in dtype.
+    allowed = {dtype, DType.f32} if name in ("sigmoid", "silu", "gelu", "tanh", "F.tanh") else {dtype}
+    assert all(n.dtype in allowed for n in g if n.op not in ("Where", "Output") and n.op != "LessThan")
 
 
 def test_gelu_is_tanh_approximation_not_erf():

@@ -1,0 +1,279 @@
+"""Measured search and the tuning database (lum.builder.tuning) without a GPU: a fake timer (or the
+timer's own path on the numpy reference backend) stands in for the CUDA runtime."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lum.builder import tuning as T
+from lum.builder.package_builder import BuildOptions, build_package
+from lum.builder.search import CandidateRejected
+from lum.format.dtypes import DType
+
+FAKE = T.DeviceIdentity("Fake GPU", "13000", "sm_90")
+MAX_SEQ = 32
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv(T.ENV_CACHE_DIR, str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def spec():
+    from lum.builder.models import load_spec
+
+    return load_spec(random_name="tiny-llama", max_seq=MAX_SEQ)
+
+
+class FakeTimer:
+    """Deterministic times from the genome; genomes whose last gene is 3 are rejected."""
+
+    calls: list = []
+
+    def __init__(self, setup):
+        self.setup = setup
+        self.closed = False
+
+    def __call__(self, genome):
+        FakeTimer.calls.append((self.setup.info.hash, tuple(genome)))
+        if genome and genome[-1] == 3:
+            raise CandidateRejected("fake: wrong result")
+        return 1e-3 * (1 + sum((i + 1) * x for i, x in enumerate(genome)))
+
+    def close(self):
+        self.closed = True
+
+
+def _build(spec, out, budget=6, factory=FakeTimer, **kw):
+    opts = BuildOptions(budget=budget)
+    comp = T.measured_compiler(spec, opts, None, timer_factory=factory, device=FAKE, **kw)
+    path = build_package(spec, out, comp, opts)
+    return comp, path
+
+
+# ---------------------------------------------------------------- database
+def test_cache_dir_follows_env(cache):
+    assert T.cache_dir() == cache
+    assert T.TuningDB().root == cache / "tuning"
+
+
+def test_db_miss_put_hit_and_atomic(cache):
+    db = T.TuningDB()
+    key = db.key("g" * 64, "Fake GPU", "13000", "0.1.0", {"dtype": "f32"})
+    assert db.get(key) is None
+    rec = {"genome": [1, 0], "decisions": [["a", ["x", "y"]], ["b", ["x"]]], "trials": [], "time": 1e-3, "budget": 4}
+    db.put(key, rec)
+    got = db.get(key)
+    assert got["genome"] == [1, 0] and got["key"] == key and got["version"] == T.DB_VERSION
+    assert [p.name for p in db.root.iterdir()] == [f"{key}.json"]     # no temp file left behind
+
+
+def test_db_key_separates_every_field():
+    base = dict(group_hash="a" * 64, gpu="H200", driver="13000", lum_version="0.1.0", options={"dtype": "f32"})
+    keys = {T.TuningDB.key(**base)}
+    for field, other in (("group_hash", "b" * 64), ("gpu", "H100"), ("driver", "12080"), ("lum_version", "0.2.0"),
+                         ("options", {"dtype": "bf16"})):
+        keys.add(T.TuningDB.key(**{**base, field: other}))
+    assert len(keys) == 6
+    assert T.TuningDB.key(**base) == T.TuningDB.key(**base)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b"[]", b'{"version": 1}',
+                                     b'{"version": 1, "key": "other", "genome": [0]}'])
+def test_db_corrupt_record_is_ignored_with_a_warning(cache, content):
+    db = T.TuningDB()
+    key = db.key("c" * 64, "g", "d")
+    db.root.mkdir(parents=True)
+    db.path(key).write_bytes(content)
+    with pytest.warns(UserWarning, match="corrupt tuning record"):
+        assert db.get(key) is None
+
+
+# ---------------------------------------------------------------- inputs and checks
+def test_random_arrays_are_seeded_and_never_zero():
+    a = T.random_array("w", (1000,), DType.f32)
+    assert np.array_equal(a, T.random_array("w", (1000,), DType.f32))
+    assert not np.array_equal(a, T.random_array("v", (1000,), DType.f32))
+    assert (np.abs(a) >= 0.5).all() and (np.abs(a) < 1.5).all() and (a < 0).any() and (a > 0).any()
+    b = T.random_array("w", (64,), DType.bf16)
+    assert b.dtype == DType.bf16.np and (np.abs(b.astype(np.float32)) >= 0.5).all()
+    i = T.random_array("rows", (20,), DType.i64, int_range=(0, 19), distinct=True)
+    assert sorted(i.tolist()) == list(range(20))
+
+
+def test_compare_outputs_rejects_nan_and_error():
+    want = {"y": np.ones(8, np.float32)}
+    assert T.compare_outputs({"y": np.ones(8, np.float32) * (1 + 1e-6)}, want, 1e-4) is None
+    assert "relative error" in T.compare_outputs({"y": np.ones(8, np.float32) * 1.01}, want, 1e-4)
+    bad = np.ones(8, np.float32)
+    bad[3] = np.nan
+    assert "NaN" in T.compare_outputs({"y": bad}, want, 1e-4)
+    assert "NaN" in T.compare_outputs({"y": bad}, {"y": bad.copy()}, 1e-4)     # NaN never passes
+    assert "missing" in T.compare_outputs({}, want, 1e-4)
+    assert "integer" in T.compare_outputs({"i": np.arange(4)}, {"i": np.arange(4)[::-1]}, 1e-4)
+
+
+def test_group_inputs_are_valid_for_every_tiny_llama_group(spec):
+    """Real positions from the entry graph (distinct cache rows, no fully masked row), tokens in the
+    vocabulary, and a finite reference result for every group at the timing and check maps."""
+    from lum.builder.egraph import saturate
+    from lum.builder.extract import choose_by_cost, lower
+    from lum.loader.reference_backend import execute
+
+    groups = T.model_groups(spec)
+    assert len(groups) == 6
+    for info in groups.values():
+        prog = lower(saturate(info.graph), choose_by_cost(saturate(info.graph)), name=info.graph.name)
+        maker = T.InputMaker(info)
+        for dyn in ({"s": MAX_SEQ, "p": MAX_SEQ // 2}, {"s": 5, "p": 7}):
+            dyn = {k: v for k, v in dyn.items() if k in info.graph.dyn_vars}
+            ins = maker.inputs(dyn)
+            if "tokens" in ins:
+                assert ins["tokens"].min() >= 0 and ins["tokens"].max() < spec.config.vocab_size
+            for name, arr in ins.items():
+                if arr.dtype.kind == "f":
+                    assert (arr != 0).all(), name
+            if "ext3" in ins:       # positions: p + arange(s)
+                want = np.arange(dyn["s"]) if "s" in dyn else np.asarray([dyn["p"]])
+                assert ins["ext3"].tolist() == want.tolist()
+            out = execute(prog, ins, dyn)
+            assert all(np.isfinite(v.astype(np.float64)).all() for v in out.values()), (info.entry, dyn)
+
+
+# ---------------------------------------------------------------- the measured compiler
+def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
+    from lum.builder.costmodel import op_cost
+    from lum.builder.egraph import saturate
+    from lum.builder.extract import choice_to_genome, choose_by_cost
+    from lum.builder.package_builder import typical_dyn
+
+    FakeTimer.calls = []
+    comp, _ = _build(spec, tmp_path / "a.lumpkg")
+    dyn = typical_dyn(spec)
+    n_tune = len(T.TUNING_DECISIONS)
+    firsts = {}
+    for h, g in FakeTimer.calls:
+        firsts.setdefault(h, g)
+    assert len(firsts) == 6
+    for info in T.model_groups(spec).values():
+        sat = saturate(info.graph)
+        want = choice_to_genome(sat, choose_by_cost(sat, lambda op: op_cost(op, dyn))) + (0,) * n_tune
+        assert firsts[info.hash] == want
+    for rec in comp.records:
+        assert rec["seed_genome"] == list(firsts[rec["group"]])
+        assert rec["trials"][0]["genome"] == rec["seed_genome"]
+        assert len(rec["trials"]) == 6 and rec["chosen_by"] == "measured"
+        ok = [t for t in rec["trials"] if t["time"] is not None]
+        assert rec["time"] == min(t["time"] for t in ok)
+        assert all(t["reason"] == "fake: wrong result" for t in rec["trials"] if t["time"] is None)
+
+
+def test_second_build_hits_the_db_without_timing_and_writes_the_same_bytes(spec, cache, tmp_path):
+    import lum.loader
+
+    FakeTimer.calls = []
+    c1, p1 = _build(spec, tmp_path / "a.lumpkg")
+    n = len(FakeTimer.calls)
+    assert n == 6 * 6 and c1.stats["misses"] == 6 and c1.stats["hits"] == 0
+    assert len(list((cache / "tuning").glob("*.json"))) == 6
+
+    def no_timer(setup):
+        raise AssertionError("the second build must not measure")
+
+    c2, p2 = _build(spec, tmp_path / "b.lumpkg", factory=no_timer)
+    assert len(FakeTimer.calls) == n and c2.stats["hits"] == 6 and c2.stats["misses"] == 0
+    assert p1.read_bytes() == p2.read_bytes()
+
+    pkg = lum.loader.open(p2)
+    prov = pkg.manifest.provenance
+    assert prov["extraction"] == "measured" and prov["gpu"] == "Fake GPU" and prov["driver"] == "13000"
+    log = json.loads(pkg.reader.section_bytes("tuning"))
+    assert [g["index"] for g in log["groups"]] == list(range(6))
+    assert all(len(g["trials"]) == 6 and "genome_hash" in g["trials"][0] for g in log["groups"])
+    # the chosen template parameters are the ones the kernels were built with
+    for k, g in enumerate(log["groups"]):
+        table = pkg.manifest.groups[k].table
+        for op in (table.ops if table is not None else ()):
+            for key, val in g["tuning"].items():
+                if key in op.tuning and key == "threads":
+                    assert op.tuning[key] == val
+
+
+def test_budget_increase_or_stale_record_measures_again(spec, cache, tmp_path):
+    FakeTimer.calls = []
+    _build(spec, tmp_path / "a.lumpkg", budget=2)
+    c, _ = _build(spec, tmp_path / "b.lumpkg", budget=4)           # bigger budget: search again
+    assert c.stats["misses"] == 6
+    c, _ = _build(spec, tmp_path / "c.lumpkg", budget=3)           # smaller budget: the record serves
+    assert c.stats["hits"] == 6
+    f = sorted((cache / "tuning").glob("*.json"))[0]
+    rec = json.loads(f.read_text())
+    rec["decisions"] = rec["decisions"] + [["new", ["a", "b"]]]
+    rec["genome"] = rec["genome"] + [0]
+    f.write_text(json.dumps(rec))
+    with pytest.warns(UserWarning, match="no longer match"):
+        c, _ = _build(spec, tmp_path / "d.lumpkg", budget=3)
+    assert c.stats["misses"] == 1 and c.stats["hits"] == 5
+
+
+def test_corrupt_record_is_measured_again(spec, cache, tmp_path):
+    _build(spec, tmp_path / "a.lumpkg", budget=2)
+    f = sorted((cache / "tuning").glob("*.json"))[0]
+    f.write_bytes(b"\0garbage")
+    with pytest.warns(UserWarning, match="corrupt"):
+        c, _ = _build(spec, tmp_path / "b.lumpkg", budget=2)
+    assert c.stats["misses"] == 1 and c.stats["hits"] == 5
+    assert json.loads(f.read_text())["genome"]        # rewritten
+
+
+def test_every_candidate_rejected_falls_back_to_the_cost_model(spec, cache, tmp_path):
+    def rejecting(setup):
+        def timer(genome):
+            raise CandidateRejected("fake: NaN")
+        return timer
+
+    with pytest.warns(UserWarning, match="every candidate"):
+        c, p = _build(spec, tmp_path / "a.lumpkg", budget=2, factory=rejecting)
+    assert all(r["genome"] == r["seed_genome"] and r["time"] is None for r in c.records)
+
+
+def test_timer_path_on_the_reference_backend(spec, cache, tmp_path):
+    """GpuTimer's own path (lower, NVRTC, one-program package, session, poison, check, time) with the
+    numpy backend standing in for CUDA; the package it picks decodes like the cost model's."""
+    import lum.loader
+
+    c, p = _build(spec, tmp_path / "m.lumpkg", budget=2,
+                  factory=lambda s: T.GpuTimer(s, backend="reference"), repeats=1, warmup=0)
+    assert c.stats["timer_calls"] == 12
+    assert all(r["chosen_by"] == "measured" for r in c.records), [r["trials"] for r in c.records]
+    ref = build_package(spec, tmp_path / "ref.lumpkg")
+    want = lum.loader.open(ref).session(backend="reference").generate([1, 5, 9], 4)
+    assert lum.loader.open(p).session(backend="reference").generate([1, 5, 9], 4) == want
+
+
+def test_build_package_without_gpu_uses_the_cost_model(spec, tmp_path, monkeypatch):
+    import lum.loader
+
+    monkeypatch.setattr(T, "gpu_unavailable_reason", lambda target=None: "no usable GPU (test)")
+    with pytest.warns(UserWarning, match="measured search skipped"):
+        p = build_package(spec, tmp_path / "a.lumpkg", options=BuildOptions(budget=4))
+    pkg = lum.loader.open(p)
+    assert pkg.manifest.provenance["extraction"] == "cost-model" and "tuning" not in pkg.reader
+
+
+def test_cli_budget_without_gpu_prints_one_note(tmp_path, monkeypatch, capsys):
+    from lum.loader.cli import main
+
+    monkeypatch.setattr(T, "gpu_unavailable_reason", lambda target=None: "no usable GPU (test)")
+    with pytest.raises(SystemExit) as info:
+        main(["build", "--random", "tiny-llama", "--max-seq", "16", "--budget", "4", "-o", str(tmp_path / "t.lumpkg")])
+    err = capsys.readouterr().err
+    assert (info.value.code or 0) == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: --budget ignored: no usable GPU (test); extracting with the cost model"]
