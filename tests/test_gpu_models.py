@@ -8,11 +8,16 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-CASES = [  # (model, dtype, logits tolerance, greedy steps that must agree)
+CASES = [  # (model, dtype, logits tolerance vs transformers, greedy steps that must agree)
     ("llama3-1b", "f32", 1e-4, 32),
     ("llama3-1b", "bf16", 2e-2, 0),
     ("gemma3-4b", "bf16", 2e-2, 0),
 ]
+# In bf16 two correct implementations differ by about √2 × each one's rounding error. On random weights
+# transformers' own bf16 logits lie 2.3% from its f32 logits (measured on the H200, 2026-11-29), so no
+# implementation that rounds differently can come within 2e-2 of them. The bf16 check is therefore: lum
+# is at least as accurate as transformers' bf16 (distance to the f32 logits within 10% of transformers'),
+# and within 2e-2 of transformers wherever transformers itself is well within it.
 
 
 def _rel(a, b) -> float:
@@ -57,8 +62,11 @@ def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda
         err, vs_f32, hf_vs_f32 = _rel(got, want), _rel(got, exact), _rel(want, exact)
         print(f"{name} {dtype}: prefill logits rel err vs transformers {err:.2e}; vs f32: lum {vs_f32:.2e}, "
               f"transformers {hf_vs_f32:.2e}")
-        assert err < tol, f"{name} {dtype}: prefill logits rel err {err:.2e} >= {tol} (vs f32: lum {vs_f32:.2e}, " \
-                          f"transformers {hf_vs_f32:.2e})"
+        detail = f"{name} {dtype}: rel err vs transformers {err:.2e} (vs f32: lum {vs_f32:.2e}, transformers {hf_vs_f32:.2e})"
+        if dtype == "f32" or hf_vs_f32 < tol / 2:
+            assert err < tol, detail
+        else:
+            assert vs_f32 <= 1.1 * hf_vs_f32, detail
         if steps:
             tokens = sess.generate(prompt, steps)
             assert tokens == ref_tokens, f"{name} {dtype}: lum {tokens} vs transformers {ref_tokens}"
