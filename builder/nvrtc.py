@@ -28,12 +28,13 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from lum.format.atomic import atomic_write_bytes
 
 __all__ = ["CompileError", "NvrtcNotFound", "CompileResult", "compile_cuda", "nvrtc_version",
            "nvrtc_library_path", "supported_archs", "default_cache_dir"]
@@ -297,23 +298,6 @@ def cache_key(source: str, options: Sequence[str], arch: str, ptx: bool) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _cache_read(d: Path) -> CompileResult | None:
     try:
         meta = json.loads((d / "meta.json").read_text())
@@ -330,13 +314,13 @@ def _cache_read(d: Path) -> CompileResult | None:
 
 def _cache_write(d: Path, res: CompileResult, want_ptx: bool) -> None:
     # payload files first, meta.json (the commit marker, with the cubin's hash) last
-    _atomic_write(d / "kernel.cubin", res.cubin)
+    atomic_write_bytes(d / "kernel.cubin", res.cubin)
     if want_ptx:
-        _atomic_write(d / "kernel.ptx", res.ptx.encode())
+        atomic_write_bytes(d / "kernel.ptx", res.ptx.encode())
     meta = {"format": _CACHE_FORMAT, "arch": res.arch, "options": res.options, "log": res.log,
             "ptx": want_ptx, "cubin_sha256": hashlib.sha256(res.cubin).hexdigest(),
             "nvrtc": "%d.%d" % nvrtc_version(), "seconds": round(res.seconds, 4)}
-    _atomic_write(d / "meta.json", json.dumps(meta, sort_keys=True).encode())
+    atomic_write_bytes(d / "meta.json", json.dumps(meta, sort_keys=True).encode())
 
 
 def compile_cuda(source: str, arch: str | int = "sm_90", *, name: str = "lum_kernels.cu", ptx: bool = True,

@@ -58,6 +58,7 @@ import numpy as np
 from lum.builder.hlir import Edge, Graph
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
+from lum.format.atomic import atomic_write_bytes
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
 from lum.format.llir import Program
@@ -141,22 +142,7 @@ class TuningDB:
         rec = dict(record)
         rec["version"], rec["key"] = DB_VERSION, key
         data = json.dumps(rec, sort_keys=True, indent=1, allow_nan=False).encode()
-        self.root.mkdir(parents=True, exist_ok=True)
-        p = self.path(key)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return p
+        return atomic_write_bytes(self.path(key), data)
 
 
 def _record_problem(rec: Any, key: str) -> str | None:

@@ -23,7 +23,6 @@ import json
 import mmap
 import os
 import re
-import secrets
 import stat
 import struct
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Unio
 
 import numpy as np
 import zstandard
+
+from lum.format.atomic import atomic_file
 
 from lum.format.errors import (
     IntegrityError,
@@ -230,22 +231,8 @@ class PackageWriter:
         if self._manifest is None:
             raise ValueError("set_manifest() was not called")
         path = Path(path)
-        directory = path.parent
-        tmp = directory / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        try:
-            with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-                self._write_to(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(directory)
+        with atomic_file(path, buffering=1 << 20) as f:
+            self._write_to(f)
         return path
 
     def _plan(self) -> tuple[list[_PendingSection], bytes, list[tuple[int, int, int, int]]]:
@@ -349,21 +336,6 @@ def _write_zeros(f, n: int) -> None:
 def _compress(raw: bytes) -> bytes:
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True, threads=0)
     return cctx.compress(raw)
-
-
-def _fsync_dir(directory: Path) -> None:
-    if os.name != "posix":
-        return
-    try:
-        dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 # ----------------------------------------------------------------------------------------- reader
