@@ -38,6 +38,7 @@ class BuildOptions:
     max_dyn: dict | None = None       # dyn bounds the kernels may assume (None: from max_seq, see kernels.py)
     kernel_tuning: dict = field(default_factory=dict)   # codegen keyword arguments for every kernel
     nvrtc_cache: Any = None           # NVRTC cache dir (None: the default on-disk cache, False: none)
+    gemm_algos: bool = True           # time cuBLASLt's candidates per gemm when a GPU is here (gemm_algos.py)
 
 
 @dataclass
@@ -164,6 +165,11 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
     kernel_info: dict[str, str] = {}
     if options.compile_kernels:
         tables, kernel_info = _compile_kernels(w, programs, entries, spec.max_seq, options, progress, group_tuning)
+    lt_version = None
+    if options.compile_kernels and options.gemm_algos:
+        from lum.builder.gemm_algos import tune_gemm_algos
+
+        lt_version = tune_gemm_algos(programs, tables, typical_dyn(spec), options.target)
     if measured:
         w.add_section("tuning", compiler.tuning_section(programs), kind="tuning", required=False)
     for k, (h, prog) in enumerate(zip(hashes, programs)):
@@ -189,7 +195,8 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
     manifest = Manifest(
         model={"name": spec.name, "arch": cfg.arch, "dtype": spec.dtype.value, "max_seq": spec.max_seq,
                "vocab_size": cfg.vocab_size, "param_count": spec.param_count, "config": cfg.to_hf_dict()},
-        target={"sm": options.target, **({"nvrtc": kernel_info["nvrtc"]} if kernel_info else {})},
+        target={"sm": options.target, **({"nvrtc": kernel_info["nvrtc"]} if kernel_info else {}),
+                **({"cublaslt_version": lt_version} if lt_version is not None else {})},
         provenance={"lum": LUM_VERSION, "python": platform.python_version(), "numpy": np.__version__,
                     "source": spec.source, "extraction": extraction,
                     **_tool_versions(), **kernel_info, **measured_prov, **options.provenance},

@@ -35,7 +35,15 @@ A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1)
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
 ``dyn`` the device buffer of int64 values in ``dyn_vars`` order. ``gemm`` ops have no entry: they
-are cuBLASLt calls described by the LLIR alone. The parser checks everything above that a loader
+are cuBLASLt calls described by the LLIR alone; a table built on a GPU may add, per gemm op, the
+cuBLASLt algorithm timed fastest at build time (``lum.builder.gemm_algos``)::
+
+     "gemms": [{"op": 7,                            # LLIR id of a gemm op
+                "algo": "<128 hex digits>",         # the 64 bytes of its cublasLtMatmulAlgo_t
+                "algo_dims": {"m": 512, "n": 256, "k": 256, "batch": 1}}]   # where it was timed
+
+with ``target.cublaslt_version`` (an int, ``cublasLtGetVersion()``) naming the library they are valid
+for: the loader passes them only to that version. The parser checks everything above that a loader
 relies on (names, expressions and their vars, block limits, the parameter convention); the loader
 checks the table against the LLIR (every kernel op covered, kinds and arities equal).
 """
@@ -57,6 +65,8 @@ KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy
 SM_RE = re.compile(r"sm_(\d{2,3})([af]?)")
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 _VERSION_RE = re.compile(r"\d{1,4}\.\d{1,4}")
+_ALGO_RE = re.compile(r"[0-9a-fA-F]{128}")
+GEMM_ALGO_DIMS = ("m", "n", "k", "batch")
 MAX_BLOCK_THREADS = 1024
 MAX_SHARED_MEM = 227 * 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
@@ -131,6 +141,15 @@ class KernelOp:
 
 
 @dataclass(frozen=True)
+class GemmAlgo:
+    """A cuBLASLt algorithm chosen at build time for one gemm op (``gemms`` of a kernel table)."""
+
+    op: int
+    algo: bytes                              # 64 bytes
+    dims: tuple[int, int, int, int]          # m, n, k, batch it was timed at
+
+
+@dataclass(frozen=True)
 class KernelTable:
     """A group's compiled kernels and how to launch them (parsed ``groups[k].kernels``)."""
 
@@ -140,6 +159,7 @@ class KernelTable:
     dyn_vars: tuple[str, ...]
     max_dyn: dict[str, int]
     ops: tuple[KernelOp, ...]
+    gemms: tuple[GemmAlgo, ...] = ()
 
     def by_op(self) -> dict[int, KernelOp]:
         return {k.op: k for k in self.ops}
@@ -281,6 +301,8 @@ class _Parser:
         nv = t.get("nvrtc")
         if nv is not None and (not isinstance(nv, str) or not _VERSION_RE.fullmatch(nv)):
             raise self.fail("target.nvrtc", f"expected a version like '13.0', found {nv!r}")
+        if "cublaslt_version" in t:
+            self.integer(t["cublaslt_version"], "target.cublaslt_version", 1)
 
     def kernel_table(self, d: dict, where: str, target: dict) -> KernelTable:
         if d.get("version") != KERNEL_TABLE_VERSION:
@@ -346,7 +368,28 @@ class _Parser:
                                 slots, self.obj(o.get("tuning", {}), ow + ".tuning")))
         if ops and cubin is None:
             raise self.fail(where + ".cubin", "the table has kernels but names no cubin section")
-        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops))
+        gemms = self.gemm_algos(d["gemms"], where + ".gemms", target) if "gemms" in d else ()
+        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms)
+
+    def gemm_algos(self, v: Any, where: str, target: dict) -> tuple[GemmAlgo, ...]:
+        if "cublaslt_version" not in target:
+            raise self.fail(where, "gemm algorithms without target.cublaslt_version")
+        out: list[GemmAlgo] = []
+        for j, g in enumerate(self.lst(v, where)):
+            gw = f"{where}[{j}]"
+            g = self.obj(g, gw)
+            op_id = self.integer(g.get("op"), gw + ".op")
+            if out and op_id <= out[-1].op:
+                raise self.fail(gw + ".op", "gemms must be sorted by op id without duplicates")
+            algo = g.get("algo")
+            if not isinstance(algo, str) or not _ALGO_RE.fullmatch(algo):
+                raise self.fail(gw + ".algo", "expected 128 hex digits (a 64-byte cuBLASLt algorithm)")
+            dims = self.obj(g.get("algo_dims"), gw + ".algo_dims")
+            if set(dims) != set(GEMM_ALGO_DIMS):
+                raise self.fail(gw + ".algo_dims", f"expected exactly the keys {list(GEMM_ALGO_DIMS)}")
+            out.append(GemmAlgo(op_id, bytes.fromhex(algo),
+                                tuple(self.integer(dims[k], f"{gw}.algo_dims.{k}") for k in GEMM_ALGO_DIMS)))  # type: ignore[arg-type]
+        return tuple(out)
 
     def ident(self, v: Any, where: str) -> str:
         if not isinstance(v, str) or not _IDENT_RE.fullmatch(v):

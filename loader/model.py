@@ -106,6 +106,11 @@ class Package:
             if table:
                 raise PackageFormatError(f"group {i}: the launch table names LLIR ops {sorted(table)[:5]} that "
                                          "do not exist")
+            kinds = {op.id: op.kind for op in prog.ops}
+            for g in ref.table.gemms:
+                if kinds.get(g.op) != "gemm":
+                    raise PackageFormatError(f"group {i}: the launch table has a gemm algorithm for LLIR op {g.op}, "
+                                             "which is not a gemm op")
 
     # ------------------------------------------------------------------ access
     @property

@@ -47,12 +47,36 @@ def env(tmp_path_factory):
             pkgs[f"{fn.__name__}.{dt.value}"] = write_case_package(root / f"{fn.__name__}.{dt.value}.lumpkg", prog, b)
     for name in MODELS:
         pkgs[name] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg")
+    lt_so = emu.fake_cublaslt(root / "lt")
+    for tag, version in (("algos", None), ("algos-old", 1)):    # build-time gemm algos, timed on the fake
+        pkgs[f"tiny-llama.{tag}"] = _build_with_fake_gemm_timing(root, tag, lt_so, version)
     sources = []
     for path in pkgs.values():
         with lum.loader.open(path) as p:
             sources += emu.package_kernel_sources(p)
     return {"pkgs": {k: str(v) for k, v in pkgs.items()}, "driver": emu.fake_driver(root / "driver"),
-            "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": emu.fake_cublaslt(root / "lt")}
+            "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": lt_so}
+
+
+def _build_with_fake_gemm_timing(root, tag: str, lt_so, version: int | None):
+    """tiny-llama built as on a GPU (lum.builder.gemm_algos), with the fake cuBLASLt and a timer that
+    prefers the fake's third candidate; ``version``: what the fake library claims at build time."""
+    from lum.builder import gemm_algos
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+    from lum.loader.cublaslt import CublasLt
+
+    def open_gpu():
+        lt = CublasLt.load(str(lt_so))
+        if version is not None:
+            lt.version = lambda: version
+        return lt, (lambda plan, p: 1.0 / plan.algo_bytes()[0]), {"gpu": "fake", "driver": "1"}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("lum.builder.tuning.gpu_unavailable_reason", lambda target=None: None)
+        mp.setattr(gemm_algos, "_open_gpu", open_gpu)
+        mp.setenv("LUM_CACHE_DIR", str(root / f"cache-{tag}"))
+        return build_package(load_spec(random_name="tiny-llama", max_seq=MAX_SEQ), root / f"tiny-llama.{tag}.lumpkg")
 
 
 def run(env, script: str, **extra_env: str):
@@ -260,3 +284,29 @@ dev.close(); stream.close(); ctx.close()
 print(json.dumps({{"ok": ok, "bytes": st.bytes, "live": fake_stats()["live"]}}))
 ''')
     assert res == {"ok": True, "bytes": (45 << 20) + 995, "live": [0] * 7}
+
+
+def test_stored_gemm_algos_are_used_only_for_the_same_cublaslt_version(env):
+    res = run(env, r'''
+import lum.loader as L
+prompt = [1, 5, 9, 3, 17]
+out = {}
+for tag in ("algos", "algos-old"):
+    pkg = L.open(PKGS["tiny-llama." + tag])
+    m = pkg.manifest
+    gemms = [g for ref in m.groups if ref.table is not None for g in ref.table.gemms]
+    n_gemm = sum(1 for p in pkg.programs for o in p.ops if o.kind == "gemm")
+    want = pkg.session(backend="reference").generate(prompt, 6)
+    with pkg.session(backend="cuda") as sess:
+        got = sess.generate(prompt, 6)
+        out[tag] = {"version": m.target.get("cublaslt_version"), "gemms": len(gemms), "n_gemm": n_gemm,
+                    "first_bytes": sorted({g.algo[0] for g in gemms}), "equal": got == want,
+                    "counts": dict(sess.runner.gemm_algo_counts)}
+print(json.dumps(out))
+''')
+    cur, old = res["algos"], res["algos-old"]
+    assert cur["version"] == 130099 and old["version"] == 1
+    assert cur["gemms"] == cur["n_gemm"] == old["gemms"] > 0 and cur["first_bytes"] == [3]
+    assert cur["equal"] and old["equal"]
+    assert cur["counts"]["stored"] > 0 and cur["counts"]["heuristic"] == 0
+    assert old["counts"]["stored"] == 0 and old["counts"]["heuristic"] > 0

@@ -263,3 +263,39 @@ def test_upload_rate_of_a_large_random_model(tmp_path, cublaslt):
             rates[method] = (sess.upload_gbps, sess.runner.upload.method)
     print(f"upload of {pkg.reader.file_size / 1e9:.2f} GB: {rates}")
     assert max(r for r, _ in rates.values()) >= 10.0, rates
+
+
+# ============================================================================ build-time gemm algorithms
+def test_build_stores_timed_gemm_algos_and_session_uses_them(tmp_path, cublaslt, monkeypatch):
+    """``lum build`` on the GPU times cuBLASLt's candidates per gemm (lum.builder.gemm_algos): every gemm
+    op of every group has an algo in its launch table, the manifest names the cuBLASLt version, and a
+    CUDA session passes the stored algos (same version) and gives the reference backend's greedy tokens."""
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+    from tests.hf_checkpoints import save_hf_model
+
+    monkeypatch.setenv("LUM_CACHE_DIR", str(tmp_path / "cache"))      # time here, not from a user DB
+    save_hf_model("tiny-llama", tmp_path / "hf")
+    path = build_package(load_spec(src=str(tmp_path / "hf"), max_seq=MAX_SEQ), tmp_path / "model.lumpkg")
+    pkg = lum.loader.open(path)
+    m = pkg.manifest
+    assert m.target.get("cublaslt_version") == cublaslt.version()
+    n_gemm = 0
+    for ref, prog in zip(m.groups, pkg.programs):
+        stored = {g.op: g for g in (ref.table.gemms if ref.table is not None else ())}
+        for op in prog.ops:
+            if op.kind == "gemm":
+                n_gemm += 1
+                assert op.id in stored, f"gemm op {op.id} has no stored algo"
+                assert len(stored[op.id].algo) == 64 and min(stored[op.id].dims) >= 1
+    assert n_gemm > 0
+    want = pkg.session(backend="reference").generate(PROMPT, 16)
+    with pkg.session(backend="cuda") as sess:
+        assert sess.backend == "cuda", sess.backend_reason
+        out = sess.generate(PROMPT, 16)
+        counts = dict(sess.runner.gemm_algo_counts)
+    assert out == want, f"cuda {out} vs reference {want}"
+    assert counts["stored"] > 0, counts
+    # a second build reads the choices from the tuning DB: the same bytes
+    again = build_package(load_spec(src=str(tmp_path / "hf"), max_seq=MAX_SEQ), tmp_path / "again.lumpkg")
+    assert again.read_bytes() == path.read_bytes()

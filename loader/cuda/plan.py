@@ -108,6 +108,7 @@ class GemmSpec:
     dtype: DType
     offset_a: int = 0          # elements; the library plan adds them to the operands' base pointers
     offset_b: int = 0
+    algo: bytes | None = None  # the package's build-time cuBLASLt algorithm (None: the heuristic's)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class GemmStep:
     a_cap: int                                 # elements the operand's buffer holds
     b_cap: int
     c_cap: int
+    algo: bytes | None = None                  # stored cuBLASLt algorithm (see build_entry_plan)
 
 
 @dataclass
@@ -310,7 +312,7 @@ def _gemm_ops(st: GemmStep, exact: Sequence[int], gemm_plan: Callable[[GemmSpec]
         last = off + (nb - 1) * bstride + (rows - 1) * s0 + (cols - 1) * s1
         if last >= cap:
             raise fail(f"gemm operand {name} reads elements {off}..{last} of a buffer of {cap}")
-    spec = GemmSpec(st.layout, m, n, k, lda, ldb, n, batch, sa, sb, m * n, st.dtype, oa, ob)
+    spec = GemmSpec(st.layout, m, n, k, lda, ldb, n, batch, sa, sb, m * n, st.dtype, oa, ob, st.algo)
     try:
         lib_plan = gemm_plan(spec)
     except SessionError:
@@ -344,12 +346,15 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 
 
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
-                     max_dyn: Mapping[str, int]) -> EntryPlan:
+                     max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None
+                     ) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
     :class:`BackendUnavailableError` for LLIR this backend cannot run (a dtype-converting or strided
-    group output, a dtype mismatch at a call boundary, a group without compiled kernels)."""
+    group output, a dtype mismatch at a call boundary, a group without compiled kernels). ``gemm_algos``:
+    (group, op id) -> the package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner
+    passes them only for the same cuBLASLt version)."""
     e = pkg.entry(entry_name)
     m = pkg.manifest
     plan = EntryPlan(entry_name)
@@ -419,7 +424,9 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                 ptr[op.id], cap[op.id] = layout.arena + layout.offsets[name], layout.sizes[name]
             dtypes[op.id] = op.dtype
             if op.kind == "gemm":
-                plan.steps.append(_gemm_step(plan, where, op, ptr, cap, dtypes))
+                gs = _gemm_step(plan, where, op, ptr, cap, dtypes)
+                gs.algo = (gemm_algos or {}).get((call.group, op.id))
+                plan.steps.append(gs)
                 continue
             kop = kops.get(op.id)
             if kop is None:

@@ -45,7 +45,7 @@ from lum.loader.cuda.target import check_target
 from lum.loader.cuda.upload import ALIGN, HostBytes, UploadStats, pack, upload
 from lum.loader.errors import BackendUnavailableError, SessionError
 
-__all__ = ["CudaRunner", "session_bounds"]
+__all__ = ["CudaRunner", "session_bounds", "stored_gemm_algos"]
 
 WORKSPACE_BYTES = 32 << 20      # cuBLASLt's recommended workspace on Hopper
 GEMM_PLAN_CACHE = 4096
@@ -252,6 +252,8 @@ class CudaRunner:
         self.dyn_ptrs = {o: self.dyn_buf.ptr + dl.offsets[str(i)] for i, o in enumerate(orders)}
         cu.memset(self.dyn_buf.ptr, 0, dl.total, self.stream)
         self.workspace = self._own(cu.DeviceBuffer(workspace_bytes if self.lt is not None else 0, "cuBLASLt workspace"))
+        self.gemm_algos = stored_gemm_algos(m, self.lt.version() if self.lt is not None else None, used)
+        self.gemm_algo_counts = {"stored": 0, "heuristic": 0}   # library plans made, by whose algorithm
         # plans
         self.plans: dict[str, EntryPlan] = {}
         for e in m.entries:
@@ -260,7 +262,7 @@ class CudaRunner:
                             {n: self.arena.ptr + off for n, (off, _) in io[e].items()},
                             {n: size for n, (_, size) in io[e].items()},
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
-            self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e])
+            self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos)
         # pinned staging: two slots for dyn values + inputs, one for outputs
         stage = max((sum(_align(n) for _, n in io[e].values()) for e in io), default=0)
         self._dyn_stage = _align(8 * sum(max(len(o), 1) for o in orders))
@@ -451,10 +453,11 @@ class CudaRunner:
         p = self._gemm_plans.get(spec)
         if p is None:
             p = self.lt.matmul_plan(spec.layout, spec.m, spec.n, spec.k, spec.lda, spec.ldb, spec.ldc, spec.batch,
-                                    spec.stride_a, spec.stride_b, spec.stride_c, spec.dtype, None,
+                                    spec.stride_a, spec.stride_b, spec.stride_c, spec.dtype, spec.algo,
                                     offset_a=spec.offset_a, offset_b=spec.offset_b,
                                     workspace_limit=self.workspace.nbytes)
             self._gemm_plans[spec] = p
+            self.gemm_algo_counts["stored" if p.algo_source == "given" else "heuristic"] += 1
             while len(self._gemm_plans) > GEMM_PLAN_CACHE:
                 self._gemm_plans.popitem(last=False)
         else:
@@ -480,3 +483,17 @@ class CudaRunner:
                     stream.synchronize()
             except cu.CudaError as exc:
                 raise cu.CudaError(exc.func, exc.code, exc.name, f"{op[-1]}") from None
+
+
+def stored_gemm_algos(manifest: Any, lt_version: int | None, groups: Any = None) -> dict[tuple[int, int], bytes]:
+    """(group, op id) -> the cuBLASLt algorithm the build chose, when the package's
+    ``target.cublaslt_version`` is ``lt_version`` (the loaded library's); else empty: the heuristic chooses.
+    Stored algorithms are passed non-strictly (cublasLtMatmulAlgoCheck falls back to the heuristic)."""
+    if lt_version is None or manifest.target.get("cublaslt_version") != lt_version:
+        return {}
+    out: dict[tuple[int, int], bytes] = {}
+    for g, ref in enumerate(manifest.groups):
+        if ref.table is not None and (groups is None or g in groups):
+            for ga in ref.table.gemms:
+                out[(g, ga.op)] = ga.algo
+    return out
