@@ -519,18 +519,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None,
     """:func:`generate` for every op of a program, with arg dtypes taken from the producers.
     ``dyn_vars`` defaults to every dyn var the program mentions, sorted."""
     if dyn_vars is None:
-        names: set[str] = set()
-        for o in program.ops:
-            for d in o.shape:
-                names |= d.vars()
-            for a in o.args:
-                v = a.view
-                for x in (*v.shape, *v.strides, v.offset, *(b for lh in (v.mask or ()) for b in lh)):
-                    names |= x.vars()
-            for p in o.params.values():
-                if isinstance(p, Expr):
-                    names |= p.vars()
-        dyn_vars = sorted(names)
+        dyn_vars = sorted(program.dyn_vars())
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
         dts = [program.ops[a.src].dtype for a in o.args]
@@ -955,7 +944,6 @@ class _Gen:
         return src, n
 
     def k_scatter(self):
-        op = self.op
         ept = self.ept or 2
         tile = self.threads * ept
         # launch 1: out = dest (converted), an elementwise copy through dest's view

@@ -47,20 +47,9 @@ class GroupKernels:
 
 def program_dyn_vars(programs: Iterable[Program]) -> list[str]:
     """Every dyn var the programs mention (shapes, views, params), sorted: the package-wide slot order."""
-    from lum.format.expr import Expr
-
     names: set[str] = set()
     for program in programs:
-        for o in program.ops:
-            for d in o.shape:
-                names |= d.vars()
-            for a in o.args:
-                v = a.view
-                for x in (*v.shape, *v.strides, v.offset, *(b for lh in (v.mask or ()) for b in lh)):
-                    names |= x.vars()
-            for p in o.params.values():
-                if isinstance(p, Expr):
-                    names |= p.vars()
+        names |= program.dyn_vars()
     return sorted(names)
 
 

@@ -114,6 +114,21 @@ class Program:
     def kernels(self) -> list[LOp]:
         return [o for o in self.ops if o.kind not in ("input", "output", "constant")]
 
+    def dyn_vars(self) -> frozenset[str]:
+        """Every dyn var the program mentions: op shapes, argument views and Expr parameters."""
+        names: set[str] = set()
+        for o in self.ops:
+            for d in o.shape:
+                names |= d.vars()
+            for a in o.args:
+                v = a.view
+                for x in (*v.shape, *v.strides, v.offset, *(b for lh in (v.mask or ()) for b in lh)):
+                    names |= x.vars()
+            for val in o.params.values():
+                if isinstance(val, Expr):
+                    names |= val.vars()
+        return frozenset(names)
+
     def total_bytes(self) -> Expr:
         out = as_expr(0)
         for o in self.ops:
