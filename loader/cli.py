@@ -104,7 +104,7 @@ class DTypeChoice(str, Enum):
 RANDOM_NAMES = "llama3-1b, llama3-8b, qwen3-0.6b, gemma3-4b, tiny-llama, tiny-qwen3, tiny-gemma3"
 
 
-def _load_spec(src: Optional[Path], random_name: Optional[str], dtype: str, max_seq: Optional[int]):
+def _load_spec(src: Optional[Path], random_name: Optional[str], dtype: str, max_seq: Optional[int], seed: int = 0):
     if (src is None) == (random_name is None):
         raise UserError("give either a checkpoint folder SRC or --random NAME (exactly one)")
     if src is not None:
@@ -119,7 +119,7 @@ def _load_spec(src: Optional[Path], random_name: Optional[str], dtype: str, max_
     label = f"random {random_name}" if random_name else str(src)
     with _spinner(f"building HLIR graphs for {label} ({dtype})…"):
         return load_spec(src=None if src is None else str(src), random_name=random_name, dtype=dtype,
-                         max_seq=max_seq, materialize=False)
+                         max_seq=max_seq, materialize=False, seed=seed)
 
 
 @app.command("graph")
@@ -223,10 +223,7 @@ def build_cmd(
         raise UserError("give either SRC or --random NAME, not both")
     if random_name is None and src is None:
         raise UserError("give a checkpoint folder SRC or --random NAME")
-    spec = _load_spec(src, random_name, dtype.value, max_seq)
-    if random_name is not None and seed:
-        from lum.builder.models import load_spec
-        spec = load_spec(random_name=random_name, dtype=dtype.value, max_seq=max_seq, seed=seed)
+    spec = _load_spec(src, random_name, dtype.value, max_seq, seed)
     try:
         from lum.builder.package_builder import BuildOptions, build_package
     except ImportError as exc:
