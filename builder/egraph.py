@@ -240,9 +240,11 @@ def _normalise(view: ShapeTracker) -> ShapeTracker:
 
 
 def _full_view(view: ShapeTracker, producer_shape: tuple[Expr, ...]) -> bool:
-    """The view reads the producer's whole buffer contiguously, in order."""
+    """The view reads the producer's whole buffer contiguously, in order (a unit dim's stride is
+    never used, so it may be anything)."""
+    one = as_expr(1)
     return (view.mask is None and view.offset == as_expr(0)
-            and view.strides == contiguous_strides(view.shape)
+            and all(d == one or s == c for d, s, c in zip(view.shape, view.strides, contiguous_strides(view.shape)))
             and numel(view.shape) == numel(producer_shape))
 
 

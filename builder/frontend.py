@@ -421,26 +421,37 @@ def matmul(a: GraphTensor, b: GraphTensor) -> GraphTensor:
     return (av * bv).sum(-1)
 
 
-def linear(x: GraphTensor, weight: GraphTensor, bias: GraphTensor | None = None) -> GraphTensor:
-    """``x @ weightᵀ`` for a weight stored [out, in] (the Hugging Face layout)."""
+def linear(x: GraphTensor, weight: GraphTensor, bias: GraphTensor | None = None,
+           out_dtype: DType | None = None) -> GraphTensor:
+    """``x @ weightᵀ`` for a weight stored [out, in] (the Hugging Face layout).
+
+    ``out_dtype`` (f32 for 16-bit ``x`` and ``weight``): the products are summed and returned in f32
+    instead of being rounded to the 16-bit dtype — written as a matmul of widened operands, which
+    rules/flatten.egg turns into a mixed-precision GEMM reading the 16-bit buffers."""
+    if out_dtype is not None:
+        x, weight = x.cast(out_dtype), weight.cast(out_dtype)
     y = matmul(x, weight.T)
-    return y + bias if bias is not None else y
+    return y + bias.cast(y.dtype) if bias is not None else y
 
 
 def rms_norm(x: GraphTensor, weight: GraphTensor | None, eps: float, add_one: bool = False,
-             compute_dtype: DType = DType.f32) -> GraphTensor:
-    """RMSNorm over the last axis, normalised in ``compute_dtype``.
+             compute_dtype: DType = DType.f32, out_dtype: DType | None = None) -> GraphTensor:
+    """RMSNorm over the last axis, normalised in ``compute_dtype``, returned in ``out_dtype`` (default:
+    ``x``'s dtype).
 
     Llama style (default): ``w · cast(x̂)``; Gemma style (``add_one``): ``cast(x̂ · (1 + w))`` — the two
-    round at different points, which matters in bf16.
+    round at different points, which matters in bf16. A compute-dtype ``x`` rounds once, at the end.
     """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     xd = x.cast(compute_dtype)
     normed = xd * ((xd * xd).mean(-1, keepdim=True) + eps).rsqrt()
     if weight is None:
-        return normed.cast(x.dtype)
+        return normed.cast(out_dtype)
     if add_one:
-        return (normed * (weight.cast(compute_dtype) + 1.0)).cast(x.dtype)
-    return normed.cast(x.dtype) * weight.cast(x.dtype)
+        return (normed * (weight.cast(compute_dtype) + 1.0)).cast(out_dtype)
+    if x.dtype == compute_dtype:
+        return (normed * weight.cast(compute_dtype)).cast(out_dtype)
+    return (normed.cast(x.dtype) * weight.cast(x.dtype)).cast(out_dtype)
 
 
 def layer_norm(x: GraphTensor, weight: GraphTensor | None, bias: GraphTensor | None, eps: float,

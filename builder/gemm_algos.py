@@ -39,9 +39,10 @@ _NAMES = ("m", "n", "k", "lda", "ldb", "batch", "stride_a", "stride_b", "offset_
 TimeFn = Callable[[Any, dict], float]
 
 
-def gemm_problem(op: LOp, dyn: Mapping[str, int]) -> dict | None:
+def gemm_problem(op: LOp, dyn: Mapping[str, int], in_dtype: DType | None = None) -> dict | None:
     """The op's concrete parameters at ``dyn`` plus operand sizes in elements; None when the op is not a
-    timeable matmul there (a var missing from ``dyn``, an empty output, k = 0)."""
+    timeable matmul there (a var missing from ``dyn``, an empty output, k = 0). ``in_dtype``: the
+    operands' dtype (default: the op's own; a 16-bit one under an f32 op is a mixed-precision gemm)."""
     try:
         v = {n: int(as_expr(op.params.get(n, _DEFAULTS.get(n))).evaluate(dyn)) for n in _NAMES}
     except Exception:  # noqa: BLE001 - a var the typical dyn map lacks: leave the op to the heuristic
@@ -58,17 +59,21 @@ def gemm_problem(op: LOp, dyn: Mapping[str, int]) -> dict | None:
         nb = v["batch"] if bstride else 1
         sizes[name] = off + (nb - 1) * bstride + (rows - 1) * s0 + (cols - 1) * s1 + 1
     sizes["c"] = v["batch"] * v["m"] * v["n"]
-    return {"layout": layout, "dtype": op.dtype, **v, "size_a": sizes["a"], "size_b": sizes["b"], "size_c": sizes["c"]}
+    return {"layout": layout, "dtype": op.dtype, "in_dtype": in_dtype or op.dtype, **v,
+            "size_a": sizes["a"], "size_b": sizes["b"], "size_c": sizes["c"]}
 
 
 def _plan(lt: Any, p: dict, algo: bytes | None = None, strict: bool = False) -> Any:
     return lt.matmul_plan(p["layout"], p["m"], p["n"], p["k"], p["lda"], p["ldb"], p["n"], p["batch"], p["stride_a"],
                           p["stride_b"], p["m"] * p["n"], p["dtype"], algo, offset_a=p["offset_a"],
-                          offset_b=p["offset_b"], strict_algo=strict)
+                          offset_b=p["offset_b"], strict_algo=strict, in_dtype=p["in_dtype"])
 
 
 def _problem_key(p: dict) -> str:
-    return "gemm-algo:" + ",".join(f"{k}={p[k]}" for k in ("layout", *_NAMES)) + f",dtype={DType(p['dtype']).value}"
+    dts = DType(p["dtype"]).value
+    if DType(p["in_dtype"]) != DType(p["dtype"]):
+        dts = f"{DType(p['in_dtype']).value}>{dts}"
+    return "gemm-algo:" + ",".join(f"{k}={p[k]}" for k in ("layout", *_NAMES)) + f",dtype={dts}"
 
 
 def choose_gemm_algos(programs: Sequence[Program], tables: list[dict], dyn: Mapping[str, int], lt: Any,
@@ -85,7 +90,7 @@ def choose_gemm_algos(programs: Sequence[Program], tables: list[dict], dyn: Mapp
         for op in prog.ops:
             if op.kind != "gemm":
                 continue
-            p = gemm_problem(op, dyn)
+            p = gemm_problem(op, dyn, prog.ops[op.args[0].src].dtype)
             if p is None:
                 continue
             key = _problem_key(p)
@@ -165,12 +170,12 @@ class CudaGemmTimer:
     def _buffers(self, p: dict) -> list:
         from lum.builder.tuning import random_array
 
-        dt = DType(p["dtype"])
-        key = (p["size_a"], p["size_b"], p["size_c"], dt.value)
+        dts = {"a": DType(p["in_dtype"]), "b": DType(p["in_dtype"]), "c": DType(p["dtype"])}
+        key = (p["size_a"], p["size_b"], p["size_c"], dts["a"].value, dts["c"].value)
         if key not in self.bufs:
             out = []
             for name in ("a", "b", "c"):
-                n = p[f"size_{name}"]
+                n, dt = p[f"size_{name}"], dts[name]
                 buf = self.cu.DeviceBuffer(n * dt.itemsize, f"gemm timing {name}")
                 host = random_array(f"gemm-{name}", (n,), dt)
                 self.cu.call(self.cu.drv.cuMemcpyHtoD, buf.ptr, host.ctypes.data, host.nbytes)

@@ -25,7 +25,8 @@ Batch strides follow their operands (X gets stride_b, Y stride_a; 0 broadcasts),
 :func:`lt_problem` is that mapping as pure Python, unit-tested against numpy without a GPU.
 
 **Numerics.** f32: ``CUBLAS_COMPUTE_32F`` (no TF32). bf16/f16: inputs and C/D in that type, compute and
-scale types 32F (accumulate in float32, round once). alpha = 1, beta = 0, C = D.
+scale types 32F (accumulate in float32, round once); mixed: bf16/f16 inputs with f32 C/D (no rounding of
+the result). alpha = 1, beta = 0, C = D.
 
 **CUDA context.** cuBLASLt uses the CUDA runtime it links statically, which runs on the context current on
 the calling thread (or the device's primary context). Make the loader's context current before
@@ -386,10 +387,11 @@ class CublasLt:
                     batch: int = 1, stride_a: int = 0, stride_b: int = 0, stride_c: int | None = None,
                     dtype: DType = DType.f32, algo: bytes | None = None, *, offset_a: int = 0, offset_b: int = 0,
                     workspace_limit: int = DEFAULT_WORKSPACE_BYTES, alignment: int = DEFAULT_ALIGNMENT,
-                    heuristics: int = 8, strict_algo: bool = False) -> MatmulPlan:
+                    heuristics: int = 8, strict_algo: bool = False, in_dtype: DType | None = None) -> MatmulPlan:
         """A ready-to-run GEMM for one LLIR gemm's concrete parameters (module docstring for the mapping).
 
-        ``dtype`` is the element type of A, B and C (f32, bf16 or f16). ``offset_a``/``offset_b`` (elements)
+        ``dtype`` is the element type of C, and of A and B unless ``in_dtype`` gives theirs (bf16 or f16
+        operands with an f32 C: a mixed-precision GEMM). ``offset_a``/``offset_b`` (elements)
         are added to the pointers given to :meth:`MatmulPlan.run`, which are the bases of the operands'
         buffers, assumed ``alignment``-byte aligned (the arena's 256). ``algo``: 64 bytes from
         :meth:`MatmulPlan.algo_bytes` of an earlier plan; checked with cublasLtMatmulAlgoCheck, and when
@@ -397,7 +399,7 @@ class CublasLt:
         raises instead); ``plan.algo_source`` says which.
         """
         return MatmulPlan(self, layout, m, n, k, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, dtype, algo,
-                          offset_a, offset_b, workspace_limit, alignment, heuristics, strict_algo)
+                          offset_a, offset_b, workspace_limit, alignment, heuristics, strict_algo, in_dtype)
 
     def close(self) -> None:
         if getattr(self, "_handle", None) is not None and self._handle.value:
@@ -421,13 +423,16 @@ class MatmulPlan:
     """Descriptors, layouts and the chosen algorithm of one GEMM; :meth:`run` launches it on a stream."""
 
     def __init__(self, lt: CublasLt, layout, m, n, k, lda, ldb, ldc, batch, stride_a, stride_b, stride_c,
-                 dtype, algo, offset_a, offset_b, workspace_limit, alignment, heuristics, strict_algo):
+                 dtype, algo, offset_a, offset_b, workspace_limit, alignment, heuristics, strict_algo, in_dtype=None):
         self.lt = lt
         self._lib = lt._lib
         self._descs: list[tuple[str, ctypes.c_void_p]] = []
         dtype = DType.parse(dtype) if isinstance(dtype, str) else dtype
-        if dtype not in _DATA_TYPE:
-            raise ValueError(f"cuBLASLt gemm supports f32, bf16 and f16, not {dtype}")
+        in_dtype = dtype if in_dtype is None else (DType.parse(in_dtype) if isinstance(in_dtype, str) else in_dtype)
+        if dtype not in _DATA_TYPE or in_dtype not in _DATA_TYPE:
+            raise ValueError(f"cuBLASLt gemm supports f32, bf16 and f16, not {in_dtype} → {dtype}")
+        if in_dtype != dtype and dtype != DType.f32:
+            raise ValueError(f"a mixed-precision gemm stores f32, not {dtype} (operands {in_dtype})")
         batch, stride_a, stride_b = _int("batch", batch), _int("stride_a", stride_a), _int("stride_b", stride_b)
         offset_a, offset_b = _int("offset_a", offset_a), _int("offset_b", offset_b)
         self.problem = prob = lt_problem(layout, m, n, k, lda, ldb, ldc)
@@ -440,17 +445,18 @@ class MatmulPlan:
         if alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.params = dict(layout=layout, m=m, n=n, k=k, lda=_int("lda", lda), ldb=_int("ldb", ldb), ldc=n,
-                           batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=m * n, dtype=dtype)
-        self.dtype = dtype
-        self.itemsize = dtype.itemsize
+                           batch=batch, stride_a=stride_a, stride_b=stride_b, stride_c=m * n, dtype=dtype,
+                           in_dtype=in_dtype)
+        self.dtype, self.in_dtype = dtype, in_dtype
+        self.itemsize, self.in_itemsize = dtype.itemsize, in_dtype.itemsize
         self.batch = batch
         self.offset_a, self.offset_b = offset_a, offset_b
         self.workspace_limit = int(workspace_limit)
         self.output_bytes = batch * m * n * self.itemsize
         # X (cuBLAS "A") is our B, Y (cuBLAS "B") our A
         self._stride_x, self._stride_y, self._stride_c = stride_b, stride_a, m * n
-        self._align = {"A": _pow2_align(offset_b * self.itemsize, alignment),
-                       "B": _pow2_align(offset_a * self.itemsize, alignment),
+        self._align = {"A": _pow2_align(offset_b * self.in_itemsize, alignment),
+                       "B": _pow2_align(offset_a * self.in_itemsize, alignment),
                        "C": alignment}
         self.loops = 1                   # > 1: the batch runs as that many single GEMMs (no batched algo)
         self.workspace_size = 0
@@ -479,7 +485,8 @@ class MatmulPlan:
     def describe_problem(self) -> str:
         p = self.params
         return (f"gemm {p['layout']} m={p['m']} n={p['n']} k={p['k']} lda={p['lda']} ldb={p['ldb']} "
-                f"batch={p['batch']} stride_a={p['stride_a']} stride_b={p['stride_b']} {p['dtype']}")
+                f"batch={p['batch']} stride_a={p['stride_a']} stride_b={p['stride_b']} "
+                + (f"{p['dtype']}" if p["in_dtype"] == p["dtype"] else f"{p['in_dtype']}→{p['dtype']}"))
 
     def _create(self, kind: str, fn, *args) -> ctypes.c_void_p:
         h = ctypes.c_void_p()
@@ -490,9 +497,9 @@ class MatmulPlan:
     def _set(self, fn, h, attr: int, value) -> None:
         self.lt._check(fn(h, attr, ctypes.byref(value), ctypes.sizeof(value)), f"{fn.__name__}({attr})")
 
-    def _layout(self, rows: int, cols: int, ld: int, batch: int, stride: int) -> ctypes.c_void_p:
+    def _layout(self, rows: int, cols: int, ld: int, batch: int, stride: int, dtype: DType) -> ctypes.c_void_p:
         lib = self._lib
-        h = self._create("layout", lib.cublasLtMatrixLayoutCreate, _DATA_TYPE[self.dtype], rows, cols, ld)
+        h = self._create("layout", lib.cublasLtMatrixLayoutCreate, _DATA_TYPE[dtype], rows, cols, ld)
         if batch > 1:
             setl = lib.cublasLtMatrixLayoutSetAttribute
             self._set(setl, h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, ctypes.c_int32(batch))
@@ -505,9 +512,9 @@ class MatmulPlan:
         setd = lib.cublasLtMatmulDescSetAttribute
         self._set(setd, self._desc, CUBLASLT_MATMUL_DESC_TRANSA, ctypes.c_int32(p.transa))
         self._set(setd, self._desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(p.transb))
-        self._a = self._layout(p.a_rows, p.a_cols, p.lda, batch, self._stride_x)
-        self._b = self._layout(p.b_rows, p.b_cols, p.ldb, batch, self._stride_y)
-        self._c = self._layout(p.m, p.n, p.ldc, batch, self._stride_c)
+        self._a = self._layout(p.a_rows, p.a_cols, p.lda, batch, self._stride_x, self.in_dtype)
+        self._b = self._layout(p.b_rows, p.b_cols, p.ldb, batch, self._stride_y, self.in_dtype)
+        self._c = self._layout(p.m, p.n, p.ldc, batch, self._stride_c, self.dtype)
         pref = self._create("pref", lib.cublasLtMatmulPreferenceCreate)
         setp = lib.cublasLtMatmulPreferenceSetAttribute
         self._set(setp, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(self.workspace_limit))
@@ -568,7 +575,7 @@ class MatmulPlan:
                                    p.pop("ldc"), p.pop("batch"), p.pop("stride_a"), p.pop("stride_b"),
                                    p.pop("stride_c"), p.pop("dtype"), algo, offset_a=self.offset_a,
                                    offset_b=self.offset_b, workspace_limit=self.workspace_limit,
-                                   alignment=self._align["C"], strict_algo=strict)
+                                   alignment=self._align["C"], strict_algo=strict, in_dtype=p.pop("in_dtype"))
 
     def describe(self) -> dict:
         """What a package's manifest records about this GEMM."""
@@ -590,7 +597,7 @@ class MatmulPlan:
         if self.kind == "zero":
             self._memset_zero(stream, c_ptr)
             return
-        isz = self.itemsize
+        isz, osz = self.in_itemsize, self.itemsize
         a = int(a_ptr) + self.offset_a * isz
         b = int(b_ptr) + self.offset_b * isz
         c = int(c_ptr)
@@ -608,7 +615,7 @@ class MatmulPlan:
         for i in range(self.loops):
             xi = x + i * self._stride_x * isz
             yi = y + i * self._stride_y * isz
-            ci = c + i * self._stride_c * isz
+            ci = c + i * self._stride_c * osz
             st = lib.cublasLtMatmul(h, self._desc, alpha, xi, self._a, yi, self._b, beta, ci, self._c, ci, self._c,
                                     algo, ws or None, workspace_bytes if ws else 0, strm or None)
             if st != CUBLAS_STATUS_SUCCESS:

@@ -112,7 +112,8 @@ int cublasLtMatmulPreferenceSetAttribute(void *p, int attr, const void *buf, siz
 /* op(A) is m x k, op(B) k x n, C and D m x n (column-major, ORDER_COL). */
 static int check_problem(const Desc *d, const Layout *a, const Layout *b, const Layout *c, const Layout *dd) {
   if (d->compute != 68 || d->scale != 0) return INVALID;             /* CUBLAS_COMPUTE_32F, CUDA_R_32F */
-  if (a->type != b->type || a->type != c->type || c->type != dd->type) return INVALID;
+  if (a->type != b->type || c->type != dd->type) return INVALID;
+  if (a->type != c->type && !(a->type == 14 && c->type == 0)) return INVALID;   /* or bf16 x bf16 -> f32 */
   if (a->type != 0 && a->type != 14) return NOT_SUPPORTED;             /* f32, bf16 here */
   if (a->order || b->order || c->order || dd->order) return NOT_SUPPORTED;
   if ((d->transa != 0 && d->transa != 1) || (d->transb != 0 && d->transb != 1)) return INVALID;

@@ -254,11 +254,11 @@ def _host(nbytes: int, fill: int | None = None, align: int = 256) -> tuple[np.nd
     return view, view.ctypes.data
 
 
-def _fake_run(fake, p, dtype, seed, *, plan=None, stream=0, ws_bytes=1 << 20, algo=None):
+def _fake_run(fake, p, dtype, seed, *, plan=None, stream=0, ws_bytes=1 << 20, algo=None, in_dtype=None):
     lt, lib = fake
     r = np.random.default_rng(seed)
-    bufa = r.uniform(-1, 1, p["_size_a"]).astype(dtype.np)
-    bufb = r.uniform(-1, 1, p["_size_b"]).astype(dtype.np)
+    bufa = r.uniform(-1, 1, p["_size_a"]).astype((in_dtype or dtype).np)
+    bufb = r.uniform(-1, 1, p["_size_b"]).astype((in_dtype or dtype).np)
     params = {k: v for k, v in p.items() if not k.startswith("_")}
     ha, pa = _host(bufa.nbytes)
     hb, pb = _host(bufb.nbytes)
@@ -270,7 +270,8 @@ def _fake_run(fake, p, dtype, seed, *, plan=None, stream=0, ws_bytes=1 << 20, al
     if plan is None:
         plan = lt.matmul_plan(params["layout"], params["m"], params["n"], params["k"], params["lda"], params["ldb"],
                               params["ldc"], params["batch"], params["stride_a"], params["stride_b"],
-                              params["stride_c"], dtype, algo, offset_a=params["offset_a"], offset_b=params["offset_b"])
+                              params["stride_c"], dtype, algo, offset_a=params["offset_a"], offset_b=params["offset_b"],
+                              in_dtype=in_dtype)
     plan.run(stream, pa, pb, pc, pw, ws_bytes)
     assert (hc[n_out * dtype.itemsize:] == POISON).all(), "wrote past C"
     got = hc[:n_out * dtype.itemsize].view(dtype.np).astype(np.float64)
@@ -286,6 +287,22 @@ def _fake_run(fake, p, dtype, seed, *, plan=None, stream=0, ws_bytes=1 << 20, al
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fake_library_runs_every_layout(fake, layout, case, dtype):
     _fake_run(fake, _params(layout, case), dtype, seed=hash((layout, case)) % 2**32)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fake_library_mixed_bf16_to_f32(fake, layout, case):
+    """bf16 A and B with an f32 C: layouts typed per operand, offsets scaled by the 2-byte operands,
+    the result held to f32's tolerance."""
+    plan, _ = _fake_run(fake, _params(layout, case), DType.f32, seed=hash((layout, case, "mixed")) % 2**32,
+                        in_dtype=DType.bf16)
+    assert plan.in_dtype == DType.bf16 and plan.dtype == DType.f32
+
+
+def test_mixed_gemm_must_store_f32(fake):
+    lt, _ = fake
+    with pytest.raises(ValueError, match="stores f32"):
+        lt.matmul_plan("RmCm", 2, 3, 4, 4, 4, 3, dtype=DType.bf16, in_dtype=DType.f32)
 
 
 def test_fake_library_stream_workspace_alignment(fake):
@@ -419,13 +436,15 @@ GUARD = 64      # elements after C that must stay poisoned
 TOL = {DType.f32: 1e-5, DType.bf16: 1e-2, DType.f16: 2e-3}
 
 
-def _run_case(gpu, p, dtype: DType, seed: int, algo=None, plan=None, check=True):
+def _run_case(gpu, p, dtype: DType, seed: int, algo=None, plan=None, check=True, in_dtype: DType | None = None):
+    """``dtype``: C's; ``in_dtype``: A's and B's (default ``dtype``; bf16 under an f32 C: mixed precision)."""
     dev, lt, ws, ws_bytes = gpu
     r = np.random.default_rng(seed)
     size_a = p["_size_a"]
     size_b = p["_size_b"]
-    bufa = r.uniform(-1, 1, size_a).astype(dtype.np)
-    bufb = r.uniform(-1, 1, size_b).astype(dtype.np)
+    in_np = (in_dtype or dtype).np
+    bufa = r.uniform(-1, 1, size_a).astype(in_np)
+    bufb = r.uniform(-1, 1, size_b).astype(in_np)
     params = {k: v for k, v in p.items() if not k.startswith("_")}
     want = llir_reference(params, bufa, bufb)     # float64 from the rounded inputs
     a, b = dev.upload(bufa), dev.upload(bufb)
@@ -434,7 +453,8 @@ def _run_case(gpu, p, dtype: DType, seed: int, algo=None, plan=None, check=True)
     if plan is None:
         plan = lt.matmul_plan(params["layout"], params["m"], params["n"], params["k"], params["lda"], params["ldb"],
                               params["ldc"], params["batch"], params["stride_a"], params["stride_b"],
-                              params["stride_c"], dtype, algo, offset_a=params["offset_a"], offset_b=params["offset_b"])
+                              params["stride_c"], dtype, algo, offset_a=params["offset_a"], offset_b=params["offset_b"],
+                              in_dtype=in_dtype)
     plan.run(0, a, b, c, ws, ws_bytes)
     raw = dev.download(c, (n_out + GUARD) * dtype.itemsize, np.uint8)
     assert (raw[n_out * dtype.itemsize:] == POISON).all(), "cuBLASLt wrote past C"
@@ -476,6 +496,16 @@ def test_gpu_layouts_against_numpy(gpu, layout, case, dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_f16(gpu, layout):
     _run_case(gpu, _params(layout, (2, 24, 40, 56, None, None, 0, 0, 8)), DType.f16, seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_mixed_bf16_inputs_f32_output(gpu, layout, case):
+    """bf16 A and B, f32 C: exact products summed in f32, never rounded to bf16 (f32's tolerance)."""
+    plan, _ = _run_case(gpu, _params(layout, case), DType.f32, seed=hash((layout, case, "mixed")) % 2**32,
+                        in_dtype=DType.bf16)
+    assert "bf16→f32" in plan.describe_problem()
 
 
 @pytest.mark.gpu

@@ -441,6 +441,55 @@ def test_model_layer_scatters_are_in_place_and_gemms_fire():
         assert layouts.count("RmCm") >= 8 and "RmRm" in layouts
 
 
+# ====================================================================== mixed-precision GEMM
+def _widened_linear(x_dtype="bf16", w_dtype="bf16", slice_x=False, cast_x=True):
+    """out = x @ Wᵀ in f32, the operands widened from their stored dtypes (F.linear(..., out_dtype=f32))."""
+    g = Graph("mixed")
+    x = F.input_tensor(g, "x", [Var("s"), 16], "f32").cast(x_dtype) if cast_x else \
+        F.input_tensor(g, "x", [Var("s"), 16], x_dtype)
+    w = F.input_tensor(g, "w", [24, 16], w_dtype, role="weight")
+    if slice_x:
+        x = x.slice(1, 0, 8).pad(1, 0, 8)            # a masked view: the cast does not read x whole
+    F.output(F.linear(x, w, out_dtype=DType.f32), "out")
+    return g
+
+
+def _gemm_operand_dtypes(sat: SaturatedGroup, cls: int) -> list[tuple[str, str]]:
+    dts = []
+    for n in _gemms(sat, cls):
+        a, b = n.args[1], n.args[2]
+        dts.append((sat.dtype[a], sat.dtype[b]))
+    return dts
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f16"])
+def test_widened_16bit_products_become_a_mixed_gemm(dt):
+    g = _widened_linear(dt, dt)
+    sat = saturate(g)
+    cls = _result_class(sat)
+    assert sat.fired(f"sum-of-widened-{dt}-products") >= 1
+    assert (dt, dt) in _gemm_operand_dtypes(sat, cls)            # reads the 16-bit buffers themselves
+    assert ("f32", "f32") in _gemm_operand_dtypes(sat, cls)      # the plain one over the casts stays an option
+    prog = lower(sat, _choose(sat, cls, "Gemm"))
+    mixed = [o for o in prog.ops if o.kind == "gemm" and prog.ops[o.args[1].src].kind == "input"]
+    assert mixed and all(o.dtype == DType.f32 and prog.ops[o.args[1].src].dtype == DType.parse(dt) for o in mixed)
+    inputs = _inputs(g, {"s": 3})
+    ref = run_graph(g, inputs, {"s": 3})["out"].astype(np.float64)
+    got = execute(prog, inputs, {"s": 3})["out"]
+    assert got.dtype == np.float32
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-6
+
+
+@pytest.mark.parametrize("case", ["dtypes differ", "operand not cast", "cast of a partial view"])
+def test_widened_products_near_misses_stay_f32(case):
+    g = {"dtypes differ": lambda: _widened_linear("bf16", "f16"),
+         "operand not cast": lambda: _widened_linear("f32", "bf16"),
+         "cast of a partial view": lambda: _widened_linear("bf16", "bf16", slice_x=True)}[case]()
+    sat = saturate(g)
+    assert sat.fired("sum-of-widened-bf16-products") == 0 and sat.fired("sum-of-widened-f16-products") == 0
+    assert all(a == b == "f32" for a, b in _gemm_operand_dtypes(sat, _result_class(sat)))
+
+
 # ====================================================================== dtype propagation
 def test_dtype_propagation_matches_the_hlir():
     g = Graph("dt")

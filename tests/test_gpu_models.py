@@ -13,11 +13,10 @@ CASES = [  # (model, dtype, logits tolerance vs transformers, greedy steps that 
     ("llama3-1b", "bf16", 2e-2, 0),
     ("gemma3-4b", "bf16", 2e-2, 0),
 ]
-# In bf16 two correct implementations differ by about √2 × each one's rounding error. On random weights
-# transformers' own bf16 logits lie 2.3% from its f32 logits (measured on the H200, 2026-11-29), so no
-# implementation that rounds differently can come within 2e-2 of them. The bf16 check is therefore: lum
-# is at least as accurate as transformers' bf16 (distance to the f32 logits within 10% of transformers'),
-# and within 2e-2 of transformers wherever transformers itself is well within it.
+# bf16: transformers' own bf16 logits lie ~2.3% from its f32 logits on these random weights (measured
+# on the H200, 2026-11-29), so two bf16 implementations that round at different points cannot agree
+# within 2e-2. The bf16 bound is therefore taken against transformers' f32 computation on the same
+# (bf16) weights: lum's bf16 package must be within 2e-2 of it — and closer than transformers' bf16.
 
 
 def _rel(a, b) -> float:
@@ -63,10 +62,10 @@ def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda
         print(f"{name} {dtype}: prefill logits rel err vs transformers {err:.2e}; vs f32: lum {vs_f32:.2e}, "
               f"transformers {hf_vs_f32:.2e}")
         detail = f"{name} {dtype}: rel err vs transformers {err:.2e} (vs f32: lum {vs_f32:.2e}, transformers {hf_vs_f32:.2e})"
-        if dtype == "f32" or hf_vs_f32 < tol / 2:
+        if dtype == "f32":
             assert err < tol, detail
         else:
-            assert vs_f32 <= 1.1 * hf_vs_f32, detail
+            assert vs_f32 < tol and vs_f32 < hf_vs_f32, detail
         if steps:
             tokens = sess.generate(prompt, steps)
             assert tokens == ref_tokens, f"{name} {dtype}: lum {tokens} vs transformers {ref_tokens}"

@@ -105,10 +105,11 @@ class GemmSpec:
     stride_a: int
     stride_b: int
     stride_c: int
-    dtype: DType
+    dtype: DType               # C's; A's and B's is ``in_dtype`` (a 16-bit one under an f32 C: mixed precision)
     offset_a: int = 0          # elements; the library plan adds them to the operands' base pointers
     offset_b: int = 0
     algo: bytes | None = None  # the package's build-time cuBLASLt algorithm (None: the heuristic's)
+    in_dtype: DType | None = None   # None: ``dtype``
 
 
 @dataclass
@@ -137,6 +138,7 @@ class GemmStep:
     b_cap: int
     c_cap: int
     algo: bytes | None = None                  # stored cuBLASLt algorithm (see build_entry_plan)
+    in_dtype: DType | None = None              # A's and B's dtype when it is not C's (mixed precision)
 
 
 @dataclass
@@ -299,11 +301,10 @@ def _gemm_ops(st: GemmStep, exact: Sequence[int], gemm_plan: Callable[[GemmSpec]
         raise fail(f"gemm output holds {exact[st.numel]} elements, not batch*m*n = {batch * m * n}")
     if batch * m * n == 0:
         return []
-    item = st.dtype.itemsize
     if batch * m * n > st.c_cap:
         raise fail(f"gemm output of {batch * m * n} elements exceeds its buffer ({st.c_cap})")
     if k == 0:
-        return [("memset", st.c, batch * m * n * item, st.where)]
+        return [("memset", st.c, batch * m * n * st.dtype.itemsize, st.where)]
     a_rm, b_rm = st.layout[:2] == "Rm", st.layout[2:] == "Rm"
     for name, rows, cols, ld, bstride, off, cap, rm in (("A", m, k, lda, sa, oa, st.a_cap, a_rm),
                                                          ("B", k, n, ldb, sb, ob, st.b_cap, b_rm)):
@@ -312,7 +313,7 @@ def _gemm_ops(st: GemmStep, exact: Sequence[int], gemm_plan: Callable[[GemmSpec]
         last = off + (nb - 1) * bstride + (rows - 1) * s0 + (cols - 1) * s1
         if last >= cap:
             raise fail(f"gemm operand {name} reads elements {off}..{last} of a buffer of {cap}")
-    spec = GemmSpec(st.layout, m, n, k, lda, ldb, n, batch, sa, sb, m * n, st.dtype, oa, ob, st.algo)
+    spec = GemmSpec(st.layout, m, n, k, lda, ldb, n, batch, sa, sb, m * n, st.dtype, oa, ob, st.algo, st.in_dtype)
     try:
         lib_plan = gemm_plan(spec)
     except SessionError:
@@ -474,9 +475,10 @@ def _gemm_step(plan: EntryPlan, where: str, op: LOp, ptr: dict[int, int], cap: d
                dtypes: dict[int, DType]) -> GemmStep:
     p = op.params
     a, b = op.args[0].src, op.args[1].src
-    if not (dtypes[a] == dtypes[b] == op.dtype):
+    mixed = dtypes[a] == dtypes[b] in (DType.bf16, DType.f16) and op.dtype == DType.f32
+    if not (dtypes[a] == dtypes[b] == op.dtype or mixed):
         raise BackendUnavailableError(f"{where}: a gemm of {dtypes[a]} × {dtypes[b]} → {op.dtype}; the CUDA "
-                                      "backend runs same-dtype gemms only")
+                                      "backend runs same-dtype gemms and 16-bit × 16-bit → f32 ones only")
     if p.get("layout") not in ("RmRm", "RmCm", "CmRm", "CmCm"):
         raise PackageFormatError(f"{where}: gemm layout {p.get('layout')!r}")
     for key in ("m", "n", "k", "lda", "ldb"):
@@ -484,9 +486,10 @@ def _gemm_step(plan: EntryPlan, where: str, op: LOp, ptr: dict[int, int], cap: d
             raise PackageFormatError(f"{where}: gemm needs parameter {key!r}")
     defaults = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}
     exprs = {name: plan.exact(p.get(name, defaults.get(name))) for name in GEMM_EXPRS}
-    item = op.dtype.itemsize
+    item, in_item = op.dtype.itemsize, dtypes[a].itemsize
     return GemmStep(where, p["layout"], op.dtype, exprs,
                     plan.exact(p["ldc"]) if "ldc" in p else None,
                     plan.exact(p["stride_c"]) if "stride_c" in p else None,
                     plan.exact(_numel(op.shape)),
-                    ptr[a], ptr[b], ptr[op.id], cap[a] // item, cap[b] // item, cap[op.id] // item)
+                    ptr[a], ptr[b], ptr[op.id], cap[a] // in_item, cap[b] // in_item, cap[op.id] // item,
+                    in_dtype=dtypes[a] if mixed else None)

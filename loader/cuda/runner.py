@@ -455,7 +455,7 @@ class CudaRunner:
             p = self.lt.matmul_plan(spec.layout, spec.m, spec.n, spec.k, spec.lda, spec.ldb, spec.ldc, spec.batch,
                                     spec.stride_a, spec.stride_b, spec.stride_c, spec.dtype, spec.algo,
                                     offset_a=spec.offset_a, offset_b=spec.offset_b,
-                                    workspace_limit=self.workspace.nbytes)
+                                    workspace_limit=self.workspace.nbytes, in_dtype=spec.in_dtype)
             self._gemm_plans[spec] = p
             self.gemm_algo_counts["stored" if p.algo_source == "given" else "heuristic"] += 1
             while len(self._gemm_plans) > GEMM_PLAN_CACHE:

@@ -1,0 +1,55 @@
+"""bf16 models: GEMMs read the 16-bit weights and activations and accumulate and store f32
+(rules/flatten.egg `sum-of-widened-*-products`), so no weight is ever widened in memory, and the
+built package computes what the graph says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("egglog")
+
+import lum.loader  # noqa: E402
+from lum.builder.models import load_spec  # noqa: E402
+from lum.builder.models.generate import ReferenceModel  # noqa: E402
+from lum.builder.package_builder import build_package  # noqa: E402
+from lum.format.dtypes import DType  # noqa: E402
+
+PROMPT = [3, 14, 15, 9, 2, 6]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+def bf16_package(request, tmp_path_factory):
+    spec = load_spec(random_name=request.param, dtype="bf16", max_seq=32)
+    path = build_package(spec, tmp_path_factory.mktemp("mixed") / "m.lumpkg")
+    return spec, lum.loader.open(path)
+
+
+def test_every_weight_gemm_is_mixed_and_no_weight_matrix_is_widened(bf16_package):
+    spec, pkg = bf16_package
+    for entry in ("prefill", "decode"):
+        weight_gemms, widened = 0, []
+        for call in pkg.manifest.entries[entry].calls:
+            prog = pkg.programs[call.group]
+            for op in prog.ops:
+                srcs = [prog.ops[a.src] for a in op.args]
+                if op.kind == "gemm" and srcs[1].kind == "input":   # a weight (or the tied embedding, an ext input)
+                    weight_gemms += 1
+                    assert [s.dtype for s in srcs] == [DType.bf16, DType.bf16] and op.dtype == DType.f32, op
+                if op.kind == "elementwise" and op.op == "Cast" and srcs[0].kind == "input" and op.dtype == DType.f32 \
+                        and srcs[0].dtype == DType.bf16 \
+                        and srcs[0].params.get("role") in ("weight", "ext") and len(srcs[0].shape) > 1:
+                    widened.append(srcs[0].params.get("name"))
+        layers = spec.config.num_layers
+        assert weight_gemms >= 7 * layers + 1, (entry, weight_gemms)   # q k v o gate up down per layer + lm_head
+        assert not widened, (entry, widened)
+
+
+def test_bf16_package_matches_its_graph(bf16_package):
+    spec, pkg = bf16_package
+    want = ReferenceModel(spec).prefill(PROMPT)
+    with pkg.session(backend="reference") as sess:
+        got = sess.run("prefill", {"tokens": np.asarray(PROMPT, np.int32)}, {"s": len(PROMPT)})["logits"]
+    assert np.isfinite(got).all()
+    err = float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+    assert err < 2e-3, err
