@@ -1,0 +1,295 @@
+"""Helpers shared by the benchmark scripts (decode.py, prefill.py): environment facts for the JSON record,
+the random HF checkpoint every system reads, ``lum build``, and the worker subprocesses that keep a crash
+or a timeout of one system from taking the whole run down.
+
+Imported as ``_common`` (the scripts run as ``python benchmarks/<name>.py``, so this folder is on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+_TAG = ["bench"]
+
+
+def set_log_tag(tag: str) -> None:
+    """The name each log line starts with (``decode-bench``, ``prefill-bench``)."""
+    _TAG[0] = tag
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[{_TAG[0]} {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def _one_line(exc: BaseException | str, n: int = 400) -> str:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return " ".join(str(text).split())[:n]
+
+
+
+# ====================================================================== environment
+def _commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=HERE).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True,
+                               cwd=HERE).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # noqa: BLE001 - best effort
+        return "unknown"
+
+
+def prompt_ids(vocab: int, bos: int | None, n: int) -> list[int]:
+    ids = [(1000 + 37 * i) % vocab for i in range(n)]
+    if bos is not None and n:
+        ids[0] = int(bos)
+    return ids
+
+
+def _sync(torch, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpu_and_target(torch, device: str) -> tuple[str, str]:
+    """The GPU's name and the sm target to build for (``sm_90`` in the CPU smoke-test mode)."""
+    if device != "cuda":
+        return "cpu (smoke test)", "sm_90"
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU visible to torch")
+    cap = torch.cuda.get_device_capability(0)
+    return torch.cuda.get_device_name(0), f"sm_{cap[0]}{cap[1]}"
+
+
+def _lum_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("lum")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+
+# ====================================================================== HF model and lum package
+def hf_classes(model_type: str):
+    import transformers as T
+
+    return {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+            "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}[model_type]
+
+
+def make_hf_folder(name: str, dtype: str, folder: Path, seed: int, device: str = "cuda") -> dict:
+    """A random HF model of our named config, initialised on the GPU, saved to ``folder``."""
+    import torch
+
+    cfg = _named_config(name).to_hf_dict()
+    config_cls, model_cls = hf_classes(cfg["model_type"])
+    hf_config = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    tdt = getattr(torch, TORCH_DTYPES[dtype])
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    def construct():
+        try:
+            return model_cls._from_config(hf_config, dtype=tdt)
+        except TypeError:
+            return model_cls._from_config(hf_config, torch_dtype=tdt)
+
+    try:
+        with torch.device(device):        # initialised on the GPU: seconds, not minutes
+            model = construct()
+    except (ValueError, ImportError) as exc:
+        if "accelerate" not in str(exc):
+            raise
+        log(f"initialising on the CPU ({_one_line(exc, 120)})")
+        model = construct()
+    model = model.to(device=device, dtype=tdt).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.mul_(5.0)
+    _sync(torch, device)
+    t1 = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    t2 = time.perf_counter()
+    info = {"hf_init_s": round(t1 - t0, 2), "hf_save_s": round(t2 - t1, 2), "weight_bytes": weight_bytes_of(model)}
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return info
+
+
+def _named_config(name: str):
+    """lum's named config; straight from builder/models/config.py (numpy only) if lum is not installed."""
+    try:
+        from lum.builder.models import named_config
+    except ImportError:
+        import importlib.util
+
+        path = HERE.parent / "builder" / "models" / "config.py"
+        mod_spec = importlib.util.spec_from_file_location("_lum_model_config", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = mod          # dataclasses look their module up
+        mod_spec.loader.exec_module(mod)
+        named_config = mod.named_config
+    return named_config(name)
+
+
+def weight_bytes_of(model) -> int:
+    """Bytes of distinct parameter storages (a tied embedding / lm head counts once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return int(total)
+
+
+def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str, timeout: float, log_path: Path):
+    cmd = [sys.executable, "-c", "import sys; from lum.loader.cli import main; main(sys.argv[1:])", "build",
+           str(hf_dir), "-o", str(pkg), "--dtype", dtype, "--max-seq", str(max_seq), "--target", target]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            res = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"lum build timed out after {timeout:.0f} s"
+    dt = time.perf_counter() - t0
+    if res.returncode != 0 or not pkg.exists():
+        tail = log_path.read_text(errors="replace")[-600:]
+        return None, f"lum build failed (exit {res.returncode}): {_one_line(tail)}"
+    return dt, None
+
+
+
+# ====================================================================== workers (subprocesses)
+def _sync_all() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            return
+    except ImportError:
+        pass
+    try:
+        from cuda.bindings import driver as cu
+
+        cu.cuCtxSynchronize()
+    except Exception:  # noqa: BLE001 - nothing to synchronise
+        pass
+
+
+
+def _hf_load(spec: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tdt = getattr(torch, TORCH_DTYPES[spec["dtype"]])
+    dev = spec.get("device", "cuda")
+
+    def load(**kw):
+        try:
+            return AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=tdt, attn_implementation="sdpa", **kw)
+        except TypeError:
+            return AutoModelForCausalLM.from_pretrained(spec["hf_dir"], torch_dtype=tdt, attn_implementation="sdpa",
+                                                        **kw)
+
+    try:
+        model = load(device_map=dev)          # straight to the GPU (needs accelerate)
+    except (ValueError, ImportError) as exc:
+        if "accelerate" not in str(exc):
+            raise
+        model = load().to(dev)
+    return model.eval()
+
+
+
+def _graph_count(torch) -> int:
+    """Graphs torch.compile has made in this process so far (-1 where the counter is not there)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def run_worker_main(workers: dict[str, Callable[[dict], dict]], system: str, spec_path: str, result_path: str) -> int:
+    """The worker side: run ``workers[system](spec)`` and write its result (or its error) as JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    spec["_result"], spec["_t0"] = result_path, time.perf_counter()
+    try:
+        res = workers[system](spec)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's error
+        res = {"error": _one_line(exc), "traceback": traceback.format_exc()[-3000:]}
+        code = 1
+    Path(result_path).write_text(json.dumps(res))
+    return code
+
+
+def run_worker(script: Path, system: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    """Run ``script --_worker system`` in its own process; a crash, a missing result or a timeout becomes
+    ``error`` (a partial result written before a timeout is kept)."""
+    spec_path = workdir / f"spec-{system}.json"
+    res_path = workdir / f"result-{system}.json"
+    log_path = workdir / f"log-{system}.txt"
+    spec_path.write_text(json.dumps({**spec, "budget_s": timeout}))
+    if res_path.exists():
+        res_path.unlink()
+    cmd = [sys.executable, str(Path(script).resolve()), "--_worker", system, "--_spec", str(spec_path),
+           "--_result", str(res_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            if res_path.exists():      # a partial result written before the stop
+                res = json.loads(res_path.read_text())
+                res["wall_s"] = round(time.perf_counter() - t0, 1)
+                return res
+            return {"error": f"timed out after {timeout:.0f} s", "wall_s": round(time.perf_counter() - t0, 1)}
+    wall = round(time.perf_counter() - t0, 1)
+    if res_path.exists():
+        res = json.loads(res_path.read_text())
+    else:
+        tail = log_path.read_text(errors="replace")[-600:]
+        res = {"error": f"worker exited {rc} without a result: {_one_line(tail)}"}
+    res["wall_s"] = wall
+    if "traceback" in res:
+        log(f"{system} failed:\n{res['traceback']}")
+    return res
+
