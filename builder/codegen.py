@@ -5,11 +5,13 @@
     ks.launches                            # [Launch(kernel, grid=(Expr,1,1), block=(256,1,1), shared_mem=0)]
     module_source([ks1, ks2, ...])         # several kernels in one NVRTC module (one compile)
 
-Every non-library op kind has a template: ``elementwise.cu`` (Cast … Contiguous, and the copy half of
-scatter), ``reduce.cu`` (Sum / Max over an axis), ``gather.cu``, ``scatter.cu`` (scatter rows and
-scatter_nocopy), ``iota.cu``; ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp
-reductions) is pasted at the top of each module. ``gemm`` is a cuBLASLt call: :func:`generate`
-returns ``None`` for it (and for input / output / constant, which are not kernels).
+Every non-library op kind has a template: ``elementwise.cu`` (Cast … Contiguous, Fused expression
+trees, and the copy half of scatter), ``reduce.cu`` (Sum / Max over an axis), ``gather.cu``,
+``scatter.cu`` (scatter rows and scatter_nocopy), ``iota.cu``, ``gemv.cu`` (a ``gemm`` with a static
+m ≤ GEMV_MAX_M: decode GEMV, see :func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div
+helpers, warp reductions, vector loads) is pasted at the top of each module. Any other ``gemm`` is a
+cuBLASLt call: :func:`generate` returns ``None`` for it (and for input / output / constant, which are
+not kernels).
 
 **Kernel signature convention.** Every entry point is ``extern "C"`` and takes, in this order::
 
@@ -48,8 +50,11 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 
 **Tuning parameters** (keyword arguments with defaults; the effective values are in
 :attr:`KernelSource.tuning`): ``threads`` (block size), ``ept`` (work items per thread per block tile),
-``vec`` (elements per vector access, elementwise only; ``None`` picks the widest legal one),
-``group`` (threads per output row, reduce), ``max_blocks`` (grid cap), ``index_bits``, ``acc``, ``math``.
+``vec`` (elements per vector access, elementwise and gemv's B operand; ``None`` picks the widest legal
+one), ``group`` (threads per output row, reduce; threads reducing one output column, gemv — above 32 a
+split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
+``index_bits``, ``acc``, ``math``. Gemv's defaults size ``group`` from the static n and k (see
+``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
 """
 
 from __future__ import annotations
@@ -63,16 +68,19 @@ from typing import Any, Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
-from lum.format.llir import LOp, Program
+from lum.format.llir import GEMM_DEFAULTS, GEMM_LAYOUTS, LOp, Program, check_expr
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
-           "ELEMENTWISE_OPS", "KERNEL_KINDS"]
+           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
-KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota")
+KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "gemm")
+GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
+GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
+_GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
 _ARITY = {"Cast": 1, "Contiguous": 1, "Exp2": 1, "Log2": 1, "Sin": 1, "Sqrt": 1, "Recip": 1,
           "Add": 2, "Mul": 2, "Mod": 2, "LessThan": 2, "Where": 3}
 
@@ -469,16 +477,41 @@ def _arg_dtypes(op: LOp, given: Sequence[DType | str] | None) -> list[DType]:
                        f"the op's dtype (use generate_program to infer them from the program)")
 
 
+# ============================================================================ which gemms are kernels
+def gemv_rows(op: LOp) -> int | None:
+    """M when lum's own kernel (``templates/gemv.cu``) runs this gemm op: ``m`` a constant in [1,
+    GEMV_MAX_M] (decode: one token per sequence, or a few query heads sharing a KV head), C dense
+    (``ldc`` = n and ``stride_c`` = m*n where given), not in place. Else None: a cuBLASLt call, whose
+    plan checks such parameters at run time. (Operand and result dtypes are checked by :func:`generate`.)"""
+    p = op.params
+    if op.kind != "gemm" or op.alias is not None or p.get("layout") not in GEMM_LAYOUTS:
+        return None
+    if any(name not in p for name in ("m", "n", "k", "lda", "ldb")):
+        return None
+    m, n = as_expr(p["m"]), as_expr(p["n"])
+    if not m.is_const or not 1 <= m.value <= GEMV_MAX_M:
+        return None
+    if "ldc" in p and as_expr(p["ldc"]) != n:
+        return None
+    if "stride_c" in p and as_expr(p.get("batch", 1)) != as_expr(1) and as_expr(p["stride_c"]) != m * n:
+        return None
+    return m.value
+
+
+def _pow2ceil(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int = 256, ept: int | None = None, vec: int | None = None, group: int | None = None,
-             max_blocks: int = 65536, index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None,
-             acc: str = "f32", math: str = "f32") -> KernelSource | None:
-    """CUDA source and launch description for one LLIR op; ``None`` for gemm (a cuBLASLt call) and for
-    input / output / constant (no kernel). ``dyn_vars``: the slot order of the runtime dyn buffer.
-    ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where the op's own dtype does
-    not imply them. See the module docstring for the tuning parameters."""
-    if op.kind in ("gemm", "input", "output", "constant"):
+             unroll: int | None = None, max_blocks: int = 65536, index_bits: int | None = None,
+             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32") -> KernelSource | None:
+    """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
+    (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
+    the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
+    the op's own dtype does not imply them. See the module docstring for the tuning parameters."""
+    if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
         raise CodegenError(f"no template for LLIR op kind {op.kind!r}")
@@ -495,9 +528,11 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits not in (None, 32, 64):
         raise CodegenError(f"index_bits is None (auto), 32 or 64, got {index_bits!r}")
     dts = _arg_dtypes(op, arg_dtypes)
+    if op.kind == "gemm" and any(d not in GEMV_DTYPES for d in (*dts, op.dtype)):
+        return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
-    gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, max_blocks=max_blocks, acc=acc,
-               math=math)
+    gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
+               max_blocks=max_blocks, acc=acc, math=math)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -542,9 +577,9 @@ def module_source(kernels: Sequence[KernelSource]) -> str:
 # ============================================================================ generators
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
-                 group: int | None, max_blocks: int, acc: str, math: str):
+                 group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str):
         self.op, self.dts, self.ctx = op, dts, ctx
-        self.threads, self.ept, self.vec, self.group = threads, ept, vec, group
+        self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
@@ -665,7 +700,7 @@ class _Gen:
             for j, (k, v) in enumerate(zip(arg_ids, aviews)):
                 lines.append(f"{ind}const {_KIND_C[_kind(self.dts[k])]} lum_a{j} = {self.load(k, v, idx)};")
                 args.append((f"lum_a{j}", _kind(self.dts[k])))
-            expr, kind = _compute(op_name, args, self.math)
+            expr, kind = self._apply(op_name, args, lines, ind)
             if contiguous_out:
                 self.ctx.c(as_expr(0))
                 dest = "lum_w"
@@ -697,13 +732,37 @@ class _Gen:
             for j, (c_expr, kk) in enumerate(args):
                 lines.append(f"{ind}  const {_KIND_C[kk]} lum_a{j} = {c_expr};")
                 named.append((f"lum_a{j}", kk))
-            expr, kind = _compute(op_name, named, self.math)
+            expr, kind = self._apply(op_name, named, lines, ind + "  ")
             lines.append(f"{ind}  lum_o.v[lum_k] = {_store_conv(kind, expr, self.op.dtype)};")
             lines.append(f"{ind}}}")
             dest = "lum_w * " + str(vec) if contiguous_out else view_access(self.ctx, wview, idx)[0]
             lines.append(f"{ind}*reinterpret_cast<{ot}*>(out + ({dest})) = lum_o;")
         body = "\n".join(ln for ln in lines if ln)
         return body, items, {"vec": vec, "ept": ept}, self.threads * ept
+
+    def _apply(self, op_name: str, args: list[tuple[str, str]], lines: list[str], ind: str) -> tuple[str, str]:
+        """(C expression, kind) of the op on loaded (C name, kind) args; for Fused, of its expression tree,
+        whose inner nodes become locals rounded to their dtype (a repeated subtree is computed once)."""
+        if op_name != "Fused":
+            return _compute(op_name, args, self.math)
+        names: dict[str, tuple[str, str]] = {}
+
+        def node(t: list, root: bool = False) -> tuple[str, str]:
+            if t[0] == "arg":
+                return args[t[1]]
+            key = repr(t)
+            if key not in names:
+                expr, kind = _compute(t[0], [node(k) for k in t[2:]], self.math)
+                if root:
+                    return expr, kind
+                dt = DType.parse(t[1])
+                names[key] = (f"lum_u{len(names)}", _kind(dt))
+                val = _to_kind(kind, _kind(dt), expr) if dt in (DType.i64, DType.bool) else \
+                    _load_conv(dt, _store_conv(kind, expr, dt))       # round through the storage type
+                lines.append(f"{ind}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
+            return names[key]
+
+        return node(self.op.params["expr"], True)
 
     def _pick_vec(self, shape: tuple[Expr, ...], views: list[ShapeTracker], dts: list[DType]) -> int:
         if self.vec is not None and self.vec not in (1, 2, 4, 8):
@@ -735,9 +794,14 @@ class _Gen:
 
     def k_elementwise(self):
         op = self.op
-        if op.op not in _ARITY:
+        if op.op == "Fused":
+            try:
+                check_expr(op.params.get("expr"), len(op.args), op.dtype)
+            except ValueError as e:
+                raise CodegenError(str(e)) from None
+        elif op.op not in _ARITY:
             raise CodegenError(f"unknown elementwise op {op.op!r}")
-        if len(op.args) != _ARITY[op.op]:
+        elif len(op.args) != _ARITY[op.op]:
             raise CodegenError(f"{op.op} takes {_ARITY[op.op]} argument(s), got {len(op.args)}")
         shape = self.out_shape()
         write = self.write_view()
@@ -968,3 +1032,97 @@ class _Gen:
         src, n = self._scatter_rows(ept)
         tuning = {"threads": self.threads, "ept": ept, "max_blocks": self.max_blocks}
         return [src], [("", self.grid(n, tile), (self.threads, 1, 1))], tuning, self.max_blocks * tile
+
+    # ------------------------------------------------------------------ gemm (small m: gemv.cu)
+    def k_gemm(self):
+        op, ctx = self.op, self.ctx
+        m = gemv_rows(op)
+        assert m is not None                     # generate() sends only these here
+        if len(op.args) != 2:
+            raise CodegenError("gemm takes (A, B)")
+        p = {name: as_expr(op.params.get(name, GEMM_DEFAULTS.get(name)))
+             for name in ("n", "k", "batch", "lda", "ldb", "stride_a", "stride_b", "offset_a", "offset_b")}
+        layout = op.params["layout"]
+        a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
+        dta, dtb = self.dts
+        n, k, batch = p["n"], p["k"], p["batch"]
+        vec, vec_ok = self._gemv_vec(p, a_kc, b_kc)
+        group = self._gemv_group(p, b_kc, vec)
+        unroll = 4 if self.unroll is None else self.unroll
+        if not 1 <= unroll <= 16:
+            raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
+        span = self.threads // group
+        tile = span if b_kc else span * vec      # output columns per block tile
+        # every index the kernel forms, for the 32/64-bit decision
+        a_ext = p["offset_a"] + batch * p["stride_a"] + (m * p["lda"] + k if a_kc else k * p["lda"] + m)
+        b_ext = p["offset_b"] + batch * p["stride_b"] + (n * p["ldb"] + k if b_kc else k * p["ldb"] + n)
+        ctx.exprs.extend([a_ext, b_ext, batch * m * n + n + tile])
+        src = render(load_template("gemv.cu"), {
+            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
+            "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
+            "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
+            "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
+            "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
+            "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
+            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
+        if b_kc:
+            items, per_block, margin = batch * n, span, self.max_blocks * span
+        else:
+            items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
+        tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
+                  "unroll": unroll, "cols": tile, "max_blocks": self.max_blocks}
+        return [src], [("", self.grid(items, per_block), (self.threads, 1, 1))], tuning, margin
+
+    def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool) -> tuple[int, str]:
+        """Elements per vector access of B (the widest of at most 16 bytes that no static offset, stride
+        or leading dim rules out; ``vec`` caps it) and the C condition for what only run time can tell."""
+        dta, dtb = self.dts
+        if self.vec is not None and self.vec not in (1, 2, 4, 8):
+            raise CodegenError(f"vec must be 1, 2, 4 or 8, got {self.vec}")
+        widest = min(16 // dtb.itemsize, self.vec or 8)
+        batched = p["batch"] != as_expr(1)
+        for w in (8, 4, 2):
+            if w > widest:
+                continue
+            need = [(p["offset_b"], w), (p["ldb"], w)] + ([(p["stride_b"], w)] if batched else [])
+            if a_kc and b_kc:                    # A is vector-loaded too, in pieces of <= 16 bytes
+                pa = min(w, 16 // dta.itemsize)
+                need += [(p["offset_a"], pa), (p["lda"], pa)] + ([(p["stride_a"], pa)] if batched else [])
+            terms: list[str] = []
+            for e, d in need:
+                r = e % d
+                if r == as_expr(0):
+                    continue
+                if r.is_const:
+                    break
+                terms.append(f"(({self.ctx.c(e)}) % {d} == 0)")
+            else:
+                return w, " && ".join(terms) or "true"
+        return 1, "false"
+
+    def _gemv_group(self, p: dict[str, Expr], b_kc: bool, vec: int) -> int:
+        """Threads reducing one output (``group``). Default, dot scheme: enough lanes for k's vectors
+        (up to a warp), then split-K across warps while the GPU is not yet full and every thread keeps
+        at least two vectors. Cols scheme: threads along n cover n (up to a warp), fewer while the
+        tiles are too few to fill the GPU (down to 64-byte row segments); the rest split k."""
+        t = self.threads
+        if self.group is not None:
+            if self.group < 1 or self.group > t or self.group & (self.group - 1):
+                raise CodegenError(f"group must be a power of two in [1, threads], got {self.group}")
+            return self.group
+        n, k, batch = p["n"], p["k"], p["batch"]
+        sized = n.is_const and batch.is_const
+        if b_kc:
+            if not k.is_const:
+                return min(32, t)
+            kv = max(1, -(-k.value // vec))
+            g = min(32, _pow2ceil(kv), t)
+            while sized and g < t and batch.value * n.value * g < _GEMV_FILL_THREADS and kv >= 4 * g:
+                g *= 2
+            return g
+        span = min(32, t) if not n.is_const else min(32, t, _pow2ceil(max(1, -(-n.value // vec))))
+        while (sized and span > 1 and span * vec * self.dts[1].itemsize > 64
+               and batch.value * -(-n.value // (span * vec)) * t < _GEMV_FILL_THREADS):
+            span //= 2
+        return t // span

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax, smin
-from lum.format.llir import LOp, Program
+from lum.format.llir import LOp, Program, expr_nodes
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["GpuSpec", "H200", "CPU_REFERENCE", "view_elements", "op_bytes", "op_flops", "estimate_op",
@@ -112,7 +112,8 @@ def _batch_reads(stride: Expr, batch: Expr) -> Expr:
 
 
 def op_bytes(op: LOp, program: Program | None = None) -> Expr:
-    """Bytes the op reads (distinct elements of each argument's view) plus bytes it writes.
+    """Bytes the op reads (distinct elements of each argument's view) plus bytes it writes (a Fused
+    op reads only its leaves: its args).
 
     Pass the ``program`` so each argument's element size comes from its producer's dtype; without it
     the op's own dtype is assumed (with index tensors taken as i64).
@@ -152,10 +153,11 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
 
 
 def op_flops(op: LOp) -> Expr:
-    """Arithmetic: elementwise numel(out); reduce numel(in); gemm 2·batch·m·n·k; data movement 0."""
+    """Arithmetic: elementwise numel(out) (times the expression's op nodes when Fused); reduce numel(in);
+    gemm 2·batch·m·n·k; data movement 0."""
     kind = op.kind
     if kind == "elementwise":
-        return numel(op.shape)
+        return numel(op.shape) * expr_nodes(op.params["expr"]) if op.op == "Fused" else numel(op.shape)
     if kind == "reduce":
         return numel(op.args[0].view.shape)
     if kind == "gemm":

@@ -11,9 +11,10 @@ views are hash-consed in Python, written as primitive-only TSV rows, bulk-loaded
 Every view is normalised first: unit dims get stride 0 (so broadcast checks in the rules accept them).
 
 Semantics (see ``rules/terms.egg``): every Op e-class is the flat contiguous buffer a node writes;
-consumers read it through ``(Ld op view)``. Only kernel ops (``K*``), ``Gemm`` and ``Ld`` are
-executable; HLIR constructors are not. :class:`SaturatedGroup` keeps, per Op e-class, its feasible
-executable e-nodes (``options``); classes with more than one are the extraction's decision points.
+consumers read it through ``(Ld op view)``. Only kernel ops (``K*``), ``Gemm``, ``Ld`` and the inline
+values ``X*`` (in Ld classes that an elementwise kernel op reads, rules/fuse.egg) are executable; HLIR
+constructors are not. :class:`SaturatedGroup` keeps, per Op e-class, its feasible executable e-nodes
+(``options``); classes with more than one are the extraction's decision points.
 
     sat = saturate(graph)          # SaturatedGroup
     sat.decisions                  # [class id, ...] with > 1 option
@@ -37,9 +38,10 @@ from lum.format.expr import Expr, as_expr, parse
 from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
 
 __all__ = ["RULE_FILES", "SCHEDULE_FILE", "ENode", "EClass", "SaturatedGroup", "saturate", "encode_rows",
-           "EXECUTABLE", "KERNEL_OPS", "rule_text"]
+           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ELEMENTWISE_KERNELS", "rule_text"]
 
-RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "flatten.egg", "gemm.egg", "inplace.egg")
+RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "flatten.egg", "gemm.egg",
+              "inplace.egg")
 SCHEDULE_FILE = "schedule.egg"
 
 # Executable constructors: what extraction may pick for an Op e-class.
@@ -48,7 +50,12 @@ KERNEL_OPS = frozenset({
     "KMod", "KLessThan", "KWhere", "KSumReduce", "KMaxReduce", "KGather", "KScatter", "KScatterNoCopy",
     "KContiguous", "Gemm",
 })
-EXECUTABLE = KERNEL_OPS | {"Ld"}
+ELEMENTWISE_KERNELS = frozenset({"KCast", "KExp2", "KLog2", "KSin", "KSqrt", "KRecip", "KAdd", "KMul", "KMod",
+                                 "KLessThan", "KWhere", "KContiguous"})
+# Inline values (rules/fuse.egg): in Ld classes, the alternative to reading the producer's buffer.
+INLINE_OPS = frozenset({"XCast", "XExp2", "XLog2", "XSin", "XSqrt", "XRecip", "XAdd", "XMul", "XMod",
+                        "XLessThan", "XWhere"})
+EXECUTABLE = KERNEL_OPS | INLINE_OPS | {"Ld"}
 # Id constructors of the bulk load (rules/terms.egg): never e-nodes of the program.
 _ID_CTORS = frozenset({"N", "Ai", "Di", "Li", "Mi", "Vi"})
 _PRIM = {"i64": "value_to_i64", "f64": "value_to_f64", "String": "value_to_string", "bool": "value_to_bool"}
@@ -421,6 +428,7 @@ def saturate(graph: Graph) -> SaturatedGroup:
         "eclasses": sat.num_eclasses,
         "enodes": sat.num_enodes,
         "decisions": len(sat.decisions),
+        "fuse_decisions": sum(1 for c in sat.decisions if any(n.op in INLINE_OPS for n in sat.options[c])),
         "seconds_load": t1 - t0,
         "seconds_run": t2 - t1,
         "seconds_readback": t3 - t2,
@@ -478,10 +486,21 @@ def _read_back(eg, graph: Graph, edge_operand: dict[tuple[int, int], int], match
 def _analyse(sat: SaturatedGroup) -> None:
     """Feasible executable options per Op class, reachability from the roots, decision points."""
     classes = sat.classes
+    # X nodes only matter in Ld classes an elementwise kernel op reads (directly or through other X
+    # nodes): everywhere else they are dropped, so they make no decision points
+    inline_read: set[int] = set()
+    stack = [k for c in classes if c.sort == "Op" for n in c.nodes if n.op in ELEMENTWISE_KERNELS
+             for k in n.children()]
+    while stack:
+        k = stack.pop()
+        if k not in inline_read:
+            inline_read.add(k)
+            stack.extend(x for n in classes[k].nodes if n.op in INLINE_OPS for x in n.children())
     exe: dict[int, list[ENode]] = {}
     for c in classes:
         if c.sort == "Op":
-            exe[c.id] = [n for n in c.nodes if n.op in EXECUTABLE]
+            exe[c.id] = [n for n in c.nodes
+                         if n.op in EXECUTABLE and (n.op not in INLINE_OPS or c.id in inline_read)]
     # feasibility: a node is feasible when every Op child class is (bottom-up worklist)
     feasible: set[int] = set()
     waiting: dict[int, list[tuple[int, ENode]]] = defaultdict(list)

@@ -9,18 +9,26 @@ order (inputs first, outputs last), argument views decoded from the e-graph's ``
 ``alias`` for ScatterNoCopy, GEMM parameters as :class:`~lum.format.expr.Expr`, and ``bytes`` /
 ``flops`` per op.
 
+Fusion. An Ld class may also hold an inline value (``XAdd`` …, rules/fuse.egg); choosing it means
+that *elementwise* consumers recompute the producer inside their own kernel: such a consumer lowers
+to one ``Fused`` op whose ``params["expr"]`` is the expression tree over the reads that stay reads
+(at most :data:`FUSE_MAX_NODES` nodes per inlined read; a bigger one is read from the buffer). Every
+other consumer (reductions, gather, scatter, GEMMs, program outputs) reads the producer's buffer,
+which is then emitted even though its class chose the inline value.
+
 Choices are checked for acyclicity: :func:`random_choice` and :func:`choose_by_cost` only return
 acyclic selections, and :func:`lower` raises :class:`ValueError` on a cyclic one.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel
-from lum.builder.egraph import ENode, SaturatedGroup
+from lum.builder.egraph import INLINE_OPS, ENode, SaturatedGroup
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax
 from lum.format.llir import Arg, LOp, Program
@@ -28,7 +36,7 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Choice", "random_choice", "choose_by_cost", "lower", "lower_enode", 
            "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
-           "choice_to_genome"]
+           "choice_to_genome", "FUSE_MAX_NODES"]
 
 Choice = dict  # class id -> option index
 
@@ -37,6 +45,9 @@ _ELEMENTWISE = {
     "KAdd": "Add", "KMul": "Mul", "KMod": "Mod", "KLessThan": "LessThan", "KWhere": "Where",
     "KContiguous": "Contiguous",
 }
+_INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XSqrt": "Sqrt", "XRecip": "Recip",
+           "XAdd": "Add", "XMul": "Mul", "XMod": "Mod", "XLessThan": "LessThan", "XWhere": "Where"}
+FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
 _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
           "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2, "KWhere": 3, "KSumReduce": 1, "KMaxReduce": 1,
           "KGather": 2, "KScatter": 3, "KScatterNoCopy": 3}
@@ -55,6 +66,64 @@ def _op_kids(sat: SaturatedGroup, node: ENode) -> list[int]:
     return [k for k in node.children() if sat.classes[k].sort == "Op"]
 
 
+def _ld(sat: SaturatedGroup, cls: int) -> ENode:
+    """The read node of an Ld class (the buffer read, whether or not the class chose an inline value)."""
+    return next(n for n in sat.options[cls] if n.op == "Ld")
+
+
+def _deps(sat: SaturatedGroup, choice: Mapping[int, int], cls: int) -> list[int]:
+    """The classes the chosen node of ``cls`` depends on; for an inline value also the producer's buffer
+    (a non-fusing consumer reads it), so an acyclic selection has a valid order either way."""
+    node = chosen(sat, choice, cls)
+    kids = _op_kids(sat, node)
+    return kids + [_ld(sat, cls).args[0]] if node.op in INLINE_OPS else kids
+
+
+class _Reads:
+    """How a selection reads each Ld class: inline (its X node, in elementwise consumers) or the buffer."""
+
+    def __init__(self, sat: SaturatedGroup, choice: Mapping[int, int]):
+        self.sat, self.choice = sat, choice
+        self.size: dict[int, int] = {}  # Ld class -> expression nodes it adds when inlined (0: a leaf)
+
+    def inline(self, cls: int) -> ENode | None:
+        """The X node an elementwise consumer recomputes for Ld class ``cls``, or None (it reads the buffer)."""
+        if cls not in self.size:
+            stack = [cls]
+            while stack:  # sizes bottom-up, without recursion (chains can be long)
+                c = stack[-1]
+                node = chosen(self.sat, self.choice, c)
+                if node.op not in INLINE_OPS:
+                    self.size[stack.pop()] = 0
+                    continue
+                todo = [k for k in _op_kids(self.sat, node) if k not in self.size]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                n = 1 + sum(self.size[k] for k in _op_kids(self.sat, node))
+                self.size[stack.pop()] = n if n <= FUSE_MAX_NODES else 0
+        return chosen(self.sat, self.choice, cls) if self.size[cls] else None
+
+    def leaves(self, cls: int) -> list[int]:
+        """The Ld classes an elementwise consumer reads from buffers for its argument ``cls``."""
+        x = self.inline(cls)
+        if x is None:
+            return [cls]
+        return [leaf for k in _op_kids(self.sat, x) for leaf in self.leaves(k)]
+
+    def buffer(self, cls: int) -> int:
+        """The class whose buffer a read of ``cls`` needs: the producer of an Ld class, else ``cls``."""
+        node = chosen(self.sat, self.choice, cls)
+        return _ld(self.sat, cls).args[0] if node.op == "Ld" or node.op in INLINE_OPS else cls
+
+    def deps(self, cls: int) -> list[int]:
+        """The classes whose buffers the emitted op of ``cls`` reads."""
+        node = chosen(self.sat, self.choice, cls)
+        if node.op in _ELEMENTWISE:
+            return [self.buffer(leaf) for k in node.args[:_ARITY[node.op]] for leaf in self.leaves(k)]
+        return [self.buffer(k) for k in _op_kids(self.sat, node)]
+
+
 def _starts(sat: SaturatedGroup) -> list[int]:
     return [sat.node_class[n.id] for n in sat.graph.nodes if n.op == "Input"] + [c for _, c in sat.roots]
 
@@ -70,7 +139,7 @@ def check_acyclic(sat: SaturatedGroup, choice: Mapping[int, int]) -> list[int] |
         state[start] = 1
         while stack:
             c, i = stack[-1]
-            kids = _op_kids(sat, chosen(sat, choice, c))
+            kids = _deps(sat, choice, c)
             if i < len(kids):
                 stack[-1] = (c, i + 1)
                 k = kids[i]
@@ -155,30 +224,32 @@ def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None =
     local: dict[tuple[int, int], float] = {}
     for c in classes:
         for j, node in enumerate(sat.options[c]):
-            if node.op == "Ld":
+            if node.op == "Ld" or node.op in INLINE_OPS:  # a read or an inline value: no kernel of its own
                 local[(c, j)] = 0.0
             else:
                 # lowered on its own: producers are named by their class ids
                 local[(c, j)] = float(cost_fn(lower_enode(sat, c, node, lambda k: k)))
-    inf = float("inf")
-    best: dict[int, float] = {c: inf for c in classes}
+    # Knuth's generalisation of Dijkstra: an option is costed once all its Op children are final, and
+    # the cheapest costed option of a not yet final class makes it final
+    kids = {(c, j): _op_kids(sat, node) for c in classes for j, node in enumerate(sat.options[c])}
+    waiting = {key: len(set(ks)) for key, ks in kids.items()}
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for key, ks in kids.items():
+        for k in set(ks):
+            parents.setdefault(k, []).append(key)
+    heap = [(local[key], key) for key, n in waiting.items() if n == 0]
+    heapq.heapify(heap)
     pick: dict[int, int] = {}
-    parents: dict[int, list[int]] = {}
-    for c in classes:
-        for node in sat.options[c]:
-            for k in _op_kids(sat, node):
-                parents.setdefault(k, []).append(c)
-    queue = [c for c in classes if any(not _op_kids(sat, n) for n in sat.options[c])]
-    while queue:
-        c = queue.pop()
-        improved = False
-        for j, node in enumerate(sat.options[c]):
-            tot = local[(c, j)] + sum(best[k] for k in _op_kids(sat, node))
-            if tot < best[c]:
-                best[c], pick[c] = tot, j
-                improved = True
-        if improved:
-            queue.extend(parents.get(c, ()))
+    best: dict[int, float] = {}
+    while heap:
+        tot, (c, j) = heapq.heappop(heap)
+        if c in best:
+            continue
+        best[c], pick[c] = tot, j
+        for key in parents.get(c, ()):
+            waiting[key] -= 1
+            if waiting[key] == 0 and key[0] not in best:
+                heapq.heappush(heap, (local[key] + sum(best[k] for k in kids[key]), key))
     choice = {c: pick.get(c, 0) for c in sat.decisions}
     if check_acyclic(sat, choice) is not None:  # zero-cost ties can close a loop; break it randomly
         return random_choice(sat, 0)
@@ -211,9 +282,11 @@ def _gemm_params(sat: SaturatedGroup, node: ENode) -> dict[str, Any]:
 
 
 def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[int], int],
-                shape_of: Callable[[int], tuple[Expr, ...]] | None = None, op_id: int = 0) -> LOp:
+                shape_of: Callable[[int], tuple[Expr, ...]] | None = None, op_id: int = 0,
+                inline: Callable[[int], ENode | None] | None = None) -> LOp:
     """One executable e-node as an LLIR op. ``src_of(class)`` gives the op id of a producer class;
-    ``shape_of(class)`` its buffer shape (needed for GEMM operands' flat views)."""
+    ``shape_of(class)`` its buffer shape (needed for GEMM operands' flat views); ``inline(ld class)``
+    the X node an elementwise op recomputes instead of reading that argument (then the op is ``Fused``)."""
     g = sat.graph
     op = node.op
     a = node.args
@@ -225,7 +298,7 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
         arg_dtypes.append(DType.parse(dt) if dt else None)
 
     def arg(c: int) -> Arg:
-        ld = next(n for n in sat.options[c] if n.op == "Ld")
+        ld = _ld(sat, c)
         note(c)
         return Arg(src_of(ld.args[0]), sat.view(ld.args[1]))
 
@@ -242,6 +315,21 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
     elif op == "KIota":
         nexpr = sat.dim(a[0])
         lop = LOp(op_id, "iota", "Iota", (), (nexpr,), DType.parse(a[1]), {"n": nexpr})
+    elif op in _ELEMENTWISE and inline is not None and any(inline(c) for c in a[:_ARITY[op]]):
+        k = _ARITY[op]
+        leaves: list[int] = []  # the Ld classes read from buffers: the Fused op's args, first use first
+
+        def tree(c: int) -> list:
+            x = inline(c)
+            if x is None:
+                if c not in leaves:
+                    leaves.append(c)
+                return ["arg", leaves.index(c)]
+            return [_INLINE[x.op], x.args[-1], *(tree(kid) for kid in x.args[:-1])]
+
+        expr = [_ELEMENTWISE[op], a[k + 1], *(tree(c) for c in a[:k])]
+        lop = LOp(op_id, "elementwise", "Fused", tuple(arg(c) for c in leaves), _dlist(sat, a[k]),
+                  DType.parse(a[k + 1]), {"expr": expr})
     elif op in _ELEMENTWISE:
         k = _ARITY[op]
         lop = LOp(op_id, "elementwise", _ELEMENTWISE[op], tuple(arg(c) for c in a[:k]), _dlist(sat, a[k]),
@@ -288,46 +376,40 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
     if cycle is not None:
         raise ValueError(f"the selection is cyclic through e-classes {cycle}")
     g = sat.graph
+    reads = _Reads(sat, choice)
     ops: list[LOp] = []
     op_of: dict[int, int] = {}      # Op class -> LLIR op id
     shape_of: dict[int, tuple[Expr, ...]] = {}
 
     def emit(c: int) -> None:
         node = chosen(sat, choice, c)
-        lop = lower_enode(sat, c, node, op_of.__getitem__, shape_of.__getitem__, len(ops))
+        lop = lower_enode(sat, c, node, op_of.__getitem__, shape_of.__getitem__, len(ops), reads.inline)
         op_of[c] = lop.id
         shape_of[c] = lop.shape
         ops.append(lop)
 
-    def visit(start: int) -> None:
+    def visit(start: int) -> None:  # emit a buffer class after the buffers it reads
         stack: list[tuple[int, bool]] = [(start, False)]
         while stack:
             c, expanded = stack.pop()
             if c in op_of:
                 continue
-            node = chosen(sat, choice, c)
-            if node.op == "Ld":
-                if expanded:
-                    continue
-                stack.append((c, True))
-                stack.append((node.args[0], False))
-                continue
             if expanded:
                 emit(c)
                 continue
             stack.append((c, True))
-            for k in reversed(_op_kids(sat, node)):
+            for k in reversed(reads.deps(c)):
                 if k not in op_of:
                     stack.append((k, False))
 
     for n in g.nodes:  # every program input, in graph order, first
         if n.op == "Input":
             visit(sat.node_class[n.id])
-    for _, c in sat.roots:
-        visit(c)
+    for _, c in sat.roots:  # outputs read buffers
+        visit(reads.buffer(c))
     for nid, c in sat.roots:
         hn = g.nodes[nid]
-        ld = chosen(sat, choice, c)
+        ld = _ld(sat, c)
         src = op_of[ld.args[0]]
         lop = LOp(len(ops), "output", "Output", (Arg(src, sat.view(ld.args[1])),), tuple(hn.shape), hn.dtype,
                   {"name": hn.attrs["name"], "role": hn.attrs.get("role", "output")})

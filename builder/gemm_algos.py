@@ -2,7 +2,8 @@
 
     version = tune_gemm_algos(programs, tables, typical_dyn(spec), options)
 
-For every gemm op of every group program the parameters are evaluated at the typical dyn map; the
+For every gemm op that stays a cuBLASLt call (no kernel in its group's launch table: lum's gemv kernel
+runs gemms with a small static m) the parameters are evaluated at the typical dyn map; the
 heuristic's candidates (:meth:`lum.loader.cublaslt.MatmulPlan.candidates`) are each run on seeded random
 non-zero operands in device buffers of the problem's sizes (``WARMUP`` warm-ups, then the median of
 ``REPEATS`` CUDA-event timings of ``INNER`` back-to-back calls), and the fastest (ties: the heuristic's
@@ -25,14 +26,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
-from lum.format.llir import LOp, Program
+from lum.format.llir import GEMM_DEFAULTS, LOp, Program
 
-__all__ = ["tune_gemm_algos", "choose_gemm_algos", "gemm_problem", "WARMUP", "REPEATS", "INNER"]
+__all__ = ["tune_gemm_algos", "choose_gemm_algos", "gemm_problem", "library_gemms", "WARMUP", "REPEATS", "INNER"]
 
 WARMUP = 3
 REPEATS = 7
 INNER = 5
-_DEFAULTS = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}
 _NAMES = ("m", "n", "k", "lda", "ldb", "batch", "stride_a", "stride_b", "offset_a", "offset_b")
 
 # time_fn(plan, problem) -> seconds for one call of ``plan``
@@ -44,7 +44,7 @@ def gemm_problem(op: LOp, dyn: Mapping[str, int], in_dtype: DType | None = None)
     timeable matmul there (a var missing from ``dyn``, an empty output, k = 0). ``in_dtype``: the
     operands' dtype (default: the op's own; a 16-bit one under an f32 op is a mixed-precision gemm)."""
     try:
-        v = {n: int(as_expr(op.params.get(n, _DEFAULTS.get(n))).evaluate(dyn)) for n in _NAMES}
+        v = {n: int(as_expr(op.params.get(n, GEMM_DEFAULTS.get(n))).evaluate(dyn)) for n in _NAMES}
     except Exception:  # noqa: BLE001 - a var the typical dyn map lacks: leave the op to the heuristic
         return None
     if v["batch"] * v["m"] * v["n"] == 0 or v["k"] == 0:
@@ -78,8 +78,9 @@ def _problem_key(p: dict) -> str:
 
 def choose_gemm_algos(programs: Sequence[Program], tables: list[dict], dyn: Mapping[str, int], lt: Any,
                       time_fn: TimeFn, db: Any = None, db_fields: Mapping[str, str] | None = None) -> int:
-    """Time every gemm op's candidates with ``time_fn`` and add ``gemms`` entries to ``tables`` (in place,
-    only for groups that have a table). Returns how many ops got an algo. ``db``/``db_fields``
+    """Time every library gemm op's candidates with ``time_fn`` and add ``gemms`` entries to ``tables`` (in
+    place, only for groups that have a table; a gemm with a kernel in the table is lum's own, not a
+    cuBLASLt call). Returns how many ops got an algo. ``db``/``db_fields``
     (``gpu``, ``driver``): a :class:`~lum.builder.tuning.TuningDB` caching the choice per problem."""
     chosen: dict[str, bytes] = {}          # one timing per distinct problem in this build
     stored = 0
@@ -87,9 +88,7 @@ def choose_gemm_algos(programs: Sequence[Program], tables: list[dict], dyn: Mapp
         if not table:
             continue
         entries = []
-        for op in prog.ops:
-            if op.kind != "gemm":
-                continue
+        for op in library_gemms(prog, table):
             p = gemm_problem(op, dyn, prog.ops[op.args[0].src].dtype)
             if p is None:
                 continue
@@ -106,6 +105,12 @@ def choose_gemm_algos(programs: Sequence[Program], tables: list[dict], dyn: Mapp
             table["gemms"] = entries
             stored += len(entries)
     return stored
+
+
+def library_gemms(program: Program, table: Mapping[str, Any]) -> list[LOp]:
+    """The program's gemm ops that stay cuBLASLt calls: those without a kernel in its launch table."""
+    kernels = {o["op"] for o in table.get("ops", ())}
+    return [op for op in program.ops if op.kind == "gemm" and op.id not in kernels]
 
 
 def _choose_one(p: dict, key: str, lt: Any, time_fn: TimeFn, db: Any, db_fields: Mapping[str, str] | None
@@ -236,7 +241,7 @@ def tune_gemm_algos(programs: Sequence[Program], tables: list[dict], dyn: Mappin
     cuBLASLt version to record in ``target.cublaslt_version``, or None when nothing was stored."""
     from lum.builder.tuning import TuningDB, gpu_unavailable_reason
 
-    if not any(t for t in tables) or not any(o.kind == "gemm" for p in programs for o in p.ops):
+    if not any(library_gemms(p, t) for p, t in zip(programs, tables) if t):
         return None
     if gpu_unavailable_reason(target) is not None:
         return None

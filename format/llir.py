@@ -11,7 +11,8 @@ input          a program input; params ``name``, ``role`` (input | weight | stat
 output         marks ``args[0]`` as program output; params ``name``, ``role``
 constant       scalar ``value`` or 1-D ``data``
 iota           ``out[i] = i``, params ``n``
-elementwise    ``op`` ∈ Cast Exp2 Log2 Sin Sqrt Recip Add Mul Mod LessThan Where Contiguous
+elementwise    ``op`` ∈ Cast Exp2 Log2 Sin Sqrt Recip Add Mul Mod LessThan Where Contiguous, or
+               ``Fused``: an expression tree of those ops over the args, params ``expr``
 reduce         ``op`` ∈ Sum Max over ``axis`` of ``args[0]``
 gather         rows of ``args[0]`` picked by ``args[1]``
 scatter        copy of ``args[0]`` with rows ``args[2]`` set to ``args[1]``
@@ -38,6 +39,11 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
 * elementwise: arity 1 (Cast, Contiguous, the unary math ops), 2 (Add Mul Mod LessThan) or 3
   (Where: cond, a, b); every argument's view has the op's shape (broadcast is a stride-0 view).
   Mod is floored (the result takes the divisor's sign, as numpy/Python); LessThan gives bool.
+* Fused (elementwise): several elementwise ops in one kernel. ``params["expr"]`` is a JSON tree: a
+  leaf ``["arg", k]`` reads ``args[k]`` (a leaf may repeat; every arg view has the op's shape), a
+  node ``[op, dtype, child…]`` applies elementwise ``op`` (not Fused) with its arity to its
+  children and rounds the result to ``dtype`` (as if stored in a buffer of that dtype); the root
+  node's dtype is the op's dtype. So a Fused op computes exactly what the unfused ops compute.
 * reduce: ``params['axis']`` of ``args[0]``'s view (negative counts from the end); the output drops
   that axis. An empty axis gives the identity (Sum 0; Max −inf, or an integer dtype's minimum).
 * gather: ``out[j…, r…] = table[idx[j…], r…]`` for ``table = args[0]``, integer ``idx = args[1]``.
@@ -66,9 +72,12 @@ from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, parse
 from lum.format.shapetracker import ShapeTracker
 
+ELEMENTWISE_ARITY = {"Cast": 1, "Contiguous": 1, "Exp2": 1, "Log2": 1, "Sin": 1, "Sqrt": 1, "Recip": 1,
+                     "Add": 2, "Mul": 2, "Mod": 2, "LessThan": 2, "Where": 3}
 KINDS = ("input", "output", "constant", "iota", "elementwise", "reduce", "gather", "scatter",
          "scatter_nocopy", "gemm")
 GEMM_LAYOUTS = ("RmRm", "RmCm", "CmRm", "CmCm")
+GEMM_DEFAULTS = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}   # absent gemm params
 LLIR_VERSION = 1
 
 
@@ -161,11 +170,48 @@ class Program:
                     raise ValueError(f"LLIR op {i} reads op {a.src}, which does not precede it")
             if o.alias is not None and not 0 <= o.alias < len(o.args):
                 raise ValueError(f"LLIR op {i} aliases a missing argument {o.alias}")
+            if o.kind == "elementwise" and o.op == "Fused":
+                check_expr(o.params.get("expr"), len(o.args), o.dtype, f"LLIR op {i} (elementwise Fused)")
         return Program(str(data["name"]), ops)
 
     @staticmethod
     def loads(text: str) -> Program:
         return Program.from_json(json.loads(text))
+
+
+def check_expr(expr: Any, nargs: int, dtype: DType, where: str = "Fused op") -> None:
+    """Raise ValueError unless ``expr`` is a valid Fused expression over ``nargs`` args whose root has
+    ``dtype`` (see the module docstring)."""
+
+    def walk(t: Any, path: str) -> None:
+        if not isinstance(t, (list, tuple)) or not t:
+            raise ValueError(f"{where}: expr node {path} is not a non-empty list: {t!r}")
+        if t[0] == "arg":
+            if len(t) != 2 or isinstance(t[1], bool) or not isinstance(t[1], int) or not 0 <= t[1] < nargs:
+                raise ValueError(f"{where}: expr leaf {path} {t!r} must be ['arg', k] with 0 <= k < {nargs}")
+            return
+        want = ELEMENTWISE_ARITY.get(t[0]) if isinstance(t[0], str) else None
+        if want is None:
+            raise ValueError(f"{where}: unknown elementwise op {t[0]!r} in expr node {path}")
+        if len(t) != 2 + want:
+            raise ValueError(f"{where}: {t[0]} in expr node {path} takes {want} argument(s), got {len(t) - 2}")
+        try:
+            DType.parse(t[1] if isinstance(t[1], str) else repr(t[1]))
+        except ValueError as e:
+            raise ValueError(f"{where}: expr node {path}: {e}") from None
+        for j, kid in enumerate(t[2:]):
+            walk(kid, f"{path}.{j}")
+
+    walk(expr, "root")
+    if expr[0] == "arg":
+        raise ValueError(f"{where}: the expr root must be an op node, not a leaf")
+    if DType.parse(expr[1]) != dtype:
+        raise ValueError(f"{where}: the expr root has dtype {expr[1]}, the op {dtype}")
+
+
+def expr_nodes(expr: Any) -> int:
+    """Op nodes (not leaves) of a Fused expression tree."""
+    return 0 if expr[0] == "arg" else 1 + sum(expr_nodes(k) for k in expr[2:])
 
 
 # ---------------------------------------------------------------------- (de)serialisation

@@ -21,7 +21,7 @@ the package and the reference backend runs it. Otherwise::
      "ptx": "ptx/3",                  # optional zstd section: the same module as PTX (or null)
      "dyn_vars": ["p", "s"],          # slot order of the int64 device buffer the kernels read
      "max_dyn": {"p": 64, "s": 64},   # the kernels' index arithmetic assumes var <= bound
-     "ops": [{"op": 12,               # LLIR op id, one entry per kernel op (kinds of KERNEL_OP_KINDS)
+     "ops": [{"op": 12,               # LLIR op id, one entry per kernel op (kinds of TABLE_OP_KINDS)
               "kind": "elementwise",  # its LLIR kind, checked against the program
               "name": "lum_elementwise_add_…",
               "launches": [{"kernel": "lum_elementwise_add_…",    # entry point in the cubin
@@ -34,9 +34,11 @@ the package and the reference backend runs it. Otherwise::
 A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1); launches of one op
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
-``dyn`` the device buffer of int64 values in ``dyn_vars`` order. ``gemm`` ops have no entry: they
-are cuBLASLt calls described by the LLIR alone; a table built on a GPU may add, per gemm op, the
-cuBLASLt algorithm timed fastest at build time (``lum.builder.gemm_algos``)::
+``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Every op of a KERNEL_OP_KINDS kind has
+an entry; a ``gemm`` op has one when lum's own kernel runs it (a small static m, see
+:func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call described by the LLIR
+alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build
+time (``lum.builder.gemm_algos``)::
 
      "gemms": [{"op": 7,                            # LLIR id of a gemm op
                 "algo": "<128 hex digits>",         # the 64 bytes of its cublasLtMatmulAlgo_t
@@ -61,7 +63,8 @@ from lum.format.expr import Expr, ExprParseError, parse
 SCHEMA = "lum.model"
 SCHEMA_VERSION = 1
 KERNEL_TABLE_VERSION = 1
-KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota")
+KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota")   # always kernels
+TABLE_OP_KINDS = KERNEL_OP_KINDS + ("gemm",)   # kinds a launch table may hold (a gemm: when not cuBLASLt)
 SM_RE = re.compile(r"sm_(\d{2,3})([af]?)")
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 _VERSION_RE = re.compile(r"\d{1,4}\.\d{1,4}")
@@ -332,8 +335,8 @@ class _Parser:
             if ops and op_id <= ops[-1].op:
                 raise self.fail(ow + ".op", "ops must be sorted by op id without duplicates")
             kind = self.string(o.get("kind"), ow + ".kind")
-            if kind not in KERNEL_OP_KINDS:
-                raise self.fail(ow + ".kind", f"{kind!r} is not a kernel op kind {KERNEL_OP_KINDS}")
+            if kind not in TABLE_OP_KINDS:
+                raise self.fail(ow + ".kind", f"{kind!r} is not a kernel op kind {TABLE_OP_KINDS}")
             launches = []
             raw = self.lst(o.get("launches"), ow + ".launches")
             if not 1 <= len(raw) <= 4:

@@ -85,14 +85,15 @@ class Package:
 
     def _check_kernels(self) -> None:
         """Each group's launch table (parsed strictly by the manifest) must match its LLIR exactly:
-        one entry per kernel op, same kind, one ``in`` parameter per argument, ops that exist."""
+        one entry per kernel op (a gemm may have one: lum's kernel; or none: cuBLASLt), same kind, one
+        ``in`` parameter per argument, ops that exist."""
         for i, (ref, prog) in enumerate(zip(self.manifest.groups, self.programs)):
             if ref.table is None:
                 continue
             table = ref.table.by_op()
             for op in prog.ops:
                 k = table.pop(op.id, None)
-                if op.kind in KERNEL_OP_KINDS:
+                if op.kind in KERNEL_OP_KINDS or (op.kind == "gemm" and k is not None):
                     if k is None:
                         raise PackageFormatError(f"group {i}: LLIR op {op.id} ({op.kind}) has no kernel in the "
                                                  "launch table")

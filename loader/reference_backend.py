@@ -29,8 +29,8 @@ import numpy as np
 
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, UnboundVariableError
-from lum.format.llir import GEMM_LAYOUTS, LOp, Program
-from lum.format.numerics import NumericsError, store_as, view_of
+from lum.format.llir import ELEMENTWISE_ARITY, GEMM_LAYOUTS, LOp, Program, check_expr
+from lum.format.numerics import NumericsError, round_to, store_as, view_of
 from lum.format.shapetracker import ShapeTracker
 
 __all__ = ["BackendError", "execute", "ELEMENTWISE_ARITY"]
@@ -41,15 +41,30 @@ class BackendError(NumericsError):
     or address out of range, or an op the LLIR schema does not allow."""
 
 
-ELEMENTWISE_ARITY = {
-    "Cast": 1, "Contiguous": 1, "Exp2": 1, "Log2": 1, "Sin": 1, "Sqrt": 1, "Recip": 1,
-    "Add": 2, "Mul": 2, "Mod": 2, "LessThan": 2, "Where": 3,
-}
 _ARITY = {"input": 0, "output": 1, "constant": 0, "iota": 0, "reduce": 1, "gather": 2, "scatter": 3,
           "scatter_nocopy": 3, "gemm": 2}
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Exp2": np.exp2, "Log2": np.log2, "Sin": np.sin, "Sqrt": np.sqrt, "Recip": lambda x: 1.0 / x,
 }
+
+
+def _elementwise(op: str, args: list[np.ndarray]) -> np.ndarray:
+    """One elementwise op on compute-type arrays (the caller rounds the result to the op's dtype)."""
+    if op in ("Cast", "Contiguous"):
+        out = args[0]                                # the rounding does the conversion
+    elif op in _UNARY:
+        out = _UNARY[op](args[0].astype(np.float64) if args[0].dtype == np.bool_ else args[0])
+    elif op == "Add":
+        out = args[0] + args[1]
+    elif op == "Mul":
+        out = args[0] * args[1]
+    elif op == "Mod":
+        out = np.mod(args[0], args[1])
+    elif op == "LessThan":
+        out = args[0] < args[1]
+    else:  # Where
+        out = np.where(args[0].astype(np.bool_), args[1], args[2])
+    return np.asarray(out)
 
 
 def execute(program: Program, inputs: Mapping[str, np.ndarray], dyn_map: Mapping[str, int] | None = None,
@@ -130,6 +145,12 @@ class _Executor:
             if o.id != i:
                 raise BackendError(f"{where} has id {o.id}; ops must be numbered in order")
             want = ELEMENTWISE_ARITY.get(o.op) if o.kind == "elementwise" else _ARITY[o.kind]
+            if o.kind == "elementwise" and o.op == "Fused":
+                try:
+                    check_expr(o.params.get("expr"), len(o.args), o.dtype, where)
+                except ValueError as e:
+                    raise BackendError(str(e)) from None
+                want = len(o.args)
             if want is None:
                 raise BackendError(f"{where}: unknown elementwise op {o.op!r}")
             if len(o.args) != want:
@@ -310,22 +331,15 @@ class _Executor:
         args = [self.readc(o, k) for k in range(len(o.args))]
         for k, a in enumerate(args):
             self.check_shape(a.shape, shape, f"argument {k}'s view")
-        op = o.op
-        if op in ("Cast", "Contiguous"):
-            out = args[0]                            # the rounding below does the conversion
-        elif op in _UNARY:
-            out = _UNARY[op](args[0].astype(np.float64) if args[0].dtype == np.bool_ else args[0])
-        elif op == "Add":
-            out = args[0] + args[1]
-        elif op == "Mul":
-            out = args[0] * args[1]
-        elif op == "Mod":
-            out = np.mod(args[0], args[1])
-        elif op == "LessThan":
-            out = args[0] < args[1]
-        else:  # Where
-            out = np.where(args[0].astype(np.bool_), args[1], args[2])
-        return np.asarray(out)
+        if o.op != "Fused":
+            return _elementwise(o.op, args)
+
+        def ev(t: list) -> np.ndarray:                # each inner node rounds to its dtype, as a store would
+            return args[t[1]] if t[0] == "arg" else round_to(_elementwise(t[0], [ev(k) for k in t[2:]]),
+                                                             DType.parse(t[1]))
+
+        expr = o.params["expr"]
+        return _elementwise(expr[0], [ev(k) for k in expr[2:]])   # the root is rounded when stored
 
     def k_reduce(self, o: LOp) -> np.ndarray:
         x = self.readc(o, 0)

@@ -178,6 +178,25 @@ LUM_D T lum_warp_reduce(T v) {
 // N consecutive elements moved as one (aligned) memory access.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) lum_vec { T v[N]; };
+
+// True when p is aligned to `bytes` (a power of two).
+LUM_D bool lum_aligned(const void* p, unsigned bytes) {
+  return ((unsigned long long)p & (unsigned long long)(bytes - 1u)) == 0ull;
+}
+
+// Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
+// bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
+template <int N, typename T, typename Cvt>
+LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
+  constexpr int P = (int)(16 / sizeof(T)) < N ? (int)(16 / sizeof(T)) : N;  // elements per access
+  static_assert(N % P == 0, "N must be a multiple of the access width");
+#pragma unroll
+  for (int q = 0; q < N / P; ++q) {
+    const lum_vec<T, P> v = *reinterpret_cast<const lum_vec<T, P>*>(p + q * P);
+#pragma unroll
+    for (int e = 0; e < P; ++e) out[q * P + e] = cvt(v.v[e]);
+  }
+}
 #endif  // CUDA
 
 #endif  // LUM_COMMON_CUH

@@ -1,5 +1,6 @@
 //! lum/templates/elementwise.cu — one LLIR elementwise op (Cast Exp2 Log2 Sin Sqrt Recip Add Mul Mod
-//! LessThan Where Contiguous); also the copy half of scatter. Lines starting with //! are dropped on render.
+//! LessThan Where Contiguous, or a Fused tree of them); also the copy half of scatter. Lines starting
+//! with //! are dropped on render.
 //!
 //! Grid-stride loop over work items: item `lum_w` is output element `lum_w` (VEC == 1) or the VEC
 //! consecutive innermost output elements starting at `lum_w * VEC` (vector loads/stores; codegen only

@@ -23,6 +23,7 @@ from lum.format.manifest import Call, Entry, TensorSpec
 from lum.format.shapetracker import ShapeTracker, numel
 
 S = Var("s")
+P = Var("p")
 DYN = {"s": 5}           # the run
 BOUNDS = {"s": 8}        # the session's bound (the arena is planned for it)
 MAX_SEQ = 64             # what the kernels' index math may assume
@@ -188,54 +189,142 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     return b.program(f"templates.{dt.value}"), b.arrays, b
 
 
+def _gemm_case(b: _Builder, rng: np.random.Generator, case: str, layout: str, dts: tuple[DType, DType, DType],
+               m: Any, n: Any, k: Any, batch: int, *, sa: Any = None, sb: Any = None, oa: int = 0, ob: int = 0,
+               ld: Any = lambda x: x, spad: int = 0, n_cap: Any = None) -> None:
+    """One gemm case: A and B as flat entry inputs ``case.x0`` / ``case.x1`` addressed by the gemm params,
+    C as output ``case.y``. ``ld`` maps each operand's natural leading dim to the one used; batch strides
+    default to the matrix sizes (+ ``spad``), 0 broadcasts; ``dts`` = (A, B, C). ``n_cap``: the n that
+    sizes B (leading dim, batch stride, buffer) when n itself varies (default n)."""
+    a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
+    nc = n if n_cap is None else n_cap
+    lda, ldb = as_expr(ld(k if a_rm else m)), as_expr(ld(nc if b_rm else k))
+    a_mat = (m * lda) if a_rm else (k * lda)
+    b_mat = (k * ldb) if b_rm else (nc * ldb)
+    sa_ = a_mat + spad if sa is None else sa
+    sb_ = b_mat + spad if sb is None else sb
+    a_size = oa + (batch - 1) * sa_ + a_mat if batch > 1 else oa + a_mat
+    b_size = ob + (batch - 1) * sb_ + b_mat if batch > 1 else ob + b_mat
+    n_of = lambda size: as_expr(size).evaluate(DYN)  # noqa: E731
+    xa = b.input(f"{case}.x0", a_size, dts[0])
+    xb = b.input(f"{case}.x1", b_size, dts[1])
+    b.arrays[xa] = _rand(rng, dts[0], n_of(a_size))
+    b.arrays[xb] = _rand(rng, dts[1], n_of(b_size))
+    params = {"layout": layout, "m": m, "n": n, "k": k, "lda": lda, "ldb": ldb, "ldc": n, "batch": batch,
+              "stride_a": sa_ if batch > 1 else 0, "stride_b": sb_ if batch > 1 else 0,
+              "stride_c": m * n, "offset_a": oa, "offset_b": ob}
+    params = {key: as_expr(v) if not isinstance(v, str) else v for key, v in params.items()}
+    args = [(xa, ShapeTracker.contiguous((a_size,))), (xb, ShapeTracker.contiguous((b_size,)))]
+    b.op(case, "gemm", "Gemm", args, (batch, m, n), dts[2], params, output=f"{case}.y", case_kind="gemm",
+         tol=TOL[dts[2]])
+
+
 def gemm_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray], _Builder]:
-    """Every gemm layout, plain and batched (strided, broadcast, with offsets), with ``s`` in m."""
+    """Every gemm layout, plain and batched (strided, broadcast, with offsets), with ``s`` in m (cuBLASLt)."""
     rng = np.random.default_rng(seed)
     b = _Builder()
-    s = S
-    n_of = lambda size: as_expr(size).evaluate(DYN)  # noqa: E731
-    k, n = 24, 40
     for layout in ("RmRm", "RmCm", "CmRm", "CmCm"):
-        a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
-        for variant, batch, sa, sb, oa, ob, pad in (("plain", 1, 0, 0, 0, 0, 0), ("batched", 3, None, None, 0, 0, 0),
-                                                    ("broadcast_b", 3, None, 0, 0, 0, 0),
-                                                    ("offset_padded", 2, None, None, 8, 16, 4)):
-            case = f"gemm.{layout}.{variant}"
-            m = s
-            lda = (k if a_rm else m) + pad
-            ldb = (n if b_rm else k) + pad
-            a_mat = (m * lda) if a_rm else (k * lda)
-            b_mat = (k * ldb) if b_rm else (n * ldb)
-            sa_ = a_mat if sa is None else sa
-            sb_ = b_mat if sb is None else sb
-            a_size = oa + (batch - 1) * sa_ + a_mat if batch > 1 else oa + a_mat
-            b_size = ob + (batch - 1) * sb_ + b_mat if batch > 1 else ob + b_mat
-            xa = b.input(f"{case}.x0", a_size, dt)
-            xb = b.input(f"{case}.x1", b_size, dt)
-            b.arrays[xa] = _rand(rng, dt, n_of(a_size))
-            b.arrays[xb] = _rand(rng, dt, n_of(b_size))
-            params = {"layout": layout, "m": m, "n": n, "k": k, "lda": lda, "ldb": ldb, "ldc": n, "batch": batch,
-                      "stride_a": sa_ if batch > 1 else 0, "stride_b": sb_ if batch > 1 else 0,
-                      "stride_c": m * n, "offset_a": oa, "offset_b": ob}
-            params = {key: as_expr(v) if not isinstance(v, str) else v for key, v in params.items()}
-            args = [(xa, ShapeTracker.contiguous((a_size,))), (xb, ShapeTracker.contiguous((b_size,)))]
-            b.op(case, "gemm", "Gemm", args, (batch, m, n), dt, params, output=f"{case}.y", case_kind="gemm",
-                 tol=TOL[dt])
+        for variant, batch, sb, oa, ob, pad in (("plain", 1, None, 0, 0, 0), ("batched", 3, None, 0, 0, 0),
+                                                ("broadcast_b", 3, 0, 0, 0, 0), ("offset_padded", 2, None, 8, 16, 4)):
+            _gemm_case(b, rng, f"gemm.{layout}.{variant}", layout, (dt, dt, dt), S, 40, 24, batch, sb=sb, oa=oa,
+                       ob=ob, ld=lambda x, pad=pad: x + pad)
     return b.program(f"gemm.{dt.value}"), b.arrays, b
 
 
-def entry_for(program: Program, b: _Builder) -> Entry:
+def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray], _Builder]:
+    """Gemms with a static m (lum's gemv kernel, templates/gemv.cu): every layout, m in (1, 3, 8), results
+    in ``dt`` and (16-bit ``dt``) in f32. Variants: ``plain`` (n = s + 35: vector loads, aligned at run
+    time where n is a leading dim), ``batched`` (k = s + 19, odd leading dims and batch strides,
+    offsets: scalar loads) and ``broadcast`` (B shared over the batch, leading dims and offsets
+    multiples of 8: vector loads, k = 75 leaves a scalar tail)."""
+    rng = np.random.default_rng(seed)
+    b = _Builder()
+    results = [dt] if dt == DType.f32 else [dt, DType.f32]
+    for layout in ("RmRm", "RmCm", "CmRm", "CmCm"):
+        for m in (1, 3, 8):
+            for out in results:
+                tag = f"gemv.{layout}.m{m}" + ("" if out == dt else f".to_{out.value}")
+                _gemm_case(b, rng, f"{tag}.plain", layout, (dt, dt, out), m, S + 35, 64, 1)
+                _gemm_case(b, rng, f"{tag}.batched", layout, (dt, dt, out), m, 24, S + 19, 3, oa=5, ob=3,
+                           ld=lambda x: x + 3, spad=5)
+                _gemm_case(b, rng, f"{tag}.broadcast", layout, (dt, dt, out), m, 40, 75, 2, sb=0, oa=8, ob=16,
+                           ld=lambda x: (x + 15) // 8 * 8)
+    return b.program(f"gemv.{dt.value}"), b.arrays, b
+
+
+REPLAY_P = (5, 6, 40)     # p values of one session, bound REPLAY_BOUND: 5 and 6 share every grid bucket
+REPLAY_BOUND = {"p": 47}
+
+
+def gemv_replay_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray], _Builder]:
+    """Decode attention's shape for lum's gemv kernel: n = p + 1 (read from the dyn buffer, so one captured
+    graph serves every p of a grid bucket), every layout, m in (1, 3, 8), batch 2 with batch strides and
+    offsets, results in ``dt`` and (16-bit ``dt``) in f32. Operands have fixed sizes (B sized for n = 48),
+    so one set of inputs serves every p; run the entry ``main`` with dyn ``p`` (see :func:`entry_for`)."""
+    rng = np.random.default_rng(seed)
+    b = _Builder()
+    for layout in ("RmRm", "RmCm", "CmRm", "CmCm"):
+        for m in (1, 3, 8):
+            for out in [dt] if dt == DType.f32 else [dt, DType.f32]:
+                case = f"replay.{layout}.m{m}" + ("" if out == dt else f".to_{out.value}")
+                _gemm_case(b, rng, case, layout, (dt, dt, out), m, P + 1, 40, 2, oa=8, ob=16, n_cap=48, spad=8)
+    return b.program(f"gemv_replay.{dt.value}"), b.arrays, b
+
+
+def check_gemv_replay(path: Path, dt: DType, **session: Any) -> dict[str, Any]:
+    """Run :func:`gemv_replay_cases` ``dt``'s package at every :data:`REPLAY_P` in one CUDA session (arena
+    poisoned with NaN before each run) against :func:`gemm_reference`: ``errors`` (case@p -> message),
+    ``checked``, ``captures`` (the session's graph captures after each run), ``graph_error`` and
+    ``cublaslt`` (whether the session loaded it: it should not, every gemm being a kernel)."""
+    import lum.loader
+
+    prog, arrays, b = gemv_replay_cases(dt)
+    gemms = {o.params["name"]: prog.ops[o.args[0].src] for o in prog.outputs()}
+    errors: dict[str, str] = {}
+    captures = []
+    with lum.loader.open(path) as pkg, pkg.session(dyn=REPLAY_BOUND, backend="cuda", **session) as sess:
+        for p in REPLAY_P:
+            sess.runner.fill_arena(0xFF)
+            got = sess.run("main", arrays, {"p": p})
+            captures.append(sess.runner.captures)
+            for name, op in gemms.items():
+                a, bm = (arrays[prog.ops[x.src].params["name"]] for x in op.args)
+                err = compare(got[name], gemm_reference(op.params, {"p": p}, a, bm), b.tol[name])
+                if err:
+                    errors[f"{name}@p={p}"] = err
+        graph_error, lt = sess.runner.graph_error, sess.runner.lt is not None
+    return {"errors": errors, "checked": len(REPLAY_P) * len(gemms), "captures": captures,
+            "graph_error": graph_error, "cublaslt": lt}
+
+
+def gemm_reference(params: dict[str, Any], dyn: dict[str, int], a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """C[batch, m, n] = A @ B by the LLIR gemm semantics, in float64, from the operands' flat buffers."""
+    p = {key: v if key == "layout" else as_expr(v).evaluate(dyn) for key, v in params.items()}
+    a_rm, b_rm = p["layout"][:2] == "Rm", p["layout"][2:] == "Rm"
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    out = np.zeros((p.get("batch", 1), p["m"], p["n"]))
+    i, ka = np.meshgrid(np.arange(p["m"]), np.arange(p["k"]), indexing="ij")
+    kb, j = np.meshgrid(np.arange(p["k"]), np.arange(p["n"]), indexing="ij")
+    for z in range(out.shape[0]):
+        am = a[p.get("offset_a", 0) + z * p.get("stride_a", 0) + (i * p["lda"] + ka if a_rm else i + ka * p["lda"])]
+        bm = b[p.get("offset_b", 0) + z * p.get("stride_b", 0) + (kb * p["ldb"] + j if b_rm else kb + j * p["ldb"])]
+        out[z] = am @ bm
+    return out
+
+
+def entry_for(program: Program, b: _Builder, dyn: tuple[str, ...] = ("s",)) -> Entry:
     ins = tuple(TensorSpec(o.params["name"], o.shape, o.dtype) for o in program.inputs() if o.params["role"] != "state")
     outs = tuple(TensorSpec(o.params["name"], o.shape, o.dtype) for o in program.outputs())
     call = Call(0, tuple(o.params["name"] for o in program.inputs()),
                 tuple(o.params["name"] for o in program.outputs()))
-    return Entry("main", ("s",), ins, outs, (call,))
+    return Entry("main", dyn, ins, outs, (call,))
 
 
-def write_case_package(path: Path, program: Program, b: _Builder, **options: Any) -> Path:
+def write_case_package(path: Path, program: Program, b: _Builder, dyn: tuple[str, ...] = ("s",),
+                       **options: Any) -> Path:
     from lum.builder.package_builder import BuildOptions, write_program_package
 
-    return write_program_package(path, [program], {"main": entry_for(program, b)}, state=b.state,
+    return write_program_package(path, [program], {"main": entry_for(program, b, dyn)}, state=b.state,
                                  model={"max_seq": MAX_SEQ}, options=BuildOptions(**options))
 
 

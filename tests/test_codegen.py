@@ -393,8 +393,8 @@ def test_same_dtype_copy_moves_raw_bits():
 
 def test_library_and_non_kernel_ops_give_none():
     gemm = LOp(2, "gemm", "", (Arg(0, ShapeTracker.contiguous((64,))), Arg(1, ShapeTracker.contiguous((64,)))),
-               (as_expr(8), as_expr(8)), DType.f32, {"layout": "RmRm", "m": 8, "n": 8, "k": 8, "lda": 8, "ldb": 8})
-    assert generate(gemm, []) is None
+               (S, as_expr(8)), DType.f32, {"layout": "RmRm", "m": S, "n": 8, "k": 8, "lda": 8, "ldb": 8})
+    assert generate(gemm, ["s"]) is None                  # m = s: cuBLASLt (a small static m: tests/test_gemv.py)
     assert generate(LOp(0, "input", "", (), (S,), DType.f32, {"name": "x"}), ["s"]) is None
 
 
@@ -594,6 +594,17 @@ def _case_list():
                 kw = {"vec": 1} if variant == 2 else {}
                 cases.append((LOp(1, "elementwise", name, tuple(Arg(0, v) for v in vs), shape, res),
                               [size[id(v)] for v in vs], dts, kw))
+    # Fused: one tree with 16-bit, int and bool intermediates and repeated leaves / subtrees
+    for dt in (DType.f32, DType.bf16, DType.f16):
+        t = ["Add", "f32", ["Mul", "f32", ["Cast", "f32", ["arg", 0]], ["arg", 2]], ["Cast", "f32", ["arg", 1]]]
+        h = ["Cast", "f32", ["Cast", "bf16" if dt != DType.bf16 else "f16", t]]
+        c = ["LessThan", "bool", ["arg", 2], h]
+        m = ["Cast", "f32", ["Mod", "i64", ["Cast", "i64", t], ["Cast", "i64", ["arg", 3]]]]
+        expr = ["Cast", dt.value, ["Where", "f32", c, ["Exp2", "f32", ["Mul", "f32", h, ["arg", 2]]],
+                                   ["Add", "f32", m, ["Sqrt", "f32", ["Mul", "f32", h, h]]]]]
+        for vs, kw in (((x, x, bc, x), {}), ((xp, xpad, win, bc), {}), ((win, x, xp, x), {"vec": 1, "math": "f64"})):
+            cases.append((LOp(1, "elementwise", "Fused", tuple(Arg(0, v) for v in vs), shape, dt, {"expr": expr}),
+                          [size[id(v)] for v in vs], [dt, dt, DType.f32, DType.i32], kw))
     for dt in DType:
         for red in ("Sum", "Max"):
             for view, axis, group in ((x, 2, None), (xpad, -1, 64), (xp, 0, 1), (x, 1, 32), (xpad, 2, 8),
@@ -701,7 +712,7 @@ def test_kernels_match_reference_backend_on_host(emulated, case):
     got = out.reshape(want_shape)
     if op.dtype.is_float:
         g, r = got.astype(np.float64), ref.astype(np.float64)
-        tol = _TOL[op.dtype] * (4 if op.op in ("Exp2", "Sin", "Log2") else 1)
+        tol = _TOL[op.dtype] * (4 if op.op in ("Exp2", "Sin", "Log2", "Fused") else 1)
         if op.kind == "reduce" and op.op == "Sum":
             tol *= 8
         np.testing.assert_allclose(g, r, rtol=tol, atol=tol, err_msg=ks.body)

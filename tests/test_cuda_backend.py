@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import lum.loader
+from lum.builder.codegen import gemv_rows
 from lum.builder.kernels import compile_group_kernels, default_max_dyn, launch_table, program_dyn_vars
 from lum.format.dtypes import DType
 from lum.format.errors import PackageFormatError
@@ -56,12 +57,14 @@ def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
     m = pkg.manifest
     assert m.target["sm"] == "sm_90" and m.target["nvrtc"] == m.provenance["nvrtc"] == "%d.%d" % nvrtc.nvrtc_version()
     sections = {s.name: s for s in pkg.reader.sections}
+    gemm_kernels = 0
     for k, (ref, prog) in enumerate(zip(m.groups, pkg.programs)):
         t = ref.table
         assert t is not None and t.arch == "sm_90" and t.dyn_vars == ("p", "s") and t.max_dyn == {"p": 32, "s": 32}
         kernel_ops = [o for o in prog.ops if o.kind in ("elementwise", "reduce", "gather", "scatter",
-                                                         "scatter_nocopy", "iota")]
+                                                         "scatter_nocopy", "iota") or gemv_rows(o) is not None]
         assert [k.op for k in t.ops] == [o.id for o in kernel_ops]
+        gemm_kernels += sum(o.kind == "gemm" for o in kernel_ops)
         if kernel_ops:
             cub, ptx = sections[t.cubin], sections[t.ptx]
             assert cub.codec == "none" and cub.required and cub.kind == "cubin"
@@ -77,6 +80,7 @@ def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
             want = ("out",) + tuple(f"in{i}" for i in range(len(op.args))) + ("dyn",)
             assert kop.kind == op.kind and kop.params == want
             assert len(kop.launches) == (2 if op.kind == "scatter" else 1)
+    assert gemm_kernels > 0                               # decode's gemms (m = 1) are lum's own kernels
 
 
 @needs_nvrtc
@@ -106,7 +110,7 @@ def _manifest_with(tiny_pkg, mutate) -> dict:
     (lambda t, d: t.update(cubin=None), "names no cubin"),
     (lambda t, d: t.update(dyn_vars=["p", "p"]), "duplicate"),
     (lambda t, d: t["max_dyn"].update(z=3), "not in dyn_vars"),
-    (lambda t, d: t["ops"][0].update(kind="gemm"), "not a kernel op kind"),
+    (lambda t, d: t["ops"][0].update(kind="matmul"), "not a kernel op kind"),
     (lambda t, d: d["target"].update(sm="hopper"), "architecture like"),
 ])
 def test_manifest_rejects_bad_launch_tables(tiny_pkg, mutate, match):
@@ -134,6 +138,9 @@ def test_loader_checks_launch_table_against_llir(tiny_pkg, tmp_path):
         lum.loader.open(bad)
     bad = rewrite(lambda t, d: t["ops"][0]["params"].insert(-1, f"in{len(t['ops'][0]['params']) - 2}"), "arity.lumpkg")
     with pytest.raises(PackageFormatError, match="does not match the LLIR"):
+        lum.loader.open(bad)
+    bad = rewrite(lambda t, d: t["ops"][0].update(kind="gemm"), "kind.lumpkg")   # a table may name gemms, but
+    with pytest.raises(PackageFormatError, match="does not match the LLIR"):      # only for gemm ops
         lum.loader.open(bad)
     ok = rewrite(lambda t, d: None, "same.lumpkg")
     lum.loader.open(ok).close()
@@ -254,8 +261,11 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
     fns = []
     plan = build_entry_plan(pkg, "decode", layout, lambda g, name: fns.append((g, name)) or (g, name), bounds)
     kernels = [s for s in plan.steps if type(s).__name__ == "KernelStep"]
-    gemms = [s for s in plan.steps if type(s).__name__ == "GemmStep"]
-    assert kernels and gemms and len(fns) == len(kernels)
+    gemv = [k for k in kernels if "(gemm " in k.where]
+    assert kernels and len(fns) == len(kernels)
+    # every decode gemm has a static m (1, or the query heads of a KV head): lum's gemv kernel, no library call
+    assert gemv and not [s for s in plan.steps if type(s).__name__ == "GemmStep"]
+    assert any("p" in plan.grid_exprs[k.grid[0]].vars() for k in gemv)     # attention: n = p + 1
     lo, hi = layout.arena, layout.arena + ap.size
     state = {v: (p, p + layout.state_bytes[v]) for v, p in layout.state.items()}
     nocopy = 0
@@ -269,23 +279,40 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
             assert lo <= out < hi, k.where
         assert k.params.read_back() == k.params.values
     assert nocopy == 2 * len([c for c in pkg.entry("decode").calls if "k_cache" in " ".join(c.inputs)])
-    # attention's gemms depend on p: volatile, eager between graph segments; the rest are static
-    vol = [g for g in gemms if plan.volatile(g)]
-    assert vol and len(vol) < len(gemms)
-    assert sum(not s.graph for s in plan.segments) == len(vol)
-    assert all(s.graph for s in plan.segments if not any(st in vol for st in s.steps))
-    # keys: segments keep their graph key as p grows within a grid bucket
-    graph_keys = [[seg.key(plan.values({"p": p})[1]) for seg in plan.segments if seg.graph] for p in range(32)]
+    # attention's gemms read p from the dyn buffer: nothing is volatile, every segment is a graph whose
+    # key changes only when a grid crosses a bucket as p grows
+    assert not any(plan.volatile(st) for st in plan.steps) and all(s.graph for s in plan.segments)
+    graph_keys = [[seg.key(plan.values({"p": p})) for seg in plan.segments] for p in range(32)]
     assert len({tuple(k) for k in graph_keys}) <= 6
-    ops = plan.concrete(plan.values({"p": 9}), lambda spec: spec)
-    specs = [o[1] for o in ops if o[0] == "gemm"]
-    assert any(s.n == 10 or s.k == 10 for s in specs)        # n = p + 1 or k = p + 1
-    for o in ops:
-        if o[0] == "gemm":
-            assert o[2] % 256 == 0 and o[3] % 256 == 0        # operand bases (the library adds offsets)
+    assert all(o[0] == "kernel" for o in plan.concrete(plan.values({"p": 9}), lambda spec: spec))
     plan.check({"p": 31})
     with pytest.raises(lum.loader.SessionError, match="planned"):
         plan.check({"p": 40})
+
+
+@needs_nvrtc
+def test_small_m_gemm_is_a_kernel_step_with_bounds_checks(tmp_path):
+    """x[1, 16] @ B^T with B [8, 16] (a fixed-size cache) and n = s + 1: lum's gemv kernel, launched with
+    (out, A, B, dyn); its reads are checked per run like a library call's (here: B has 8 rows)."""
+    from tests.kernel_cases import S, _Builder, _gemm_case
+
+    b = _Builder()
+    _gemm_case(b, np.random.default_rng(0), "g", "RmCm", (DType.f32,) * 3, 1, S + 1, 16, 1, n_cap=8)
+    prog = b.program("gemv")
+    pkg = lum.loader.open(write_case_package(tmp_path / "gemv.lumpkg", prog, b))
+    (ref,) = pkg.manifest.groups
+    (gemm,) = [o for o in prog.ops if o.kind == "gemm"]
+    assert [k.op for k in ref.table.ops] == [gemm.id] and ref.table.ops[0].kind == "gemm"
+    layout, _ = _fake_layout(pkg, "main", {"s": 8})
+    plan = build_entry_plan(pkg, "main", layout, lambda g, name: name, {"s": 8})
+    (step,) = plan.steps
+    assert type(step).__name__ == "KernelStep" and step.function == ref.table.ops[0].launches[0].kernel
+    assert step.params.values == (layout.arena + layout.offsets[f"c0.{gemm.id}"], layout.inputs["g.x0"],
+                                  layout.inputs["g.x1"], layout.dyn[("s",)])
+    assert "s" in plan.grid_exprs[step.grid[0]].vars()
+    plan.check({"s": 7})                                     # n = 8: the last row of B
+    with pytest.raises(lum.loader.SessionError, match="operand B"):
+        plan.check({"s": 8})
 
 
 @needs_nvrtc
@@ -300,6 +327,15 @@ def test_prefill_plan_copies_scattered_caches_into_state(tiny_pkg):
         assert copies and all(c.dst in layout.state.values() for c in copies)
     out = plan.outputs[0]
     assert out.name == "logits" and layout.arena <= out.ptr < layout.arena + ap.size
+    # prefill's gemms (m = s) stay cuBLASLt calls, sized per run
+    gemms = [s for s in plan.steps if type(s).__name__ == "GemmStep"]
+    assert gemms and all(plan.volatile(g) for g in gemms)
+    ops = plan.concrete(plan.values({"s": 9}), lambda spec: spec)
+    specs = [o[1] for o in ops if o[0] == "gemm"]
+    assert len(specs) == len(gemms) and all(sp.m in (9, 18) for sp in specs)   # s, or s query heads per KV head
+    for o in ops:
+        if o[0] == "gemm":
+            assert o[2] % 256 == 0 and o[3] % 256 == 0        # operand bases (the library adds offsets)
 
 
 @needs_nvrtc

@@ -14,7 +14,8 @@ import pytest
 import lum.loader
 from lum.format.dtypes import DType
 from tests import cuda_emulation as emu
-from tests.kernel_cases import gemm_cases, template_cases, write_case_package
+from tests.kernel_cases import (REPLAY_P, gemm_cases, gemv_cases, gemv_replay_cases, template_cases,
+                                write_case_package)
 
 if emu.CC is None or emu.CXX is None:
     pytest.skip("no host C/C++ compiler for the CUDA emulation", allow_module_level=True)
@@ -41,10 +42,13 @@ def env(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("emulated")
     pkgs = {}
-    for fn in (template_cases, gemm_cases):
+    for fn in (template_cases, gemm_cases, gemv_cases):
         for dt in (DType.f32, DType.bf16):
             prog, _, b = fn(dt)
             pkgs[f"{fn.__name__}.{dt.value}"] = write_case_package(root / f"{fn.__name__}.{dt.value}.lumpkg", prog, b)
+    for dt in (DType.f32, DType.bf16):
+        prog, _, b = gemv_replay_cases(dt)
+        pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
     for name in MODELS:
         pkgs[name] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg")
     lt_so = emu.fake_cublaslt(root / "lt")
@@ -89,9 +93,9 @@ def test_every_template_and_gemm_matches_reference(env):
     res = run(env, r'''
 import lum.loader as L
 from lum.format.dtypes import DType
-from tests.kernel_cases import BOUNDS, DYN, compare, gemm_cases, template_cases
+from tests.kernel_cases import BOUNDS, DYN, compare, gemm_cases, gemv_cases, template_cases
 errors, checked = {}, 0
-for fn in (template_cases, gemm_cases):
+for fn in (template_cases, gemm_cases, gemv_cases):
     for dt in (DType.f32, DType.bf16):
         pkg = L.open(PKGS[f"{fn.__name__}.{dt.value}"])
         prog, arrays, b = fn(dt)
@@ -112,6 +116,19 @@ print(json.dumps({"errors": errors, "checked": checked, "stats": fake_stats()}))
     assert res["errors"] == {}
     assert res["checked"] >= 200
     assert res["stats"]["live"] == [0] * 7 and res["stats"]["bad_guards"] == 0   # close() freed everything
+
+
+def test_gemv_graph_replays_as_p_grows(env):
+    """The gpu test of the same name, emulated: gemms with n = p + 1 in one graph, replayed for a new p."""
+    res = run(env, r'''
+from lum.format.dtypes import DType
+from tests.kernel_cases import check_gemv_replay
+print(json.dumps({dt.value: check_gemv_replay(PKGS["gemv_replay." + dt.value], dt) for dt in (DType.f32, DType.bf16)}))
+''')
+    for dt, r in res.items():
+        assert r["errors"] == {} and r["checked"] == len(REPLAY_P) * (12 if dt == "f32" else 24), (dt, r)
+        assert r["graph_error"] is None and r["captures"][0] >= 1 and r["captures"][1] == r["captures"][0], (dt, r)
+        assert not r["cublaslt"]                # no library gemm: cuBLASLt is not even loaded
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -183,7 +200,7 @@ print(json.dumps({"marks": marks, "graphs": n_graphs, "segments": segments, "aft
     assert free0 == free1 and cap0 == cap1 and live0 == live1, res
     assert res["finite"] and res["after_close"] == [0] * 7
     n, graph_segments = res["segments"]["decode"]
-    assert n > graph_segments > 0           # attention gemms (n = p + 1) run eagerly between graphs
+    assert n == graph_segments > 0          # decode's gemms (n = p + 1 too) are kernels: nothing runs eagerly
 
 
 def test_two_sessions_with_different_bounds(env):
@@ -295,7 +312,8 @@ for tag in ("algos", "algos-old"):
     pkg = L.open(PKGS["tiny-llama." + tag])
     m = pkg.manifest
     gemms = [g for ref in m.groups if ref.table is not None for g in ref.table.gemms]
-    n_gemm = sum(1 for p in pkg.programs for o in p.ops if o.kind == "gemm")
+    n_gemm = sum(1 for ref, p in zip(m.groups, pkg.programs) for o in p.ops   # cuBLASLt calls (no kernel)
+                 if o.kind == "gemm" and o.id not in ref.table.by_op())
     want = pkg.session(backend="reference").generate(prompt, 6)
     with pkg.session(backend="cuda") as sess:
         got = sess.generate(prompt, 6)

@@ -550,7 +550,8 @@ def test_chunk_graph_is_standalone_and_compiles():
     compiled = compile_graph(g)
     assert len(compiled) == 3 and [len(c.group) for c in compiled] == [1, 2, 1]
     layer = compiled[1]
-    assert layer.stats["gemms"] == 9 and layer.stats["in_place"] == 2 and layer.stats["decisions"] == 11
+    assert layer.stats["gemms"] == 9 and layer.stats["in_place"] == 2
+    assert layer.stats["decisions"] - layer.stats["fuse_decisions"] == 11 and layer.stats["fuse_decisions"] > 0
     assert all(o.bytes.vars() <= {"p"} for o in layer.program.ops)
 
 

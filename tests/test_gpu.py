@@ -17,7 +17,8 @@ import pytest
 import lum.loader
 from lum.format.dtypes import DType
 from lum.loader.errors import BackendUnavailableError, SessionError
-from tests.kernel_cases import BOUNDS, DYN, compare, gemm_cases, template_cases, write_case_package
+from tests.kernel_cases import (BOUNDS, DYN, REPLAY_P, check_gemv_replay, compare, gemm_cases, gemv_cases,
+                                gemv_replay_cases, template_cases, write_case_package)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_device")]
 
@@ -25,7 +26,7 @@ PROMPT = [1, 5, 9, 3, 17, 100, 7, 8]
 MAX_SEQ = 64
 DTYPES = [DType.f32, DType.bf16]
 _CASES = {(fn.__name__, dt): [o.params["name"] for o in fn(dt)[0].outputs()]
-          for fn in (template_cases, gemm_cases) for dt in DTYPES}
+          for fn in (template_cases, gemm_cases, gemv_cases) for dt in DTYPES}
 _RESULTS: dict = {}
 
 
@@ -95,6 +96,112 @@ def cublaslt():
                          ids=lambda v: str(v))
 def test_gemm_matches_reference(dt, name, cublaslt, tmp_path_factory):
     _check(gemm_cases, dt, name, tmp_path_factory)
+
+
+# ============================================================================ (b') gemv: lum's small-m gemm kernel
+@pytest.mark.parametrize("dt,name", [(dt, n) for dt in DTYPES for n in _CASES[("gemv_cases", dt)]],
+                         ids=lambda v: str(v))
+def test_gemv_matches_reference(dt, name, tmp_path_factory):
+    """Every layout, m in 1, 3, 8, f32 / bf16 / bf16 -> f32, batched with strides and offsets, symbolic n
+    or k, vector and scalar loads; no cuBLASLt involved."""
+    _check(gemv_cases, dt, name, tmp_path_factory)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_gemv_graph_replay_follows_p(dt, tmp_path):
+    """n = p + 1 (decode attention): one session, the arena NaN-poisoned before each run, p = 5 then 6
+    (same grid buckets: the captured graph is replayed with the new p in the dyn buffer) then 40,
+    each against a float64 numpy reference."""
+    prog, _, b = gemv_replay_cases(dt)
+    path = write_case_package(tmp_path / f"replay.{dt.value}.lumpkg", prog, b, ("p",))
+    try:
+        res = check_gemv_replay(path, dt)
+    except BackendUnavailableError as exc:
+        pytest.skip(f"CUDA backend unavailable: {exc}")
+    assert res["errors"] == {} and res["checked"] == len(REPLAY_P) * len(prog.outputs()), res
+    assert res["graph_error"] is None and res["captures"][0] >= 1 and not res["cublaslt"], res
+    assert res["captures"][1] == res["captures"][0], f"p = 6 re-captured instead of replaying: {res}"
+
+
+GEMV_SIZES = [(2560, 2560), (10240, 2560), (2560, 10240), (10240, 10240)]     # (n, k), m = 1
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_gemv_decode_bandwidth(dt, cuda_device):
+    """x[1, k] @ W^T, W [n, k] row-major (RmCm: every Linear layer in decode), timed with CUDA events over
+    weight copies that together exceed the L2 cache; reports GB/s next to a device-to-device copy's and
+    asks for at least 60% of it on the largest sizes (the target is the copy rate)."""
+    from lum.builder import nvrtc
+    from lum.builder.codegen import generate
+    from lum.format.expr import as_expr
+    from lum.format.llir import Arg, LOp
+    from lum.format.shapetracker import ShapeTracker
+    from lum.loader.cuda import driver as cu
+    from lum.loader.cuda.plan import ParamPack
+
+    ctx = cu.Context(0)
+    stream = cu.Stream()
+    drv = cu.drv
+    ev = [cu.call(drv.cuEventCreate, int(drv.CUevent_flags.CU_EVENT_DEFAULT)) for _ in range(2)]
+    owned = []
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        stream.synchronize()
+        cu.call(drv.cuEventRecord, ev[0], stream.handle)
+        for _ in range(reps):
+            fn()
+        cu.call(drv.cuEventRecord, ev[1], stream.handle)
+        cu.call(drv.cuEventSynchronize, ev[1])
+        return float(cu.call(drv.cuEventElapsedTime, ev[0], ev[1])) * 1e-3 / reps
+
+    def buf(nbytes: int) -> cu.DeviceBuffer:
+        b = cu.DeviceBuffer(nbytes, "gemv bench")
+        owned.append(b)
+        cu.memset(b.ptr, 0x3F, nbytes, stream)         # 0x3F3F...: finite non-zero values in f32 and bf16
+        return b
+
+    try:
+        big = buf(1 << 30)
+        half = 1 << 29
+        copy_gbps = 2 * half / timed(lambda: cu.memcpy_dtod(big.ptr + half, big.ptr, half, stream), 10) / 1e9
+        report = {}
+        for n, k in GEMV_SIZES:
+            flat = ShapeTracker.contiguous((n * k,))
+            op = LOp(2, "gemm", "Gemm", (Arg(0, flat), Arg(1, flat)), (as_expr(1), as_expr(1), as_expr(n)), dt,
+                     {"layout": "RmCm", "m": as_expr(1), "n": as_expr(n), "k": as_expr(k), "lda": as_expr(k),
+                      "ldb": as_expr(k)})
+            ks = generate(op, [], arg_dtypes=[dt, dt])
+            mod = cu.Module(nvrtc.compile_cuda(ks.source, cuda_device.sm).cubin, "gemv bench")
+            owned.append(mod)
+            fn = mod.function(ks.launches[0].kernel)
+            wbytes = n * k * dt.itemsize
+            copies = max(2, -(-(256 << 20) // wbytes))          # > 50 MB of L2 between two reads of one copy
+            ws = [buf(wbytes) for _ in range(copies)]
+            x, y, dyn = buf(k * dt.itemsize), buf(n * dt.itemsize), buf(8)
+            packs = [ParamPack([y.ptr, x.ptr, w.ptr, dyn.ptr]) for w in ws]
+            grid = tuple(g.evaluate({}) for g in ks.grid)
+            turn = [0]
+
+            def launch():
+                cu.launch_kernel(fn, grid, ks.block, 0, stream, packs[turn[0] % copies].address)
+                turn[0] += 1
+
+            t = timed(launch, 20 * copies)
+            report[(n, k)] = round((wbytes + (k + n) * dt.itemsize) / t / 1e9)
+            for b in ws:
+                b.close()
+                owned.remove(b)
+        print(f"\ngemv {dt.value} GB/s {report}, copy {copy_gbps:.0f} GB/s, tuning {ks.tuning}")
+        assert min(report[(10240, 10240)], report[(2560, 10240)]) >= 0.6 * copy_gbps, (report, copy_gbps)
+    finally:
+        stream.synchronize()
+        for o in reversed(owned):
+            o.close()
+        for e in ev:
+            cu.call(drv.cuEventDestroy, e)
+        stream.close()
+        ctx.close()
 
 
 # ============================================================================ (c) tiny models vs transformers
@@ -283,8 +390,11 @@ def test_build_stores_timed_gemm_algos_and_session_uses_them(tmp_path, cublaslt,
     n_gemm = 0
     for ref, prog in zip(m.groups, pkg.programs):
         stored = {g.op: g for g in (ref.table.gemms if ref.table is not None else ())}
+        kernels = ref.table.by_op() if ref.table is not None else {}
         for op in prog.ops:
-            if op.kind == "gemm":
+            if op.kind == "gemm" and op.id in kernels:          # lum's gemv kernel: no cuBLASLt algorithm
+                assert op.id not in stored
+            elif op.kind == "gemm":
                 n_gemm += 1
                 assert op.id in stored, f"gemm op {op.id} has no stored algo"
                 assert len(stored[op.id].algo) == 64 and min(stored[op.id].dims) >= 1

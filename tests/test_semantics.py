@@ -4,7 +4,8 @@ For random HLIR graphs (hypothesis: elementwise chains, broadcasts, reductions, 
 transposes and batches, softmax, gather, scatter, where, views incl. pad/slice/permute/reshape, a
 symbolic dim) and for every group of the tiny model configs, the group is saturated, 20 random
 extractions are lowered to LLIR and run by the loader's reference backend, and each result is
-compared with the HLIR reference interpreter (relative error < 1e-5 in f32, max-norm).
+compared with the HLIR reference interpreter (relative error < 1e-5 in f32, max-norm). Random
+extractions pick fuse / no-fuse per fusable read (rules/fuse.egg), so Fused ops are covered too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from lum.builder import frontend as F  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
-from lum.builder.egraph import saturate  # noqa: E402
+from lum.builder.egraph import INLINE_OPS, saturate  # noqa: E402
 from lum.builder.extract import lower, random_choice  # noqa: E402
 from lum.builder.hlir import Edge, Graph  # noqa: E402
 from lum.builder.partition import chunk_graph, group_chunks, partition  # noqa: E402
@@ -46,9 +47,13 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) / scale
 
 
+FUSED = {"programs": 0}   # programs run that hold a Fused op
+
+
 def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 0,
                       n: int = EXTRACTIONS) -> tuple[int, int]:
-    """Saturate, draw ``n`` random extractions, run each distinct one; returns (decisions, programs run)."""
+    """Saturate, draw ``n`` random extractions, run each distinct one; returns (decisions other than
+    fuse / no-fuse, programs run)."""
     ref = run_graph(graph, inputs, dyn)
     sat = saturate(graph)
     seen = set()
@@ -59,6 +64,7 @@ def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 
             continue
         seen.add(key)
         prog = lower(sat, choice)
+        FUSED["programs"] += any(o.op == "Fused" for o in prog.ops)
         out = execute(prog, inputs, dyn)
         assert set(out) == set(ref)
         for name, want in ref.items():
@@ -69,7 +75,7 @@ def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 
     out = execute(prog, inputs, dyn)
     for name, want in ref.items():
         assert rel_err(out[name], want) < TOL, name
-    return len(sat.decisions), len(seen)
+    return sum(not any(o.op in INLINE_OPS for o in sat.options[c]) for c in sat.decisions), len(seen)
 
 
 # ====================================================================== random graphs
@@ -378,6 +384,7 @@ def test_random_graphs_cover_decisions():
         pytest.skip("runs after test_random_graphs_every_extraction_matches_the_reference")
     assert STATS["graphs"] >= 200
     assert STATS["with_decisions"] >= 100, STATS
+    assert FUSED["programs"] >= STATS["programs"] // 2, (FUSED, STATS)   # most hold a Fused op
 
 
 # ====================================================================== tiny models

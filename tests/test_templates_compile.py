@@ -119,6 +119,25 @@ def row_ops() -> list[tuple[LOp, list[DType]]]:
     return out
 
 
+def gemv_ops(layout: str) -> list[tuple[LOp, list[DType], dict]]:
+    """Gemms that become templates/gemv.cu: every operand/result dtype mix (incl. bf16 x bf16 -> f32), m in
+    1, 2, 4, 8, static and symbolic n / k, batched with offsets; tuning corners cycled over them."""
+    out = []
+    mixes = [(dt, dt, dt) for dt in FLOATS] + [(DType.bf16, DType.bf16, DType.f32)]
+    tunings = [{}, {"group": 1}, {"group": 256}, {"vec": 1, "unroll": 1}, {"threads": 1024}, {"threads": 64}]
+    a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
+    for da, db, dc in mixes:
+        for m in (1, 2, 4, 8):
+            for n, k in ((as_expr(96), as_expr(64)), (P + 1, S + 64)):
+                params = {"layout": layout, "m": m, "n": n, "k": k, "lda": k if a_rm else as_expr(m),
+                          "ldb": n if b_rm else k, "batch": 2, "stride_a": 8 * k, "stride_b": k * n,
+                          "offset_a": 8, "offset_b": S}
+                op = LOp(2, "gemm", "Gemm", (Arg(0, ShapeTracker.contiguous((1 << 16,))),
+                                             Arg(1, ShapeTracker.contiguous((1 << 20,)))), (2, m, n), dc, params)
+                out.append((op, [da, db], tunings[len(out) % len(tunings)]))
+    return out
+
+
 def _check(res: nvrtc.CompileResult, kernels: list[KernelSource]) -> None:
     assert res.cubin[:4] == b"\x7fELF"
     assert ".target sm_90" in res.ptx
@@ -170,6 +189,14 @@ def test_gather_scatter_iota_all_dtypes(cache_dir):
     kinds = {k.kind for k in ks}
     assert kinds == {"gather", "scatter", "scatter_nocopy", "iota"}
     assert all(len(k.launches) == 2 for k in ks if k.kind == "scatter")
+    _compile_family(ks, cache_dir)
+
+
+@pytest.mark.parametrize("layout", ["RmRm", "RmCm", "CmRm", "CmCm"])
+def test_gemv_all_dtypes_and_rows(cache_dir, layout):
+    ks = [generate(op, DYN, arg_dtypes=dts, **tun) for op, dts, tun in gemv_ops(layout)]
+    assert all(k is not None and k.kind == "gemm" for k in ks)
+    assert {k.tuning["scheme"] for k in ks} == {"cols" if layout[2:] == "Rm" else "dot"}
     _compile_family(ks, cache_dir)
 
 

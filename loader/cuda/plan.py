@@ -17,12 +17,12 @@ and are packed once (:class:`ParamPack`).
 k, leading dims, strides, offsets) and copy sizes. Kernels read shapes from the device dyn buffer
 and loop grid-stride (correct for any grid ≥ 1), so a grid need not be exact: it is *bucketed* up
 to the next power of two (capped at its value for the session's max dyn map). Library calls and
-copies whose sizes depend on dyn values (decode attention's ``n = p + 1``) are *volatile*: they run
-eagerly between graph segments, since a graph holding them would be re-captured every step. The
-steps between volatile ones form :class:`Segment` s, each captured once per tuple of its bucketed
-grids — so a decode step replays the same graphs as ``p`` grows, and a re-capture happens only when
-a grid crosses a bucket. Per run, the entry's distinct expressions are evaluated once (tens, not
-thousands, of evaluations).
+copies whose sizes depend on dyn values (prefill's ``m = s``) are *volatile*: their exact values
+join the key. An entry is one :class:`Segment`, captured as one CUDA graph per key — so a decode
+step, whose GEMMs with a small static m are lum's own kernels reading ``p`` from the dyn buffer,
+replays the same graph as ``p`` grows and re-captures only when a grid crosses a bucket, and a
+prefill replays for a prompt length it has seen. Per run, the entry's distinct expressions are
+evaluated once (tens, not thousands, of evaluations).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 from lum.format.dtypes import DType
 from lum.format.errors import PackageFormatError
 from lum.format.expr import Expr, as_expr
-from lum.format.llir import LOp
+from lum.format.llir import GEMM_DEFAULTS, LOp
 from lum.format.shapetracker import ShapeTracker
 from lum.loader.errors import BackendUnavailableError, SessionError
 
@@ -168,19 +168,21 @@ class IORef:
 
 @dataclass
 class Segment:
-    """A run of steps launched together. ``graph``: kernels, copies and library calls whose sizes
-    are static — captured as one CUDA graph per bucket of its grids (``grid_ids`` index
-    ``EntryPlan.grid_exprs``). Otherwise one *volatile* step (a library call or copy whose sizes
-    follow the dyn values, e.g. decode attention's ``n = p + 1``), launched eagerly each run, so
-    the graphs around it replay unchanged as ``p`` grows."""
+    """Steps launched together, captured as one CUDA graph per key: the bucketed grids of its
+    kernels (``grid_ids`` index ``EntryPlan.grid_exprs``) and the exact values its volatile steps'
+    sizes depend on (``exact_ids`` index ``EntryPlan.exact_exprs``). ``graph`` False: launched
+    eagerly (kept for a backend that cannot capture)."""
 
     index: int
     steps: list[Any]
     graph: bool
     grid_ids: tuple[int, ...]
+    exact_ids: tuple[int, ...] = ()
 
-    def key(self, grids: Sequence[int]) -> tuple:
-        return self.index, tuple(grids[i] for i in self.grid_ids)
+    def key(self, values: tuple[Sequence[int], Sequence[int]]) -> tuple:
+        """``values``: :meth:`EntryPlan.values` of the run's dyn map."""
+        exact, grids = values
+        return self.index, tuple(grids[i] for i in self.grid_ids), tuple(exact[i] for i in self.exact_ids)
 
 
 @dataclass
@@ -232,33 +234,25 @@ class EntryPlan:
         return exact, grids
 
     def finish(self) -> None:
-        """Cut the steps into segments (see :class:`Segment`); called once the steps are complete."""
-        self.segments = []
-        run: list[Any] = []
+        """Make the entry's segment (see :class:`Segment`); called once the steps are complete."""
+        grid_ids = sorted({i for st in self.steps if isinstance(st, KernelStep) for i in st.grid})
+        exact_ids = sorted({i for st in self.steps for i in self.volatile_exprs(st)})
+        self.segments = [Segment(0, list(self.steps), True, tuple(grid_ids), tuple(exact_ids))] if self.steps else []
 
-        def close_run() -> None:
-            if run:
-                grid_ids = sorted({i for st in run if isinstance(st, KernelStep) for i in st.grid})
-                self.segments.append(Segment(len(self.segments), list(run), True, tuple(grid_ids)))
-                run.clear()
-
-        for st in self.steps:
-            if self.volatile(st):
-                close_run()
-                self.segments.append(Segment(len(self.segments), [st], False, ()))
-            else:
-                run.append(st)
-        close_run()
-
-    def volatile(self, st: Any) -> bool:
-        """A library call or copy whose sizes depend on dyn values: run eagerly, outside graphs."""
+    def volatile_exprs(self, st: Any) -> list[int]:
+        """The dyn-dependent expressions (indices into ``exact_exprs``) that a captured graph bakes
+        into a library call or copy: a graph holding the step is only valid for their values."""
         if isinstance(st, GemmStep):
             idx = list(st.exprs.values()) + [i for i in (st.ldc, st.stride_c, st.numel) if i is not None]
         elif isinstance(st, CopyStep):
             idx = [st.nbytes]
         else:
-            return False
-        return any(self.exact_exprs[i].vars() for i in idx)
+            return []
+        return [i for i in idx if self.exact_exprs[i].vars()]
+
+    def volatile(self, st: Any) -> bool:
+        """A library call or copy whose sizes depend on dyn values (its graph is keyed by them)."""
+        return bool(self.volatile_exprs(st))
 
     def concrete(self, key: tuple, gemm_plan: Callable[[GemmSpec], Any], steps: Sequence[Any] | None = None
                  ) -> list[tuple]:
@@ -353,9 +347,11 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
     :class:`BackendUnavailableError` for LLIR this backend cannot run (a dtype-converting or strided
-    group output, a dtype mismatch at a call boundary, a group without compiled kernels). ``gemm_algos``:
-    (group, op id) -> the package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner
-    passes them only for the same cuBLASLt version)."""
+    group output, a dtype mismatch at a call boundary, a group without compiled kernels). A gemm op with
+    an entry in its group's launch table (lum's gemv kernel, small static m) becomes a kernel step like
+    any other; one without is a library call (:class:`GemmStep`). ``gemm_algos``: (group, op id) -> the
+    package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner passes them only for the
+    same cuBLASLt version)."""
     e = pkg.entry(entry_name)
     m = pkg.manifest
     plan = EntryPlan(entry_name)
@@ -424,7 +420,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                 name = f"c{c}.{op.id}"
                 ptr[op.id], cap[op.id] = layout.arena + layout.offsets[name], layout.sizes[name]
             dtypes[op.id] = op.dtype
-            if op.kind == "gemm":
+            if op.kind == "gemm" and op.id not in kops:
                 gs = _gemm_step(plan, where, op, ptr, cap, dtypes)
                 gs.algo = (gemm_algos or {}).get((call.group, op.id))
                 plan.steps.append(gs)
@@ -436,6 +432,8 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             if len(kop.params) != len(op.args) + 2:
                 raise PackageFormatError(f"{where}: the kernel takes {len(kop.params) - 2} buffers, the op has "
                                          f"{len(op.args)} arguments")
+            if op.kind == "gemm":
+                plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
             params = ParamPack([ptr[op.id]] + [ptr[a.src] for a in op.args] + [dyn_ptr])
             for lc in kop.launches:
                 grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
@@ -471,6 +469,24 @@ def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, in
     return [(size, cap, name) for size, (cap, name) in best.items()]
 
 
+def _gemm_kernel_checks(where: str, op: LOp, cap: dict[int, int], dtypes: dict[int, DType]
+                        ) -> list[tuple[Expr, int, str]]:
+    """Size checks (bytes, capacity, what) for a gemm run by lum's kernel: the library plan's bounds
+    checks (:func:`_gemm_ops`) as expressions, evaluated per run: C's batch*m*n elements fit the op's
+    buffer, and the last element each operand reads lies within its producer's buffer."""
+    p = op.params
+    v = {name: as_expr(p.get(name, GEMM_DEFAULTS.get(name))) for name in GEMM_EXPRS}
+    layout = p["layout"]
+    checks = [(v["batch"] * v["m"] * v["n"] * op.dtype.itemsize, cap[op.id], f"{where}: output")]
+    for name, arg, rows, cols, ld, stride, off, rm in (
+            ("A", op.args[0].src, v["m"], v["k"], v["lda"], v["stride_a"], v["offset_a"], layout[:2] == "Rm"),
+            ("B", op.args[1].src, v["k"], v["n"], v["ldb"], v["stride_b"], v["offset_b"], layout[2:] == "Rm")):
+        s0, s1 = (ld, 1) if rm else (1, ld)
+        last = off + (v["batch"] - 1) * stride + (rows - 1) * s0 + (cols - 1) * s1
+        checks.append(((last + 1) * dtypes[arg].itemsize, cap[arg], f"{where}: operand {name}"))
+    return checks
+
+
 def _gemm_step(plan: EntryPlan, where: str, op: LOp, ptr: dict[int, int], cap: dict[int, int],
                dtypes: dict[int, DType]) -> GemmStep:
     p = op.params
@@ -484,8 +500,7 @@ def _gemm_step(plan: EntryPlan, where: str, op: LOp, ptr: dict[int, int], cap: d
     for key in ("m", "n", "k", "lda", "ldb"):
         if key not in p:
             raise PackageFormatError(f"{where}: gemm needs parameter {key!r}")
-    defaults = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}
-    exprs = {name: plan.exact(p.get(name, defaults.get(name))) for name in GEMM_EXPRS}
+    exprs = {name: plan.exact(p.get(name, GEMM_DEFAULTS.get(name))) for name in GEMM_EXPRS}
     item, in_item = op.dtype.itemsize, dtypes[a].itemsize
     return GemmStep(where, p["layout"], op.dtype, exprs,
                     plan.exact(p["ldc"]) if "ldc" in p else None,

@@ -15,10 +15,9 @@ Created once per session, in this order (each step fails with one line and frees
 
 A run writes the dyn values and inputs from a pinned staging slot (``cuMemcpyHtoDAsync`` on the
 session's stream; an event per slot guards its reuse, so nothing is overwritten while a copy is in
-flight), then walks the plan's segments: each graph segment replays the CUDA graph captured for its
-bucket of grids — or captures one first (LRU cache of ``graph_cache`` graphs per entry; an evicted
-graph is destroyed, so memory stays flat) — and each volatile library call runs eagerly between
-them (see :mod:`lum.loader.cuda.plan`). If a capture fails (a library that refuses stream capture)
+flight), then replays the entry's CUDA graph for the key of the dyn map (bucketed grids, and the exact sizes of
+library calls that depend on dyn values) — or captures one first (LRU cache of ``graph_cache`` graphs
+per entry; an evicted graph is destroyed, so memory stays flat); see :mod:`lum.loader.cuda.plan`. If a capture fails (a library that refuses stream capture)
 the session warns once and runs eagerly. ``graphs=False`` launches everything eagerly;
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
 synchronizes after every step and names the failing op. Outputs come back to numpy through pinned
@@ -164,7 +163,10 @@ class CudaRunner:
         self.kernel_limits = limits
 
     def _load_cublaslt(self, used: list[int]) -> Any:
-        if not any(o.kind == "gemm" for g in used for o in self.pkg.programs[g].ops):
+        """cuBLASLt, when a gemm of the used groups is a library call (no kernel in its launch table)."""
+        m = self.pkg.manifest
+        kernels = {g: (m.groups[g].table.by_op() if m.groups[g].table is not None else {}) for g in used}
+        if not any(o.kind == "gemm" and o.id not in kernels[g] for g in used for o in self.pkg.programs[g].ops):
             return None
         try:
             from lum.loader.cublaslt import CublasLt, CublasLtUnavailable
@@ -435,7 +437,7 @@ class CudaRunner:
 
     def _graph(self, plan: EntryPlan, seg: Any, key: tuple) -> cu.Graph:
         cache = self._graphs[plan.entry]
-        gkey = seg.key(key[1])
+        gkey = seg.key(key)
         g = cache.get(gkey)
         if g is not None:
             cache.move_to_end(gkey)

@@ -1,0 +1,199 @@
+//! lum/templates/gemv.cu — LLIR gemm with a small static m (M <= 8 rows: decode GEMV), run by lum's own
+//! kernel instead of cuBLASLt: n, k, batch, leading dims, batch strides and offsets are read from the dyn
+//! buffer, so a captured CUDA graph stays valid as they follow the past length (decode attention: p + 1).
+//!
+//! C[b, i, j] = sum_k A(b, i, k) * B(b, k, j), accumulated in float, stored row-major [batch, M, n]:
+//!   A(b, i, k) = in0[OFF_A + b * STRIDE_A + (A_KCONTIG ? i * LDA + k : i + k * LDA)]   (A Rm / Cm)
+//!   B(b, k, j) = in1[OFF_B + b * STRIDE_B + (B_KCONTIG ? k + j * LDB : k * LDB + j)]   (B Cm / Rm)
+//! Two schemes, picked by B's majorness:
+//!  * dot (B_KCONTIG: x @ W^T with W [n, k] row-major — every Linear layer in decode): GROUP threads own
+//!    one column j of the flattened (batch, n) range and walk its k in VEC-element (16-byte) vector
+//!    loads of B (and of A when A is row-major), UNROLL loads in flight, each thread keeping M partial
+//!    sums; the group combines them with warp shuffles and, for GROUP > 32 (split-K across warps),
+//!    through shared memory. A block tile is THREADS / GROUP columns, walked grid-stride.
+//!  * cols (B row-major, n contiguous — probs @ V): a thread owns VEC consecutive columns (one vector
+//!    load of B per k), THREADS / GROUP threads span a tile of columns and GROUP k-slices split k; the
+//!    slices' partial sums meet in shared memory, one output row at a time. Tiles are walked grid-stride.
+//! VEC_OK is the part of the alignment condition codegen could not decide (offsets, strides, leading
+//! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
+//! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
+//! are uniform per block (shuffles, __syncthreads), so any grid >= 1 is correct; n, k or batch = 0 are
+//! fine (k = 0 writes zeros).
+//!
+//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS;
+//!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
+//!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), A_KCONTIG B_KCONTIG (true |
+//!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
+//!   storage value of the float `lum_v`), N K BATCH LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions
+//!   of the dyn vars), VEC_OK (C bool expression).
+extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
+  typedef {{IDX_T}} idx_t;
+  typedef {{A_T}} a_t;
+  typedef {{B_T}} b_t;
+  constexpr int THREADS = {{THREADS}};
+  constexpr int M = {{M}};
+  constexpr int GROUP = {{GROUP}};
+  constexpr int VEC = {{VEC}};
+  constexpr bool A_KCONTIG = {{A_KCONTIG}};
+  constexpr bool B_KCONTIG = {{B_KCONTIG}};
+  constexpr int SPAN = THREADS / GROUP;  // dot: columns per block tile; cols: threads along n
+  constexpr int WARP_W = GROUP < 32 ? GROUP : 32;
+  constexpr int A_PIECE = (int)(16 / sizeof(a_t)) < VEC ? (int)(16 / sizeof(a_t)) : VEC;  // A elements per access
+  static_assert(M >= 1 && M <= 8, "M must be in [1, 8]");
+  static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
+                "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
+  static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
+  __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
+{{DYN_LOADS}}
+  const idx_t lum_n = {{N}};
+  const idx_t lum_k = {{K}};
+  const idx_t lum_batch = {{BATCH}};
+  const idx_t lum_lda = {{LDA}};
+  const idx_t lum_ldb = {{LDB}};
+  const idx_t lum_sa = {{STRIDE_A}};
+  const idx_t lum_sb = {{STRIDE_B}};
+  const idx_t lum_oa = {{OFF_A}};
+  const idx_t lum_ob = {{OFF_B}};
+  const idx_t lum_ars = A_KCONTIG ? lum_lda : (idx_t)1;  // A's stride along i, then along k
+  const idx_t lum_aks = A_KCONTIG ? (idx_t)1 : lum_lda;
+  auto lum_ca = [](a_t lum_x) -> float { return {{A_LOAD}}; };
+  auto lum_cb = [](b_t lum_x) -> float { return {{B_LOAD}}; };
+  auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
+  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned(in1, VEC * sizeof(b_t)) &&
+                          (!(A_KCONTIG && B_KCONTIG) || lum_aligned(in0, A_PIECE * sizeof(a_t)));
+  const int lum_g = (int)threadIdx.x / GROUP;
+  const int lum_lane = (int)threadIdx.x % GROUP;
+
+  if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
+    const idx_t lum_cols = lum_batch * lum_n;
+    for (idx_t lum_c0 = (idx_t)blockIdx.x * SPAN; lum_c0 < lum_cols; lum_c0 += (idx_t)gridDim.x * SPAN) {
+      const idx_t lum_c = lum_c0 + lum_g;
+      const idx_t lum_b = lum_c < lum_cols ? lum_c / lum_n : (idx_t)0;
+      const idx_t lum_j = lum_c - lum_b * lum_n;
+      float lum_acc[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) lum_acc[i] = 0.0f;
+      if (lum_c < lum_cols) {
+        const b_t* lum_bp = in1 + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
+        const a_t* lum_ap = in0 + (lum_oa + lum_b * lum_sa);
+        idx_t lum_kv = 0;  // k covered by whole vectors
+        if (lum_vec_ok) {
+          lum_kv = lum_k / VEC * VEC;
+#pragma unroll {{UNROLL}}
+          for (idx_t lum_q = (idx_t)lum_lane * VEC; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
+            float lum_bv[VEC];
+            lum_load_f32<VEC>(lum_bp + lum_q, lum_bv, lum_cb);
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+              float lum_av[VEC];
+              if (A_KCONTIG) {
+                lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
+              } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
+              }
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) lum_acc[i] += lum_av[e] * lum_bv[e];
+            }
+          }
+        }
+        for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {
+          const float lum_bs = lum_cb(lum_bp[lum_kk]);
+#pragma unroll
+          for (int i = 0; i < M; ++i) lum_acc[i] += lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]) * lum_bs;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < M; ++i) lum_acc[i] = lum_warp_reduce<LumSum, WARP_W>(lum_acc[i]);
+      if (GROUP > 32) {  // split-K across the warps of a group: combine through shared memory
+        const int lum_warp = (int)threadIdx.x / 32;
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+          for (int i = 0; i < M; ++i) lum_part[lum_warp * M + i] = lum_acc[i];
+        }
+        __syncthreads();
+        if (lum_lane == 0) {
+          for (int w = 1; w < GROUP / 32; ++w) {
+#pragma unroll
+            for (int i = 0; i < M; ++i) lum_acc[i] += lum_part[(lum_warp + w) * M + i];
+          }
+        }
+        __syncthreads();
+      }
+      if (lum_c < lum_cols && lum_lane == 0) {
+#pragma unroll
+        for (int i = 0; i < M; ++i) lum_store((lum_b * M + i) * lum_n + lum_j, lum_acc[i]);
+      }
+    }
+  } else {  // ------------------------------------------------------------------------ cols
+    constexpr int TILE = SPAN * VEC;  // columns per block tile
+    const idx_t lum_tiles_b = (lum_n + TILE - 1) / TILE;
+    const idx_t lum_tiles = lum_batch * lum_tiles_b;
+    const int lum_ct = (int)threadIdx.x % SPAN;
+    const int lum_ks = (int)threadIdx.x / SPAN;  // this thread's k slice
+    for (idx_t lum_t = (idx_t)blockIdx.x; lum_t < lum_tiles; lum_t += (idx_t)gridDim.x) {
+      const idx_t lum_b = lum_t / lum_tiles_b;
+      const idx_t lum_jt = (lum_t - lum_b * lum_tiles_b) * TILE;  // the tile's first column
+      const idx_t lum_j = lum_jt + (idx_t)lum_ct * VEC;              // this thread's first column
+      const b_t* lum_bp = in1 + (lum_ob + lum_b * lum_sb);
+      const a_t* lum_ap = in0 + (lum_oa + lum_b * lum_sa);
+      float lum_acc[M][VEC];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) lum_acc[i][e] = 0.0f;
+      }
+      if (lum_vec_ok && lum_j + VEC <= lum_n) {
+#pragma unroll {{UNROLL}}
+        for (idx_t lum_kk = lum_ks; lum_kk < lum_k; lum_kk += GROUP) {
+          float lum_bv[VEC];
+          lum_load_f32<VEC>(lum_bp + (lum_kk * lum_ldb + lum_j), lum_bv, lum_cb);
+#pragma unroll
+          for (int i = 0; i < M; ++i) {
+            const float lum_a = lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) lum_acc[i][e] += lum_a * lum_bv[e];
+          }
+        }
+      } else if (lum_j < lum_n) {
+        for (idx_t lum_kk = lum_ks; lum_kk < lum_k; lum_kk += GROUP) {
+          float lum_bv[VEC];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            lum_bv[e] = lum_j + e < lum_n ? lum_cb(lum_bp[lum_kk * lum_ldb + lum_j + e]) : 0.0f;
+          }
+#pragma unroll
+          for (int i = 0; i < M; ++i) {
+            const float lum_a = lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) lum_acc[i][e] += lum_a * lum_bv[e];
+          }
+        }
+      }
+      if (GROUP == 1) {
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            if (lum_j + e < lum_n) lum_store((lum_b * M + i) * lum_n + lum_j + e, lum_acc[i][e]);
+          }
+        }
+      } else {  // sum the k slices through shared memory, laid out [slice][e][ct] (no bank conflicts)
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) lum_part[(lum_ks * VEC + e) * SPAN + lum_ct] = lum_acc[i][e];
+          __syncthreads();
+          for (int lum_col = (int)threadIdx.x; lum_col < TILE; lum_col += THREADS) {
+            const int e = lum_col / SPAN, ct = lum_col % SPAN;
+            float lum_s = 0.0f;
+            for (int q = 0; q < GROUP; ++q) lum_s += lum_part[(q * VEC + e) * SPAN + ct];
+            const idx_t lum_jo = lum_jt + (idx_t)ct * VEC + e;
+            if (lum_jo < lum_n) lum_store((lum_b * M + i) * lum_n + lum_jo, lum_s);
+          }
+          __syncthreads();
+        }
+      }
+    }
+  }
+}

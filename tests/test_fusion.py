@@ -1,0 +1,420 @@
+"""Elementwise fusion: rules/fuse.egg → extraction → ``Fused`` LLIR ops → reference backend and codegen.
+
+An identity read of an elementwise producer gets an inline value (``XAdd`` …) in its Ld class; an
+elementwise consumer that chooses it recomputes the producer in its own kernel. Checked here: each
+rule fires on its pattern and not on near misses (a broadcast / permuted / padded / sliced /
+reshaped read, a reduce or Contiguous producer); reductions, scatters and outputs read buffers;
+fused programs compute what the HLIR computes (mixed dtypes included); the expression size cap; the
+LLIR validation of ``expr``; NVRTC compiles Fused kernels; and decode kernel counts of tiny models
+before and after fusion.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("egglog")
+
+from lum.builder import extract  # noqa: E402
+from lum.builder import frontend as F  # noqa: E402
+from lum.builder.compile import compile_group  # noqa: E402
+from lum.builder.egraph import INLINE_OPS, SaturatedGroup, saturate  # noqa: E402
+from lum.builder.extract import choose_by_cost, lower, random_choice  # noqa: E402
+from lum.builder.hlir import Graph  # noqa: E402
+from lum.builder.reference import run_graph  # noqa: E402
+from lum.format.dtypes import DType  # noqa: E402
+from lum.format.expr import Var, as_expr  # noqa: E402
+from lum.format.llir import Arg, LOp, Program  # noqa: E402
+from lum.format.shapetracker import ShapeTracker  # noqa: E402
+from lum.loader.reference_backend import BackendError, execute  # noqa: E402
+
+RNG = np.random.default_rng(11)
+FUSE_RULES = ("fuse-cast", "fuse-exp2", "fuse-log2", "fuse-sin", "fuse-sqrt", "fuse-recip", "fuse-add", "fuse-mul",
+              "fuse-mod", "fuse-lessthan", "fuse-where")
+
+
+# ====================================================================== helpers
+def _inputs(g: Graph) -> dict[str, np.ndarray]:
+    out = {}
+    for n in g.inputs():
+        shape = tuple(d.evaluate({}) for d in n.shape)
+        if n.dtype.is_int:
+            out[n.attrs["name"]] = RNG.permutation(6)[:shape[0]].astype(n.dtype.np)
+        else:
+            out[n.attrs["name"]] = RNG.uniform(0.5, 2.0, shape).astype(n.dtype.np)
+    return out
+
+
+def _check(g: Graph, prog: Program, inputs: dict | None = None, tol: float = 1e-6) -> None:
+    inputs = inputs if inputs is not None else _inputs(g)
+    ref = run_graph(g, inputs)
+    got = execute(prog, inputs)
+    assert set(got) == set(ref)
+    for k, want in ref.items():
+        w, o = want.astype(np.float64), got[k].astype(np.float64)
+        scale = max(float(np.abs(w).max()), 1e-30)
+        assert float(np.abs(o - w).max()) / scale <= tol, k
+
+
+def _kernels(prog: Program) -> list[LOp]:
+    return prog.kernels()
+
+
+def _inline_ops(sat: SaturatedGroup, cls: int, raw: bool = False) -> set[str]:
+    """Inline ops of an Ld class: its feasible options, or (raw) every e-node the rules put there."""
+    nodes = sat.classes[cls].nodes if raw else sat.options.get(cls, ())
+    return {n.op for n in nodes if n.op in INLINE_OPS}
+
+
+def _edge_reading(sat: SaturatedGroup, producer: F.GraphTensor, consumer_op: str) -> int:
+    """The Ld class of the (first) edge by which a node of ``consumer_op`` reads ``producer``."""
+    for n in sat.graph.nodes:
+        if n.op == consumer_op:
+            for k, e in enumerate(n.inputs):
+                if e.src == producer.node:
+                    return sat.edge_class[(n.id, k)]
+    raise AssertionError(f"no {consumer_op} reads node {producer.node}")
+
+
+def _inline_choice(sat: SaturatedGroup, cls: int, base: dict | None = None) -> dict:
+    choice = dict(base or {})
+    choice[cls] = next(i for i, n in enumerate(sat.options[cls]) if n.op in INLINE_OPS)
+    return choice
+
+
+def _unfused(sat: SaturatedGroup, choice: dict) -> dict:
+    """The same choice with every fusable read reading its buffer (option 0 of an Ld class is its Ld)."""
+    return {c: 0 if any(n.op in INLINE_OPS for n in sat.options[c]) else i for c, i in choice.items()}
+
+
+# ====================================================================== the rules fire
+def test_chain_becomes_one_fused_kernel():
+    g = Graph("chain")
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    y = F.input_tensor(g, "y", [4, 8], "f32")
+    z = F.input_tensor(g, "z", [8], "f32")
+    F.output(((x * y) + z).exp2(), "out")
+    sat = saturate(g)
+    assert sat.fired("fuse-mul") == 1 and sat.fired("fuse-add") == 1
+    prog, _ = compile_group(g, sat=sat)
+    (k,) = _kernels(prog)
+    assert k.op == "Fused"
+    assert k.params["expr"] == ["Exp2", "f32", ["Add", "f32", ["Mul", "f32", ["arg", 0], ["arg", 1]], ["arg", 2]]]
+    assert [prog.ops[a.src].params["name"] for a in k.args] == ["x", "y", "z"]
+    assert k.args[2].view.strides == (as_expr(0), as_expr(1))      # z is read through its broadcast view
+    assert k.bytes == as_expr(4 * (32 + 32 + 8 + 32)) and k.flops == as_expr(3 * 32)
+    _check(g, prog)
+    # the unfused selection of the same e-graph: three kernels, same values
+    prog0 = lower(sat, _unfused(sat, choose_by_cost(sat)))
+    assert [o.op for o in _kernels(prog0)] == ["Mul", "Add", "Exp2"]
+    _check(g, prog0)
+
+
+def test_every_elementwise_op_inlines():
+    g = Graph("ops")
+    x = F.input_tensor(g, "x", [4, 8], "bf16")
+    a = x.cast("f32")
+    b = ((a * a + 1.0).sqrt().log2().sin().exp2()).recip()
+    c = b % 0.75
+    F.output(F.where(b < c, b, c), "out")
+    sat = saturate(g)
+    assert all(sat.fired(r) >= 1 for r in FUSE_RULES), {r: sat.fired(r) for r in FUSE_RULES}
+    prog, _ = compile_group(g, sat=sat)
+    (k,) = _kernels(prog)
+    ops = set()
+
+    def walk(t):
+        if t[0] != "arg":
+            ops.add(t[0])
+            for kid in t[2:]:
+                walk(kid)
+
+    walk(k.params["expr"])
+    assert ops == {"Cast", "Mul", "Add", "Sqrt", "Log2", "Sin", "Exp2", "Recip", "Mod", "LessThan", "Where"}
+    _check(g, prog)
+
+
+def test_mixed_dtype_and_integer_chains_keep_every_rounding():
+    g = Graph("mixed")
+    x = F.input_tensor(g, "x", [4, 8], "bf16")
+    w = F.input_tensor(g, "w", [8], "bf16")
+    h = (x.cast("f32") * w.cast("f32")).cast("bf16").cast("f32")   # a 16-bit intermediate
+    i = (F.arange(g, 8, DType.i64) * F.constant(g, 3, DType.i64)) % F.constant(g, 5, DType.i64)
+    F.output(((h + i.cast("f32")) * 1.7).sqrt().cast("bf16"), "out")
+    sat = saturate(g)
+    prog, _ = compile_group(g, sat=sat)
+    fused = [o for o in prog.ops if o.op == "Fused"]
+    assert fused and any("bf16" in str(o.params["expr"][2:]) for o in fused)
+    _check(g, prog, tol=0.0)                    # the same roundings as the HLIR interpreter, bit for bit
+
+
+@pytest.mark.parametrize("case", ["broadcast", "permuted", "padded", "sliced", "reshaped"])
+def test_no_inline_value_for_a_read_that_is_not_the_identity(case):
+    g = Graph(case)
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    y = F.input_tensor(g, "y", [4, 8], "f32")
+    if case == "broadcast":
+        p = x.sum(0) * y.sum(0)                 # [8], read as [4, 8]
+        out = p + F.input_tensor(g, "w", [4, 8], "f32")
+    else:
+        p = x * y
+        view = {"permuted": lambda t: t.permute(1, 0), "padded": lambda t: t.pad(1, 1, 1),
+                "sliced": lambda t: t.slice(1, 1, 5), "reshaped": lambda t: t.reshape(32)}[case](p)
+        out = view + F.input_tensor(g, "w", [int(d.value) for d in view.shape], "f32")
+    F.output(out, "out")
+    sat = saturate(g)
+    cls = _edge_reading(sat, p, "Add")
+    assert _inline_ops(sat, cls, raw=True) == set()
+    assert sat.fired("fuse-mul") == 0
+    prog, _ = compile_group(g, sat=sat)
+    assert any(o.op == "Mul" for o in prog.ops)          # the producer is its own kernel
+    _check(g, prog)
+
+
+@pytest.mark.parametrize("producer", ["sum", "max", "contiguous"])
+def test_no_inline_value_for_a_reduce_or_contiguous_producer(producer):
+    g = Graph(producer)
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    p = {"sum": lambda: x.sum(1), "max": lambda: x.max(1),
+         "contiguous": lambda: x.permute(1, 0).contiguous()}[producer]()
+    F.output(p + F.input_tensor(g, "w", [int(d.value) for d in p.shape], "f32"), "out")
+    sat = saturate(g)
+    assert _inline_ops(sat, _edge_reading(sat, p, "Add"), raw=True) == set()
+    assert sat.fired("fuse-add") == 1 and sum(sat.fired(r) for r in FUSE_RULES) == 1   # the output's read
+    _check(g, compile_group(g, sat=sat)[0])
+
+
+def test_a_reduce_consumer_reads_the_buffer():
+    g = Graph("red")
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    m = x * x
+    F.output(m.sum(1), "out")
+    sat = saturate(g)
+    cls = _edge_reading(sat, m, "SumReduce")
+    assert sat.fired("fuse-mul") == 1 and _inline_ops(sat, cls, raw=True) == {"XMul"}
+    assert _inline_ops(sat, cls) == set() and cls not in sat.decisions   # no elementwise consumer: no option
+    prog, _ = compile_group(g, sat=sat)
+    assert [(o.kind, o.op) for o in _kernels(prog)] == [("elementwise", "Mul"), ("reduce", "Sum")]
+    _check(g, prog)
+
+
+def test_a_scatter_consumer_reads_the_buffer():
+    g = Graph("scatter")
+    cache = F.input_tensor(g, "cache", [6, 8], "f32", role="state")
+    new = F.input_tensor(g, "new", [2, 8], "f32")
+    pos = F.input_tensor(g, "pos", [2], "i64")
+    src = (new * 2.0).sin()
+    F.output(F.scatter(cache, src, pos), "cache", role="state")
+    sat = saturate(g)
+    assert _inline_ops(sat, _edge_reading(sat, src, "Scatter")) == set()
+    for seed in range(4):
+        prog = lower(sat, random_choice(sat, seed))
+        assert [o.kind for o in _kernels(prog)][-1] in ("scatter", "scatter_nocopy")
+        assert any(o.kind == "elementwise" for o in _kernels(prog))   # sin(new * 2) is materialised
+        _check(g, prog)
+
+
+def test_a_class_inlined_for_one_consumer_is_still_emitted_for_the_others():
+    """m is read through one Ld class by a reduce, an Add and an Output: choosing the inline value fuses
+    the Add only; the Mul kernel still runs for the reduce and the output."""
+    g = Graph("shared")
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    z = F.input_tensor(g, "z", [4, 8], "f32")
+    m = x * z
+    F.output(m.sum(1), "s")
+    F.output(m + z, "a")
+    F.output(m, "m")
+    sat = saturate(g)
+    cls = _edge_reading(sat, m, "Add")
+    assert cls == _edge_reading(sat, m, "SumReduce") and cls in sat.decisions
+    prog = lower(sat, _inline_choice(sat, cls))
+    ops = {(o.kind, o.op) for o in _kernels(prog)}
+    assert ops == {("elementwise", "Mul"), ("reduce", "Sum"), ("elementwise", "Fused")}
+    _check(g, prog)
+    # a program output alone also keeps the buffer
+    g2 = Graph("out")
+    x2 = F.input_tensor(g2, "x", [4, 8], "f32")
+    m2 = x2 * x2
+    F.output(m2, "m")
+    F.output(m2 + x2, "a")
+    sat2 = saturate(g2)
+    prog2 = lower(sat2, _inline_choice(sat2, _edge_reading(sat2, m2, "Add")))
+    assert sorted(o.op for o in _kernels(prog2)) == ["Fused", "Mul"]
+    _check(g2, prog2)
+
+
+def test_random_choices_of_fusable_classes_all_compute_the_same():
+    g = Graph("rand")
+    x = F.input_tensor(g, "x", [3, 5], "f32")
+    y = F.input_tensor(g, "y", [5], "f32")
+    a = (x * y + 1.0).sqrt()
+    b = a * a.sum(1, keepdim=True).recip()
+    F.output((b.exp2() + a).sin(), "out")
+    sat = saturate(g)
+    assert sum(bool(_inline_ops(sat, c)) for c in sat.decisions) >= 4
+    counts = set()
+    for seed in range(20):
+        prog = lower(sat, random_choice(sat, seed))
+        counts.add(len(_kernels(prog)))
+        _check(g, prog)
+    assert len(counts) > 2                       # fuse / no-fuse really varies the program
+
+
+def test_the_expression_size_cap_keeps_shared_subtrees_from_blowing_up(monkeypatch):
+    g = Graph("dag")
+    t = F.input_tensor(g, "x", [4, 8], "f32")
+    for _ in range(24):                          # each step reads t twice: the tree doubles every step
+        t = (t * t).sin() * 0.5 + t * 0.25
+    F.output(t, "out")
+    sat = saturate(g)
+    t0 = time.perf_counter()
+    prog, _ = compile_group(g, sat=sat)
+    assert time.perf_counter() - t0 < 5
+    fused = [o for o in prog.ops if o.op == "Fused"]
+    assert len(fused) > 1
+
+    def size(e):
+        return 1 if e[0] == "arg" else 1 + sum(size(k) for k in e[2:])
+
+    assert max(size(o.params["expr"]) for o in fused) <= 3 * extract.FUSE_MAX_NODES + 1
+    _check(g, prog, tol=1e-5)
+    monkeypatch.setattr(extract, "FUSE_MAX_NODES", 2)
+    small = compile_group(g, sat=sat)[0]
+    assert len(_kernels(small)) > len(_kernels(prog))
+    _check(g, small, tol=1e-5)
+
+
+# ====================================================================== LLIR
+def _fused_program(expr, nargs: int = 2, dtype: DType = DType.f32) -> Program:
+    shape = (as_expr(2), as_expr(3))
+    v = ShapeTracker.contiguous(shape)
+    ops = [LOp(k, "input", "Input", (), shape, DType.f32, {"name": f"in{k}"}) for k in range(nargs)]
+    ops.append(LOp(nargs, "elementwise", "Fused", tuple(Arg(k, v) for k in range(nargs)), shape, dtype,
+                   {"expr": expr}))
+    ops.append(LOp(nargs + 1, "output", "Output", (Arg(nargs, v),), shape, dtype, {"name": "y"}))
+    return Program("f", ops)
+
+
+def test_fused_llir_round_trips_and_runs():
+    expr = ["Add", "f32", ["Mul", "bf16", ["arg", 0], ["arg", 1]], ["Cast", "i32", ["arg", 0]]]
+    prog = _fused_program(expr)
+    again = Program.loads(prog.dumps())
+    assert again.ops[2].params["expr"] == expr
+    a = np.array([[1.5, -2.7, 3.3], [0.1, 9.9, -0.5]], np.float32)
+    b = np.array([[1.01, 3.0, -7.0], [2.0, 0.3, 1.1]], np.float32)
+    prod = (a.astype(np.float64) * b).astype(ml_dtypes.bfloat16).astype(np.float64)
+    want = (prod + np.trunc(a)).astype(np.float32)
+    np.testing.assert_array_equal(execute(again, {"in0": a, "in1": b})["y"], want)
+
+
+@pytest.mark.parametrize("expr, msg", [
+    (["Foo", "f32", ["arg", 0]], "unknown elementwise op 'Foo'"),
+    (["Fused", "f32", ["arg", 0]], "unknown elementwise op 'Fused'"),
+    (["Add", "f32", ["arg", 0]], "Add in expr node root takes 2 argument"),
+    (["Exp2", "f32", ["arg", 0], ["arg", 1]], "Exp2 in expr node root takes 1 argument"),
+    (["Exp2", "f32", ["arg", 2]], "must be ['arg', k] with 0 <= k < 2"),
+    (["Exp2", "f32", ["arg", -1]], "must be ['arg', k]"),
+    (["Exp2", "f32", ["Sqrt", "f8", ["arg", 0]]], "unknown dtype 'f8'"),
+    (["Exp2", 3, ["arg", 0]], "unknown dtype '3'"),
+    (["Exp2", "bf16", ["arg", 0]], "the expr root has dtype bf16, the op f32"),
+    (["arg", 0], "the expr root must be an op node"),
+    ([], "is not a non-empty list"),
+    (None, "is not a non-empty list"),
+])
+def test_fused_expr_validation(expr, msg):
+    prog = _fused_program(expr)
+    with pytest.raises(ValueError) as e1:
+        Program.loads(prog.dumps())
+    assert msg in str(e1.value)
+    with pytest.raises(BackendError) as e2:
+        execute(prog, {"in0": np.ones((2, 3), np.float32), "in1": np.ones((2, 3), np.float32)})
+    assert msg in str(e2.value)
+
+
+# ====================================================================== codegen
+def _fused_ops() -> list[tuple[LOp, list[DType], dict]]:
+    """Fused kernels over f32 / bf16 / f16 leaves with mixed intermediate dtypes (16-bit, int, bool),
+    vectorised (contiguous) and scalar (permuted, padded, broadcast) reads."""
+    s = Var("s")
+    shape = (s, as_expr(8), as_expr(16))
+    x = ShapeTracker.contiguous(shape)
+    xp = ShapeTracker.contiguous((s, 16, 8)).permute((0, 2, 1))
+    xpad = ShapeTracker.contiguous((s, 8, 12)).pad(2, 1, 3)
+    bc = ShapeTracker.contiguous((16,)).expand_dim(0, 8).expand_dim(0, s)
+    out = []
+    for dt in (DType.f32, DType.bf16, DType.f16):
+        d = dt.value
+        t = ["Add", "f32", ["Mul", "f32", ["Cast", "f32", ["arg", 0]], ["arg", 2]], ["Cast", "f32", ["arg", 1]]]
+        half = ["Cast", "f32", ["Cast", "bf16" if dt != DType.bf16 else "f16", t]]
+        cond = ["LessThan", "bool", ["arg", 2], half]
+        mod = ["Cast", "f32", ["Mod", "i64", ["Cast", "i64", t], ["Cast", "i64", ["arg", 2]]]]
+        expr = ["Cast", d, ["Where", "f32", cond, ["Exp2", "f32", half],
+                            ["Add", "f32", mod, ["Sqrt", "f32", ["Mul", "f32", half, half]]]]]
+        for views, kw in (((x, x, bc), {}), ((xp, xpad, bc), {}), ((x, xpad, x), {"math": "f64"})):
+            out.append((LOp(3, "elementwise", "Fused", tuple(Arg(k, v) for k, v in enumerate(views)), shape, dt,
+                            {"expr": expr}), [dt, dt, DType.f32], kw))
+    return out
+
+
+def test_fused_body_computes_each_subtree_once():
+    from lum.builder.codegen import generate
+
+    op, dts, _ = _fused_ops()[0]
+    ks = generate(op, ["s"], arg_dtypes=dts)
+    assert ks.name.startswith("lum_elementwise_fused_")
+    body = ks.body
+    assert body.count("lum_bf16_to_f32(lum_f32_to_bf16(") == 1     # the 16-bit intermediate, rounded once
+    assert body.count("exp2f(") == 1 and body.count("lum_imod_floor(") == 1
+    assert "lum_vec<" in body                                      # the vectorised path
+    other = generate(_fused_ops()[4][0], ["s"], arg_dtypes=_fused_ops()[4][1])
+    assert other.name != ks.name
+
+
+def test_nvrtc_compiles_fused_kernels(tmp_path):
+    from lum.builder import nvrtc
+    from lum.builder.codegen import generate, module_source
+
+    try:
+        nvrtc.nvrtc_version()
+    except nvrtc.NvrtcNotFound as e:
+        pytest.skip(f"NVRTC not available: {e}")
+    kernels = [generate(op, ["s"], arg_dtypes=dts, **kw) for op, dts, kw in _fused_ops()]
+    assert len({k.name for k in kernels}) == len(kernels)
+    res = nvrtc.compile_cuda(module_source(kernels), "sm_90", cache_dir=tmp_path)
+    assert "warning" not in res.log.lower(), res.log[:3000]
+    for k in kernels:
+        assert f".entry {k.name}(" in res.ptx
+
+
+# ====================================================================== model-level kernel counts
+def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(kernels, elementwise kernels) of one decode step, unfused and fused, by the cost model's choice."""
+    from lum.builder.models import load_spec
+    from lum.builder.partition import chunk_graph, group_chunks, partition
+
+    spec = load_spec(random_name=model, dtype="bf16", max_seq=64)
+    g = spec.graphs["decode"]
+    chunks = partition(g)
+    kernels = {"unfused": 0, "fused": 0}
+    elementwise = {"unfused": 0, "fused": 0}
+    for grp in group_chunks(g, chunks):
+        sat = saturate(chunk_graph(g, grp.representative))
+        choice = choose_by_cost(sat)
+        for key, ch in (("unfused", _unfused(sat, choice)), ("fused", choice)):
+            ks = lower(sat, ch).kernels()
+            kernels[key] += len(grp) * len(ks)
+            elementwise[key] += len(grp) * sum(o.kind == "elementwise" for o in ks)
+    return kernels, elementwise
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_decode_kernel_counts_drop(model):
+    kernels, elementwise = _decode_counts(model)
+    print(f"{model} decode: kernels {kernels['unfused']} -> {kernels['fused']}, "
+          f"elementwise {elementwise['unfused']} -> {elementwise['fused']}")
+    assert elementwise["fused"] * 2 <= elementwise["unfused"]
+    assert kernels["unfused"] - kernels["fused"] == elementwise["unfused"] - elementwise["fused"]

@@ -1,0 +1,217 @@
+"""lum's gemv kernel (templates/gemv.cu) on the CPU: which gemms codegen turns into it and with what
+scheme, vector width and split, and — compiled for the host with the CUDA emulation shim
+(tests/cuda_emulation.py) — its numbers against a float64 numpy reference for every layout, dtype mix,
+tuning variant, grid (any grid ≥ 1 is correct) and edge case (k, n or batch = 0; misaligned pointers).
+NVRTC compiles it in tests/test_templates_compile.py; tests/test_gpu.py runs it on a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lum.builder.codegen import GEMV_MAX_M, CodegenError, generate, gemv_rows
+from lum.format.dtypes import DType
+from lum.format.expr import Var, as_expr
+from lum.format.llir import GEMM_LAYOUTS, Arg, LOp
+from lum.format.shapetracker import ShapeTracker
+from tests import cuda_emulation as emu
+from tests.kernel_cases import TOL, gemm_reference
+
+P = Var("p")
+BF16, F16, F32 = DType.bf16, DType.f16, DType.f32
+
+
+def gemm_op(layout: str, m, n, k, out: DType = F32, *, batch=1, lda=None, ldb=None, sa=0, sb=0, oa=0, ob=0,
+            **extra) -> LOp:
+    """A gemm op with natural leading dims unless given (the args' views are not used by a gemm)."""
+    a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
+    params = {"layout": layout, "m": m, "n": n, "k": k, "lda": lda if lda is not None else (k if a_rm else m),
+              "ldb": ldb if ldb is not None else (n if b_rm else k), "batch": batch, "stride_a": sa,
+              "stride_b": sb, "offset_a": oa, "offset_b": ob, **extra}
+    flat = ShapeTracker.contiguous((1 << 20,))
+    return LOp(2, "gemm", "Gemm", (Arg(0, flat), Arg(1, flat)), (as_expr(batch), as_expr(m), as_expr(n)), out,
+               {key: as_expr(v) if key != "layout" else v for key, v in params.items()})
+
+
+# ============================================================================ which gemms, how
+def test_small_static_m_is_a_kernel_and_the_rest_stay_library_calls():
+    for m in range(1, GEMV_MAX_M + 1):
+        op = gemm_op("RmCm", m, 64, 32)
+        ks = generate(op, ["p"], arg_dtypes=[BF16, BF16])
+        assert gemv_rows(op) == m and ks is not None and ks.kind == "gemm"
+        assert [p.name for p in ks.params] == ["out", "in0", "in1", "dyn"]
+        assert [p.dtype for p in ks.params] == [F32, BF16, BF16, None]
+    assert generate(gemm_op("RmCm", GEMV_MAX_M + 1, 64, 32), []) is None
+    assert generate(gemm_op("RmCm", P, 64, 32), ["p"]) is None                    # prefill: m = s
+    assert generate(gemm_op("RmCm", 0, 64, 32), []) is None
+    assert generate(gemm_op("RmCm", 1, 64, 32, ldc=65), []) is None              # C not dense: the library checks
+    assert generate(gemm_op("RmCm", 2, 64, 32, batch=2, stride_c=200), []) is None
+    assert generate(gemm_op("RmCm", 2, P + 1, 32, batch=2, stride_c=2 * P + 2, ldc=P + 1), ["p"],
+                    arg_dtypes=[F32, F32]) is not None
+    assert generate(gemm_op("RmCm", 1, 64, 32, out=DType.i32), [], arg_dtypes=[DType.i32] * 2) is None
+    with pytest.raises(CodegenError, match="arg_dtypes"):
+        generate(gemm_op("RmCm", 1, 64, 32), [])
+
+
+def test_scheme_vector_width_and_alignment_condition():
+    dot = generate(gemm_op("RmCm", 1, 2560, 2560, BF16), [], arg_dtypes=[BF16, BF16])
+    assert dot.tuning["scheme"] == "dot" and dot.tuning["vec"] == 8 and "(true)" in dot.body
+    f32 = generate(gemm_op("RmCm", 1, 2560, 2560), [], arg_dtypes=[F32, F32])
+    assert f32.tuning["vec"] == 4
+    mixed = generate(gemm_op("RmCm", 1, 2560, 2560), [], arg_dtypes=[F32, BF16])     # A f32 in 16-byte pieces
+    assert mixed.tuning["vec"] == 8
+    odd = generate(gemm_op("RmCm", 1, 64, 2561), [], arg_dtypes=[BF16, BF16])         # ldb = 2561: no vectors
+    assert odd.tuning["vec"] == 1 and "(false)" in odd.body
+    assert generate(gemm_op("RmCm", 1, 64, 2562), [], arg_dtypes=[BF16, BF16]).tuning["vec"] == 2
+    attn = generate(gemm_op("RmRm", 4, 128, P + 1, BF16, lda=P + 1, ldb=1024, batch=8, sa=4 * P + 4, sb=128),
+                    ["p"], arg_dtypes=[BF16, BF16])                                  # probs @ V
+    assert attn.tuning["scheme"] == "cols" and attn.tuning["vec"] == 8 and attn.dyn_slots == {"p": 0}
+    run_time = generate(gemm_op("RmCm", 2, 16, 64, ldb=P + 1), ["p"], arg_dtypes=[F32, F32])
+    assert run_time.tuning["vec"] == 4 and "((lum_d_p + 1)) % 4 == 0" in run_time.body
+    assert generate(gemm_op("RmCm", 1, 64, 64), [], arg_dtypes=[F32, F32], vec=1).tuning["vec"] == 1
+    with pytest.raises(CodegenError, match="vec"):
+        generate(gemm_op("RmCm", 1, 64, 64), [], arg_dtypes=[F32, F32], vec=3)
+
+
+def test_default_split_and_grid():
+    few = generate(gemm_op("RmCm", 1, 2560, 2560, BF16), [], arg_dtypes=[BF16, BF16])      # few columns: split k
+    many = generate(gemm_op("RmCm", 1, 10240, 2560, BF16), [], arg_dtypes=[BF16, BF16])
+    short = generate(gemm_op("RmCm", 4, P + 1, 128, BF16, batch=8, ldb=1024, sb=128, sa=512), ["p"],
+                     arg_dtypes=[BF16, BF16])                                              # q @ K^T: k = head dim
+    assert few.tuning["group"] > 32 and many.tuning["group"] == 32 and short.tuning["group"] == 16
+    cols = 256 // short.tuning["group"]
+    assert short.tuning["cols"] == cols
+    for p in (0, 7, 100):
+        assert short.grid[0].evaluate({"p": p}) == max(1, -(-8 * (p + 1) // cols))
+    assert many.grid[0].evaluate({}) == 10240 * 32 // 256
+    ks = generate(gemm_op("RmCm", 1, 64, 64), [], arg_dtypes=[F32, F32], group=64, threads=128, unroll=2)
+    assert (ks.tuning["group"], ks.tuning["threads"], ks.tuning["unroll"], ks.tuning["cols"]) == (64, 128, 2, 2)
+    for bad in ({"group": 3}, {"group": 512}, {"unroll": 0}):
+        with pytest.raises(CodegenError):
+            generate(gemm_op("RmCm", 1, 64, 64), [], arg_dtypes=[F32, F32], **bad)
+
+
+# ============================================================================ numbers, on the host
+def _host_kernels_available() -> str | None:
+    return None if emu.CXX is not None else "no host C++ compiler for the CUDA emulation shim"
+
+
+# (name, op, arg dtypes, dyn, tuning): every layout and dtype mix, both schemes, the tuning corners
+def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
+    out = []
+    for layout in GEMM_LAYOUTS:
+        for a, b, c in ((F32, F32, F32), (BF16, BF16, BF16), (BF16, BF16, F32), (F16, F16, F16), (F32, BF16, F32)):
+            name = f"{layout}.{a.value}x{b.value}-{c.value}"
+            out.append((name + ".batched", gemm_op(layout, 3, P + 1, 75, c, batch=2, lda=80, ldb=80, sa=704, sb=0,
+                                                   oa=8, ob=16), [a, b], {"p": 20}, {}))   # vectors, a k tail
+            out.append((name + ".strided", gemm_op(layout, 8, 24, P + 2, c, batch=3, lda=P + 13, ldb=P + 29,
+                                                   sa=401, sb=1203, oa=3, ob=5), [a, b], {"p": 7}, {}))  # scalar
+        out.append((layout + ".group1", gemm_op(layout, 2, 40, 33, lda=40, ldb=40), [F32, F32], {}, {"group": 1}))
+        out.append((layout + ".split", gemm_op(layout, 5, 6, 3000), [BF16, BF16], {}, {"group": 256}))
+        out.append((layout + ".small_block", gemm_op(layout, 1, 70, 90), [BF16, BF16], {}, {"threads": 32, "unroll": 1}))
+        out.append((layout + ".k0", gemm_op(layout, 3, 17, P, lda=17, ldb=17), [F32, F32], {"p": 0}, {}))  # zeros
+        out.append((layout + ".n0", gemm_op(layout, 3, P, 17, lda=17, ldb=17, batch=2), [F32, F32], {"p": 0}, {}))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    why = _host_kernels_available()
+    if why:
+        pytest.skip(why)
+    kernels = {name: generate(op, ["p"], arg_dtypes=dts, **tun) for name, op, dts, _, tun in CASES}
+    lib = ctypes.CDLL(str(emu.kernel_library(kernels.values(), tmp_path_factory.mktemp("gemv"))))
+    return lib, kernels
+
+
+def _aligned(nbytes: int, shift: int = 0) -> np.ndarray:
+    """A byte buffer whose data starts 64-byte aligned plus ``shift`` bytes."""
+    raw = np.zeros(nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + shift
+    return raw[start:start + nbytes]
+
+
+def _storage(x: np.ndarray, dt: DType, shift: int = 0) -> np.ndarray:
+    buf = _aligned(x.size * dt.itemsize, shift)
+    buf.view(dt.np)[:] = x.astype(dt.np)
+    return buf
+
+
+def _params(op: LOp, dyn: dict[str, int]) -> dict:
+    return {k: (v if k == "layout" else v.evaluate(dyn)) for k, v in op.params.items()}
+
+
+def _operand_size(op: LOp, dyn: dict[str, int], which: str) -> int:
+    p = _params(op, dyn)
+    rm = p["layout"][:2] == "Rm" if which == "a" else p["layout"][2:] == "Rm"
+    rows, cols, ld = (p["m"], p["k"], p["lda"]) if which == "a" else (p["k"], p["n"], p["ldb"])
+    s0, s1 = (ld, 1) if rm else (1, ld)
+    return p[f"offset_{which}"] + (p["batch"] - 1) * p[f"stride_{which}"] + (rows - 1) * s0 + (cols - 1) * s1 + 1
+
+
+def _run(lib, ks, op: LOp, dts: list[DType], dyn: dict[str, int], grid: int, shift: int = 0, seed: int = 0
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel result as float64, reference) with random non-zero operands and a NaN-poisoned output."""
+    rng = np.random.default_rng(seed)
+    vals = []
+    for which, dt in zip("ab", dts):
+        x = rng.uniform(0.25, 2.0, max(_operand_size(op, dyn, which), 1)) * rng.choice([-1.0, 1.0])
+        vals.append(x.astype(dt.np).astype(np.float64))                  # what the kernel sees, exactly
+    p = _params(op, dyn)
+    shape = (p["batch"], p["m"], p["n"])
+    out = _storage(np.full(int(np.prod(shape)), np.nan), op.dtype)
+    bufs = [out, _storage(vals[0], dts[0]), _storage(vals[1], dts[1], shift)]
+    dyn_buf = np.array([dyn.get(v, 0) for v in ks.dyn_vars], np.int64)
+    ptrs = (ctypes.c_uint64 * 4)(*[x.ctypes.data for x in bufs], dyn_buf.ctypes.data)
+    params = (ctypes.c_void_p * 4)(*(ctypes.addressof(ptrs) + 8 * i for i in range(4)))
+    fn = getattr(lib, f"run_{ks.launches[0].kernel}")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    fn(params, grid, ks.block[0])
+    got = out.view(op.dtype.np).astype(np.float64).reshape(shape)
+    return got, gemm_reference(op.params, dyn, vals[0], vals[1])
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray, dt: DType, what: str) -> None:
+    assert not np.isnan(got).any(), f"{what}: NaN in the result (an unwritten output?)"
+    err = np.abs(got - want).max(initial=0.0) / max(np.abs(want).max(initial=0.0), 1e-30)
+    assert err < TOL[dt], f"{what}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name,op,dts,dyn,tun", CASES, ids=[c[0] for c in CASES])
+def test_host_kernel_matches_float64_reference(host_lib, name, op, dts, dyn, tun):
+    lib, kernels = host_lib
+    ks = kernels[name]
+    full = ks.grid[0].evaluate(dyn)
+    for grid in sorted({1, 3, full}):                        # any grid >= 1 is correct
+        got, want = _run(lib, ks, op, dts, dyn, grid)
+        _assert_close(got, want, op.dtype, f"{name} ({ks.tuning}) grid {grid}")
+
+
+def test_host_kernel_edge_cases(host_lib):
+    lib, kernels = host_lib
+    for name in ("RmCm.bf16xbf16-f32.batched", "RmRm.bf16xbf16-f32.batched"):
+        op, dts, ks = next(c[1] for c in CASES if c[0] == name), [BF16, BF16], kernels[name]
+        got, want = _run(lib, ks, op, dts, {"p": 20}, 5, shift=2)        # B 2 bytes off 16: scalar loads
+        _assert_close(got, want, op.dtype, name + " misaligned B")
+        got, _ = _run(lib, ks, op, dts, {"p": 0}, 2)                       # n = 1
+        assert got.shape == (2, 3, 1) and not np.isnan(got).any()
+    for name in ("CmCm.k0", "RmRm.k0"):
+        op, ks = next(c[1] for c in CASES if c[0] == name), kernels[name]
+        got, _ = _run(lib, ks, op, [F32, F32], {"p": 0}, 2)                # k = 0 writes zeros
+        assert got.shape == (1, 3, 17) and (got == 0).all()
+
+
+def test_bf16_rounding_of_the_float_sum(host_lib):
+    """A bf16 result is the f32 sum rounded once (to nearest even), as the reference rounds float64."""
+    lib, kernels = host_lib
+    name = "RmCm.bf16xbf16-bf16.batched"
+    op, ks = next(c[1] for c in CASES if c[0] == name), kernels[name]
+    got, want = _run(lib, ks, op, [BF16, BF16], {"p": 20}, 4, seed=3)
+    rounded = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.abs(got - rounded).max() <= np.abs(rounded).max() * 2.0 ** -7
