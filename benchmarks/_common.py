@@ -7,6 +7,7 @@ Imported as ``_common`` (the scripts run as ``python benchmarks/<name>.py``, so 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -293,3 +294,22 @@ def run_worker(script: Path, system: str, spec: dict, workdir: Path, timeout: fl
         log(f"{system} failed:\n{res['traceback']}")
     return res
 
+
+
+def add_run_args(ap: argparse.ArgumentParser, time_limit: float, pkg_help: str) -> None:
+    """The options decode.py and prefill.py share: where things go, what to reuse, what to record."""
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder for the JSON result")
+    ap.add_argument("--workdir", default=None, help="where the HF folder and the package go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--hf-dir", default=None, help="reuse this HF folder instead of making one")
+    ap.add_argument("--pkg", default=None, help=pkg_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD here)")
+    ap.add_argument("--time-limit", type=float, default=time_limit, help="seconds for the whole run")
+    ap.add_argument("--lum-backend", default="cuda", help=argparse.SUPPRESS)   # reference: smoke tests only
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a smoke test of the script on tiny models (lum's cuda row then records its error)")
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)

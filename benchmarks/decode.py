@@ -49,7 +49,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import (TORCH_DTYPES, _commit, _driver, _graph_count, _hf_load, _lum_version, _one_line,  # noqa: E402
-                     _sync, _sync_all, build_package, gpu_and_target, log, make_hf_folder, prompt_ids, run_worker_main,
+                     add_run_args, _sync, _sync_all, build_package, gpu_and_target, log, make_hf_folder, prompt_ids, run_worker_main,
                      set_log_tag)
 from _common import run_worker as _run_worker  # noqa: E402
 
@@ -375,20 +375,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-seq", type=int, default=512, help="package max_seq and HF static cache length")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON result")
-    ap.add_argument("--workdir", default=None, help="where the HF folder and the package go (default: a temp dir)")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--hf-dir", default=None, help="reuse this HF folder instead of making one")
-    ap.add_argument("--pkg", default=None, help="reuse this package instead of building one")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD here)")
-    ap.add_argument("--time-limit", type=float, default=470.0, help="seconds for the whole run")
-    ap.add_argument("--lum-backend", default="cuda", help=argparse.SUPPRESS)   # reference: smoke tests only
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                    help="cpu: a smoke test of the script on tiny models (lum's cuda row then records its error)")
-    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+    add_run_args(ap, 470.0, "reuse this package instead of building one")
     return ap.parse_args(argv)
 
 
