@@ -6,12 +6,12 @@
     module_source([ks1, ks2, ...])         # several kernels in one NVRTC module (one compile)
 
 Every non-library op kind has a template: ``elementwise.cu`` (Cast … Contiguous, Fused expression
-trees, and the copy half of scatter), ``reduce.cu`` (Sum / Max over an axis), ``gather.cu``,
-``scatter.cu`` (scatter rows and scatter_nocopy), ``iota.cu``, ``gemv.cu`` (a ``gemm`` with a static
-m ≤ GEMV_MAX_M: decode GEMV, see :func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div
-helpers, warp reductions, vector loads) is pasted at the top of each module. Any other ``gemm`` is a
-cuBLASLt call: :func:`generate` returns ``None`` for it (and for input / output / constant, which are
-not kernels).
+trees, and the copy half of scatter), ``reduce.cu`` (Sum / Max over an axis, of one read or of a
+fused prologue's expression tree), ``gather.cu``, ``scatter.cu`` (scatter rows and scatter_nocopy),
+``iota.cu``, ``gemv.cu`` (a ``gemm`` with a static m ≤ GEMV_MAX_M: decode GEMV, see
+:func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp reductions,
+vector loads) is pasted at the top of each module. Any other ``gemm`` is a cuBLASLt call:
+:func:`generate` returns ``None`` for it (and for input / output / constant, which are not kernels).
 
 **Kernel signature convention.** Every entry point is ``extern "C"`` and takes, in this order::
 
@@ -469,7 +469,7 @@ def _arg_dtypes(op: LOp, given: Sequence[DType | str] | None) -> list[DType]:
     if op.kind == "elementwise" and op.op in ("Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add",
                                               "Mul", "Mod"):
         return [same] * n
-    if op.kind == "reduce":
+    if op.kind == "reduce" and "expr" not in op.params:
         return [same] * n
     if op.kind == "iota":
         return []
@@ -631,14 +631,15 @@ class _Gen:
         return (g, as_expr(1), as_expr(1))
 
     def load(self, k: int, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
-             extra_terms: Sequence[tuple[Expr, Expr]] = (), guard: str | None = None) -> str:
-        """Value (in the arg's kind) of args[k] read through ``view`` at ``idx``; 0 where padded."""
+             extra_terms: Sequence[tuple[Expr, Expr]] = (), guard: str | None = None, base: str | None = None) -> str:
+        """Value (in the arg's kind) of args[k] read through ``view`` at ``idx``; 0 where padded or where the C
+        condition ``guard`` is false. ``base``: a C index added to the view's physical index."""
         dt = self.dts[k]
         phys, valid = view_access(self.ctx, view, idx, extra_phys, extra_terms)
         conds = [c for c in (guard, valid) if c]
         if valid == "false":
             return _ZERO[_kind(dt)]
-        val = _load_conv(dt, f"in{k}[{phys}]")
+        val = _load_conv(dt, f"in{k}[{base} + {phys}]" if base else f"in{k}[{phys}]")
         return f"(({' && '.join(conds)}) ? {val} : {_ZERO[_kind(dt)]})" if conds else val
 
     def common_values(self, ept: int) -> dict[str, Any]:
@@ -740,9 +741,11 @@ class _Gen:
         body = "\n".join(ln for ln in lines if ln)
         return body, items, {"vec": vec, "ept": ept}, self.threads * ept
 
-    def _apply(self, op_name: str, args: list[tuple[str, str]], lines: list[str], ind: str) -> tuple[str, str]:
-        """(C expression, kind) of the op on loaded (C name, kind) args; for Fused, of its expression tree,
-        whose inner nodes become locals rounded to their dtype (a repeated subtree is computed once)."""
+    def _apply(self, op_name: str, args: list[tuple[str, str]], lines: list[str], ind: str,
+               round_root: bool = False) -> tuple[str, str]:
+        """(C expression, kind) of the op on loaded (C name, kind) args; for Fused, of ``params["expr"]``,
+        whose inner nodes become locals rounded to their dtype (a repeated subtree is computed once), the
+        root too with ``round_root`` (a reduce's prologue: no store rounds it)."""
         if op_name != "Fused":
             return _compute(op_name, args, self.math)
         names: dict[str, tuple[str, str]] = {}
@@ -753,7 +756,7 @@ class _Gen:
             key = repr(t)
             if key not in names:
                 expr, kind = _compute(t[0], [node(k) for k in t[2:]], self.math)
-                if root:
+                if root and not round_root:
                     return expr, kind
                 dt = DType.parse(t[1])
                 names[key] = (f"lum_u{len(names)}", _kind(dt))
@@ -831,67 +834,101 @@ class _Gen:
         op = self.op
         if op.op not in ("Sum", "Max"):
             raise CodegenError(f"unknown reduce op {op.op!r}; expected Sum or Max")
-        if len(op.args) != 1:
-            raise CodegenError("reduce takes one argument")
+        expr = op.params.get("expr")     # a fused prologue: reduce this tree over the args
+        if expr is None and len(op.args) != 1:
+            raise CodegenError("reduce takes one argument (several only with a fused prologue, params expr)")
+        if expr is not None:
+            try:
+                check_expr(expr, len(op.args), None, f"reduce {op.op}")
+            except ValueError as e:
+                raise CodegenError(str(e)) from None
         inv = op.args[0].view
         axis = op.params.get("axis")
         if isinstance(axis, bool) or not isinstance(axis, int) or not -inv.ndim <= axis < inv.ndim:
             raise CodegenError(f"reduce axis {axis!r} out of range for {inv.ndim} dims")
         axis %= inv.ndim
+        for k, a in enumerate(op.args):
+            if tuple(a.view.shape) != tuple(inv.shape):
+                raise CodegenError(f"argument {k}'s view has shape {[str(x) for x in a.view.shape]}, argument "
+                                   f"0's {[str(x) for x in inv.shape]}")
         shape = self.out_shape()
         rest = [k for k in range(inv.ndim) if k != axis]
         if tuple(inv.shape[k] for k in rest) != shape:
             raise CodegenError("the reduced input's shape without the axis differs from the op's shape")
         red = inv.shape[axis]
-        rstride = inv.strides[axis]
-        in_rest = ShapeTracker(shape, tuple(inv.strides[k] for k in rest), inv.offset,
-                               None if inv.mask is None else tuple(inv.mask[k] for k in rest))
-        ax_mask = None if inv.mask is None or _mask_trivial(inv, axis) else inv.mask[axis]
+
+        def split(v: ShapeTracker) -> tuple[ShapeTracker, ShapeTracker]:
+            """A view as (its row part: the other dims, its axis part: a 1-D view from offset 0)."""
+            m = v.mask
+            return (ShapeTracker(shape, tuple(v.strides[k] for k in rest), v.offset,
+                                 None if m is None else tuple(m[k] for k in rest)),
+                    ShapeTracker((red,), (v.strides[axis],), as_expr(0), None if m is None else (m[axis],)))
+
+        splits = [split(a.view) for a in op.args]
         write = self.write_view()
-        cshape, (wview, rview) = coalesce(shape, [write, in_rest])
+        cshape, (wview, *rviews) = coalesce(shape, [write] + [r for r, _ in splits])
         rows = numel(cshape)
-        dt_in = self.dts[0]
+        dt_in = self.dts[0] if expr is None else DType.parse(expr[1])   # the values reduced
         acc_kind = ("d" if self.acc == "f64" else "f") if dt_in.is_float else "i"
         acc_t = _KIND_C[acc_kind]
         # group: threads per output row
         group = self.group
         if group is None:
             rows_hi = rows.bounds(self.ctx._dyn_bounds())[1]
-            if rstride == as_expr(1):
+            if any(ax.strides[0] == as_expr(1) for _, ax in splits):
                 group = 32 if (not red.is_const or red.value <= 4096) else self.threads
             else:
                 group = 1 if rows_hi >= 1024 else 32
             group = min(group, self.threads)
         if group < 1 or group > self.threads or group & (group - 1):
             raise CodegenError(f"group must be a power of two in [1, threads], got {group}")
-        ind = " " * 6
+        ind, ind2 = " " * 6, " " * 10
         ctx = self.ctx
         idx = index_vars(len(cshape))
+        lum_r = Var("lum_r")
         setup = [_unravel(ctx, "lum_row", cshape, ind).rstrip("\n")]
         ctx.bound_var("lum_r", red)
-        base, valid = view_access(ctx, rview, idx)
-        setup.append(f"{ind}const bool lum_valid = {valid or 'true'};")
-        setup.append(f"{ind}const idx_t lum_base = {base};")
-        setup.append(f"{ind}const idx_t lum_rstride = {ctx.c(rstride)};")
-        if ax_mask is None:
-            setup.append(f"{ind}const idx_t lum_rlo = 0;")
-            setup.append(f"{ind}const idx_t lum_rhi = lum_red;")
+        for rv, (_, ax) in zip(rviews, splits):   # the full physical indices, for the index-width decision
+            ctx.exprs.append(rv.physical_index(idx) + lum_r * ax.strides[0])
+        fixup = ""
+        if expr is None:
+            ax_mask = None if inv.mask is None or _mask_trivial(inv, axis) else inv.mask[axis]
+            base, valid = view_access(ctx, rviews[0], idx)
+            setup.append(f"{ind}const bool lum_valid = {valid or 'true'};")
+            setup.append(f"{ind}const idx_t lum_base = {base};")
+            setup.append(f"{ind}const idx_t lum_rstride = {ctx.c(inv.strides[axis])};")
+            if ax_mask is None:
+                setup.append(f"{ind}const idx_t lum_rlo = 0;")
+                setup.append(f"{ind}const idx_t lum_rhi = lum_red;")
+            else:
+                setup.append(f"{ind}const idx_t lum_rlo = lum_max((idx_t)0, (idx_t)({ctx.c(ax_mask[0])}));")
+                setup.append(f"{ind}const idx_t lum_rhi = lum_min(lum_red, (idx_t)({ctx.c(ax_mask[1])}));")
+            load = [f"{ind2}const idx_t lum_p = lum_base + lum_r * lum_rstride;",
+                    f"{ind2}const {_KIND_C[_kind(dt_in)]} lum_x = {_load_conv(dt_in, 'in0[lum_p]')};"]
+            if op.op == "Max" and inv.mask is not None:
+                fixup = (f"{ind}  if (lum_red > 0 && (!lum_valid || lum_rlo > 0 || lum_rhi < lum_red)) "
+                         f"lum_acc = LumMax::apply(lum_acc, (acc_t)0);")
         else:
-            setup.append(f"{ind}const idx_t lum_rlo = lum_max((idx_t)0, (idx_t)({ctx.c(ax_mask[0])}));")
-            setup.append(f"{ind}const idx_t lum_rhi = lum_min(lum_red, (idx_t)({ctx.c(ax_mask[1])}));")
-        # check the full physical index (row part + axis part) for the index-width decision
-        ctx.exprs.append(rview.physical_index(idx) + Var("lum_r") * rstride)
-        load = _load_conv(dt_in, "in0[lum_p]")
+            # the reduced input itself is unpadded: visit the whole axis; each leaf reads 0 where padded
+            setup += [f"{ind}const bool lum_valid = true;", f"{ind}const idx_t lum_rlo = 0;",
+                      f"{ind}const idx_t lum_rhi = lum_red;"]
+            load, leaves = [], []
+            for k, (rv, (_, ax)) in enumerate(zip(rviews, splits)):
+                base, valid = view_access(ctx, rv, idx)
+                setup.append(f"{ind}const idx_t lum_b{k} = {base}; (void)lum_b{k};")
+                if valid:
+                    setup.append(f"{ind}const bool lum_v{k} = {valid};")
+                kind = _kind(self.dts[k])
+                val = self.load(k, ax, (lum_r,), base=f"lum_b{k}", guard=f"lum_v{k}" if valid else None)
+                load.append(f"{ind2}const {_KIND_C[kind]} lum_a{k} = {val};")
+                leaves.append((f"lum_a{k}", kind))
+            x, kind = self._apply("Fused", leaves, load, ind2, round_root=True)
+            load.append(f"{ind2}const {_KIND_C[kind]} lum_x = {x};")
         if op.op == "Sum":
             identity = "(acc_t)0"
-            fixup = ""
         else:
             identity = ("(acc_t)(-LUM_INF_F32)" if acc_kind in ("f", "d") else
                         "(acc_t)0" if dt_in == DType.bool else "LUM_LLONG_MIN")
-            fixup = ""
-            if inv.mask is not None:
-                fixup = (f"{ind}  if (lum_red > 0 && (!lum_valid || lum_rlo > 0 || lum_rhi < lum_red)) "
-                         f"lum_acc = LumMax::apply(lum_acc, (acc_t)0);")
         if self.alias() is None:
             dest = "lum_row"
         else:
@@ -901,7 +938,7 @@ class _Gen:
             "KERNEL": _ENTRY, "THREADS": self.threads, "GROUP": group, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "ACC_T": acc_t, "OP": f"Lum{op.op}",
             "IDENTITY": identity, "ROWS": ctx.c(rows), "RED": ctx.c(red), "ROW_SETUP": "\n".join(s for s in setup if s),
-            "LOAD": load, "PAD_FIXUP": fixup or f"{ind}  (void)0;", "STORE": store})
+            "LOAD": "\n".join(load), "PAD_FIXUP": fixup or f"{ind}  (void)0;", "STORE": store})
         per_block = self.threads // group
         tuning = {"threads": self.threads, "group": group, "max_blocks": self.max_blocks, "acc": self.acc}
         return [src], [("", self.grid(rows, per_block), (self.threads, 1, 1))], tuning, self.max_blocks * per_block

@@ -1,9 +1,10 @@
 """Roofline cost model: what extraction uses to pick among candidates when no GPU is there to measure.
 
 Each LLIR op moves bytes and does flops; its time is ``max(bytes / bandwidth, flops / peak)`` plus a
-fixed launch overhead when it is a kernel. Bytes and flops are symbolic :class:`~lum.format.expr.Expr`
-(functions of the dyn vars), so one extraction decision can be costed for several dyn_maps (e.g. a
-prefill bucket and decode), and they are what the builder records in ``LOp.bytes`` / ``LOp.flops``.
+fixed launch overhead when it is a kernel (reduce kernels get ``reduce_efficiency`` of the bandwidth).
+Bytes and flops are symbolic :class:`~lum.format.expr.Expr` (functions of the dyn vars), so one
+extraction decision can be costed for several dyn_maps (e.g. a prefill bucket and decode), and they
+are what the builder records in ``LOp.bytes`` / ``LOp.flops``.
 
 Bytes read through a view count the *distinct* elements it reads: a broadcast (stride-0) dim reads
 the same elements again and costs nothing extra (the reuse is served from registers, shared memory or
@@ -40,6 +41,11 @@ class GpuSpec:
     tensor_flops: float        # FLOP/s of dense bf16/f16 tensor-core gemm (fp32 accumulate)
     launch_overhead: float     # seconds of fixed cost per kernel (launch + ramp-up/tail), inside a CUDA graph
     l2_bytes: int              # last-level cache size
+    # fraction of mem_bandwidth a reduce kernel reaches: reduce.cu loads one element at a time, the GEMM
+    # kernels (gemv.cu, cuBLASLt) vectorise, so a sum of products that is also a GEMM (the same bytes and
+    # flops on the roofline, e.g. a decode GEMV as a reduce with a fused x*W prologue) stays a GEMM.
+    # An estimate, not a measurement.
+    reduce_efficiency: float = 0.9
 
     def peak_flops(self, dtype: DType, tensor_core: bool = False) -> float:
         """The compute roof for an op: tensor cores for a bf16/f16 gemm, CUDA cores otherwise."""
@@ -113,7 +119,7 @@ def _batch_reads(stride: Expr, batch: Expr) -> Expr:
 
 def op_bytes(op: LOp, program: Program | None = None) -> Expr:
     """Bytes the op reads (distinct elements of each argument's view) plus bytes it writes (a Fused
-    op reads only its leaves: its args).
+    op or a reduce with a fused prologue reads only its leaves: its args).
 
     Pass the ``program`` so each argument's element size comes from its producer's dtype; without it
     the op's own dtype is assumed (with index tensors taken as i64).
@@ -153,19 +159,23 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
 
 
 def op_flops(op: LOp) -> Expr:
-    """Arithmetic: elementwise numel(out) (times the expression's op nodes when Fused); reduce numel(in);
-    gemm 2·batch·m·n·k; data movement 0."""
+    """Arithmetic: elementwise numel(out) (times the expression's op nodes when Fused); reduce numel(in)
+    (plus numel(in) per op node of a fused prologue ``expr``); gemm 2·batch·m·n·k; data movement 0."""
     kind = op.kind
     if kind == "elementwise":
         return numel(op.shape) * expr_nodes(op.params["expr"]) if op.op == "Fused" else numel(op.shape)
     if kind == "reduce":
-        return numel(op.args[0].view.shape)
+        return numel(op.args[0].view.shape) * (1 + expr_nodes(op.params["expr"]) if "expr" in op.params else 1)
     if kind == "gemm":
         return 2 * _p(op, "batch", 1) * _p(op, "m") * _p(op, "n") * _p(op, "k")
     return as_expr(0)
 
 
 # ====================================================================== time
+def _bandwidth(op: LOp, spec: GpuSpec) -> float:
+    return spec.mem_bandwidth * (spec.reduce_efficiency if op.kind == "reduce" else 1.0)
+
+
 def _peak(op: LOp, spec: GpuSpec, program: Program | None) -> float:
     if op.kind == "gemm":
         dts = {_arg_dtype(op, 0, program), _arg_dtype(op, 1, program)}
@@ -181,7 +191,7 @@ def estimate_op(op: LOp, dyn_map: Mapping[str, int], spec: GpuSpec = H200,
         return 0.0
     nbytes = op_bytes(op, program).evaluate(dyn_map)
     flops = op_flops(op).evaluate(dyn_map)
-    return max(nbytes / spec.mem_bandwidth, flops / _peak(op, spec, program)) + spec.launch_overhead
+    return max(nbytes / _bandwidth(op, spec), flops / _peak(op, spec, program)) + spec.launch_overhead
 
 
 def op_cost(op: LOp, dyn_map: Mapping[str, int] | None = None, spec: GpuSpec = H200,
@@ -203,7 +213,7 @@ def op_cost(op: LOp, dyn_map: Mapping[str, int] | None = None, spec: GpuSpec = H
     env = {v: default_dim for v in nbytes_e.vars() | flops_e.vars()}
     env.update(dyn_map or {})
     nbytes, flops = nbytes_e.evaluate(env), flops_e.evaluate(env)
-    return max(nbytes / spec.mem_bandwidth, flops / _peak(op, spec, program)) + spec.launch_overhead
+    return max(nbytes / _bandwidth(op, spec), flops / _peak(op, spec, program)) + spec.launch_overhead
 
 
 def estimate_program(program: Program, dyn_map: Mapping[str, int], spec: GpuSpec = H200) -> float:

@@ -12,9 +12,9 @@ Every view is normalised first: unit dims get stride 0 (so broadcast checks in t
 
 Semantics (see ``rules/terms.egg``): every Op e-class is the flat contiguous buffer a node writes;
 consumers read it through ``(Ld op view)``. Only kernel ops (``K*``), ``Gemm``, ``Ld`` and the inline
-values ``X*`` (in Ld classes that an elementwise kernel op reads, rules/fuse.egg) are executable; HLIR
-constructors are not. :class:`SaturatedGroup` keeps, per Op e-class, its feasible executable e-nodes
-(``options``); classes with more than one are the extraction's decision points.
+values ``X*`` (in Ld classes that an elementwise or reduce kernel op reads, rules/fuse.egg) are
+executable; HLIR constructors are not. :class:`SaturatedGroup` keeps, per Op e-class, its feasible
+executable e-nodes (``options``); classes with more than one are the extraction's decision points.
 
     sat = saturate(graph)          # SaturatedGroup
     sat.decisions                  # [class id, ...] with > 1 option
@@ -38,7 +38,8 @@ from lum.format.expr import Expr, as_expr, parse
 from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
 
 __all__ = ["RULE_FILES", "SCHEDULE_FILE", "ENode", "EClass", "SaturatedGroup", "saturate", "encode_rows",
-           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ELEMENTWISE_KERNELS", "rule_text"]
+           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ELEMENTWISE_KERNELS", "FUSING_CONSUMERS",
+           "rule_text"]
 
 RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "flatten.egg", "gemm.egg",
               "inplace.egg")
@@ -52,6 +53,8 @@ KERNEL_OPS = frozenset({
 })
 ELEMENTWISE_KERNELS = frozenset({"KCast", "KExp2", "KLog2", "KSin", "KSqrt", "KRecip", "KAdd", "KMul", "KMod",
                                  "KLessThan", "KWhere", "KContiguous"})
+# Kernel ops that may recompute an inline value instead of reading its buffer (builder/extract.py).
+FUSING_CONSUMERS = ELEMENTWISE_KERNELS | {"KSumReduce", "KMaxReduce"}
 # Inline values (rules/fuse.egg): in Ld classes, the alternative to reading the producer's buffer.
 INLINE_OPS = frozenset({"XCast", "XExp2", "XLog2", "XSin", "XSqrt", "XRecip", "XAdd", "XMul", "XMod",
                         "XLessThan", "XWhere"})
@@ -486,10 +489,10 @@ def _read_back(eg, graph: Graph, edge_operand: dict[tuple[int, int], int], match
 def _analyse(sat: SaturatedGroup) -> None:
     """Feasible executable options per Op class, reachability from the roots, decision points."""
     classes = sat.classes
-    # X nodes only matter in Ld classes an elementwise kernel op reads (directly or through other X
-    # nodes): everywhere else they are dropped, so they make no decision points
+    # X nodes only matter in Ld classes a fusing consumer (an elementwise or reduce kernel op) reads,
+    # directly or through other X nodes: everywhere else they are dropped, so they make no decision points
     inline_read: set[int] = set()
-    stack = [k for c in classes if c.sort == "Op" for n in c.nodes if n.op in ELEMENTWISE_KERNELS
+    stack = [k for c in classes if c.sort == "Op" for n in c.nodes if n.op in FUSING_CONSUMERS
              for k in n.children()]
     while stack:
         k = stack.pop()

@@ -10,11 +10,13 @@ order (inputs first, outputs last), argument views decoded from the e-graph's ``
 ``flops`` per op.
 
 Fusion. An Ld class may also hold an inline value (``XAdd`` …, rules/fuse.egg); choosing it means
-that *elementwise* consumers recompute the producer inside their own kernel: such a consumer lowers
-to one ``Fused`` op whose ``params["expr"]`` is the expression tree over the reads that stay reads
-(at most :data:`FUSE_MAX_NODES` nodes per inlined read; a bigger one is read from the buffer). Every
-other consumer (reductions, gather, scatter, GEMMs, program outputs) reads the producer's buffer,
-which is then emitted even though its class chose the inline value.
+that *fusing* consumers (elementwise ops and Sum / Max reductions) recompute the producer inside
+their own kernel: an elementwise consumer lowers to one ``Fused`` op whose ``params["expr"]`` is the
+expression tree over the reads that stay reads, a reduction to a reduce op with the tree of its
+input in ``params["expr"]`` (a reduction with a fused prologue: ``sum(x*x)`` is one kernel). At
+most :data:`FUSE_MAX_NODES` nodes per inlined read; a bigger one is read from the buffer. Every
+other consumer (gather, scatter, GEMMs, program outputs) reads the producer's buffer, which is then
+emitted even though its class chose the inline value.
 
 Choices are checked for acyclicity: :func:`random_choice` and :func:`choose_by_cost` only return
 acyclic selections, and :func:`lower` raises :class:`ValueError` on a cyclic one.
@@ -48,6 +50,8 @@ _ELEMENTWISE = {
 _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XSqrt": "Sqrt", "XRecip": "Recip",
            "XAdd": "Add", "XMul": "Mul", "XMod": "Mod", "XLessThan": "LessThan", "XWhere": "Where"}
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
+_REDUCE = {"KSumReduce": "Sum", "KMaxReduce": "Max"}
+_FUSING = set(_ELEMENTWISE) | set(_REDUCE)   # consumers that may recompute an inline value (egraph.FUSING_CONSUMERS)
 _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
           "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2, "KWhere": 3, "KSumReduce": 1, "KMaxReduce": 1,
           "KGather": 2, "KScatter": 3, "KScatterNoCopy": 3}
@@ -80,14 +84,14 @@ def _deps(sat: SaturatedGroup, choice: Mapping[int, int], cls: int) -> list[int]
 
 
 class _Reads:
-    """How a selection reads each Ld class: inline (its X node, in elementwise consumers) or the buffer."""
+    """How a selection reads each Ld class: inline (its X node, in fusing consumers) or the buffer."""
 
     def __init__(self, sat: SaturatedGroup, choice: Mapping[int, int]):
         self.sat, self.choice = sat, choice
         self.size: dict[int, int] = {}  # Ld class -> expression nodes it adds when inlined (0: a leaf)
 
     def inline(self, cls: int) -> ENode | None:
-        """The X node an elementwise consumer recomputes for Ld class ``cls``, or None (it reads the buffer)."""
+        """The X node a fusing consumer recomputes for Ld class ``cls``, or None (it reads the buffer)."""
         if cls not in self.size:
             stack = [cls]
             while stack:  # sizes bottom-up, without recursion (chains can be long)
@@ -105,7 +109,7 @@ class _Reads:
         return chosen(self.sat, self.choice, cls) if self.size[cls] else None
 
     def leaves(self, cls: int) -> list[int]:
-        """The Ld classes an elementwise consumer reads from buffers for its argument ``cls``."""
+        """The Ld classes a fusing consumer reads from buffers for its argument ``cls``."""
         x = self.inline(cls)
         if x is None:
             return [cls]
@@ -119,7 +123,7 @@ class _Reads:
     def deps(self, cls: int) -> list[int]:
         """The classes whose buffers the emitted op of ``cls`` reads."""
         node = chosen(self.sat, self.choice, cls)
-        if node.op in _ELEMENTWISE:
+        if node.op in _FUSING:
             return [self.buffer(leaf) for k in node.args[:_ARITY[node.op]] for leaf in self.leaves(k)]
         return [self.buffer(k) for k in _op_kids(self.sat, node)]
 
@@ -286,7 +290,8 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
                 inline: Callable[[int], ENode | None] | None = None) -> LOp:
     """One executable e-node as an LLIR op. ``src_of(class)`` gives the op id of a producer class;
     ``shape_of(class)`` its buffer shape (needed for GEMM operands' flat views); ``inline(ld class)``
-    the X node an elementwise op recomputes instead of reading that argument (then the op is ``Fused``)."""
+    the X node a fusing op recomputes instead of reading that argument (then an elementwise op is
+    ``Fused``, a reduce op gets ``params["expr"]``)."""
     g = sat.graph
     op = node.op
     a = node.args
@@ -301,6 +306,17 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
         ld = _ld(sat, c)
         note(c)
         return Arg(src_of(ld.args[0]), sat.view(ld.args[1]))
+
+    leaves: list[int] = []  # the Ld classes a fused op reads from buffers: its args, first use first
+
+    def tree(c: int) -> list:
+        """The expression of argument ``c`` over ``leaves`` (the LLIR ``expr`` format)."""
+        x = inline(c) if inline is not None else None
+        if x is None:
+            if c not in leaves:
+                leaves.append(c)
+            return ["arg", leaves.index(c)]
+        return [_INLINE[x.op], x.args[-1], *(tree(kid) for kid in x.args[:-1])]
 
     if op in ("KInput", "KConstant"):
         hn = g.nodes[a[0]]
@@ -317,16 +333,6 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
         lop = LOp(op_id, "iota", "Iota", (), (nexpr,), DType.parse(a[1]), {"n": nexpr})
     elif op in _ELEMENTWISE and inline is not None and any(inline(c) for c in a[:_ARITY[op]]):
         k = _ARITY[op]
-        leaves: list[int] = []  # the Ld classes read from buffers: the Fused op's args, first use first
-
-        def tree(c: int) -> list:
-            x = inline(c)
-            if x is None:
-                if c not in leaves:
-                    leaves.append(c)
-                return ["arg", leaves.index(c)]
-            return [_INLINE[x.op], x.args[-1], *(tree(kid) for kid in x.args[:-1])]
-
         expr = [_ELEMENTWISE[op], a[k + 1], *(tree(c) for c in a[:k])]
         lop = LOp(op_id, "elementwise", "Fused", tuple(arg(c) for c in leaves), _dlist(sat, a[k]),
                   DType.parse(a[k + 1]), {"expr": expr})
@@ -334,11 +340,14 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
         k = _ARITY[op]
         lop = LOp(op_id, "elementwise", _ELEMENTWISE[op], tuple(arg(c) for c in a[:k]), _dlist(sat, a[k]),
                   DType.parse(a[k + 1]))
-    elif op in ("KSumReduce", "KMaxReduce"):
+    elif op in _REDUCE:
         x, axis, sh, dt = a
         sh = _dlist(sat, sh)
-        lop = LOp(op_id, "reduce", "Sum" if op == "KSumReduce" else "Max", (arg(x),),
-                  sh[:axis] + sh[axis + 1:], DType.parse(dt), {"axis": int(axis)})
+        params: dict[str, Any] = {"axis": int(axis)}
+        if inline is not None and inline(x) is not None:  # a fused prologue: reduce the tree's values
+            params["expr"] = tree(x)
+        args = tuple(arg(c) for c in leaves) if "expr" in params else (arg(x),)
+        lop = LOp(op_id, "reduce", _REDUCE[op], args, sh[:axis] + sh[axis + 1:], DType.parse(dt), params)
     elif op == "KGather":
         t, i, sh, dt = a
         ai = arg(i)

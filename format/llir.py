@@ -13,7 +13,8 @@ constant       scalar ``value`` or 1-D ``data``
 iota           ``out[i] = i``, params ``n``
 elementwise    ``op`` ∈ Cast Exp2 Log2 Sin Sqrt Recip Add Mul Mod LessThan Where Contiguous, or
                ``Fused``: an expression tree of those ops over the args, params ``expr``
-reduce         ``op`` ∈ Sum Max over ``axis`` of ``args[0]``
+reduce         ``op`` ∈ Sum Max over ``axis`` of ``args[0]``, or (params ``expr``) of an expression tree
+               over the args
 gather         rows of ``args[0]`` picked by ``args[1]``
 scatter        copy of ``args[0]`` with rows ``args[2]`` set to ``args[1]``
 scatter_nocopy the same, writing into ``args[0]``'s buffer in place (``alias == 0``)
@@ -46,6 +47,10 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   node's dtype is the op's dtype. So a Fused op computes exactly what the unfused ops compute.
 * reduce: ``params['axis']`` of ``args[0]``'s view (negative counts from the end); the output drops
   that axis. An empty axis gives the identity (Sum 0; Max −inf, or an integer dtype's minimum).
+  With ``params["expr"]`` (a fused prologue) the reduced input is that Fused expression tree over the
+  args instead (every arg view has the reduced input's shape; padding of a leaf reads 0), evaluated
+  per element with the same per-node rounding, the root rounded to its own dtype (the dtype of the
+  buffer the unfused reduce would have read; not necessarily the op's). Without it: one arg.
 * gather: ``out[j…, r…] = table[idx[j…], r…]`` for ``table = args[0]``, integer ``idx = args[1]``.
 * scatter / scatter_nocopy: ``out = dest; out[idx[j…], r…] = src[j…, r…]`` for ``dest = args[0]``,
   ``src = args[1]`` (shape ``idx.shape + dest.shape[1:]``), integer ``idx = args[2]``; scatter_nocopy
@@ -172,6 +177,8 @@ class Program:
                 raise ValueError(f"LLIR op {i} aliases a missing argument {o.alias}")
             if o.kind == "elementwise" and o.op == "Fused":
                 check_expr(o.params.get("expr"), len(o.args), o.dtype, f"LLIR op {i} (elementwise Fused)")
+            if o.kind == "reduce" and "expr" in o.params:
+                check_expr(o.params["expr"], len(o.args), None, f"LLIR op {i} (reduce {o.op})")
         return Program(str(data["name"]), ops)
 
     @staticmethod
@@ -179,9 +186,9 @@ class Program:
         return Program.from_json(json.loads(text))
 
 
-def check_expr(expr: Any, nargs: int, dtype: DType, where: str = "Fused op") -> None:
+def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused op") -> None:
     """Raise ValueError unless ``expr`` is a valid Fused expression over ``nargs`` args whose root has
-    ``dtype`` (see the module docstring)."""
+    ``dtype`` (any dtype when None: a reduce's prologue; see the module docstring)."""
 
     def walk(t: Any, path: str) -> None:
         if not isinstance(t, (list, tuple)) or not t:
@@ -205,7 +212,7 @@ def check_expr(expr: Any, nargs: int, dtype: DType, where: str = "Fused op") -> 
     walk(expr, "root")
     if expr[0] == "arg":
         raise ValueError(f"{where}: the expr root must be an op node, not a leaf")
-    if DType.parse(expr[1]) != dtype:
+    if dtype is not None and DType.parse(expr[1]) != dtype:
         raise ValueError(f"{where}: the expr root has dtype {expr[1]}, the op {dtype}")
 
 

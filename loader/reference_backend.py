@@ -48,6 +48,13 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+def _eval_tree(t: list, args: list[np.ndarray]) -> np.ndarray:
+    """A Fused expression tree on compute-type args; every node rounds to its dtype, as a store would."""
+    if t[0] == "arg":
+        return args[t[1]]
+    return round_to(_elementwise(t[0], [_eval_tree(k, args) for k in t[2:]]), DType.parse(t[1]))
+
+
 def _elementwise(op: str, args: list[np.ndarray]) -> np.ndarray:
     """One elementwise op on compute-type arrays (the caller rounds the result to the op's dtype)."""
     if op in ("Cast", "Contiguous"):
@@ -145,9 +152,10 @@ class _Executor:
             if o.id != i:
                 raise BackendError(f"{where} has id {o.id}; ops must be numbered in order")
             want = ELEMENTWISE_ARITY.get(o.op) if o.kind == "elementwise" else _ARITY[o.kind]
-            if o.kind == "elementwise" and o.op == "Fused":
+            fused = o.kind == "elementwise" and o.op == "Fused"
+            if fused or (o.kind == "reduce" and "expr" in o.params):
                 try:
-                    check_expr(o.params.get("expr"), len(o.args), o.dtype, where)
+                    check_expr(o.params.get("expr"), len(o.args), o.dtype if fused else None, where)
                 except ValueError as e:
                     raise BackendError(str(e)) from None
                 want = len(o.args)
@@ -333,16 +341,17 @@ class _Executor:
             self.check_shape(a.shape, shape, f"argument {k}'s view")
         if o.op != "Fused":
             return _elementwise(o.op, args)
-
-        def ev(t: list) -> np.ndarray:                # each inner node rounds to its dtype, as a store would
-            return args[t[1]] if t[0] == "arg" else round_to(_elementwise(t[0], [ev(k) for k in t[2:]]),
-                                                             DType.parse(t[1]))
-
         expr = o.params["expr"]
-        return _elementwise(expr[0], [ev(k) for k in expr[2:]])   # the root is rounded when stored
+        return _elementwise(expr[0], [_eval_tree(k, args) for k in expr[2:]])   # the root is rounded when stored
 
     def k_reduce(self, o: LOp) -> np.ndarray:
-        x = self.readc(o, 0)
+        if "expr" in o.params:                       # a fused prologue: the tree's values, root rounded
+            args = [self.readc(o, k) for k in range(len(o.args))]
+            for k, a in enumerate(args[1:], 1):
+                self.check_shape(a.shape, args[0].shape, f"argument {k}'s view")
+            x = _eval_tree(o.params["expr"], args)
+        else:
+            x = self.readc(o, 0)
         axis = o.params.get("axis")
         if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
             raise BackendError(f"reduce axis {axis!r} out of range for {x.ndim} dims")

@@ -7,14 +7,17 @@
 //! reduction over an outer axis), accumulate in ACC_T (float for f32/f16/bf16, double if asked,
 //! long long for integers and bool), then combine with warp shuffles and, for GROUP > 32, through
 //! shared memory. Padding (view mask) reads 0: the loop covers only the valid range [lum_rlo, lum_rhi)
-//! and PAD_FIXUP folds a 0 in when a Max row touches padding (a Sum needs nothing).
+//! and PAD_FIXUP folds a 0 in when a Max row touches padding (a Sum needs nothing). With a fused
+//! prologue (LLIR params expr: the reduced values are an elementwise expression over several reads)
+//! the loop covers the whole axis and each read is 0 where its own view is padding.
 //!
 //! Placeholders: KERNEL THREADS GROUP IDX_T PARAMS DYN_LOADS;
 //!   ACC_T, OP (LumSum | LumMax), IDENTITY (ACC_T literal), ROWS (output elements), RED (axis length),
 //!   ROW_SETUP  unravel lum_row into lum_i0.. and define lum_valid (bool: the row is not padding on the
-//!              other dims), lum_base (physical index at axis position 0), lum_rstride (axis stride),
-//!              lum_rlo / lum_rhi (the valid axis range, clamped to [0, RED])
-//!   LOAD       ACC_T value of the element at physical index `lum_p`
+//!              other dims), lum_rlo / lum_rhi (the axis range to visit, clamped to [0, RED]) and what
+//!              LOAD needs per row (each read's physical index at axis position 0 and row validity)
+//!   LOAD       statements defining lum_x, the element at axis position lum_r: one read of in0, or the
+//!              fused prologue's reads and expression tree (its root rounded to the root's dtype)
 //!   PAD_FIXUP  statement run per row by its group leader after the loop (may update lum_acc)
 //!   STORE      statement writing lum_acc (ACC_T) to the output row lum_row
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
@@ -40,8 +43,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
       if (lum_valid) {
 #pragma unroll 4
         for (idx_t lum_r = lum_rlo + lum_lane; lum_r < lum_rhi; lum_r += GROUP) {
-          const idx_t lum_p = lum_base + lum_r * lum_rstride;
-          lum_acc = {{OP}}::apply(lum_acc, (acc_t)({{LOAD}}));
+{{LOAD}}
+          lum_acc = {{OP}}::apply(lum_acc, (acc_t)(lum_x));
         }
       }
       if (lum_lane == 0) {

@@ -612,6 +612,24 @@ def _case_list():
                 oshape = tuple(d for k, d in enumerate(view.shape) if k != axis % 3)
                 cases.append((LOp(1, "reduce", red, (Arg(0, view),), oshape, dt, {"axis": axis}),
                               [size[id(view)]], [dt], {"group": group}))
+    # reductions with a fused prologue: per-leaf strides and padding along and across the reduced axis
+    # (padded leaves read 0 and the expression still runs there), 16-bit / int / bool roots
+    pro = ["Mul", "f32", ["Add", "f32", ["Cast", "f32", ["arg", 0]], ["arg", 1]], ["Cast", "f32", ["arg", 2]]]
+    for dt in (DType.f32, DType.bf16, DType.f16):
+        for red, root in (("Sum", ["Sin", dt.value, pro]), ("Max", ["Cast", dt.value, pro])):
+            f64 = {"acc": "f64", "math": "f64"}
+            for vs, axis, kw in (((x, bc, x), 2, {}), ((xpad, x, xp), -1, {"group": 64}),
+                                 ((xp, xpad, win), 0, {"group": 1}), ((win, bc, xpad), 1, f64)):
+                oshape = tuple(d for k, d in enumerate(shape) if k != axis % 3)
+                cases.append((LOp(1, "reduce", red, tuple(Arg(0, v) for v in vs), oshape, dt,
+                                  {"axis": axis, "expr": root}), [size[id(v)] for v in vs], [dt, DType.f32, dt], kw))
+    for red, dt, root in (("Sum", DType.i32, ["Mul", "i32", ["Cast", "i32", ["arg", 0]], ["arg", 1]]),
+                          ("Max", DType.bool, ["LessThan", "bool", ["arg", 0], ["Cast", "f32", ["arg", 1]]]),
+                          ("Max", DType.i64, ["Add", "i64", ["arg", 1], ["Cast", "i64", ["arg", 0]]])):
+        for vs, axis in (((xpad, x), 2), ((xp, win), 1)):
+            oshape = tuple(d for k, d in enumerate(shape) if k != axis)
+            cases.append((LOp(1, "reduce", red, tuple(Arg(0, v) for v in vs), oshape, dt,
+                              {"axis": axis, "expr": root}), [size[id(v)] for v in vs], [DType.f32, DType.i32], {}))
     table, table_t = ShapeTracker.contiguous((10, 24)), ShapeTracker.contiguous((24, 10)).permute((1, 0))
     table_pad = ShapeTracker.contiguous((8, 24)).pad(0, 1, 1)
     idx, idx2 = ShapeTracker.contiguous((s,)), ShapeTracker.contiguous((2, s))

@@ -5,7 +5,8 @@ transposes and batches, softmax, gather, scatter, where, views incl. pad/slice/p
 symbolic dim) and for every group of the tiny model configs, the group is saturated, 20 random
 extractions are lowered to LLIR and run by the loader's reference backend, and each result is
 compared with the HLIR reference interpreter (relative error < 1e-5 in f32, max-norm). Random
-extractions pick fuse / no-fuse per fusable read (rules/fuse.egg), so Fused ops are covered too.
+extractions pick fuse / no-fuse per fusable read (rules/fuse.egg), so Fused ops and reductions with a
+fused prologue (reduce ops with ``params["expr"]``) are covered too.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) / scale
 
 
-FUSED = {"programs": 0}   # programs run that hold a Fused op
+FUSED = {"programs": 0, "reduce": 0}   # programs run that hold a Fused op / a reduce with a fused prologue
 
 
 def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 0,
@@ -65,6 +66,7 @@ def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 
         seen.add(key)
         prog = lower(sat, choice)
         FUSED["programs"] += any(o.op == "Fused" for o in prog.ops)
+        FUSED["reduce"] += any(o.kind == "reduce" and "expr" in o.params for o in prog.ops)
         out = execute(prog, inputs, dyn)
         assert set(out) == set(ref)
         for name, want in ref.items():
@@ -385,6 +387,7 @@ def test_random_graphs_cover_decisions():
     assert STATS["graphs"] >= 200
     assert STATS["with_decisions"] >= 100, STATS
     assert FUSED["programs"] >= STATS["programs"] // 2, (FUSED, STATS)   # most hold a Fused op
+    assert FUSED["reduce"] >= STATS["programs"] // 4, (FUSED, STATS)     # many a fused reduce
 
 
 # ====================================================================== tiny models
