@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -313,3 +314,42 @@ def add_run_args(ap: argparse.ArgumentParser, time_limit: float, pkg_help: str) 
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+
+
+def run_and_record(result: dict, rows: dict[str, dict], out_path: Path, workdir: Path, keep: bool, t_start: float,
+                   device: str, run: Callable, measured: str, print_table: Callable[[dict], None]) -> int:
+    """Run ``run(torch)`` and write the JSON record whatever happens: an environment without torch, or an
+    exception part-way, turns into ``error`` fields of the rows that have no ``measured`` figure yet."""
+
+    def finish(code: int) -> int:
+        result["rows"] = list(rows.values())
+        result["timings_s"]["total"] = round(time.perf_counter() - t_start, 1)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {out_path}")
+        print_table(result)
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return code
+
+    try:
+        import torch
+        import transformers
+
+        result["versions"].update(torch=torch.__version__, transformers=transformers.__version__)
+        result["gpu"], result["target"] = gpu_and_target(torch, device)
+    except Exception as exc:  # noqa: BLE001
+        for r in rows.values():
+            r["error"] = f"environment: {_one_line(exc)}"
+        return finish(1)
+    result["versions"]["lum"] = _lum_version()
+    try:
+        run(torch)
+    except Exception as exc:  # noqa: BLE001 - the JSON is written whatever happens
+        log(traceback.format_exc())
+        result["error"] = _one_line(exc)
+        for r in rows.values():
+            if r[measured] is None and not r["error"]:
+                r["error"] = f"benchmark stopped: {_one_line(exc)}"
+        return finish(1)
+    return finish(0)

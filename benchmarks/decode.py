@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -48,9 +47,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (TORCH_DTYPES, _commit, _driver, _graph_count, _hf_load, _lum_version, _one_line,  # noqa: E402
-                     add_run_args, _sync, _sync_all, build_package, gpu_and_target, log, make_hf_folder, prompt_ids, run_worker_main,
-                     set_log_tag)
+from _common import (TORCH_DTYPES, _commit, _driver, _graph_count, _hf_load, _one_line,  # noqa: E402
+                     _sync, _sync_all, add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record,
+                     run_worker_main, set_log_tag)
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
@@ -408,45 +407,9 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lum-decode-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    def finish(code: int) -> int:
-        result["rows"] = [rows[s] for s in systems]
-        result["timings_s"]["total"] = round(time.perf_counter() - t_start, 1)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {out_path}")
-        print_table(result)
-        if not args.keep and not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        return code
-
-    try:
-        import torch
-        import transformers
-
-        result["versions"].update(torch=torch.__version__, transformers=transformers.__version__)
-        result["gpu"], target = gpu_and_target(torch, args.device)
-        result["target"] = target
-    except Exception as exc:  # noqa: BLE001
-        for r in rows.values():
-            r["error"] = f"environment: {_one_line(exc)}"
-        return finish(1)
-
-    try:
-        import lum
-
-        result["versions"]["lum"] = getattr(lum, "__version__", None) or _lum_version()
-    except ImportError:
-        pass
-
-    try:
-        _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
-    except Exception as exc:  # noqa: BLE001 - the JSON is written whatever happens
-        log(traceback.format_exc())
-        result["error"] = _one_line(exc)
-        for r in rows.values():
-            if r["tok_per_s"] is None and not r["error"]:
-                r["error"] = f"benchmark stopped: {_one_line(exc)}"
-        return finish(1)
-    return finish(0)
+    return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
+                          lambda torch: _run(args, torch, result["target"], deadline, max_seq, systems, rows, result,
+                                             workdir), "tok_per_s", print_table)
 
 
 def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir) -> None:

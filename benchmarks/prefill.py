@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -53,9 +51,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (_commit, _driver, _graph_count, _hf_load, _lum_version, _named_config, _one_line,  # noqa: E402
-                     add_run_args, build_package, gpu_and_target, log, make_hf_folder, prompt_ids, run_worker, run_worker_main,
-                     set_log_tag)
+from _common import (_commit, _driver, _graph_count, _hf_load, _named_config, _one_line,  # noqa: E402
+                     add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record, run_worker,
+                     run_worker_main, set_log_tag)
 
 set_log_tag("prefill-bench")
 SYSTEMS = ("lum", "hf-sdpa", "hf-compile")
@@ -278,39 +276,8 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lum-prefill-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    def finish(code: int) -> int:
-        result["rows"] = [rows[s] for s in systems]
-        result["timings_s"]["total"] = round(time.perf_counter() - t_start, 1)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {out_path}")
-        print_table(result)
-        if not args.keep and not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        return code
-
-    try:
-        import torch
-        import transformers
-
-        result["versions"].update(torch=torch.__version__, transformers=transformers.__version__)
-        result["gpu"], result["target"] = gpu_and_target(torch, args.device)
-    except Exception as exc:  # noqa: BLE001
-        for r in rows.values():
-            r["error"] = f"environment: {_one_line(exc)}"
-        return finish(1)
-    result["versions"]["lum"] = _lum_version()
-
-    try:
-        _run(args, deadline, max_seq, rows, result, workdir)
-    except Exception as exc:  # noqa: BLE001 - the JSON is written whatever happens
-        log(traceback.format_exc())
-        result["error"] = _one_line(exc)
-        for r in rows.values():
-            if r["median_s"] is None and not r["error"]:
-                r["error"] = f"benchmark stopped: {_one_line(exc)}"
-        return finish(1)
-    return finish(0)
+    return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
+                          lambda torch: _run(args, deadline, max_seq, rows, result, workdir), "median_s", print_table)
 
 
 def _run(args, deadline: float, max_seq: int, rows: dict, result: dict, workdir: Path) -> None:
