@@ -170,12 +170,10 @@ class IORef:
 class Segment:
     """Steps launched together, captured as one CUDA graph per key: the bucketed grids of its
     kernels (``grid_ids`` index ``EntryPlan.grid_exprs``) and the exact values its volatile steps'
-    sizes depend on (``exact_ids`` index ``EntryPlan.exact_exprs``). ``graph`` False: launched
-    eagerly (kept for a backend that cannot capture)."""
+    sizes depend on (``exact_ids`` index ``EntryPlan.exact_exprs``)."""
 
     index: int
     steps: list[Any]
-    graph: bool
     grid_ids: tuple[int, ...]
     exact_ids: tuple[int, ...] = ()
 
@@ -237,7 +235,7 @@ class EntryPlan:
         """Make the entry's segment (see :class:`Segment`); called once the steps are complete."""
         grid_ids = sorted({i for st in self.steps if isinstance(st, KernelStep) for i in st.grid})
         exact_ids = sorted({i for st in self.steps for i in self.volatile_exprs(st)})
-        self.segments = [Segment(0, list(self.steps), True, tuple(grid_ids), tuple(exact_ids))] if self.steps else []
+        self.segments = [Segment(0, list(self.steps), tuple(grid_ids), tuple(exact_ids))] if self.steps else []
 
     def volatile_exprs(self, st: Any) -> list[int]:
         """The dyn-dependent expressions (indices into ``exact_exprs``) that a captured graph bakes

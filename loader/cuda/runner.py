@@ -400,7 +400,7 @@ class CudaRunner:
         self._stage_inputs(plan, inputs, dyn)
         key = plan.values(dyn)
         for seg in plan.segments:
-            if self.graphs and seg.graph:
+            if self.graphs:
                 try:
                     graph = self._graph(plan, seg, key)
                 except cu.CudaError as exc:   # e.g. a library call that refuses stream capture
