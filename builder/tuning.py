@@ -76,9 +76,14 @@ SEARCH_SEED = 0
 
 # Template tuning parameters searched per group: option 0 is codegen's default, so a genome of
 # zeros there is the untuned kernel. Keys the user fixed (BuildOptions.kernel_tuning) are not searched.
+# ``group`` is the split count of reductions and of lum's GEMV (threads sharing one output along k);
+# ``unroll`` the GEMV's loads in flight. A value a kernel cannot take (a group above its threads) fails
+# codegen and rejects the candidate.
 TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("threads", (256, 128, 512)),
     ("ept", (None, 1, 2, 4)),
+    ("group", (None, 64, 128)),
+    ("unroll", (None, 8)),
 )
 
 ProgressFn = Callable[[str, int, int], None]
