@@ -336,6 +336,10 @@ def test_prefill_plan_copies_scattered_caches_into_state(tiny_pkg):
     for o in ops:
         if o[0] == "gemm":
             assert o[2] % 256 == 0 and o[3] % 256 == 0        # operand bases (the library adds offsets)
+    # one captured graph per prompt length: the key holds the exact sizes the library calls bake in
+    (seg,) = plan.segments
+    keys = {s: seg.key(plan.values({"s": s})) for s in (8, 9, 16, 17)}
+    assert len(set(keys.values())) == 4 and keys[9] == seg.key(plan.values({"s": 9}))
 
 
 @needs_nvrtc
