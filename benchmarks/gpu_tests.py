@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_tests.py [pytest args…] --out benchmarks/results
 
-The record (``gpu-tests-<date>.json``) holds the commit, GPU, driver, date and every test's outcome
-and duration, so a GPU feature's "its tests passed there, on the committed code" is a committed fact.
+The record (``gpu-tests-<date>.json``) holds the commit, GPU, driver, date and every test's outcome,
+duration and recorded properties (figures a test measures and reports with ``record_property``), so a
+GPU feature's "its tests passed there, on the committed code" is a committed fact.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def _gpu() -> tuple[str, str]:
         return "none", "none"
 
 
+def _number(text: str | None) -> float | str | None:
+    """A recorded property (``record_property`` in a test) as a number when it is one."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -59,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
                         break
                 else:
                     message = ""
+                props = {p.get("name"): _number(p.get("value")) for p in case.iter("property")}
                 tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                              "seconds": float(case.get("time") or 0), **({"message": message} if message else {})})
+                              "seconds": float(case.get("time") or 0), **({"message": message} if message else {}),
+                              **({"properties": props} if props else {})})
     gpu, driver = _gpu()
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
     now = dt.datetime.now(dt.timezone.utc)

@@ -127,7 +127,7 @@ GEMV_SIZES = [(2560, 2560), (10240, 2560), (2560, 10240), (10240, 10240)]     # 
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
-def test_gemv_decode_bandwidth(dt, cuda_device):
+def test_gemv_decode_bandwidth(dt, cuda_device, record_property):
     """x[1, k] @ W^T, W [n, k] row-major (RmCm: every Linear layer in decode), timed with CUDA events over
     weight copies that together exceed the L2 cache; reports GB/s next to a device-to-device copy's and
     asks for at least 60% of it on the largest sizes (the target is the copy rate)."""
@@ -193,6 +193,9 @@ def test_gemv_decode_bandwidth(dt, cuda_device):
                 b.close()
                 owned.remove(b)
         print(f"\ngemv {dt.value} GB/s {report}, copy {copy_gbps:.0f} GB/s, tuning {ks.tuning}")
+        record_property("copy_GBps", round(copy_gbps))   # kept in the gpu-tests record
+        for (n, k), gbps in report.items():
+            record_property(f"gemv_GBps_n{n}_k{k}", gbps)
         assert min(report[(10240, 10240)], report[(2560, 10240)]) >= 0.6 * copy_gbps, (report, copy_gbps)
     finally:
         stream.synchronize()

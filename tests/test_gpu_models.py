@@ -26,7 +26,7 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("name,dtype,tol,steps", CASES)
-def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda_device):
+def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda_device, record_property):
     import torch
 
     import lum.loader
@@ -62,6 +62,8 @@ def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda
         print(f"{name} {dtype}: prefill logits rel err vs transformers {err:.2e}; vs f32: lum {vs_f32:.2e}, "
               f"transformers {hf_vs_f32:.2e}")
         detail = f"{name} {dtype}: rel err vs transformers {err:.2e} (vs f32: lum {vs_f32:.2e}, transformers {hf_vs_f32:.2e})"
+        for key, value in (("rel_err_vs_transformers", err), ("lum_vs_f32", vs_f32), ("transformers_vs_f32", hf_vs_f32)):
+            record_property(key, float(f"{value:.3e}"))          # kept in the gpu-tests record
         if dtype == "f32":
             assert err < tol, detail
         else:
