@@ -353,3 +353,27 @@ def run_and_record(result: dict, rows: dict[str, dict], out_path: Path, workdir:
                 r["error"] = f"benchmark stopped: {_one_line(exc)}"
         return finish(1)
     return finish(0)
+
+
+def run_systems(rows: dict[str, dict], cap_s: dict[str, float], deadline: float, time_limit: float,
+                run_one: Callable[[str, float], dict]) -> dict[str, dict]:
+    """Run each system whose row has no error yet, each in its own process (``run_one(system, timeout)``)
+    within its cap and what is left of the time limit. Errors and skips land in the rows; returns the
+    results of the systems that ran."""
+    done: dict[str, dict] = {}
+    for s, row in rows.items():
+        if row["error"]:
+            continue
+        left = deadline - time.perf_counter() - 10
+        if left < 30:
+            row["error"] = f"skipped: {left + 10:.0f} s left of the {time_limit:.0f} s time limit"
+            continue
+        log(f"{s}: running (up to {min(cap_s[s], left):.0f} s)")
+        res = run_one(s, min(cap_s[s], left))
+        row["wall_s"] = res.get("wall_s")
+        if res.get("error"):
+            row["error"] = res["error"]
+            log(f"{s}: {res['error']}")
+            continue
+        done[s] = res
+    return done

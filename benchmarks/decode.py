@@ -49,7 +49,7 @@ if str(HERE) not in sys.path:
 
 from _common import (TORCH_DTYPES, _commit, _driver, _graph_count, _hf_load, _one_line,  # noqa: E402
                      _sync, _sync_all, add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record,
-                     run_worker_main, set_log_tag)
+                     run_systems, run_worker_main, set_log_tag)
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
@@ -470,23 +470,10 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             rows["lum"]["package_bytes"] = pkg.stat().st_size
 
     # 4. the systems, each in its own process
-    outputs: dict[str, dict] = {}
-    for s in systems:
+    outputs = run_systems(rows, CAP_S, deadline, args.time_limit,
+                          lambda s, timeout: run_worker(s, spec, workdir, timeout))
+    for s, res in outputs.items():
         row = rows[s]
-        if row["error"]:
-            continue
-        left = deadline - time.perf_counter() - 10
-        if left < 30:
-            row["error"] = f"skipped: {left + 10:.0f} s left of the {args.time_limit:.0f} s time limit"
-            continue
-        log(f"{s}: running (up to {min(CAP_S[s], left):.0f} s)")
-        res = run_worker(s, spec, workdir, min(CAP_S[s], left))
-        outputs[s] = res
-        row["wall_s"] = res.get("wall_s")
-        if res.get("error"):
-            row["error"] = res["error"]
-            log(f"{s}: {res['error']}")
-            continue
         row["tok_per_s"] = round(res["tok_per_s"], 2)
         if roof:
             row["fraction_of_roofline"] = round(res["tok_per_s"] / roof, 3)

@@ -52,8 +52,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import (_commit, _driver, _graph_count, _hf_load, _named_config, _one_line,  # noqa: E402
-                     add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record, run_worker,
-                     run_worker_main, set_log_tag)
+                     add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record, run_systems,
+                     run_worker, run_worker_main, set_log_tag)
 
 set_log_tag("prefill-bench")
 SYSTEMS = ("lum", "hf-sdpa", "hf-compile")
@@ -322,20 +322,10 @@ def _run(args, deadline: float, max_seq: int, rows: dict, result: dict, workdir:
 
     # 3. the systems, each in its own process
     logits: dict[str, str] = {}
-    for s, row in rows.items():
-        if row["error"]:
-            continue
-        left = deadline - time.perf_counter() - 10
-        if left < 30:
-            row["error"] = f"skipped: {left + 10:.0f} s left of the {args.time_limit:.0f} s time limit"
-            continue
-        log(f"{s}: running (up to {min(CAP_S[s], left):.0f} s)")
-        res = run_worker(Path(__file__), s, spec, workdir, min(CAP_S[s], left))
-        row["wall_s"] = res.get("wall_s")
-        if res.get("error"):
-            row["error"] = res["error"]
-            log(f"{s}: {res['error']}")
-            continue
+    ran = run_systems(rows, CAP_S, deadline, args.time_limit,
+                      lambda s, timeout: run_worker(Path(__file__), s, spec, workdir, timeout))
+    for s, res in ran.items():
+        row = rows[s]
         med = res["median_s"]
         row.update(median_s=round(med, 6), tokens_per_s=round(args.prompt_len / med, 1), cold_s=res["cold_s"],
                    min_s=round(res["min_s"], 6), repeats=res["repeats"], details=res.get("details", {}))
