@@ -8,10 +8,12 @@ Imported as ``_common`` (the scripts run as ``python benchmarks/<name>.py``, so 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -377,3 +379,15 @@ def run_systems(rows: dict[str, dict], cap_s: dict[str, float], deadline: float,
             continue
         done[s] = res
     return done
+
+
+def new_record(benchmark: str, args: argparse.Namespace, config: dict, **extra) -> tuple[dict, Path, Path]:
+    """The JSON record's head (commit, GPU, driver, date, config …), the file it goes to
+    (``<out>/<benchmark>-<model>-<dtype>-<date>.json``) and the work folder (``--workdir`` or a temp dir)."""
+    result: dict = {"benchmark": benchmark, "commit": args.commit or _commit(), "gpu": None, "driver": _driver(),
+                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **extra,
+                    "config": config, "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
+    out_path = Path(args.out) / f"{benchmark}-{args.model}-{args.dtype}-{_dt.date.today().isoformat()}.json"
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"lum-{benchmark}-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return result, out_path, workdir

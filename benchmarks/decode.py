@@ -35,10 +35,8 @@ H200): workers get what is left of it, and a system that would not fit is record
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -47,9 +45,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (TORCH_DTYPES, _commit, _driver, _graph_count, _hf_load, _one_line,  # noqa: E402
-                     _sync, _sync_all, add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record,
-                     run_systems, run_worker_main, set_log_tag)
+from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E402
+                     _sync, _sync_all, add_run_args, build_package, log, make_hf_folder, prompt_ids, new_record,
+                     run_and_record, run_systems, run_worker_main, set_log_tag)
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
@@ -144,20 +142,19 @@ def worker_lum(spec: dict) -> dict:
     tokens = [tok]
     pos = len(prompt)
     rates = {}
+    def run_steps(n: int) -> None:
+        nonlocal tok, pos
+        for _ in range(n):
+            logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
+            tok = _argmax_last(logits)
+            tokens.append(tok)
+            pos += 1
+        _sync_all()
+
     try:
-        for _ in range(warmup):
-            logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
-            tok = _argmax_last(logits)
-            tokens.append(tok)
-            pos += 1
-        _sync_all()
+        run_steps(warmup)
         t1 = time.perf_counter()
-        for _ in range(steps):
-            logits = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
-            tok = _argmax_last(logits)
-            tokens.append(tok)
-            pos += 1
-        _sync_all()
+        run_steps(steps)
         t2 = time.perf_counter()
         rates["run_loop"] = steps / (t2 - t1)
         out["tokens"] = tokens
@@ -391,21 +388,14 @@ def main(argv=None) -> int:
         return 2
     need = args.prompt_len + args.warmup + max(args.steps, 0) + 8
     max_seq = max(args.max_seq, need)
-    today = _dt.date.today().isoformat()
-    result: dict = {"benchmark": "decode", "commit": args.commit or _commit(), "gpu": None, "driver": _driver(),
-                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "copy_GBps": None,
-                    "config": {"model": args.model, "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
-                               "prompt_len": args.prompt_len, "max_seq": max_seq, "batch": 1, "greedy": True},
-                    "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
+    result, out_path, workdir = new_record(
+        "decode", args, {"model": args.model, "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
+                         "prompt_len": args.prompt_len, "max_seq": max_seq, "batch": 1, "greedy": True},
+        copy_GBps=None)
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "tok_per_s": None, "weight_bytes": None,
                 "roofline_tok_per_s": None, "error": None} for s in systems}
     if "lum" in rows:
         rows["lum"]["open_to_first_token_s"] = None
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_path = out_dir / f"decode-{args.model}-{args.dtype}-{today}.json"
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lum-decode-"))
-    workdir.mkdir(parents=True, exist_ok=True)
 
     return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
                           lambda torch: _run(args, torch, result["target"], deadline, max_seq, systems, rows, result,

@@ -37,10 +37,8 @@ would not fit is recorded as skipped. Bad arguments exit 2 with one ``error:`` l
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -51,8 +49,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (_commit, _driver, _graph_count, _hf_load, _named_config, _one_line,  # noqa: E402
-                     add_run_args, build_package, log, make_hf_folder, prompt_ids, run_and_record, run_systems,
+from _common import (_graph_count, _hf_load, _named_config, _one_line,  # noqa: E402
+                     add_run_args, build_package, log, make_hf_folder, new_record, prompt_ids, run_and_record, run_systems,
                      run_worker, run_worker_main, set_log_tag)
 
 set_log_tag("prefill-bench")
@@ -260,21 +258,15 @@ def main(argv=None) -> int:
     deadline = t_start + args.time_limit
     systems = args.systems
     max_seq = args.max_seq or args.prompt_len
-    result: dict = {"benchmark": "prefill", "commit": args.commit or _commit(), "gpu": None, "driver": _driver(),
-                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    "config": {"model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
-                               "max_seq": max_seq, "batch": 1, "warmup": args.warmup, "repeats": args.repeats,
-                               "hf_cache": HF_CACHE, "logits": "all rows computed; the last row copied to the host",
-                               "timing": "wall clock per call (host ids in → last logits row on the host), median"},
-                    "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
+    result, out_path, workdir = new_record(
+        "prefill", args, {"model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
+                          "max_seq": max_seq, "batch": 1, "warmup": args.warmup, "repeats": args.repeats,
+                          "hf_cache": HF_CACHE, "logits": "all rows computed; the last row copied to the host",
+                          "timing": "wall clock per call (host ids in → last logits row on the host), median"})
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "prompt_len": args.prompt_len,
                 "median_s": None, "tokens_per_s": None, "cold_s": None, "error": None} for s in systems}
     if "lum" in rows:
         rows["lum"]["vs_torch"] = None
-    out_dir = Path(args.out)
-    out_path = out_dir / f"prefill-{args.model}-{args.dtype}-{_dt.date.today().isoformat()}.json"
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lum-prefill-"))
-    workdir.mkdir(parents=True, exist_ok=True)
 
     return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
                           lambda torch: _run(args, deadline, max_seq, rows, result, workdir), "median_s", print_table)
