@@ -1,12 +1,14 @@
 """Elementwise fusion: rules/fuse.egg → extraction → ``Fused`` LLIR ops (and reductions with a fused
 prologue) → reference backend and codegen.
 
-An identity read of an elementwise producer gets an inline value (``XAdd`` …) in its Ld class; an
-elementwise or Sum / Max consumer that chooses it recomputes the producer in its own kernel. Checked
-here: each rule fires on its pattern and not on near misses (a broadcast / permuted / padded / sliced
-/ reshaped read, a reduce or Contiguous producer); reductions fuse their prologue (``sum(x*x)``,
-softmax's ``sum(exp2(x - max))``) but not through a non-identity read; scatters and outputs read
-buffers; fused programs compute what the HLIR computes (mixed dtypes and padded leaves included);
+An identity read of an elementwise producer gets an inline value (``XAdd`` …) in its Ld class, and so
+does a read through any unmasked view (broadcast, permute, slice, reshape) of a producer whose operands
+all read its own layout or a scalar (the fuse-view-* rules); an elementwise or Sum / Max consumer that
+chooses it recomputes the producer in its own kernel. Checked here: each rule fires on its pattern and
+not on near misses (a padded read, a producer with a broadcast or permuted operand read through a
+non-identity view, a reduce or Contiguous producer); reductions fuse their prologue (``sum(x*x)``,
+softmax's ``sum(exp2(x - max))``) through the same reads; RMSNorm is a Σ and one Fused kernel, softmax a
+max, a Σ and one Fused kernel; scatters and outputs read buffers; fused programs compute what the HLIR computes (mixed dtypes and padded leaves included);
 the expression size cap; the LLIR validation of ``expr``; NVRTC compiles Fused and fused-reduce
 kernels; and decode kernel counts of tiny models before and after fusion.
 """
@@ -38,6 +40,7 @@ from lum.loader.reference_backend import BackendError, execute  # noqa: E402
 RNG = np.random.default_rng(11)
 FUSE_RULES = ("fuse-cast", "fuse-exp2", "fuse-log2", "fuse-sin", "fuse-sqrt", "fuse-recip", "fuse-add", "fuse-mul",
               "fuse-mod", "fuse-lessthan", "fuse-where")
+FUSE_VIEW_RULES = tuple(r.replace("fuse-", "fuse-view-") for r in FUSE_RULES)
 
 
 # ====================================================================== helpers
@@ -155,24 +158,69 @@ def test_mixed_dtype_and_integer_chains_keep_every_rounding():
     _check(g, prog, tol=0.0)                    # the same roundings as the HLIR interpreter, bit for bit
 
 
-@pytest.mark.parametrize("case", ["broadcast", "permuted", "padded", "sliced", "reshaped"])
-def test_no_inline_value_for_a_read_that_is_not_the_identity(case):
+@pytest.mark.parametrize("case", ["broadcast", "permuted", "sliced", "reshaped", "scalar"])
+def test_a_producer_of_identity_reads_inlines_through_any_unmasked_view(case):
+    """p's operands read its own layout (or a scalar), so any unmasked view of p's buffer applies to its
+    operands' buffers: the Add recomputes p through the view, and p is no kernel of its own."""
     g = Graph(case)
     x = F.input_tensor(g, "x", [4, 8], "f32")
     y = F.input_tensor(g, "y", [4, 8], "f32")
     if case == "broadcast":
         p = x.sum(0) * y.sum(0)                 # [8], read as [4, 8]
-        out = p + F.input_tensor(g, "w", [4, 8], "f32")
+        view = p.expand_dim(0, 4)
+    elif case == "scalar":                      # a per-row value times a scalar constant, read as [4, 8]
+        p = x.sum(1, keepdim=True) * 0.125
+        view = p.broadcast_to([4, 8])
     else:
         p = x * y
-        view = {"permuted": lambda t: t.permute(1, 0), "padded": lambda t: t.pad(1, 1, 1),
-                "sliced": lambda t: t.slice(1, 1, 5), "reshaped": lambda t: t.reshape(32)}[case](p)
-        out = view + F.input_tensor(g, "w", [int(d.value) for d in view.shape], "f32")
+        view = {"permuted": lambda t: t.permute(1, 0), "sliced": lambda t: t.slice(1, 1, 5),
+                "reshaped": lambda t: t.reshape(2, 16)}[case](p)
+    out = view + F.input_tensor(g, "w", [int(d.value) for d in view.shape], "f32")
+    F.output(out, "out")
+    sat = saturate(g)
+    cls = _edge_reading(sat, p, "Add")
+    assert _inline_ops(sat, cls) == {"XMul"} and cls in sat.decisions
+    assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") >= 1
+    prog, _ = compile_group(g, sat=sat)
+    assert [o.op for o in _kernels(prog) if o.kind == "elementwise"] == ["Fused"]   # p is recomputed
+    (k,) = [o for o in _kernels(prog) if o.op == "Fused"]
+    assert k.params["expr"] == ["Add", "f32", ["Mul", "f32", ["arg", 0], ["arg", 1]], ["arg", 2]]
+    if case == "scalar":                        # the constant is read through an all-zero view
+        assert k.args[1].view.strides == (as_expr(0), as_expr(0)) and prog.ops[k.args[1].src].kind == "constant"
+    else:                                       # p's operands are read through the consumer's own view
+        assert k.args[0].view.strides == view.view.strides
+    _check(g, prog)
+    prog0 = lower(sat, _unfused(sat, choose_by_cost(sat)))
+    assert any(o.op == "Mul" for o in prog0.ops)
+    _check(g, prog0)
+
+
+@pytest.mark.parametrize("case", ["padded", "permuted-operand", "broadcast-operand", "padded-operand"])
+def test_no_inline_value_through_a_view_near_misses(case):
+    """Not inlined through a non-identity view: a masked (padded) consumer view (a padded element reads 0,
+    not p over 0s), and a producer with an operand read that is neither its own layout nor a scalar
+    (its index map would have to be composed with the consumer's view)."""
+    g = Graph(case)
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    y = F.input_tensor(g, "y", [4, 8], "f32")
+    if case == "padded":
+        p = x * y
+        view = p.pad(1, 1, 1)
+    elif case == "permuted-operand":
+        p = x * F.input_tensor(g, "yt", [8, 4], "f32").permute(1, 0)
+        view = p.permute(1, 0)
+    elif case == "broadcast-operand":           # w [8] read as [4, 8] is no scalar
+        p = x * F.input_tensor(g, "w8", [8], "f32").expand_dim(0, 4)
+        view = p.slice(1, 1, 5)
+    else:
+        p = x.slice(1, 0, 6).pad(1, 1, 1) * y
+        view = p.reshape(2, 16)
+    out = view + F.input_tensor(g, "w", [int(d.value) for d in view.shape], "f32")
     F.output(out, "out")
     sat = saturate(g)
     cls = _edge_reading(sat, p, "Add")
     assert _inline_ops(sat, cls, raw=True) == set()
-    assert sat.fired("fuse-mul") == 0
+    assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") == 0
     prog, _ = compile_group(g, sat=sat)
     assert any(o.op == "Mul" for o in prog.ops)          # the producer is its own kernel
     _check(g, prog)
@@ -208,8 +256,8 @@ def test_a_reduction_fuses_its_prologue(case):
         e = (x - x.max(-1, keepdim=True)).exp2()
         p = e
         F.output(e * e.sum(-1, keepdim=True).recip(), "out")
-        want = None
-        expr = ["Exp2", "f32", ["Add", "f32", ["arg", 0], ["arg", 1]]]
+        want = None                             # x - max is x + max * -1: the [4, 1] product inlines too
+        expr = ["Exp2", "f32", ["Add", "f32", ["arg", 0], ["Mul", "f32", ["arg", 1], ["arg", 2]]]]
     else:
         y = F.input_tensor(g, "y", [8], "f32")
         p = (x * y).sin()
@@ -255,23 +303,114 @@ def test_a_sum_of_products_that_is_a_gemm_stays_a_gemm(dtype):
         _check(g, p, tol=1e-5 if dtype == "f32" else 1e-2)
 
 
-@pytest.mark.parametrize("case", ["permuted", "padded", "sliced", "reshaped", "broadcast"])
-def test_a_reduction_reads_a_non_identity_view_from_the_buffer(case):
+@pytest.mark.parametrize("case", ["permuted", "sliced", "reshaped", "broadcast"])
+def test_a_reduction_fuses_a_producer_through_a_view(case):
     g = Graph(case)
     x = F.input_tensor(g, "x", [4, 8], "f32")
     y = F.input_tensor(g, "y", [4, 8], "f32")
     p = x * y
-    view = {"permuted": lambda t: t.permute(1, 0), "padded": lambda t: t.pad(1, 1, 1),
-            "sliced": lambda t: t.slice(1, 1, 5), "reshaped": lambda t: t.reshape(2, 16),
-            "broadcast": lambda t: t.expand_dim(2, 3)}[case](p)
+    view = {"permuted": lambda t: t.permute(1, 0), "sliced": lambda t: t.slice(1, 1, 5),
+            "reshaped": lambda t: t.reshape(2, 16), "broadcast": lambda t: t.expand_dim(2, 3)}[case](p)
     F.output(view.sum(-1), "s")
     F.output(view.max(0), "m")
     sat = saturate(g)
-    assert sat.fired("fuse-mul") == 0
+    assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") >= 1
+    prog, _ = compile_group(g, sat=sat)
+    assert [o.kind for o in _kernels(prog)] == ["reduce", "reduce"]      # x*y is recomputed in both
+    assert all(o.params.get("expr") == ["Mul", "f32", ["arg", 0], ["arg", 1]] for o in _reduces(prog))
+    _check(g, prog)
+
+
+@pytest.mark.parametrize("case", ["padded", "permuted-operand"])
+def test_a_reduction_reads_a_padded_view_or_a_non_lifting_producer_from_the_buffer(case):
+    g = Graph(case)
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    if case == "padded":
+        p = x * F.input_tensor(g, "y", [4, 8], "f32")
+        view = p.pad(1, 1, 1)
+    else:
+        p = x * F.input_tensor(g, "yt", [8, 4], "f32").permute(1, 0)
+        view = p.permute(1, 0)
+    F.output(view.sum(-1), "s")
+    F.output(view.max(0), "m")
+    sat = saturate(g)
+    assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") == 0
     prog, _ = compile_group(g, sat=sat)
     assert [o.op for o in _kernels(prog) if o.kind == "elementwise"] == ["Mul"]   # the producer runs once
     assert all("expr" not in o.params for o in _reduces(prog))
     _check(g, prog)
+
+
+# ====================================================================== norms and softmax
+def _rmsnorm_graph(rows: int, dtype: str, add_one: bool) -> Graph:
+    g = Graph("rmsnorm")
+    x = F.input_tensor(g, "x", [rows, 16], dtype)
+    w = F.input_tensor(g, "w", [16], dtype)
+    F.output(F.rms_norm(x, w, 1e-6, add_one=add_one), "out")
+    return g
+
+
+@pytest.mark.parametrize("rows, dtype, add_one", [(4, "f32", False), (1, "bf16", False), (3, "bf16", True),
+                                                  (1, "f32", True)])
+def test_rmsnorm_is_a_reduce_and_one_fused_kernel(rows, dtype, add_one):
+    """x * rsqrt(mean(x²) + eps) * w: Σ(x·x) with a fused prologue, then ONE Fused kernel that recomputes
+    the per-row rsqrt(Σ/n + eps) through its broadcast read (the fuse-view-* rules)."""
+    g = _rmsnorm_graph(rows, dtype, add_one)
+    sat = saturate(g)
+    assert sat.fired("fuse-view-recip") >= 1 and sat.fired("fuse-view-sqrt") >= 1
+    prog, _ = compile_group(g, sat=sat)
+    ks = _kernels(prog)
+    assert [(o.kind, o.op) for o in ks] == [("reduce", "Sum"), ("elementwise", "Fused")]
+    assert "expr" in ks[0].params
+    assert "['Recip', 'f32', ['Sqrt', 'f32'" in str(ks[1].params["expr"])
+    _check(g, prog, tol=1e-6 if dtype == "f32" else 0.0)
+    for seed in range(8):                       # every selection computes the same
+        _check(g, lower(sat, random_choice(sat, seed)), tol=1e-6 if dtype == "f32" else 1e-2)
+
+
+def _softmax_graph(dtype: str = "f32") -> Graph:
+    g = Graph("softmax")
+    x = F.input_tensor(g, "x", [4, 8], dtype)
+    F.output(x.softmax(-1), "out")
+    return g
+
+
+def test_softmax_is_max_sum_and_one_fused_kernel():
+    g = _softmax_graph()
+    sat = saturate(g)
+    prog, _ = compile_group(g, sat=sat)
+    ks = _kernels(prog)
+    assert [(o.kind, o.op) for o in ks] == [("reduce", "Max"), ("reduce", "Sum"), ("elementwise", "Fused")]
+    assert "expr" in ks[1].params and "'Recip'" in str(ks[2].params["expr"])   # 1/Σ is recomputed
+    _check(g, prog)
+    for seed in range(8):
+        _check(g, lower(sat, random_choice(sat, seed)))
+
+
+def test_nvrtc_compiles_kernels_with_lifted_reads(tmp_path):
+    """The norm, softmax and view-lifted programs' kernels (generated from the programs, arg dtypes from
+    their producers) compile with NVRTC."""
+    from lum.builder import nvrtc
+    from lum.builder.kernels import compile_group_kernels
+
+    try:
+        nvrtc.nvrtc_version()
+    except nvrtc.NvrtcNotFound as e:
+        pytest.skip(f"NVRTC not available: {e}")
+    g = Graph("lifted")
+    x = F.input_tensor(g, "x", [4, 8], "bf16")
+    y = F.input_tensor(g, "y", [8, 4], "f32")
+    p = x.cast("f32").sum(0) * 0.5
+    q = x.cast("f32") * 2.0
+    F.output(p.expand_dim(1, 4) + q.permute(1, 0) + y, "out")    # a broadcast [8] and a permute
+    graphs = [_rmsnorm_graph(3, "bf16", True), _rmsnorm_graph(1, "f32", False), _softmax_graph("bf16"), g]
+    for gr in graphs:
+        prog, _ = compile_group(gr)
+        assert any(o.op == "Fused" for o in prog.ops)
+        res = compile_group_kernels(prog, cache_dir=tmp_path)
+        assert res.ptx is not None
+        for ks in res.sources.values():
+            assert f".entry {ks.name}(" in res.ptx
 
 
 def test_fused_reduce_with_padded_leaves_and_mixed_dtypes_is_exact():
@@ -600,8 +739,9 @@ def _identity(v: ShapeTracker, shape) -> bool:
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
 def test_decode_kernel_counts_drop(model):
     """Elementwise chains fuse, and so do the prologues of reductions: every RMSNorm's sum(x*x) is one
-    kernel (tiny-llama 160 -> 86 decode kernels, tiny-gemma3 400 -> 169; 97 / 197 with elementwise
-    fusion alone)."""
+    kernel, and per-row values read through broadcasts (rsqrt, 1/Σ) are recomputed by their consumers
+    (tiny-llama 191 -> 61 decode kernels, tiny-gemma3 445 -> 107; 86 / 169 before the fuse-view-* rules).
+    "Unfused" keeps the fused selection's other choices (a GEMV the cost model made a reduce stays one)."""
     kernels, elementwise, mul_sums = _decode_counts(model)
     print(f"{model} decode: kernels {kernels['unfused']} -> {kernels['fused']}, "
           f"elementwise {elementwise['unfused']} -> {elementwise['fused']}, "
@@ -610,3 +750,36 @@ def test_decode_kernel_counts_drop(model):
     # fused reductions stay reduce kernels: every kernel removed is an elementwise one
     assert kernels["unfused"] - kernels["fused"] == elementwise["unfused"] - elementwise["fused"]
     assert mul_sums["unfused"] > 0 and mul_sums["fused"] == 0
+
+
+def _square(expr) -> bool:
+    return isinstance(expr, list) and expr[0] == "Mul" and expr[2] == expr[3]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_decode_norms_are_a_sum_and_their_consumer(model):
+    """Each RMSNorm of a decode step is two kernels: Σ(x·x) with a fused prologue, and the kernel that
+    consumes the normalised x, which recomputes rsqrt(Σ/n + eps) through its broadcast read (a Fused
+    elementwise op or a reduce with a prologue: the cost model may turn a small GEMV into one). No kernel
+    materialises a per-row rsqrt or softmax's 1/Σ (before the fuse-view-* rules, each was a kernel)."""
+    from lum.builder.models import load_spec
+    from lum.builder.partition import chunk_graph, group_chunks, partition
+
+    spec = load_spec(random_name=model, dtype="bf16", max_seq=64)
+    cfg = spec.config
+    g = spec.graphs["decode"]
+    norms = 0
+    for grp in group_chunks(g, partition(g)):
+        prog = compile_group(chunk_graph(g, grp.representative))[0]
+        ks = _kernels(prog)
+        for o in ks:
+            root = o.params["expr"][0] if o.op == "Fused" else o.op
+            assert not (o.kind == "elementwise" and root in ("Recip", "Sqrt")), (o.op, o.params)
+            if o.op == "Sum" and _square(o.params.get("expr")):
+                norms += len(grp)
+                readers = [k for k in ks if any(a.src == o.id for a in k.args)]
+                assert readers and all(k.op == "Fused" or (k.kind == "reduce" and "expr" in k.params)
+                                       for k in readers)
+                assert all("['Recip', 'f32', ['Sqrt', 'f32'" in str(k.params["expr"]) for k in readers)
+    per_layer = 6 if model == "tiny-gemma3" else 2   # gemma3: pre/post attention and FFN norms, q and k norms
+    assert norms == per_layer * cfg.num_layers + 1         # and the final norm

@@ -6,7 +6,8 @@ symbolic dim) and for every group of the tiny model configs, the group is satura
 extractions are lowered to LLIR and run by the loader's reference backend, and each result is
 compared with the HLIR reference interpreter (relative error < 1e-5 in f32, max-norm). Random
 extractions pick fuse / no-fuse per fusable read (rules/fuse.egg), so Fused ops and reductions with a
-fused prologue (reduce ops with ``params["expr"]``) are covered too.
+fused prologue (reduce ops with ``params["expr"]``) are covered too, and so are producers inlined
+through a broadcast / permute / slice / reshape of their buffer (the fuse-view-* rules; counted).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from lum.builder import frontend as F  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
-from lum.builder.egraph import INLINE_OPS, saturate  # noqa: E402
-from lum.builder.extract import lower, random_choice  # noqa: E402
+from lum.builder.egraph import ELEMENTWISE_KERNELS, FUSING_CONSUMERS, INLINE_OPS, saturate  # noqa: E402
+from lum.builder.extract import _ARITY, _ld, _Reads, chosen, lower, random_choice  # noqa: E402
 from lum.builder.hlir import Edge, Graph  # noqa: E402
 from lum.builder.partition import chunk_graph, group_chunks, partition  # noqa: E402
 from lum.builder.reference import run_graph  # noqa: E402
@@ -48,7 +49,33 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) / scale
 
 
-FUSED = {"programs": 0, "reduce": 0}   # programs run that hold a Fused op / a reduce with a fused prologue
+FUSED = {"programs": 0, "reduce": 0, "lifted": 0}   # programs run that hold a Fused op / a reduce with a
+# fused prologue / an inline value read through a view other than the producer's identity (fuse-view-*)
+
+
+def _lifted(sat, choice) -> bool:
+    """The selection recomputes some producer through a non-identity view (rules/fuse.egg's fuse-view-*
+    rules: a broadcast, permute, slice or reshape of a producer whose operands read its own layout)."""
+    reads = _Reads(sat, choice)
+    for c in sat.reachable:
+        node = chosen(sat, choice, c)
+        if node.op not in FUSING_CONSUMERS:
+            continue
+        stack = list(node.args[:_ARITY[node.op]])
+        while stack:
+            k = stack.pop()
+            x = reads.inline(k)
+            if x is None:
+                continue
+            ld = _ld(sat, k)
+            prod = next(n for n in sat.options[ld.args[0]] if n.op in ELEMENTWISE_KERNELS)
+            v, shape = sat.view(ld.args[1]), sat.dlist(prod.args[-2])
+            ident = ShapeTracker.contiguous(shape)
+            if not (v.shape == shape and v.offset == as_expr(0) and v.mask is None
+                    and all(a == b or d == as_expr(1) for a, b, d in zip(v.strides, ident.strides, shape))):
+                return True
+            stack.extend(kid for kid in x.children() if sat.classes[kid].sort == "Op")
+    return False
 
 
 def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 0,
@@ -67,6 +94,7 @@ def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 
         prog = lower(sat, choice)
         FUSED["programs"] += any(o.op == "Fused" for o in prog.ops)
         FUSED["reduce"] += any(o.kind == "reduce" and "expr" in o.params for o in prog.ops)
+        FUSED["lifted"] += _lifted(sat, choice)
         out = execute(prog, inputs, dyn)
         assert set(out) == set(ref)
         for name, want in ref.items():
@@ -388,6 +416,8 @@ def test_random_graphs_cover_decisions():
     assert STATS["with_decisions"] >= 100, STATS
     assert FUSED["programs"] >= STATS["programs"] // 2, (FUSED, STATS)   # most hold a Fused op
     assert FUSED["reduce"] >= STATS["programs"] // 4, (FUSED, STATS)     # many a fused reduce
+    print(FUSED, STATS)
+    assert FUSED["lifted"] >= STATS["programs"] // 5, (FUSED, STATS)     # many inline a broadcast / permute ...
 
 
 # ====================================================================== tiny models
@@ -413,6 +443,7 @@ def test_tiny_model_groups_every_extraction_matches_the_reference(model):
     weights = {n: np.asarray(spec.weights.get(n)) for n in spec.weights.names()}
     state = {n: rng.standard_normal((spec.max_seq, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
              for n in spec.state_names}
+    lifted = FUSED["lifted"]
     for entry, dyn in (("prefill", {"s": 5}), ("decode", {"p": 9})):
         g = spec.graphs[entry]
         chunks = partition(g)
@@ -438,3 +469,4 @@ def test_tiny_model_groups_every_extraction_matches_the_reference(model):
                     assert decisions == 11 and runs > 1
                 if ci == grp.chunks[-1] == grp.chunks[0]:
                     break
+    assert FUSED["lifted"] > lifted       # norms' rsqrt, softmax's 1/sum, rope tables inline through broadcasts
