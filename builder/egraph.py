@@ -13,7 +13,8 @@ Every view is normalised first: unit dims get stride 0 (so broadcast checks in t
 Semantics (see ``rules/terms.egg``): every Op e-class is the flat contiguous buffer a node writes;
 consumers read it through ``(Ld op view)``. Only kernel ops (``K*``), ``Gemm``, ``Ld`` and the inline
 values ``X*`` (in Ld classes that an elementwise or reduce kernel op reads, rules/fuse.egg) are
-executable; HLIR constructors are not. :class:`SaturatedGroup` keeps, per Op e-class, its feasible
+executable; HLIR constructors and fuse.egg's helper terms (``Thru``, ``ZeroStrides``) are not.
+:class:`SaturatedGroup` keeps, per Op e-class, its feasible
 executable e-nodes (``options``); classes with more than one are the extraction's decision points.
 
     sat = saturate(graph)          # SaturatedGroup
