@@ -1,0 +1,169 @@
+"""Where a lum decode step spends its time: every kernel of the captured graph, timed by CUPTI.
+
+    python benchmarks/profile_decode.py --model gemma3-4b --dtype bf16 [--steps 20] [--prompt-len 16]
+                                        [--out DIR] [--pkg FILE] [--max-seq 512] [--top 40]
+
+Builds the package the way ``decode.py`` does (random HF weights saved as a folder, ``lum build``), or takes
+``--pkg``. Opens a CUDA session, runs the prompt and some warm-up decode steps, then profiles ``--steps`` decode
+steps with ``torch.profiler`` (CUPTI sees the kernels of lum's CUDA graphs, whichever context launched them).
+
+Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's bytes at this ``p``), so a row says
+how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
+kernel time and the rest (launch gaps between graph nodes, host work): the two things fusion and better
+kernels each reduce. Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import (build_package, log, make_hf_folder, new_record, prompt_ids, set_log_tag)  # noqa: E402
+
+set_log_tag("profile-decode")
+
+
+def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
+    """Kernel name -> its op (kind, op, shape, dtype) and the bytes it moves per launch at ``dyn``."""
+    out: dict[str, dict] = {}
+    for call in pkg.entry(entry).calls:
+        table = pkg.manifest.groups[call.group].table
+        if table is None:
+            continue
+        prog = pkg._program(call.group)
+        by_id = {o.id: o for o in prog.ops}
+        for k in table.ops:
+            op = by_id[k.op]
+            info = out.setdefault(k.name, {
+                "kind": op.kind, "op": op.op, "dtype": op.dtype.value,
+                "shape": [str(d) for d in op.shape], "bytes": int(op.bytes.evaluate(dyn)), "calls": 0})
+            info["calls"] += 1
+            for lc in k.launches:
+                out.setdefault(lc.kernel, info)
+    return out
+
+
+def _device_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+        v = getattr(evt, attr, None)
+        if v:
+            return float(v)
+    return 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma3-4b")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--pkg", default=None, help="profile this package instead of building one")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--top", type=int, default=40, help="kernels printed (all are saved)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import lum.loader
+
+    torch.cuda.init()
+    result, out_path, workdir = new_record("profile-decode", args, {
+        "model": args.model, "dtype": args.dtype, "steps": args.steps, "prompt_len": args.prompt_len,
+        "max_seq": args.max_seq})
+    result["gpu"] = torch.cuda.get_device_name()
+    pkg_path = Path(args.pkg) if args.pkg else workdir / "model.lumpkg"
+    if not args.pkg:
+        hf = workdir / "hf"
+        result["weight_bytes"] = make_hf_folder(args.model, args.dtype, hf, args.seed)["weight_bytes"]
+        torch.cuda.empty_cache()
+        dt, err = build_package(hf, pkg_path, args.dtype, args.max_seq, "auto", 900, workdir / "build.log")
+        if err:
+            raise SystemExit(err)
+        result["timings_s"]["build"] = round(dt, 2)
+    pkg = lum.loader.open(pkg_path)
+    vocab = int(pkg.entry("decode").outputs[0].shape[-1].evaluate({}))
+    sess = pkg.session(backend="cuda")
+    prompt = prompt_ids(vocab, None, args.prompt_len)
+    logits = sess.run("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})["logits"]
+    tok, pos = int(np.argmax(logits.reshape(-1, logits.shape[-1])[-1])), len(prompt)
+
+    def steps(n: int) -> float:
+        nonlocal tok, pos
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            lg = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
+            tok, pos = int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1])), pos + 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n
+
+    steps(args.warmup)
+    step_s = steps(args.steps)                        # unprofiled wall time per step
+    p_mid = pos + args.steps // 2
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps(args.steps)
+    ops = kernel_ops(pkg, "decode", {"p": p_mid})
+    rows = []
+    for evt in prof.key_averages():
+        us = _device_us(evt)
+        if us <= 0:
+            continue
+        info = ops.get(evt.key, {})
+        per_step_us = us / args.steps
+        launches = evt.count / args.steps
+        nbytes = info.get("bytes", 0) * launches
+        rows.append({"kernel": evt.key, "kind": info.get("kind", "library"), "op": info.get("op", ""),
+                     "shape": info.get("shape"), "dtype": info.get("dtype"), "launches_per_step": launches,
+                     "us_per_step": round(per_step_us, 2), "us_per_launch": round(per_step_us / max(launches, 1e-9), 2),
+                     "bytes_per_step": nbytes,
+                     "GBps": round(nbytes / (per_step_us * 1e-6) / 1e9, 1) if nbytes and per_step_us else None})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    kernel_us = sum(r["us_per_step"] for r in rows)
+    launches = sum(r["launches_per_step"] for r in rows)
+    by_kind: dict[str, dict] = defaultdict(lambda: {"us_per_step": 0.0, "launches_per_step": 0.0, "bytes_per_step": 0})
+    for r in rows:
+        k = by_kind[f"{r['kind']}/{r['op']}"]
+        k["us_per_step"] += r["us_per_step"]
+        k["launches_per_step"] += r["launches_per_step"]
+        k["bytes_per_step"] += r["bytes_per_step"]
+    weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in pkg.manifest.weights.values())
+    result.update({
+        "step_ms": round(step_s * 1e3, 3), "kernel_ms_per_step": round(kernel_us / 1e3, 3),
+        "other_ms_per_step": round(step_s * 1e3 - kernel_us / 1e3, 3), "launches_per_step": launches,
+        "p": p_mid, "package_weight_bytes": weight_bytes,
+        "by_kind": {k: {**v, "us_per_step": round(v["us_per_step"], 1)} for k, v in
+                    sorted(by_kind.items(), key=lambda kv: -kv[1]["us_per_step"])},
+        "rows": rows})
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    log(f"step {step_s * 1e3:.3f} ms wall; kernels {kernel_us / 1e3:.3f} ms in {launches:.0f} launches; "
+        f"other {step_s * 1e3 - kernel_us / 1e3:.3f} ms")
+    for k, v in result["by_kind"].items():
+        gbps = v["bytes_per_step"] / (v["us_per_step"] * 1e-6) / 1e9 if v["us_per_step"] else 0
+        print(f"  {k:28s} {v['us_per_step']:9.1f} us  {v['launches_per_step']:7.1f} launches  {gbps:7.0f} GB/s")
+    for r in rows[:args.top]:
+        print(f"  {r['us_per_step']:8.1f} us {r['launches_per_step']:5.1f}x {r['us_per_launch']:7.2f} us/launch "
+              f"{str(r['GBps']):>7} GB/s  {r['kind']}/{r['op']} {r['dtype']} {r['shape']}  {r['kernel'][:40]}")
+    log(f"wrote {out_path}")
+    sess.close()
+    pkg.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
