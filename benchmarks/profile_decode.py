@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (build_package, log, make_hf_folder, new_record, prompt_ids, set_log_tag)  # noqa: E402
+from _common import (build_package, gpu_and_target, log, make_hf_folder, new_record, prompt_ids,
+                     set_log_tag)  # noqa: E402
 
 set_log_tag("profile-decode")
 
@@ -85,13 +86,13 @@ def main(argv=None) -> int:
     result, out_path, workdir = new_record("profile-decode", args, {
         "model": args.model, "dtype": args.dtype, "steps": args.steps, "prompt_len": args.prompt_len,
         "max_seq": args.max_seq})
-    result["gpu"] = torch.cuda.get_device_name()
+    result["gpu"], target = gpu_and_target(torch, "cuda")
     pkg_path = Path(args.pkg) if args.pkg else workdir / "model.lumpkg"
     if not args.pkg:
         hf = workdir / "hf"
         result["weight_bytes"] = make_hf_folder(args.model, args.dtype, hf, args.seed)["weight_bytes"]
         torch.cuda.empty_cache()
-        dt, err = build_package(hf, pkg_path, args.dtype, args.max_seq, "auto", 900, workdir / "build.log")
+        dt, err = build_package(hf, pkg_path, args.dtype, args.max_seq, target, 900, workdir / "build.log")
         if err:
             raise SystemExit(err)
         result["timings_s"]["build"] = round(dt, 2)
