@@ -25,6 +25,7 @@ acyclic selections, and :func:`lower` raises :class:`ValueError` on a cyclic one
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
@@ -36,7 +37,7 @@ from lum.format.expr import Expr, as_expr, smax
 from lum.format.llir import Arg, LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
-__all__ = ["Choice", "random_choice", "choose_by_cost", "lower", "lower_enode", 
+__all__ = ["Choice", "random_choice", "choose_by_cost", "row_broadcast_reads", "lower", "lower_enode",
            "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
            "choice_to_genome", "FUSE_MAX_NODES"]
 
@@ -58,6 +59,39 @@ _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1
 
 
 # ====================================================================== choices
+def row_broadcast_reads(sat: SaturatedGroup) -> set[int]:
+    """Ld classes that a reduction's prologue would read repeated along one of its kept (output) dims.
+
+    Inlining such a read recomputes its producer once per output row: ``sum(rmsnorm(x) * W)`` over a
+    weight's rows is a matvec that would re-normalise ``x`` for every row, and attention's ``q·k``
+    would redo RoPE per key. Those stay reads of a buffer the producer writes once (and the matvec
+    stays a GEMM, which loads its operands 16 bytes at a time). A reduction whose kept dims are all 1
+    (RMSNorm's Σx²) or whose broadcast runs along the reduced axis (softmax's max) is not affected.
+    """
+    out: set[int] = set()
+    one, zero = as_expr(1), as_expr(0)
+    seen: set[tuple[int, int]] = set()
+    for c in sat.reachable:
+        for node in sat.options[c]:
+            if node.op not in _REDUCE:
+                continue
+            axis = int(node.args[1])
+            stack = [node.args[0]]
+            while stack:
+                k = stack.pop()
+                if (k, axis) in seen:
+                    continue
+                seen.add((k, axis))
+                v = sat.view(_ld(sat, k).args[1])
+                if any(st == zero and d != one for i, (d, st) in enumerate(zip(v.shape, v.strides)) if i != axis):
+                    out.add(k)
+                    continue
+                for x in sat.options[k]:
+                    if x.op in INLINE_OPS:
+                        stack.extend(_op_kids(sat, x))
+    return out
+
+
 def chosen(sat: SaturatedGroup, choice: Mapping[int, int], cls: int) -> ENode:
     """The e-node a choice selects for Op class ``cls``."""
     opts = sat.options[cls]
@@ -225,10 +259,13 @@ def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None =
     if cost_fn is None:
         cost_fn = costmodel.op_cost
     classes = sat.reachable
+    repeated = row_broadcast_reads(sat)
     local: dict[tuple[int, int], float] = {}
     for c in classes:
         for j, node in enumerate(sat.options[c]):
-            if node.op == "Ld" or node.op in INLINE_OPS:  # a read or an inline value: no kernel of its own
+            if node.op in INLINE_OPS and c in repeated:
+                local[(c, j)] = math.inf                 # never chosen: see row_broadcast_reads
+            elif node.op == "Ld" or node.op in INLINE_OPS:  # a read or an inline value: no kernel of its own
                 local[(c, j)] = 0.0
             else:
                 # lowered on its own: producers are named by their class ids
@@ -241,7 +278,7 @@ def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None =
     for key, ks in kids.items():
         for k in set(ks):
             parents.setdefault(k, []).append(key)
-    heap = [(local[key], key) for key, n in waiting.items() if n == 0]
+    heap = [(local[key], key) for key, n in waiting.items() if n == 0 and local[key] < math.inf]
     heapq.heapify(heap)
     pick: dict[int, int] = {}
     best: dict[int, float] = {}
@@ -252,7 +289,7 @@ def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None =
         best[c], pick[c] = tot, j
         for key in parents.get(c, ()):
             waiting[key] -= 1
-            if waiting[key] == 0 and key[0] not in best:
+            if waiting[key] == 0 and key[0] not in best and local[key] < math.inf:
                 heapq.heappush(heap, (local[key] + sum(best[k] for k in kids[key]), key))
     choice = {c: pick.get(c, 0) for c in sat.decisions}
     if check_acyclic(sat, choice) is not None:  # zero-cost ties can close a loop; break it randomly

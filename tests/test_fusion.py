@@ -28,7 +28,7 @@ from lum.builder import costmodel, extract  # noqa: E402
 from lum.builder import frontend as F  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
 from lum.builder.egraph import INLINE_OPS, SaturatedGroup, saturate  # noqa: E402
-from lum.builder.extract import choose_by_cost, lower, random_choice  # noqa: E402
+from lum.builder.extract import choose_by_cost, lower, random_choice, row_broadcast_reads  # noqa: E402
 from lum.builder.hlir import Graph  # noqa: E402
 from lum.builder.reference import run_graph  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
@@ -316,9 +316,32 @@ def test_a_reduction_fuses_a_producer_through_a_view(case):
     sat = saturate(g)
     assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") >= 1
     prog, _ = compile_group(g, sat=sat)
-    assert [o.kind for o in _kernels(prog)] == ["reduce", "reduce"]      # x*y is recomputed in both
-    assert all(o.params.get("expr") == ["Mul", "f32", ["arg", 0], ["arg", 1]] for o in _reduces(prog))
+    if case == "broadcast":
+        # max(0) keeps the broadcast dim: inlining would compute x*y three times per value, so that
+        # read (the same Ld class as sum(-1)'s) stays a read of x*y's buffer
+        assert [o.kind for o in _kernels(prog)] == ["elementwise", "reduce", "reduce"]
+        assert [o.params.get("expr") for o in _reduces(prog)] == [None, None]
+    else:
+        assert [o.kind for o in _kernels(prog)] == ["reduce", "reduce"]      # x*y is recomputed in both
+        assert all(o.params.get("expr") == ["Mul", "f32", ["arg", 0], ["arg", 1]] for o in _reduces(prog))
     _check(g, prog)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_matvec_does_not_recompute_its_normalised_input_per_row(dtype):
+    """``rmsnorm(x) @ W`` for two weights: as reduces with the norm as prologue, every one of W's rows would
+    re-normalise x (row_broadcast_reads); the norm is one kernel and both products stay GEMMs."""
+    g = Graph("norm-matvec")
+    x = F.input_tensor(g, "x", [1, 64], dtype)
+    h = F.rms_norm(x, F.input_tensor(g, "g", [64], dtype), 1e-6)
+    for k, rows in enumerate((32, 16)):
+        F.output(F.linear(h, F.input_tensor(g, f"w{k}", [rows, 64], dtype)), f"out{k}")
+    sat = saturate(g)
+    assert row_broadcast_reads(sat)
+    prog, _ = compile_group(g, sat=sat)
+    kinds = [o.kind for o in _kernels(prog)]
+    assert kinds.count("gemm") == 2 and all("expr" not in o.params or len(o.args) == 1 for o in _reduces(prog))
+    _check(g, prog, tol=1e-5 if dtype == "f32" else 2e-2)
 
 
 @pytest.mark.parametrize("case", ["padded", "permuted-operand"])
