@@ -49,7 +49,7 @@ reductions accumulate in float (``acc="f64"``: double) or int64.
 or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 
 **Tuning parameters** (keyword arguments with defaults; the effective values are in
-:attr:`KernelSource.tuning`): ``threads`` (block size), ``ept`` (work items per thread per block tile),
+:attr:`KernelSource.tuning`): ``threads`` (block size; default 256, gemv: see ``_default_threads``), ``ept`` (work items per thread per block tile),
 ``vec`` (elements per vector access, elementwise and gemv's B operand; ``None`` picks the widest legal
 one), ``group`` (threads per output row, reduce; threads reducing one output column, gemv — above 32 a
 split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
@@ -498,6 +498,17 @@ def gemv_rows(op: LOp) -> int | None:
     return m.value
 
 
+def _default_threads(op: LOp) -> int:
+    """Block size when the caller leaves it open: 256, except lum's decode GEMV (dot scheme), where
+    benchmarks/gemv_sweep.py measured small blocks best for many columns (>= 8,192: 128 threads, e.g.
+    3.54 vs 3.15 TB/s on gemma3-4b's gate projection) and large ones for few (512: 2.40 vs 2.15 TB/s on
+    its q projection)."""
+    if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
+        cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
+        return 128 if cols.is_const and cols.value >= 8192 else 512
+    return 256
+
+
 def _pow2_floor(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
@@ -508,7 +519,7 @@ def _pow2ceil(x: int) -> int:
 
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
-             threads: int = 256, ept: int | None = None, vec: int | None = None, group: int | None = None,
+             threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, max_blocks: int = 65536, index_bits: int | None = None,
              max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32") -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
@@ -525,6 +536,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
             raise CodegenError(f"dyn var name {v!r} is reserved (prefix lum_)")
     if len(set(dyn_vars)) != len(dyn_vars):
         raise CodegenError(f"duplicate names in dyn_vars {list(dyn_vars)}")
+    if threads is None:
+        threads = _default_threads(op)
     if threads % 32 or not 32 <= threads <= 1024:
         raise CodegenError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
     if acc not in ("f32", "f64") or math not in ("f32", "f64"):
@@ -1162,6 +1175,8 @@ class _Gen:
             if not k.is_const:
                 return min(32, t)
             kv = max(1, -(-k.value // vec))
+            if kv >= 128:      # two warps per output, >= 2 vectors per thread: best or within 7% of
+                return min(64, t)   # it on every decode projection of gemma3-4b / llama3-1b (gemv_sweep)
             g = min(32, _pow2ceil(kv), t)
             while sized and g < t and batch.value * n.value * g < _GEMV_FILL_THREADS and kv >= 4 * g:
                 g *= 2

@@ -80,7 +80,7 @@ SEARCH_SEED = 0
 # ``unroll`` the GEMV's loads in flight. A value a kernel cannot take (a group above its threads) fails
 # codegen and rejects the candidate.
 TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("threads", (256, 128, 512)),
+    ("threads", (None, 128, 256, 512)),
     ("ept", (None, 1, 2, 4)),
     ("group", (None, 64, 128)),
     ("unroll", (None, 8)),
