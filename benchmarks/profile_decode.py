@@ -115,16 +115,6 @@ def main(argv=None) -> int:
 
     steps(args.warmup)
     step_s = steps(args.steps)                        # unprofiled wall time per step
-    # the same steps launched without programmatic serialization (A/B in one run)
-    main_sess, sess = sess, pkg.session(backend="cuda", programmatic_launch=False)
-    sess.run("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})
-    pos0 = pos
-    pos = len(prompt) + 1
-    steps(args.warmup)
-    result["step_ms_plain_launch"] = round(steps(args.steps) * 1e3, 3)
-    sess.close()
-    sess, pos = main_sess, pos0
-    result["programmatic_launch"] = bool(getattr(sess.runner, "programmatic", False))
     p_mid = pos + args.steps // 2
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         steps(args.steps)
@@ -162,7 +152,6 @@ def main(argv=None) -> int:
         "rows": rows})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
-    log(f"plain launches: {result['step_ms_plain_launch']:.3f} ms per step")
     log(f"step {step_s * 1e3:.3f} ms wall; kernels {kernel_us / 1e3:.3f} ms in {launches:.0f} launches; "
         f"other {step_s * 1e3 - kernel_us / 1e3:.3f} ms")
     for k, v in result["by_kind"].items():

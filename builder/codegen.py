@@ -305,9 +305,8 @@ class _Ctx:
 
     def dyn_loads(self) -> tuple[str, dict[str, int]]:
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        lines = ["  lum_launch_order();  // common.cuh: wait for the previous kernel (programmatic launch)"]
-        lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
-        return "\n".join(lines if slots else lines + ["  (void)dyn;"]), slots
+        lines = [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
+        return ("\n".join(lines) if lines else "  (void)dyn;"), slots
 
 
 def view_access(ctx: _Ctx, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,

@@ -199,18 +199,4 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
 }
 #endif  // CUDA
 
-// ------------------------------------------------------------------------------ launch order
-// Programmatic dependent launch (sm_90+). The CUDA runner launches kernels with programmatic stream
-// serialization, so a kernel's blocks may be scheduled while the previous kernel in the stream is
-// still running. Every kernel calls this first, before touching global memory: it waits until the
-// previous grid has completed and its writes are visible (which, by the same rule one step back,
-// covers every earlier grid), then lets the next kernel start launching. Launched plainly, both
-// instructions return at once.
-LUM_D void lum_launch_order() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
 #endif  // LUM_COMMON_CUH

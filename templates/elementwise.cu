@@ -12,8 +12,7 @@
 //!   KERNEL      entry name                    THREADS  threads per block (== blockDim.x)
 //!   EPT         items per thread per tile     IDX_T    index type (int or long long)
 //!   PARAMS      pointer parameters: out, in0.., then `const long long* __restrict__ dyn`
-//!   DYN_LOADS   `lum_launch_order();` (common.cuh), then `const IDX_T lum_d_<var> = (IDX_T)dyn[<slot>];` for
-//!               each dyn var the kernel uses
+//!   DYN_LOADS   `const IDX_T lum_d_<var> = (IDX_T)dyn[<slot>];` for each dyn var the kernel uses
 //!   NUM_ITEMS   number of work items (C expression of the dyn vars)
 //!   BODY        per item: unravel lum_w into lum_i0.., load arguments through their views
 //!               (physical index + validity), compute in float / long long / bool, convert, store
