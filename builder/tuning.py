@@ -549,7 +549,7 @@ def _replay(runner: Any, entry: str, dyn: Mapping[str, int]) -> None:
     plan = runner.plans[entry]
     key = plan.values(dyn)
     for seg in plan.segments:
-        if runner.graphs and seg.graph:
+        if runner.graphs:
             runner._graph(plan, seg, key).launch(runner.stream)
         else:
             runner._enqueue(plan.concrete(key, runner._gemm_plan, seg.steps), runner.stream)
