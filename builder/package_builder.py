@@ -180,7 +180,7 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
     weights = {}
     names = list(spec.weights.names())
     for i, name in enumerate(names):
-        shape = spec.config.weight_shapes()[name]
+        shape = spec.config.graph_weight_shapes()[name]
         section = f"weight/{name}"
         nbytes = int(np.prod(shape)) * spec.dtype.itemsize
         w.add_section(section, _weight_chunks(spec, name), codec="none", length=nbytes, kind="weight")

@@ -436,9 +436,9 @@ def test_model_layer_scatters_are_in_place_and_gemms_fire():
         for c in sat.decisions:
             ops.setdefault(tuple(sorted(n.op for n in sat.options[c])), []).append(c)
         assert len(ops[("KScatter", "KScatterNoCopy")]) == 2               # k and v cache writes
-        assert len(ops[("Gemm", "KSumReduce")]) == 9                        # 7 projections + QK^T + PV
+        assert len(ops[("Gemm", "KSumReduce")]) == 6     # qkv (stacked), o, gate_up (stacked), down, QK^T, PV
         layouts = sorted(n.args[0] for _, n in sat.enodes("Gemm"))
-        assert layouts.count("RmCm") >= 8 and "RmRm" in layouts
+        assert layouts.count("RmCm") >= 5 and "RmRm" in layouts
 
 
 # ====================================================================== mixed-precision GEMM
@@ -550,14 +550,9 @@ def test_chunk_graph_is_standalone_and_compiles():
     compiled = compile_graph(g)
     assert len(compiled) == 3 and [len(c.group) for c in compiled] == [1, 2, 1]
     layer = compiled[1]
-    # 9 matmuls: q k v o gate up down and the two attention products; the cost model may make a small
-    # weight GEMV a reduce whose prologue recomputes its normalised input (rules/fuse.egg fuse-view-*)
-    prog = layer.program
-    weight_reduces = sum(o.kind == "reduce" and "expr" in o.params
-                         and any(prog.ops[a.src].params.get("role") == "weight" and len(prog.ops[a.src].shape) == 2
-                                 for a in o.args) for o in prog.ops)
-    assert layer.stats["gemms"] >= 2 and layer.stats["gemms"] + weight_reduces == 9 and layer.stats["in_place"] == 2
-    assert layer.stats["decisions"] - layer.stats["fuse_decisions"] == 11 and layer.stats["fuse_decisions"] > 0
+    # 6 matmuls: the stacked qkv, o, the stacked gate_up, down and the two attention products
+    assert layer.stats["gemms"] == 6 and layer.stats["in_place"] == 2
+    assert layer.stats["decisions"] - layer.stats["fuse_decisions"] == 8 and layer.stats["fuse_decisions"] > 0
     assert all(o.bytes.vars() <= {"p"} for o in layer.program.ops)
 
 
@@ -583,13 +578,8 @@ def test_lower_with_an_empty_choice_takes_option_0_everywhere():
 def test_lum_graph_egraph_flag(capsys):
     import json
 
-    from lum.builder.compile import compile_graph
-    from lum.builder.models import load_spec
     from lum.loader.cli import main
 
-    spec = load_spec(random_name="tiny-llama")
-    want_gemms = {e: compile_graph(spec.graphs[e])[1].stats["gemms"] for e in ("prefill", "decode")}
-    assert want_gemms["prefill"] >= 2 and want_gemms["decode"] >= 2
     with pytest.raises(SystemExit) as info:
         main(["graph", "--random", "tiny-llama", "--egraph", "--json"])
     out, _ = capsys.readouterr()
@@ -601,7 +591,7 @@ def test_lum_graph_egraph_flag(capsys):
             e = grp["egraph"]
             assert e["eclasses"] > 0 and e["enodes"] >= e["eclasses"] and e["seconds_saturate"] >= 0
             assert e["seconds_extract"] >= 0
-        assert groups[1]["egraph"]["gemms"] == want_gemms[entry]   # what the compiler itself picks
+        assert groups[1]["egraph"]["gemms"] == 6
     with pytest.raises(SystemExit):
         main(["graph", "--random", "tiny-llama", "--egraph"])
     out, _ = capsys.readouterr()

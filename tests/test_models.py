@@ -66,11 +66,16 @@ def test_sharded_bf16_checkpoint_loads(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     spec = load_spec(src=tmp_path, dtype="bf16", max_seq=16)
     params = dict(model.named_parameters())
-    for name in spec.weights.names():
-        ours = np.asarray(spec.weights.get(name)).astype(np.float32)
+    for name in spec.weights.source.names():
+        ours = np.asarray(spec.weights.source.get(name)).astype(np.float32)
         theirs = params[name].detach().float().numpy()
         np.testing.assert_array_equal(ours, theirs)
     assert "lm_head.weight" in spec.weights.names()  # tiny-qwen3 is untied
+    # the graphs read q/k/v and gate/up stacked along rows
+    for stack, parts in spec.config.stacked_weights().items():
+        want = np.concatenate([params[p].detach().float().numpy() for p in parts], axis=0)
+        np.testing.assert_array_equal(np.asarray(spec.weights.get(stack)).astype(np.float32), want)
+    assert set(spec.weights.names()) == set(spec.config.graph_weight_shapes())
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])

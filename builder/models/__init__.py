@@ -9,7 +9,7 @@ from pathlib import Path
 from lum.builder.hlir import Graph
 from lum.builder.models.config import NAMED_CONFIGS, ModelConfig, config_from_hf, named_config
 from lum.builder.models.transformer import build_entry, cache_names
-from lum.builder.models.weights import CheckpointWeights, RandomWeights, WeightSource
+from lum.builder.models.weights import CheckpointWeights, GraphWeights, RandomWeights, WeightSource
 from lum.format.dtypes import DType
 
 ENTRIES = ("prefill", "decode")
@@ -84,4 +84,4 @@ def load_spec(src: str | Path | None = None, random_name: str | None = None, dty
     if max_seq < 1:
         raise ValueError(f"max_seq must be positive, got {max_seq}")
     graphs = {entry: build_entry(cfg, entry, max_seq, dtype) for entry in ENTRIES}
-    return ModelSpec(name, cfg, dtype, max_seq, graphs, weights, source)
+    return ModelSpec(name, cfg, dtype, max_seq, graphs, GraphWeights(weights, cfg), source)

@@ -54,7 +54,7 @@ class DecoderBuilder:
         """The weight input ``name`` (created on first use, in the chunk that first uses it)."""
         t = self._weights.get(name)
         if t is None:
-            shape = self.cfg.weight_shapes()[name]
+            shape = self.cfg.graph_weight_shapes()[name]
             t = self._weights[name] = F.input_tensor(self.g, name, shape, self.dtype, role="weight")
         return t
 
@@ -63,8 +63,7 @@ class DecoderBuilder:
 
     def proj(self, x: GraphTensor, prefix: str) -> GraphTensor:
         """A linear layer: ``x`` rounded to the weights' dtype, the result in the activation dtype."""
-        bias = self.w(prefix + ".bias") if self.cfg.attention_bias and prefix.endswith(("q_proj", "k_proj", "v_proj")) \
-            else None
+        bias = self.w(prefix + ".bias") if self.cfg.attention_bias and prefix.endswith("qkv_proj") else None
         return F.linear(x.cast(self.dtype), self.w(prefix + ".weight"), bias, out_dtype=self.act)
 
     # ------------------------------------------------------------------ graph
@@ -108,8 +107,9 @@ class DecoderBuilder:
         return residual + h
 
     def mlp(self, p: str, x: GraphTensor) -> GraphTensor:
-        gate = self.proj(x, p + "mlp.gate_proj")
-        up = self.proj(x, p + "mlp.up_proj")
+        inter = self.cfg.intermediate_size
+        gate_up = self.proj(x, p + "mlp.gate_up_proj")              # stacked weights (config.stacked_weights)
+        gate, up = gate_up.slice(1, 0, inter), gate_up.slice(1, inter, 2 * inter)
         act = gate.gelu() if self.cfg.hidden_act == "gelu_tanh" else gate.silu()
         return self.proj(act * up, p + "mlp.down_proj")
 
@@ -119,9 +119,10 @@ class DecoderBuilder:
         p = f"model.layers.{i}.self_attn."
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = nh // nkv
-        q = self.proj(x, p + "q_proj").reshape(s, nh, hd)
-        k = self.proj(x, p + "k_proj").reshape(s, nkv, hd)
-        v = self.proj(x, p + "v_proj").reshape(s, nkv, hd)
+        qkv = self.proj(x, p + "qkv_proj")                           # stacked weights (config.stacked_weights)
+        q = qkv.slice(1, 0, nh * hd).reshape(s, nh, hd)
+        k = qkv.slice(1, nh * hd, (nh + nkv) * hd).reshape(s, nkv, hd)
+        v = qkv.slice(1, (nh + nkv) * hd, (nh + 2 * nkv) * hd).reshape(s, nkv, hd)
         if cfg.qk_norm:
             q = self.norm(q, p + "q_norm.weight")
             k = self.norm(k, p + "k_norm.weight")

@@ -170,6 +170,26 @@ class RandomWeights:
         return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
 
 
+class GraphWeights:
+    """A checkpoint's weights under the entry graphs' names (``ModelConfig.graph_weight_shapes``):
+    stacked groups are concatenated along rows when asked for; every other name passes through.
+    ``source`` is the checkpoint's own view (Hugging Face names)."""
+
+    def __init__(self, source: WeightSource, config: ModelConfig):
+        self.source, self.config = source, config
+        self._stacks = config.stacked_weights()
+        self._names = list(config.graph_weight_shapes())
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def get(self, name: str) -> np.ndarray:
+        parts = self._stacks.get(name)
+        if parts is None:
+            return self.source.get(name)
+        return np.concatenate([np.asarray(self.source.get(p)) for p in parts], axis=0)
+
+
 def cast_weight(x: np.ndarray, dtype: DType) -> np.ndarray:
     return np.ascontiguousarray(x.astype(dtype.np, copy=False))
 
