@@ -76,11 +76,13 @@ class DecoderBuilder:
         positions = F.arange(g, self.s)
         if self.past != as_expr(0):
             positions = positions + F.dim_value(g, self.past, DType.i64)
-        tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.act)
-                  for kind in sorted(set(cfg.layer_types))}
+        self.positions = positions
+        kinds = sorted(set(cfg.layer_types))
+        tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.act) for kind in kinds}
+        masks = {kind: self.mask(kind, positions, self.past + self.s) for kind in kinds}   # once, not per layer
         for i in range(cfg.num_layers):
             g.graph_break()
-            x = self.layer(i, x, positions, tables[cfg.layer_types[i]])
+            x = self.layer(i, x, tables[cfg.layer_types[i]], masks[cfg.layer_types[i]])
         g.graph_break()
         x = self.norm(x, "model.norm.weight")
         head = self.w("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
@@ -91,11 +93,11 @@ class DecoderBuilder:
         F.output(logits, "logits")
         return g
 
-    def layer(self, i: int, x: GraphTensor, positions: GraphTensor, rope: tuple[GraphTensor, GraphTensor]) -> GraphTensor:
+    def layer(self, i: int, x: GraphTensor, rope: tuple[GraphTensor, GraphTensor], mask: GraphTensor) -> GraphTensor:
         cfg, p = self.cfg, f"model.layers.{i}."
         residual = x
         h = self.norm(x, p + "input_layernorm.weight")
-        h = self.attention(i, h, positions, rope)
+        h = self.attention(i, h, rope, mask)
         if cfg.is_gemma:
             h = self.norm(h, p + "post_attention_layernorm.weight")
         x = residual + h
@@ -113,8 +115,7 @@ class DecoderBuilder:
         act = gate.gelu() if self.cfg.hidden_act == "gelu_tanh" else gate.silu()
         return self.proj(act * up, p + "mlp.down_proj")
 
-    def attention(self, i: int, x: GraphTensor, positions: GraphTensor,
-                  rope: tuple[GraphTensor, GraphTensor]) -> GraphTensor:
+    def attention(self, i: int, x: GraphTensor, rope: tuple[GraphTensor, GraphTensor], mask: GraphTensor) -> GraphTensor:
         cfg, g, s = self.cfg, self.g, self.s
         p = f"model.layers.{i}.self_attn."
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -135,34 +136,38 @@ class DecoderBuilder:
         caches = []
         for kind, new in (("k", k), ("v", v)):
             cache = F.input_tensor(g, f"{kind}_cache.{i}", [self.max_seq, nkv, hd], self.dtype, role="state")
-            updated = F.scatter(cache, new, positions)
+            updated = F.scatter(cache, new, self.positions)
             F.output(updated, f"{kind}_cache.{i}", role="state")
-            caches.append(updated.slice(0, 0, total).permute(1, 0, 2))  # [nkv, T, hd]
-        k_all, v_all = caches
+            caches.append(updated)
+        k_cache, v_cache = caches
 
-        # Grouped-query attention as views: q [nkv, group, s, hd], k/v broadcast over the group.
-        qg = q.reshape(nkv, group, s, hd)
-        kg = k_all.expand_dim(1, group)                              # [nkv, group, T, hd]
-        vg = v_all.expand_dim(1, group)
-        # Scores in f32 (as flash attention keeps them): rounding q·k to bf16 before the softmax
-        # would put errors of ~0.4% of the logit into exp(). No-op casts for f32 models.
+        def heads(t: GraphTensor) -> GraphTensor:
+            """Rows [0, past + s) of a cache as [nkv, group, T, hd]: broadcast over a KV head's group (GQA)."""
+            return t.slice(0, 0, total).permute(1, 0, 2).expand_dim(1, group)
+
+        # q·k as flash attention computes it: 16-bit operands (q rounded; the cache widened as a whole
+        # before the views, so rules/flatten.egg's widened-product rule reads it as stored and nothing is
+        # widened in memory), products summed and kept in f32 — rounding the scores to bf16 before the
+        # softmax would put errors of ~0.4% of the logit into exp(). No-op casts for f32 models.
         f32 = DType.f32
-        scores = F.matmul(qg, kg.cast(f32).transpose(-2, -1)) * cfg.attn_scale   # [nkv, group, s, T]
+        qg = q.reshape(nkv, group, s, hd).cast(self.dtype).cast(f32)
+        scores = F.matmul(qg, heads(k_cache.cast(f32)).transpose(-2, -1)) * cfg.attn_scale   # [nkv, group, s, T]
         if cfg.attn_logit_softcapping:
             cap = float(cfg.attn_logit_softcapping)
             scores = F.tanh(scores * (1.0 / cap)) * cap
-        scores = F.where(self.mask(i, positions, total), scores, NEG_INF)
+        scores = F.where(mask, scores, NEG_INF)
         probs = scores.softmax(-1).cast(self.dtype)
-        out = F.matmul(probs, vg)                                    # [nkv, group, s, hd]
+        out = F.matmul(probs, heads(v_cache))                        # [nkv, group, s, hd]
         out = out.reshape(nh, s, hd).permute(1, 0, 2).reshape(s, nh * hd)
         return self.proj(out, p + "o_proj")
 
-    def mask(self, i: int, positions: GraphTensor, total: Expr) -> GraphTensor:
-        """[s, T] bool: key j is visible to query at position q when j ≤ q (and q − j < window)."""
+    def mask(self, kind: str, positions: GraphTensor, total: Expr) -> GraphTensor:
+        """[s, T] bool for layers of ``kind``: key j is visible to query at position q when j ≤ q (and, in a
+        sliding layer, q − j < window). Built once per entry and read by every layer of that kind."""
         g = self.g
         kpos = F.arange(g, total).unsqueeze(0)          # [1, T]
         qpos = positions.unsqueeze(1)                   # [s, 1]
         visible = kpos < qpos + 1
-        if self.cfg.layer_types[i] == "sliding" and self.cfg.sliding_window:
+        if kind == "sliding" and self.cfg.sliding_window:
             visible = F.logical_and(visible, qpos < kpos + int(self.cfg.sliding_window))
         return visible
