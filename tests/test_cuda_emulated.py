@@ -202,6 +202,27 @@ print(json.dumps({"marks": marks, "graphs": n_graphs, "segments": segments, "aft
     assert res["segments"]["decode"] == 1   # one graph: decode's gemms (n = p + 1 too) are kernels
 
 
+def test_tuning_replay_reuses_the_runners_graph(env):
+    """The measured search times a candidate by replaying its entry (lum.builder.tuning._replay) through the
+    runner's plan: it must keep up with that API (a removed Segment field once made every candidate fail,
+    which only the GPU showed)."""
+    res = run(env, r'''
+import lum.loader as L
+from lum.builder import tuning as T
+pkg = L.open(PKGS["tiny-llama"])
+sess = pkg.session(backend="cuda")
+sess.run("prefill", {"tokens": np.asarray([1, 2, 3], np.int32)}, {"s": 3})
+sess.run("decode", {"tokens": np.asarray([5], np.int32)}, {"p": 3})
+before = [sess.runner.captures, fake_stats()["graph_launches"]]
+T._replay(sess.runner, "decode", {"p": 3})
+sess.runner.stream.synchronize()
+after = [sess.runner.captures, fake_stats()["graph_launches"]]
+sess.close()
+print(json.dumps({"before": before, "after": after}))
+''')
+    assert res["after"] == [res["before"][0], res["before"][1] + 1], res   # the captured graph, launched once
+
+
 def test_two_sessions_with_different_bounds(env):
     res = run(env, r'''
 import lum.loader as L
