@@ -34,7 +34,7 @@ SHAPES = {   # (n, k) of each decode projection, then the fused forms
     "llama3-1b": {"q": (2048, 2048), "kv": (512, 2048), "o": (2048, 2048), "gate/up": (8192, 2048),
                   "down": (2048, 8192), "qkv": (3072, 2048), "gate+up": (16384, 2048)},
 }
-THREADS = (128, 256, 512)
+THREADS = (None, 128, 256, 512)   # None: codegen's default (_default_threads)
 GROUPS = (None, 32, 64, 128, 256)
 UNROLLS = (4, 8)
 
@@ -122,18 +122,19 @@ def main(argv=None) -> int:
                     mod.close()
                     gbps = (wbytes + (k + n) * dt.itemsize) / t / 1e9
                     results.append({"threads": threads, "group": group, "unroll": unroll,
-                                    "chosen_group": ks.tuning["group"], "us": round(t * 1e6, 2),
+                                    "chosen_threads": ks.tuning["threads"], "chosen_group": ks.tuning["group"],
+                                    "us": round(t * 1e6, 2),
                                     "GBps": round(gbps)})
                 for b in ws:
                     b.close()
                     owned.remove(b)
                 best = max(results, key=lambda r: r["GBps"])
-                default = next(r for r in results if r["threads"] == 256 and r["group"] is None and r["unroll"] == 4)
+                default = next(r for r in results if r["threads"] is None and r["group"] is None and r["unroll"] == 4)
                 record["rows"].append({"model": model, "proj": proj, "n": n, "k": k, "best": best,
                                        "default": default, "all": results})
                 log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  default {default['GBps']:5d} GB/s "
-                    f"({default['us']:6.2f} us, group {default['chosen_group']})  best {best['GBps']:5d} GB/s "
-                    f"({best['us']:6.2f} us: threads {best['threads']} group {best['chosen_group']} unroll {best['unroll']})")
+                    f"({default['us']:6.2f} us, threads {default['chosen_threads']} group {default['chosen_group']})  best {best['GBps']:5d} GB/s "
+                    f"({best['us']:6.2f} us: threads {best['chosen_threads']} group {best['chosen_group']} unroll {best['unroll']})")
     finally:
         stream.synchronize()
         for o in reversed(owned):
