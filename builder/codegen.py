@@ -49,9 +49,9 @@ reductions accumulate in float (``acc="f64"``: double) or int64.
 or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 
 **Tuning parameters** (keyword arguments with defaults; the effective values are in
-:attr:`KernelSource.tuning`): ``threads`` (block size; default 256, gemv: see ``_default_threads``), ``ept`` (work items per thread per block tile),
-``vec`` (elements per vector access, elementwise and gemv's B operand; ``None`` picks the widest legal
-one), ``group`` (threads per output row, reduce; threads reducing one output column, gemv — above 32 a
+:attr:`KernelSource.tuning`): ``threads`` (block size; 256, or see ``_default_threads`` for gemv),
+``ept`` (work items per thread per block tile), ``vec`` (elements per vector access, elementwise and
+gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce; threads reducing one output column, gemv — above 32 a
 split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``. Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.

@@ -124,9 +124,9 @@ class ModelConfig:
     def stacked_weights(self) -> dict[str, tuple[str, ...]]:
         """Weights the decoder graph reads as one matrix, stacked along rows at build time: per layer
         q/k/v (and their biases) as ``self_attn.qkv_proj``, gate/up as ``mlp.gate_up_proj``. Decode then
-        runs one GEMV where it ran three (or two): measured on the H200 (benchmarks/gemv_sweep.py),
-        gemma3-4b's stacked q/k/v reads at 2.8 TB/s where its separate q / k / v GEMVs reach 2.4 / 1.6 /
-        1.6, and each launch saved is ~2 us of a decode step."""
+        runs one GEMV where it ran three (or two): on the H200 (benchmarks/gemv_sweep.py, best
+        configurations) gemma3-4b's stacked q/k/v reads at 2.8 TB/s where its separate q / k / v GEMVs
+        reach 2.4 / 1.6 / 1.6, and each launch saved is ~2 us of a decode step."""
         out: dict[str, tuple[str, ...]] = {}
         for i in range(self.num_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."

@@ -48,6 +48,7 @@ class DecoderBuilder:
         self.act = DType.f32                       # activations (module docstring)
         self.g = Graph(name)
         self._weights: dict[str, GraphTensor] = {}
+        self.positions: GraphTensor | None = None   # [s] i64 token positions, set by build()
 
     # ------------------------------------------------------------------ helpers
     def w(self, name: str) -> GraphTensor:
