@@ -1,0 +1,34 @@
+"""benchmarks/profile_decode.py's map from kernel names (what CUPTI reports) back to LLIR ops, on a
+CPU-built package: the GPU part of the script only adds the measured times."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lum.builder.nvrtc")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from profile_decode import kernel_ops  # noqa: E402
+
+import lum.loader  # noqa: E402
+from lum.builder.models import load_spec  # noqa: E402
+from lum.builder.package_builder import build_package  # noqa: E402
+
+
+def test_every_decode_kernel_maps_to_its_op(tmp_path):
+    spec = load_spec(random_name="tiny-gemma3", dtype="bf16", max_seq=32)
+    pkg = lum.loader.open(build_package(spec, tmp_path / "m.lumpkg"))
+    ops = kernel_ops(pkg, "decode", {"p": 7})
+    launched = {lc.kernel for call in pkg.entry("decode").calls
+                for k in pkg.manifest.groups[call.group].table.ops for lc in k.launches}
+    assert launched and launched <= set(ops)
+    for name in launched:
+        info = ops[name]
+        assert name.startswith(f"lum_{info['kind']}_"), (name, info)
+        assert info["calls"] >= 1 and info["bytes"] > 0 and info["dtype"]
+    gemvs = [i for i in ops.values() if i["kind"] == "gemm"]
+    # the stacked q/k/v and gate/up weights read by one GEMV each, plus o, down, q·k, p·v, lm head
+    assert gemvs and max(i["bytes"] for i in gemvs) >= spec.config.vocab_size * spec.config.hidden_size * 2
