@@ -51,8 +51,8 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 **Tuning parameters** (keyword arguments with defaults; the effective values are in
 :attr:`KernelSource.tuning`): ``threads`` (block size; 256, or see ``_default_threads`` for gemv),
 ``ept`` (work items per thread per block tile), ``vec`` (elements per vector access, elementwise and
-gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce; threads reducing one output column, gemv — above 32 a
-split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
+gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
+threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``. Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
 """
@@ -68,7 +68,7 @@ from typing import Any, Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
-from lum.format.llir import GEMM_DEFAULTS, GEMM_LAYOUTS, LOp, Program, check_expr
+from lum.format.llir import ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, LOp, Program, check_expr
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -81,8 +81,6 @@ KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", 
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 _GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
-_ARITY = {"Cast": 1, "Contiguous": 1, "Exp2": 1, "Log2": 1, "Sin": 1, "Sqrt": 1, "Recip": 1,
-          "Add": 2, "Mul": 2, "Mod": 2, "LessThan": 2, "Where": 3}
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
              DType.i64: "long long", DType.bool: "lum_bool"}
@@ -819,10 +817,10 @@ class _Gen:
                 check_expr(op.params.get("expr"), len(op.args), op.dtype)
             except ValueError as e:
                 raise CodegenError(str(e)) from None
-        elif op.op not in _ARITY:
+        elif op.op not in ELEMENTWISE_ARITY:
             raise CodegenError(f"unknown elementwise op {op.op!r}")
-        elif len(op.args) != _ARITY[op.op]:
-            raise CodegenError(f"{op.op} takes {_ARITY[op.op]} argument(s), got {len(op.args)}")
+        elif len(op.args) != ELEMENTWISE_ARITY[op.op]:
+            raise CodegenError(f"{op.op} takes {ELEMENTWISE_ARITY[op.op]} argument(s), got {len(op.args)}")
         shape = self.out_shape()
         write = self.write_view()
         body, items, tun, tile = self._elementwise_body(op.op, range(len(op.args)), shape, write,
@@ -1160,9 +1158,10 @@ class _Gen:
         return 1, "false"
 
     def _gemv_group(self, p: dict[str, Expr], b_kc: bool, vec: int) -> int:
-        """Threads reducing one output (``group``). Default, dot scheme: enough lanes for k's vectors
-        (up to a warp), then split-K across warps while the GPU is not yet full and every thread keeps
-        at least two vectors. Cols scheme: threads along n cover n (up to a warp), fewer while the
+        """Threads reducing one output (``group``). Default, dot scheme: two warps when k has at least
+        128 vectors (measured best or near it on the decode projections); for a shorter k, enough lanes
+        for its vectors (up to a warp), then split-K across warps while the GPU is not yet full and
+        every thread keeps at least two vectors. Cols scheme: threads along n cover n (up to a warp), fewer while the
         tiles are too few to fill the GPU (down to 64-byte row segments); the rest split k."""
         t = self.threads
         if self.group is not None:

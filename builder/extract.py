@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel
-from lum.builder.egraph import INLINE_OPS, ENode, SaturatedGroup
+from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax
 from lum.format.llir import Arg, LOp, Program
@@ -52,7 +52,6 @@ _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XS
            "XAdd": "Add", "XMul": "Mul", "XMod": "Mod", "XLessThan": "LessThan", "XWhere": "Where"}
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
 _REDUCE = {"KSumReduce": "Sum", "KMaxReduce": "Max"}
-_FUSING = set(_ELEMENTWISE) | set(_REDUCE)   # consumers that may recompute an inline value (egraph.FUSING_CONSUMERS)
 _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
           "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2, "KWhere": 3, "KSumReduce": 1, "KMaxReduce": 1,
           "KGather": 2, "KScatter": 3, "KScatterNoCopy": 3}
@@ -157,7 +156,7 @@ class _Reads:
     def deps(self, cls: int) -> list[int]:
         """The classes whose buffers the emitted op of ``cls`` reads."""
         node = chosen(self.sat, self.choice, cls)
-        if node.op in _FUSING:
+        if node.op in FUSING_CONSUMERS:
             return [self.buffer(leaf) for k in node.args[:_ARITY[node.op]] for leaf in self.leaves(k)]
         return [self.buffer(k) for k in _op_kids(self.sat, node)]
 

@@ -179,8 +179,9 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
         groups.append(GroupRef(h, section, n_calls, tables[k] if options.compile_kernels else {}))
     weights = {}
     names = list(spec.weights.names())
+    shapes = spec.config.graph_weight_shapes()
     for i, name in enumerate(names):
-        shape = spec.config.graph_weight_shapes()[name]
+        shape = shapes[name]
         section = f"weight/{name}"
         nbytes = int(np.prod(shape)) * spec.dtype.itemsize
         w.add_section(section, _weight_chunks(spec, name), codec="none", length=nbytes, kind="weight")

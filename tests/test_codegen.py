@@ -14,7 +14,7 @@ from lum.builder import codegen
 from lum.builder.codegen import CodegenError, access_plan, coalesce, generate, generate_program, render
 from lum.format.dtypes import DType
 from lum.format.expr import Var, as_expr, parse
-from lum.format.llir import Arg, LOp, Program
+from lum.format.llir import ELEMENTWISE_ARITY, Arg, LOp, Program
 from lum.format.numerics import view_of
 from lum.format.shapetracker import ShapeTracker, numel
 
@@ -288,7 +288,7 @@ def _all_kernel_ops() -> list[tuple[LOp, list[DType]]]:
     xpad = ShapeTracker.contiguous((S, 8, 12)).pad(2, 1, 3)
     shape = (S, 8, 16)
     ops = []
-    for name, ar in codegen._ARITY.items():
+    for name, ar in ELEMENTWISE_ARITY.items():
         views = [x, xp, xpad][:ar]
         out = DType.bool if name == "LessThan" else DType.bf16
         dts = [DType.bf16] * ar
@@ -583,7 +583,7 @@ def _case_list():
     size = {id(x): 64 * s, id(xp): 64 * s, id(xpad): 48 * s, id(bc): as_expr(16), id(win): 64 * (P + s)}
     cases = []
     for dt in DType:
-        for name, ar in codegen._ARITY.items():
+        for name, ar in ELEMENTWISE_ARITY.items():
             for variant, vs in enumerate(([x, xp, xpad][:ar], [xpad, bc, win][:ar], [win, x, bc][:ar])):
                 dts = [dt] * ar
                 res = DType.bool if name == "LessThan" else dt

@@ -55,6 +55,26 @@ def _inputs(g: Graph) -> dict[str, np.ndarray]:
     return out
 
 
+def _need_nvrtc() -> None:
+    from lum.builder import nvrtc
+
+    try:
+        nvrtc.nvrtc_version()
+    except nvrtc.NvrtcNotFound as e:
+        pytest.skip(f"NVRTC not available: {e}")
+
+
+def _compiles_cleanly(kernels: list, tmp_path) -> None:
+    """The kernels, as one module, compile with NVRTC without a warning, every entry point in the PTX."""
+    from lum.builder import nvrtc
+    from lum.builder.codegen import module_source
+
+    res = nvrtc.compile_cuda(module_source(kernels), "sm_90", cache_dir=tmp_path)
+    assert "warning" not in res.log.lower(), res.log[:3000]
+    for k in kernels:
+        assert f".entry {k.name}(" in res.ptx
+
+
 def _check(g: Graph, prog: Program, inputs: dict | None = None, tol: float = 1e-6) -> None:
     inputs = inputs if inputs is not None else _inputs(g)
     ref = run_graph(g, inputs)
@@ -413,13 +433,9 @@ def test_softmax_is_max_sum_and_one_fused_kernel():
 def test_nvrtc_compiles_kernels_with_lifted_reads(tmp_path):
     """The norm, softmax and view-lifted programs' kernels (generated from the programs, arg dtypes from
     their producers) compile with NVRTC."""
-    from lum.builder import nvrtc
     from lum.builder.kernels import compile_group_kernels
 
-    try:
-        nvrtc.nvrtc_version()
-    except nvrtc.NvrtcNotFound as e:
-        pytest.skip(f"NVRTC not available: {e}")
+    _need_nvrtc()
     g = Graph("lifted")
     x = F.input_tensor(g, "x", [4, 8], "bf16")
     y = F.input_tensor(g, "y", [8, 4], "f32")
@@ -667,19 +683,12 @@ def test_fused_body_computes_each_subtree_once():
 
 
 def test_nvrtc_compiles_fused_kernels(tmp_path):
-    from lum.builder import nvrtc
-    from lum.builder.codegen import generate, module_source
+    from lum.builder.codegen import generate
 
-    try:
-        nvrtc.nvrtc_version()
-    except nvrtc.NvrtcNotFound as e:
-        pytest.skip(f"NVRTC not available: {e}")
+    _need_nvrtc()
     kernels = [generate(op, ["s"], arg_dtypes=dts, **kw) for op, dts, kw in _fused_ops()]
     assert len({k.name for k in kernels}) == len(kernels)
-    res = nvrtc.compile_cuda(module_source(kernels), "sm_90", cache_dir=tmp_path)
-    assert "warning" not in res.log.lower(), res.log[:3000]
-    for k in kernels:
-        assert f".entry {k.name}(" in res.ptx
+    _compiles_cleanly(kernels, tmp_path)
 
 
 def _fused_reduce_ops() -> list[tuple[LOp, list[DType], dict]]:
@@ -708,21 +717,14 @@ def _fused_reduce_ops() -> list[tuple[LOp, list[DType], dict]]:
 
 
 def test_nvrtc_compiles_fused_reduce_kernels(tmp_path):
-    from lum.builder import nvrtc
-    from lum.builder.codegen import generate, module_source
+    from lum.builder.codegen import generate
 
-    try:
-        nvrtc.nvrtc_version()
-    except nvrtc.NvrtcNotFound as e:
-        pytest.skip(f"NVRTC not available: {e}")
+    _need_nvrtc()
     kernels = [generate(op, ["s"], arg_dtypes=dts, **kw) for op, dts, kw in _fused_reduce_ops()]
     assert len({k.name for k in kernels}) == len(kernels)
     assert all(k.name.startswith("lum_reduce_") for k in kernels)
     assert "const bool lum_v2 = " in kernels[3].body     # rpad padded across the axis: a row guard per leaf
-    res = nvrtc.compile_cuda(module_source(kernels), "sm_90", cache_dir=tmp_path)
-    assert "warning" not in res.log.lower(), res.log[:3000]
-    for k in kernels:
-        assert f".entry {k.name}(" in res.ptx
+    _compiles_cleanly(kernels, tmp_path)
 
 
 # ====================================================================== model-level kernel counts

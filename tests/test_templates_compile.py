@@ -23,7 +23,7 @@ from lum.builder import codegen, nvrtc
 from lum.builder.codegen import KernelSource, generate, module_source
 from lum.format.dtypes import DType
 from lum.format.expr import Var, as_expr
-from lum.format.llir import Arg, LOp
+from lum.format.llir import ELEMENTWISE_ARITY, Arg, LOp
 from lum.format.shapetracker import ShapeTracker
 
 try:
@@ -57,7 +57,7 @@ def elementwise_ops() -> list[tuple[LOp, list[DType]]]:
     views = _views()
     shape = (S, as_expr(8), as_expr(16))
     for di, dt in enumerate(ALL):
-        for oi, (name, ar) in enumerate(codegen._ARITY.items()):
+        for oi, (name, ar) in enumerate(ELEMENTWISE_ARITY.items()):
             vs = [views[(di + oi + k) % len(views)] for k in range(ar)]
             dts = [dt] * ar
             res = dt

@@ -48,6 +48,7 @@ class DecoderBuilder:
         self.act = DType.f32                       # activations (module docstring)
         self.g = Graph(name)
         self._weights: dict[str, GraphTensor] = {}
+        self._weight_shapes = cfg.graph_weight_shapes()
         self.positions: GraphTensor | None = None   # [s] i64 token positions, set by build()
 
     # ------------------------------------------------------------------ helpers
@@ -55,7 +56,7 @@ class DecoderBuilder:
         """The weight input ``name`` (created on first use, in the chunk that first uses it)."""
         t = self._weights.get(name)
         if t is None:
-            shape = self.cfg.graph_weight_shapes()[name]
+            shape = self._weight_shapes[name]
             t = self._weights[name] = F.input_tensor(self.g, name, shape, self.dtype, role="weight")
         return t
 
