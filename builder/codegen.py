@@ -68,7 +68,8 @@ from typing import Any, Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
-from lum.format.llir import ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, LOp, Program, check_expr
+from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
+                             check_row_reduce, check_scatter_prologue, has_row_ops)
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -534,6 +535,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
             raise CodegenError(f"dyn var name {v!r} is reserved (prefix lum_)")
     if len(set(dyn_vars)) != len(dyn_vars):
         raise CodegenError(f"duplicate names in dyn_vars {list(dyn_vars)}")
+    threads_given = threads is not None
     if threads is None:
         threads = _default_threads(op)
     if threads % 32 or not 32 <= threads <= 1024:
@@ -548,6 +550,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                max_blocks=max_blocks, acc=acc, math=math)
+    gen.threads_given = threads_given
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -596,6 +599,7 @@ class _Gen:
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
+        self.threads_given = True                  # generate() says whether threads was the caller's
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
 
@@ -817,6 +821,8 @@ class _Gen:
                 check_expr(op.params.get("expr"), len(op.args), op.dtype)
             except ValueError as e:
                 raise CodegenError(str(e)) from None
+            if has_row_ops(op.params["expr"]):
+                return self.k_row()
         elif op.op not in ELEMENTWISE_ARITY:
             raise CodegenError(f"unknown elementwise op {op.op!r}")
         elif len(op.args) != ELEMENTWISE_ARITY[op.op]:
@@ -857,6 +863,8 @@ class _Gen:
                 check_expr(expr, len(op.args), None, f"reduce {op.op}")
             except ValueError as e:
                 raise CodegenError(str(e)) from None
+            if has_row_ops(expr):
+                return self.k_row()
         inv = op.args[0].view
         axis = op.params.get("axis")
         if isinstance(axis, bool) or not isinstance(axis, int) or not -inv.ndim <= axis < inv.ndim:
@@ -962,6 +970,196 @@ class _Gen:
         tuning = {"threads": self.threads, "group": group, "max_blocks": self.max_blocks, "acc": self.acc}
         return [src], [("", self.grid(rows, per_block), (self.threads, 1, 1))], tuning, self.max_blocks * per_block
 
+    # ------------------------------------------------------------------ row kernels
+    def _row_group(self, rows: Expr, n: Expr) -> int:
+        """Threads per row: a warp when there are many rows, else about four elements per thread (one
+        block per row of RMSNorm's 2,560: few long rows are latency-bound in one warp)."""
+        if self.group is not None:
+            return self.group
+        bounds = self.ctx._dyn_bounds()
+        rows_hi, n_hi = rows.bounds(bounds)[1], n.bounds(bounds)[1]
+        n_hi = 4096 if n_hi == INF else n_hi
+        if rows_hi >= 1024:
+            return 32
+        return max(32, min(1024, _pow2_floor(max(1, int(n_hi) // 4))))
+
+    def k_row(self):
+        """An elementwise Fused op whose tree has row reductions, a reduce over the last axis whose prologue
+        has them, or a scatter whose fused prologue has them: one kernel per row (templates/row.cu)."""
+        src, grid, threads, margin, tuning = self._row_kernel()
+        return [src], [("", grid, (threads, 1, 1))], tuning, margin
+
+    def _row_kernel(self) -> tuple[str, tuple[Expr, Expr, Expr], int, int, dict[str, Any]]:
+        """The row kernel's source, grid, threads, index margin and tuning (see :meth:`k_row`)."""
+        op = self.op
+        expr = op.params["expr"]
+        kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
+        first, last = (1, len(op.args) - 1) if kind == "scatter" else (0, len(op.args))   # the leaves
+        if kind == "scatter":
+            self._check_index_dtype(last)
+            iv, shape = op.args[last].view, self.out_shape()
+            dom = tuple(iv.shape) + tuple(shape[1:])
+            if len(shape) < 2 or tuple(op.args[0].view.shape) != shape:
+                raise CodegenError("a scatter with row reductions needs a dest of >= 2 dims viewed in the op's shape")
+        else:
+            dom = tuple(as_expr(d) for d in (op.args[0].view.shape if kind == "reduce" else op.shape))
+        if not dom:
+            raise CodegenError("row reductions need a loop domain of at least one dim")
+        for k in range(first, last):
+            if tuple(op.args[k].view.shape) != dom:
+                raise CodegenError(f"argument {k}'s view has shape {[str(x) for x in op.args[k].view.shape]}, "
+                                   f"the loop domain {[str(x) for x in dom]}")
+        n, rshape = dom[-1], dom[:-1]
+        if kind == "reduce":
+            try:
+                check_row_reduce(op, f"reduce {op.op}")
+            except ValueError as e:
+                raise CodegenError(str(e)) from None
+            if self.out_shape() != rshape:
+                raise CodegenError("the reduced input's shape without the last axis differs from the op's shape")
+            if not DType.parse(expr[1]).is_float:
+                raise CodegenError("a reduce with row reductions in its prologue must reduce float values")
+
+        def split(v: ShapeTracker) -> tuple[ShapeTracker, ShapeTracker]:
+            """A view over the domain as (its row part over rshape, its 1-D column part from offset 0)."""
+            m = v.mask
+            return (ShapeTracker(rshape, v.strides[:-1], v.offset, None if m is None else m[:-1]),
+                    ShapeTracker((n,), (v.strides[-1],), as_expr(0), None if m is None else (m[-1],)))
+
+        splits = {k: split(op.args[k].view) for k in range(first, last)}
+        write = self.write_view()
+        extra: list[ShapeTracker] = []           # row parts of the write (and a scatter's index) views
+        if kind == "reduce":
+            extra, wcol = [write], None
+        elif kind == "scatter":
+            lead = tuple(op.args[last].view.shape)
+            irow, _ = split(self._ext_index_view(op.args[last].view, shape[1:]))
+            wrow, wcol = split(self._ext_row_view(write, lead))
+            extra = [wrow, irow]
+        else:
+            wrow, wcol = split(write)
+            extra = [wrow]
+        cshape, cviews = coalesce(rshape, extra + [splits[k][0] for k in range(first, last)])
+        crows = dict(zip(range(first, last), cviews[len(extra):]))
+        rows = numel(cshape)
+        group = self._row_group(rows, n)
+        threads = self.threads if self.threads_given else min(1024, max(256, group))
+        group = min(group, threads)
+        if group < 1 or group > threads or group & (group - 1):
+            raise CodegenError(f"group must be a power of two in [1, threads], got {group}")
+        acc_kind = "d" if self.acc == "f64" else "f"
+        ctx = self.ctx
+        ind, ind3 = " " * 4, " " * 8
+        idx = index_vars(len(cshape))
+        col = Var("lum_c")
+        setup = [_unravel(ctx, "lum_row", cshape, ind).rstrip("\n")]
+        ctx.bound_var("lum_c", n)
+        guards: dict[int, str | None] = {}
+        for k, rv in crows.items():
+            ctx.exprs.append(rv.physical_index(idx) + col * splits[k][1].strides[0])   # for the index width
+            base, valid = view_access(ctx, rv, idx)
+            setup.append(f"{ind}const idx_t lum_b{k} = {base}; (void)lum_b{k};")
+            if valid:
+                setup.append(f"{ind}const bool lum_v{k} = {valid};")
+            guards[k] = f"lum_v{k}" if valid else None
+        rownames: dict[str, tuple[str, str]] = {}
+
+        def emit(t: list, lines: list[str], round_root: bool) -> tuple[str, str]:
+            """C lines computing tree ``t`` at column lum_c (leaves loaded on first use); its (value, kind)."""
+            names: dict[str, tuple[str, str]] = {}
+
+            def node(t: list, root: bool = False) -> tuple[str, str]:
+                key = repr(t)
+                if key in rownames:
+                    return rownames[key]
+                if key in names:
+                    return names[key]
+                if t[0] == "arg":
+                    k = first + t[1]
+                    kd = _kind(self.dts[k])
+                    val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
+                    names[key] = (f"lum_a{k}", kd)
+                    lines.append(f"{ind3}const {_KIND_C[kd]} lum_a{k} = {val};")
+                    return names[key]
+                if t[0] in ROW_OPS:
+                    raise CodegenError("internal: a row reduction used before its phase")  # pragma: no cover
+                val, kd = _compute(t[0], [node(x) for x in t[2:]], self.math)
+                if root and not round_root:
+                    return val, kd
+                dt = DType.parse(t[1])
+                names[key] = (f"lum_u{len(names)}", _kind(dt))
+                val = _to_kind(kd, _kind(dt), val) if dt in (DType.i64, DType.i32, DType.bool) else \
+                    _load_conv(dt, _store_conv(kd, val, dt))          # round through the storage type
+                lines.append(f"{ind3}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
+                return names[key]
+
+            return node(t, True)
+
+        loop = [f"{ind}#pragma unroll 4", f"{ind}  for (idx_t lum_c = lum_lane; lum_c < lum_n; lum_c += GROUP) {{"]
+
+        def accumulate(j: int, red: str, t: list) -> list[str]:
+            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane."""
+            lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *loop]
+            x, _ = emit(t, lines, True)
+            lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", f"{ind}  }}", f"{ind}}}",
+                      f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);"]
+            return lines
+
+        order: list[list] = []
+        seen: set[str] = set()
+
+        def collect(t: list) -> None:
+            if t[0] == "arg":
+                return
+            for x in t[2:]:
+                collect(x)
+            if t[0] in ROW_OPS and repr(t) not in seen:
+                seen.add(repr(t))
+                order.append(t)
+
+        collect(expr)
+        phases: list[str] = []
+        for j, t in enumerate(order):
+            dt = DType.parse(t[1])
+            if not dt.is_float:
+                raise CodegenError(f"{t[0]} of {dt}: row reductions are generated for float dtypes only")
+            phases += accumulate(j, ROW_OPS[t[0]], t[2])
+            phases.append(f"{ind}const float lum_rv{j} = {_load_conv(dt, _store_conv(acc_kind, f'lum_r{j}', dt))};")
+            rownames[repr(t)] = (f"lum_rv{j}", "f")
+        wbase, _ = view_access(ctx, cviews[0], idx)
+        if kind == "reduce":
+            j = len(order)
+            final = accumulate(j, op.op, expr)
+            final += [f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = "
+                      f"{_store_conv(acc_kind, f'lum_r{j}', op.dtype)};"]
+        else:
+            cond = "lum_live"
+            dest = f"({wbase}) + lum_c * ({ctx.c(wcol.strides[0])})"
+            ctx.exprs.append(cviews[0].physical_index(idx) + col * wcol.strides[0])
+            final = []
+            if kind == "scatter":            # the row lands at dest row idx[j..] (rows outside write nothing)
+                ctx.bound_var("lum_row", shape[0])
+                final.append(f"{ind}const long long lum_dr = lum_live ? "
+                             f"(long long)({self.load(last, cviews[1], idx)}) : -1LL;")
+                cond = f"lum_dr >= 0 && lum_dr < (long long)({ctx.c(shape[0])})"
+                dest = f"({wbase}) + (idx_t)lum_dr * ({ctx.c(write.strides[0])}) + lum_c * ({ctx.c(wcol.strides[0])})"
+                ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx) + col * wcol.strides[0])
+            final += [f"{ind}if ({cond}) {{", *loop]
+            x, kd = emit(expr, final, kind == "scatter")
+            final += [f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};", f"{ind}  }}", f"{ind}}}"]
+        src = render(load_template("row.cu"), {
+            "KERNEL": _ENTRY, "THREADS": threads, "GROUP": group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[acc_kind], "ROWS": ctx.c(rows), "N": ctx.c(n),
+            "ROW_SETUP": "\n".join(x for x in setup if x), "PHASES": "\n".join(phases), "FINAL": "\n".join(final)})
+        per_block = threads // group
+        tuning = {"threads": threads, "group": group, "max_blocks": self.max_blocks, "acc": self.acc,
+                  "math": self.math, "scheme": "row"}
+        return src, self.grid(rows, per_block), threads, self.max_blocks * per_block, tuning
+
+    @staticmethod
+    def _row_identity(red: str) -> str:
+        return "(acc_t)0" if red == "Sum" else "(acc_t)(-LUM_INF_F32)"
+
     # ------------------------------------------------------------------ gather
     @staticmethod
     def _ext_index_view(iv: ShapeTracker, rest: Sequence[Expr]) -> ShapeTracker:
@@ -1032,62 +1230,86 @@ class _Gen:
     # ------------------------------------------------------------------ scatter
     def _scatter_rows(self, ept: int) -> tuple[str, Expr]:
         op = self.op
-        if len(op.args) != 3:
+        expr = op.params.get("expr")      # a fused prologue: the rows are this tree over args[1:-1]
+        if expr is None and len(op.args) != 3:
             raise CodegenError(f"{op.kind} takes (dest, src, idx)")
-        self._check_index_dtype(2)
-        dv, sv, iv = (a.view for a in op.args)
+        if expr is not None:
+            try:
+                check_scatter_prologue(op, 2, op.kind)
+            except ValueError as e:
+                raise CodegenError(str(e)) from None
+        last = len(op.args) - 1
+        self._check_index_dtype(last)
+        dv, iv = op.args[0].view, op.args[last].view
+        svs = [a.view for a in op.args[1:last]]
         shape = self.out_shape()
         if tuple(dv.shape) != shape or len(shape) < 1:
             raise CodegenError("scatter: dest's view must have the op's shape (at least 1 dim)")
         sshape = tuple(iv.shape) + tuple(shape[1:])
-        if tuple(sv.shape) != sshape:
+        if any(tuple(sv.shape) != sshape for sv in svs):
             raise CodegenError("scatter: src's shape is not idx.shape + dest.shape[1:]")
         write = self.write_view()                   # contiguous (scatter) or dest's view (nocopy)
         lead = tuple(iv.shape)
-        views = [sv, self._ext_index_view(iv, shape[1:]), self._ext_row_view(write, lead)]
-        cshape, (sview, iview, dview) = coalesce(sshape, views)
+        views = [*svs, self._ext_index_view(iv, shape[1:]), self._ext_row_view(write, lead)]
+        cshape, cviews = coalesce(sshape, views)
+        *sviews, iview, dview = cviews
         ctx = self.ctx
         ind = " " * 8
         unravel = _unravel(ctx, "lum_w", cshape, ind).rstrip("\n")
         idx = index_vars(len(cshape))
         ctx.bound_var("lum_row", shape[0])
-        row = f"(long long)({self.load(2, iview, idx)})"
+        row = f"(long long)({self.load(last, iview, idx)})"
         dest, _ = view_access(ctx, dview, idx, Var("lum_row") * write.strides[0])
-        if self.dts[1] == op.dtype and sview.mask is None:
-            value = f"in1[{view_access(ctx, sview, idx)[0]}]"
+        prologue: list[str] = []
+        if expr is not None:
+            leaves = []
+            for j, sv in enumerate(sviews):
+                kind = _kind(self.dts[1 + j])
+                prologue.append(f"{ind}const {_KIND_C[kind]} lum_a{j} = {self.load(1 + j, sv, idx)};")
+                leaves.append((f"lum_a{j}", kind))
+            x, kind = self._apply("Fused", leaves, prologue, ind, round_root=True)
+            value = _store_conv(kind, x, op.dtype)
+        elif self.dts[1] == op.dtype and sviews[0].mask is None:
+            value = f"in1[{view_access(ctx, sviews[0], idx)[0]}]"
         else:
-            value = _store_conv(_kind(self.dts[1]), self.load(1, sview, idx), op.dtype)
+            value = _store_conv(_kind(self.dts[1]), self.load(1, sviews[0], idx), op.dtype)
         n = numel(cshape)
         src = render(load_template("scatter.cu"), {
             **self.common_values(ept), "NUM_ITEMS": ctx.c(n), "ROWS": ctx.c(shape[0]), "UNRAVEL": unravel,
-            "ROW": row, "VALUE": value, "DEST": dest})
+            "ROW": row, "PROLOGUE": "\n".join(prologue) or f"{ind}(void)0;", "VALUE": value, "DEST": dest})
         return src, n
+
+    def _scatter_launch(self, ept: int) -> tuple[str, tuple[Expr, Expr, Expr], int, int, dict[str, Any]]:
+        """The row-writing kernel of a scatter: source, grid, threads, index margin, tuning. A prologue with
+        row reductions (a norm computed in the cache write) makes it a row kernel."""
+        if has_row_ops(self.op.params.get("expr") or ["arg", 0]):
+            return self._row_kernel()
+        tile = self.threads * ept
+        src, n = self._scatter_rows(ept)
+        return src, self.grid(n, tile), self.threads, self.max_blocks * tile, {"ept": ept}
 
     def k_scatter(self):
         ept = self.ept or 2
-        tile = self.threads * ept
         # launch 1: out = dest (converted), an elementwise copy through dest's view
         body, items, tun, ctile = self._elementwise_body("Contiguous", [0], self.out_shape(),
                                                          ShapeTracker.contiguous(self.out_shape()), True)
         copy = render(load_template("elementwise.cu"),
                       {**self.common_values(tun["ept"]), "NUM_ITEMS": self.ctx.c(items), "BODY": body})
         copy = copy.replace(_ENTRY, _ENTRY + "_copy", 1)
-        rows, n = self._scatter_rows(ept)
+        rows, grid, threads, margin, rtun = self._scatter_launch(ept)
         rows = rows.replace(_ENTRY, _ENTRY + "_rows", 1)
-        tuning = {"threads": self.threads, "ept": ept, "copy_vec": tun["vec"], "copy_ept": tun["ept"],
+        tuning = {"threads": self.threads, "ept": ept, **rtun, "copy_vec": tun["vec"], "copy_ept": tun["ept"],
                   "max_blocks": self.max_blocks}
-        launches = [("_copy", self.grid(items, ctile), (self.threads, 1, 1)),
-                    ("_rows", self.grid(n, tile), (self.threads, 1, 1))]
-        return [copy, rows], launches, tuning, self.max_blocks * max(tile, ctile)
+        launches = [("_copy", self.grid(items, ctile), (self.threads, 1, 1)), ("_rows", grid, (threads, 1, 1))]
+        return [copy, rows], launches, tuning, max(margin, self.max_blocks * ctile)
 
     def k_scatter_nocopy(self):
         if self.op.alias not in (None, 0):
             raise CodegenError("scatter_nocopy must alias argument 0")
         ept = self.ept or 2
-        tile = self.threads * ept
-        src, n = self._scatter_rows(ept)
-        tuning = {"threads": self.threads, "ept": ept, "max_blocks": self.max_blocks}
-        return [src], [("", self.grid(n, tile), (self.threads, 1, 1))], tuning, self.max_blocks * tile
+        src, grid, threads, margin, rtun = self._scatter_launch(ept)
+        tuning = {"threads": self.threads, "ept": ept, "max_blocks": self.max_blocks, **rtun}
+        return [src], [("", grid, (threads, 1, 1))], tuning, margin
 
     # ------------------------------------------------------------------ gemm (small m: gemv.cu)
     def k_gemm(self):

@@ -96,7 +96,7 @@ def _arg_dtype(op: LOp, k: int, program: Program | None) -> DType:
     if program is not None:
         return program.ops[op.args[k].src].dtype
     # Without the program the producers' dtypes are unknown: guess from the op.
-    if (op.kind == "gather" and k == 1) or (op.kind in ("scatter", "scatter_nocopy") and k == 2):
+    if (op.kind == "gather" and k == 1) or (op.kind in ("scatter", "scatter_nocopy") and k == len(op.args) - 1):
         return DType.i64
     if op.kind == "elementwise" and op.op == "Where" and k == 0:
         return DType.bool
@@ -144,12 +144,15 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
         # only the picked rows of the table are read (at most the whole table)
         rows_read = smin(out_elems, view_elements(op.args[0].view))
         return written + read(1) + rows_read * _arg_dtype(op, 0, program).itemsize
-    if kind == "scatter":
-        return written + read(0) + read(1) + read(2)
-    if kind == "scatter_nocopy":
+    if kind in ("scatter", "scatter_nocopy"):
+        # the src rows (args[1], or a fused prologue's leaves args[1:-1]) and the indices (args[-1])
+        rows = as_expr(0)
+        for k in range(1, len(op.args)):
+            rows = rows + read(k)
+        if kind == "scatter":
+            return written + read(0) + rows
         # in place: only the scattered rows are written, dest is not read
-        src_elems = view_elements(op.args[1].view)
-        return read(1) + read(2) + src_elems * op.dtype.itemsize
+        return rows + numel(op.args[1].view.shape) * op.dtype.itemsize
     if kind == "gemm":
         m, n, k, batch = _p(op, "m"), _p(op, "n"), _p(op, "k"), _p(op, "batch", 1)
         a = _batch_reads(_p(op, "stride_a", 0), batch) * m * k * _arg_dtype(op, 0, program).itemsize
@@ -160,7 +163,8 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
 
 def op_flops(op: LOp) -> Expr:
     """Arithmetic: elementwise numel(out) (times the expression's op nodes when Fused); reduce numel(in)
-    (plus numel(in) per op node of a fused prologue ``expr``); gemm 2·batch·m·n·k; data movement 0."""
+    (plus numel(in) per op node of a fused prologue ``expr``); gemm 2·batch·m·n·k; a scatter's prologue
+    numel(src) per op node; data movement 0."""
     kind = op.kind
     if kind == "elementwise":
         return numel(op.shape) * expr_nodes(op.params["expr"]) if op.op == "Fused" else numel(op.shape)
@@ -168,6 +172,8 @@ def op_flops(op: LOp) -> Expr:
         return numel(op.args[0].view.shape) * (1 + expr_nodes(op.params["expr"]) if "expr" in op.params else 1)
     if kind == "gemm":
         return 2 * _p(op, "batch", 1) * _p(op, "m") * _p(op, "n") * _p(op, "k")
+    if kind in ("scatter", "scatter_nocopy") and "expr" in op.params:
+        return numel(op.args[1].view.shape) * expr_nodes(op.params["expr"])
     return as_expr(0)
 
 

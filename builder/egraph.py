@@ -39,11 +39,12 @@ from lum.format.expr import Expr, as_expr, parse
 from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
 
 __all__ = ["RULE_FILES", "SCHEDULE_FILE", "ENode", "EClass", "SaturatedGroup", "saturate", "encode_rows",
-           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ELEMENTWISE_KERNELS", "FUSING_CONSUMERS",
+           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ROW_INLINE_OPS", "ELEMENTWISE_KERNELS", "FUSING_CONSUMERS",
+           "fused_args",
            "rule_text"]
 
-RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "flatten.egg", "gemm.egg",
-              "inplace.egg")
+RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "rows.egg", "flatten.egg",
+              "gemm.egg", "inplace.egg")
 SCHEDULE_FILE = "schedule.egg"
 
 # Executable constructors: what extraction may pick for an Op e-class.
@@ -54,11 +55,26 @@ KERNEL_OPS = frozenset({
 })
 ELEMENTWISE_KERNELS = frozenset({"KCast", "KExp2", "KLog2", "KSin", "KSqrt", "KRecip", "KAdd", "KMul", "KMod",
                                  "KLessThan", "KWhere", "KContiguous"})
-# Kernel ops that may recompute an inline value instead of reading its buffer (builder/extract.py).
-FUSING_CONSUMERS = ELEMENTWISE_KERNELS | {"KSumReduce", "KMaxReduce"}
+# Kernel ops that may recompute an inline value instead of reading its buffer (builder/extract.py), and
+# which of their arguments: every operand of an elementwise op, a reduction's input, a scatter's src rows
+# (the KV-cache write computes RoPE and the cast to the cache dtype; never its destination or indices).
+FUSING_CONSUMERS = ELEMENTWISE_KERNELS | {"KSumReduce", "KMaxReduce", "KScatter", "KScatterNoCopy"}
+_ARITIES = {"KWhere": 3, "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2}
+
+
+def fused_args(node: ENode) -> tuple[int, ...]:
+    """The e-class arguments of a fusing consumer that it may recompute inline (none for other ops)."""
+    if node.op in ELEMENTWISE_KERNELS:
+        return tuple(node.args[:_ARITIES.get(node.op, 1)])
+    if node.op in ("KSumReduce", "KMaxReduce"):
+        return (node.args[0],)
+    if node.op in ("KScatter", "KScatterNoCopy"):
+        return (node.args[1],)
+    return ()
 # Inline values (rules/fuse.egg): in Ld classes, the alternative to reading the producer's buffer.
+ROW_INLINE_OPS = frozenset({"XRowSum", "XRowMax"})   # row reductions (rules/rows.egg): row kernels only
 INLINE_OPS = frozenset({"XCast", "XExp2", "XLog2", "XSin", "XSqrt", "XRecip", "XAdd", "XMul", "XMod",
-                        "XLessThan", "XWhere"})
+                        "XLessThan", "XWhere"}) | ROW_INLINE_OPS
 EXECUTABLE = KERNEL_OPS | INLINE_OPS | {"Ld"}
 # Id constructors of the bulk load (rules/terms.egg): never e-nodes of the program.
 _ID_CTORS = frozenset({"N", "Ai", "Di", "Li", "Mi", "Vi"})
@@ -259,6 +275,17 @@ def _full_view(view: ShapeTracker, producer_shape: tuple[Expr, ...]) -> bool:
             and numel(view.shape) == numel(producer_shape))
 
 
+def _row_broadcast(view: ShapeTracker) -> bool:
+    """The (normalised) view reads a reduce over the last axis of its own shape, broadcast along that axis:
+    offset 0, no mask, the reduce output's row-major strides (unit dims 0) and 0 for the last dim."""
+    if view.ndim == 0 or view.mask is not None or view.offset != as_expr(0):
+        return False
+    one, zero = as_expr(1), as_expr(0)
+    rows = contiguous_strides(view.shape[:-1])
+    want = tuple(zero if d == one else s for d, s in zip(view.shape[:-1], rows)) + (zero,)
+    return tuple(view.strides) == want
+
+
 class _Rows:
     """Hash-consed rows of the bulk-load relations (rules/build.egg)."""
 
@@ -321,6 +348,8 @@ class _Rows:
                     self.rows["RDProd"].append((key[0], key[1], self.dim(s * d)))
             i = self.views[v] = len(self.views)
             self.rows["RView"].append((i, sh, st, off, mk))
+            if _row_broadcast(v):
+                self.rows["RRowBcast"].append((i, sh, v.ndim - 1))
         return i
 
 
@@ -487,24 +516,77 @@ def _read_back(eg, graph: Graph, edge_operand: dict[tuple[int, int], int], match
     return sat
 
 
+def _no_row_reads(sat: SaturatedGroup) -> set[int]:
+    """Ld classes whose inline value a consumer that is not a row kernel could recompute: the input of a
+    reduce over an axis other than the last and the src of a scatter into a 1-D dest, and the classes
+    their inline values read, transitively. A
+    row reduction (XRowSum / XRowMax) is dropped from them, so every selection is one row kernels can run."""
+    classes = sat.classes
+    stack = []
+    for c in classes:
+        for n in c.nodes:
+            if n.op in ("KSumReduce", "KMaxReduce") and int(n.args[1]) != len(sat.dlist(n.args[2])) - 1:
+                stack.append(n.args[0])
+            elif n.op in ("KScatter", "KScatterNoCopy") and len(sat.dlist(n.args[3])) < 2:
+                stack.append(n.args[1])     # src rows along an index axis: not rows of dest
+    out: set[int] = set()
+    while stack:
+        k = stack.pop()
+        if k not in out:
+            out.add(k)
+            stack.extend(x for n in classes[k].nodes if n.op in INLINE_OPS for x in n.children())
+    return out
+
+
+def _racy_in_place(sat: SaturatedGroup) -> set[ENode]:
+    """KScatterNoCopy nodes whose src rows, recomputed inline, could read the destination's own buffer:
+    rows written by one thread would be read by another (rules/inplace.egg drops the direct case)."""
+    classes = sat.classes
+
+    def producer(k: int) -> int | None:
+        return next((n.args[0] for n in classes[k].nodes if n.op == "Ld"), None)
+
+    out: set[ENode] = set()
+    for c in classes:
+        for n in c.nodes:
+            if n.op != "KScatterNoCopy":
+                continue
+            dest = producer(n.args[0])
+            seen: set[int] = set()
+            stack = [n.args[1]]
+            while stack:
+                k = stack.pop()
+                if k in seen:
+                    continue
+                seen.add(k)
+                if producer(k) == dest:
+                    out.add(n)
+                    break
+                stack.extend(x for m in classes[k].nodes if m.op in INLINE_OPS for x in m.children())
+    return out
+
+
 def _analyse(sat: SaturatedGroup) -> None:
     """Feasible executable options per Op class, reachability from the roots, decision points."""
     classes = sat.classes
     # X nodes only matter in Ld classes a fusing consumer (an elementwise or reduce kernel op) reads,
     # directly or through other X nodes: everywhere else they are dropped, so they make no decision points
     inline_read: set[int] = set()
-    stack = [k for c in classes if c.sort == "Op" for n in c.nodes if n.op in FUSING_CONSUMERS
-             for k in n.children()]
+    stack = [k for c in classes if c.sort == "Op" for n in c.nodes for k in fused_args(n)]
     while stack:
         k = stack.pop()
         if k not in inline_read:
             inline_read.add(k)
             stack.extend(x for n in classes[k].nodes if n.op in INLINE_OPS for x in n.children())
+    no_rows = _no_row_reads(sat)
+    racy = _racy_in_place(sat)
     exe: dict[int, list[ENode]] = {}
     for c in classes:
         if c.sort == "Op":
             exe[c.id] = [n for n in c.nodes
-                         if n.op in EXECUTABLE and (n.op not in INLINE_OPS or c.id in inline_read)]
+                         if n.op in EXECUTABLE and (n.op not in INLINE_OPS or c.id in inline_read)
+                         and not (n.op in ROW_INLINE_OPS and c.id in no_rows)
+                         and not (n.op == "KScatterNoCopy" and n in racy)]
     # feasibility: a node is feasible when every Op child class is (bottom-up worklist)
     feasible: set[int] = set()
     waiting: dict[int, list[tuple[int, ENode]]] = defaultdict(list)

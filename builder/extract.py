@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel
-from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup
+from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, fused_args
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax
 from lum.format.llir import Arg, LOp, Program
@@ -49,7 +49,8 @@ _ELEMENTWISE = {
     "KContiguous": "Contiguous",
 }
 _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XSqrt": "Sqrt", "XRecip": "Recip",
-           "XAdd": "Add", "XMul": "Mul", "XMod": "Mod", "XLessThan": "LessThan", "XWhere": "Where"}
+           "XAdd": "Add", "XMul": "Mul", "XMod": "Mod", "XLessThan": "LessThan", "XWhere": "Where",
+           "XRowSum": "RowSum", "XRowMax": "RowMax"}
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
 _REDUCE = {"KSumReduce": "Sum", "KMaxReduce": "Max"}
 _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
@@ -157,7 +158,9 @@ class _Reads:
         """The classes whose buffers the emitted op of ``cls`` reads."""
         node = chosen(self.sat, self.choice, cls)
         if node.op in FUSING_CONSUMERS:
-            return [self.buffer(leaf) for k in node.args[:_ARITY[node.op]] for leaf in self.leaves(k)]
+            fused = fused_args(node)
+            return [self.buffer(leaf) for k in node.args[:_ARITY[node.op]]
+                    for leaf in (self.leaves(k) if k in fused else [k])]
         return [self.buffer(k) for k in _op_kids(self.sat, node)]
 
 
@@ -391,8 +394,14 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
     elif op in ("KScatter", "KScatterNoCopy"):
         d, s, i, sh, dt = a
         nocopy = op == "KScatterNoCopy"
+        params = {}
+        if inline is not None and inline(s) is not None:   # a fused prologue computes the rows
+            params["expr"] = tree(s)
+            args = (arg(d), *(arg(c) for c in leaves), arg(i))
+        else:
+            args = (arg(d), arg(s), arg(i))
         lop = LOp(op_id, "scatter_nocopy" if nocopy else "scatter", "ScatterNoCopy" if nocopy else "Scatter",
-                  (arg(d), arg(s), arg(i)), _dlist(sat, sh), DType.parse(dt), {}, 0 if nocopy else None)
+                  args, _dlist(sat, sh), DType.parse(dt), params, 0 if nocopy else None)
     elif op == "Gemm":
         params = _gemm_params(sat, node)
         args = []

@@ -511,15 +511,18 @@ def scatter(dest: GraphTensor, src: GraphTensor, idx: GraphTensor) -> GraphTenso
 def rope(x: GraphTensor, cos: GraphTensor, sin: GraphTensor) -> GraphTensor:
     """Rotary embedding, half-split layout (``rotate_half``): x·cos + rotate_half(x)·sin.
 
-    ``x`` is [..., seq, head_dim]; ``cos``/``sin`` are [seq, head_dim] and broadcast over the rest.
-    """
+    ``x`` is [..., head_dim]; ``cos``/``sin`` (e.g. [seq, head_dim], or [seq, 1, head_dim] for x in
+    [seq, heads, head_dim]) broadcast against it. rotate_half(x) = [−x2, x1] is written as
+    [x2, x1]·[−1…, 1…] (a constant sign table): both halves are then reads of x's own buffer, so the
+    rotation fuses into one kernel, and the values are the same (only signs flip)."""
     d = x.shape[-1]
     if not d.is_const or d.value % 2:
         raise ValueError("rope needs an even, static head dim")
     half = d.value // 2
     x1 = x.slice(-1, 0, half)
     x2 = x.slice(-1, half, d)
-    rotated = concat([-x2, x1], axis=-1)
+    sign = constant_table(x.graph, np.concatenate([-np.ones(half), np.ones(half)]), x.dtype)
+    rotated = concat([x2, x1], axis=-1) * sign
     return x * cos + rotated * sin
 
 

@@ -45,6 +45,13 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   node ``[op, dtype, child…]`` applies elementwise ``op`` (not Fused) with its arity to its
   children and rounds the result to ``dtype`` (as if stored in a buffer of that dtype); the root
   node's dtype is the op's dtype. So a Fused op computes exactly what the unfused ops compute.
+* Row reductions (LLIR version 2). A Fused tree may hold ``["RowSum", dtype, child]`` and
+  ``["RowMax", dtype, child]`` nodes: over the op's loop domain D (its shape), the node's value at
+  index ``(i…, j)`` is the Sum / Max over ``k < D[-1]`` of ``child`` at ``(i…, k)``, accumulated
+  exactly and rounded to ``dtype`` — a reduce over the last axis whose result is read broadcast
+  along it, computed inside the consumer's kernel (RMSNorm's ``x·rsqrt(mean(x²))``, softmax's
+  ``exp(x − max)/Σ`` in one kernel). Row nodes may nest (softmax's Σ holds its max) and appear in a
+  reduce's prologue when that reduce is over the last axis (the same D). Max of an empty row is −inf.
 * reduce: ``params['axis']`` of ``args[0]``'s view (negative counts from the end); the output drops
   that axis. An empty axis gives the identity (Sum 0; Max −inf, or an integer dtype's minimum).
   With ``params["expr"]`` (a fused prologue) the reduced input is that Fused expression tree over the
@@ -56,6 +63,11 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   ``src = args[1]`` (shape ``idx.shape + dest.shape[1:]``), integer ``idx = args[2]``; scatter_nocopy
   touches only the indexed rows of dest's buffer. Indices must lie in ``[0, dest.shape[0])``; with
   duplicate indices the written row is unspecified (the reference backend keeps the last).
+  With ``params["expr"]`` (a fused prologue, LLIR version 2) the rows are computed, not read: ``src``
+  is that Fused expression tree (row reductions over src's last axis, a dest axis) over the leaves
+  ``args[1:-1]`` (every leaf view of
+  the src shape; padding reads 0), its root rounded to its own dtype and then converted to the op's,
+  and ``idx = args[-1]`` — the KV cache write computes RoPE and the rounding to the cache dtype.
 * gemm: ``A = args[0]``, ``B = args[1]`` are addressed in their producers' raw flat buffers by the
   params alone (the args' views are not applied; by convention they are the 1-D contiguous view
   of the buffer). For batch ``b``, ``A[b,i,l] = bufA[offset_a + b*stride_a + i*lda + l]`` when A is
@@ -83,7 +95,9 @@ KINDS = ("input", "output", "constant", "iota", "elementwise", "reduce", "gather
          "scatter_nocopy", "gemm")
 GEMM_LAYOUTS = ("RmRm", "RmCm", "CmRm", "CmCm")
 GEMM_DEFAULTS = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}   # absent gemm params
-LLIR_VERSION = 1
+ROW_OPS = {"RowSum": "Sum", "RowMax": "Max"}     # row reductions in Fused trees (LLIR version 2)
+LLIR_VERSION = 2                                   # the newest version this code reads and writes
+LLIR_VERSIONS = (1, 2)                             # readable; a program is written at the lowest that holds it
 
 
 @dataclass(frozen=True)
@@ -156,16 +170,24 @@ class Program:
         return out
 
     # ------------------------------------------------------------------ JSON
+    def version(self) -> int:
+        """The lowest LLIR version that holds this program: 2 when a Fused tree has row reductions or a
+        scatter has a fused prologue, else 1,
+        so a loader that reads only version 1 still opens every program that needs nothing newer."""
+        return 2 if any(o.kind in ("scatter", "scatter_nocopy") or has_row_ops(o.params["expr"])
+                        for o in self.ops if "expr" in o.params) else 1
+
     def to_json(self) -> dict[str, Any]:
-        return {"version": LLIR_VERSION, "name": self.name, "ops": [_op_to_json(o) for o in self.ops]}
+        return {"version": self.version(), "name": self.name, "ops": [_op_to_json(o) for o in self.ops]}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Program:
-        if not isinstance(data, dict) or data.get("version") != LLIR_VERSION:
-            raise ValueError(f"unsupported LLIR version {data.get('version') if isinstance(data, dict) else None!r}")
+        version = data.get("version") if isinstance(data, dict) else None
+        if isinstance(version, bool) or version not in LLIR_VERSIONS:
+            raise ValueError(f"unsupported LLIR version {version!r} (this lum reads {list(LLIR_VERSIONS)})")
         ops = [_op_from_json(o) for o in data["ops"]]
         for i, o in enumerate(ops):
             if o.id != i:
@@ -175,10 +197,14 @@ class Program:
                     raise ValueError(f"LLIR op {i} reads op {a.src}, which does not precede it")
             if o.alias is not None and not 0 <= o.alias < len(o.args):
                 raise ValueError(f"LLIR op {i} aliases a missing argument {o.alias}")
+            rows = version >= 2
             if o.kind == "elementwise" and o.op == "Fused":
-                check_expr(o.params.get("expr"), len(o.args), o.dtype, f"LLIR op {i} (elementwise Fused)")
+                check_expr(o.params.get("expr"), len(o.args), o.dtype, f"LLIR op {i} (elementwise Fused)", rows)
             if o.kind == "reduce" and "expr" in o.params:
-                check_expr(o.params["expr"], len(o.args), None, f"LLIR op {i} (reduce {o.op})")
+                check_expr(o.params["expr"], len(o.args), None, f"LLIR op {i} (reduce {o.op})", rows)
+                check_row_reduce(o, f"LLIR op {i} (reduce {o.op})")
+            if o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params:
+                check_scatter_prologue(o, version, f"LLIR op {i} ({o.kind})")
         return Program(str(data["name"]), ops)
 
     @staticmethod
@@ -186,9 +212,10 @@ class Program:
         return Program.from_json(json.loads(text))
 
 
-def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused op") -> None:
+def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused op", rows: bool = True) -> None:
     """Raise ValueError unless ``expr`` is a valid Fused expression over ``nargs`` args whose root has
-    ``dtype`` (any dtype when None: a reduce's prologue; see the module docstring)."""
+    ``dtype`` (any dtype when None: a reduce's prologue; see the module docstring); row reductions
+    only when ``rows`` (LLIR version 2)."""
 
     def walk(t: Any, path: str) -> None:
         if not isinstance(t, (list, tuple)) or not t:
@@ -198,6 +225,8 @@ def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused o
                 raise ValueError(f"{where}: expr leaf {path} {t!r} must be ['arg', k] with 0 <= k < {nargs}")
             return
         want = ELEMENTWISE_ARITY.get(t[0]) if isinstance(t[0], str) else None
+        if rows and isinstance(t[0], str) and t[0] in ROW_OPS:
+            want = 1
         if want is None:
             raise ValueError(f"{where}: unknown elementwise op {t[0]!r} in expr node {path}")
         if len(t) != 2 + want:
@@ -214,6 +243,34 @@ def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused o
         raise ValueError(f"{where}: the expr root must be an op node, not a leaf")
     if dtype is not None and DType.parse(expr[1]) != dtype:
         raise ValueError(f"{where}: the expr root has dtype {expr[1]}, the op {dtype}")
+
+
+def has_row_ops(expr: Any) -> bool:
+    """Whether a Fused expression tree holds a row reduction (RowSum / RowMax); False for a malformed one."""
+    if not isinstance(expr, (list, tuple)) or not expr or expr[0] == "arg":
+        return False
+    return (isinstance(expr[0], str) and expr[0] in ROW_OPS) or any(has_row_ops(k) for k in expr[2:])
+
+
+def check_scatter_prologue(op: LOp, version: int, where: str) -> None:
+    """A scatter's fused prologue: version 2, at least one leaf between dest and idx; row reductions only
+    over a row of dest (a dest of at least 2 dims: the src domain's last axis is dest's)."""
+    if version < 2:
+        raise ValueError(f"{where}: a scatter prologue needs LLIR version 2")
+    if len(op.args) < 3:
+        raise ValueError(f"{where}: a scatter with a prologue takes (dest, leaves…, idx)")
+    check_expr(op.params["expr"], len(op.args) - 2, None, where)
+    if has_row_ops(op.params["expr"]) and len(op.shape) < 2:
+        raise ValueError(f"{where}: row reductions in a scatter prologue need a dest of at least 2 dims")
+
+
+def check_row_reduce(op: LOp, where: str) -> None:
+    """A reduce whose prologue has row reductions must reduce the last axis (the rows' own axis)."""
+    if not has_row_ops(op.params["expr"]):
+        return
+    axis, nd = op.params.get("axis"), (op.args[0].view.ndim if op.args else 0)
+    if isinstance(axis, bool) or not isinstance(axis, int) or nd == 0 or axis % nd != nd - 1:
+        raise ValueError(f"{where}: a prologue with row reductions needs the last axis reduced, got axis {axis!r}")
 
 
 def expr_nodes(expr: Any) -> int:

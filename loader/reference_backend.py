@@ -29,7 +29,8 @@ import numpy as np
 
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, UnboundVariableError
-from lum.format.llir import ELEMENTWISE_ARITY, GEMM_LAYOUTS, LOp, Program, check_expr
+from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr, check_row_reduce,
+                             check_scatter_prologue)
 from lum.format.numerics import NumericsError, round_to, store_as, view_of
 from lum.format.shapetracker import ShapeTracker
 
@@ -49,10 +50,26 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 def _eval_tree(t: list, args: list[np.ndarray]) -> np.ndarray:
-    """A Fused expression tree on compute-type args; every node rounds to its dtype, as a store would."""
+    """A Fused expression tree on compute-type args (each of the op's loop shape); every node rounds to its
+    dtype, as a store would. A row reduction reduces its child over the last axis and is read broadcast."""
     if t[0] == "arg":
         return args[t[1]]
-    return round_to(_elementwise(t[0], [_eval_tree(k, args) for k in t[2:]]), DType.parse(t[1]))
+    kids = [_eval_tree(k, args) for k in t[2:]]
+    if t[0] in ROW_OPS:
+        return round_to(np.broadcast_to(_reduce_rows(t[0], kids[0]), kids[0].shape), DType.parse(t[1]))
+    return round_to(_elementwise(t[0], kids), DType.parse(t[1]))
+
+
+def _reduce_rows(op: str, x: np.ndarray) -> np.ndarray:
+    """RowSum / RowMax of a compute-type array over its last axis, kept as a unit axis."""
+    if x.ndim == 0:
+        raise BackendError(f"{op} needs a loop domain of at least one dim")
+    if op == "RowSum":
+        return x.sum(axis=-1, keepdims=True)
+    if x.dtype == np.bool_:
+        return x.any(axis=-1, keepdims=True)
+    ident = -np.inf if x.dtype.kind == "f" else np.iinfo(np.int64).min
+    return x.max(axis=-1, keepdims=True, initial=ident)
 
 
 def _elementwise(op: str, args: list[np.ndarray]) -> np.ndarray:
@@ -153,9 +170,17 @@ class _Executor:
                 raise BackendError(f"{where} has id {o.id}; ops must be numbered in order")
             want = ELEMENTWISE_ARITY.get(o.op) if o.kind == "elementwise" else _ARITY[o.kind]
             fused = o.kind == "elementwise" and o.op == "Fused"
-            if fused or (o.kind == "reduce" and "expr" in o.params):
+            if o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params:
+                try:
+                    check_scatter_prologue(o, 2, where)
+                except ValueError as e:
+                    raise BackendError(str(e)) from None
+                want = len(o.args)
+            elif fused or (o.kind == "reduce" and "expr" in o.params):
                 try:
                     check_expr(o.params.get("expr"), len(o.args), o.dtype if fused else None, where)
+                    if not fused:
+                        check_row_reduce(o, where)
                 except ValueError as e:
                     raise BackendError(str(e)) from None
                 want = len(o.args)
@@ -342,6 +367,8 @@ class _Executor:
         if o.op != "Fused":
             return _elementwise(o.op, args)
         expr = o.params["expr"]
+        if expr[0] in ROW_OPS:
+            return _eval_tree(expr, args)
         return _elementwise(expr[0], [_eval_tree(k, args) for k in expr[2:]])   # the root is rounded when stored
 
     def k_reduce(self, o: LOp) -> np.ndarray:
@@ -395,9 +422,16 @@ class _Executor:
     def _scatter_parts(self, o: LOp, dest_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         if len(dest_shape) < 1:
             raise BackendError("scatter needs a destination of at least 1 dim")
-        idx = self._index(o, 2, dest_shape[0])
+        last = len(o.args) - 1
+        idx = self._index(o, last, dest_shape[0])
+        want = idx.shape + tuple(dest_shape[1:])
+        if "expr" in o.params:                       # a fused prologue: the rows are the tree's values
+            leaves = [self.readc(o, k) for k in range(1, last)]
+            for k, a in enumerate(leaves, 1):
+                self.check_shape(a.shape, want, f"argument {k}'s view")
+            return store_as(_eval_tree(o.params["expr"], leaves), o.dtype), idx
         src = self.read(o, 1)
-        self.check_shape(src.shape, idx.shape + tuple(dest_shape[1:]), "the scattered rows (args[1])")
+        self.check_shape(src.shape, want, "the scattered rows (args[1])")
         return self._convert(src, self.arg_dtype(o, 1), o.dtype), idx
 
     def k_scatter(self, o: LOp) -> np.ndarray:

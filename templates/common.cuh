@@ -175,6 +175,24 @@ LUM_D T lum_warp_reduce(T v) {
   return v;
 }
 
+// Reduce across a group of GROUP consecutive threads (a power of two <= blockDim.x); every thread of the
+// group gets the result, combined in the same order in each. Every thread of the block must call it
+// (GROUP > 32 goes through shared memory `smem` of blockDim.x / 32 entries and __syncthreads).
+template <typename Op, int GROUP, typename T>
+LUM_D T lum_group_reduce(T v, T* smem) {
+  v = lum_warp_reduce<Op, (GROUP < 32 ? GROUP : 32)>(v);
+  if (GROUP > 32) {
+    __syncthreads();                       // an earlier call's readers are done with smem
+    if ((threadIdx.x & 31u) == 0) smem[threadIdx.x / 32] = v;
+    __syncthreads();
+    const int first = (int)(threadIdx.x / GROUP) * (GROUP / 32);
+    v = smem[first];
+#pragma unroll
+    for (int k = 1; k < GROUP / 32; ++k) v = Op::apply(v, smem[first + k]);
+  }
+  return v;
+}
+
 // N consecutive elements moved as one (aligned) memory access.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) lum_vec { T v[N]; };

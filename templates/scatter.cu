@@ -9,10 +9,14 @@
 //! Grid-stride loop over src's flat index (correct for any grid >= 1), EPT items per thread per tile.
 //! An index outside [0, ROWS) writes nothing. With duplicate indices the surviving row is unspecified.
 //!
+//! With a fused prologue (LLIR params expr) the src element is computed from the leaves args[1:-1]
+//! (RoPE and the rounding to the cache dtype of a KV-cache write) and idx is the last argument.
+//!
 //! Placeholders: KERNEL THREADS EPT IDX_T PARAMS DYN_LOADS, NUM_ITEMS (src elements), ROWS (dest
 //!   rows), UNRAVEL (defines lum_i0..: the j.. dims, then r..), ROW (long long row number of the item),
-//!   VALUE (the src element, converted to the output's storage type), DEST (physical index into out
-//!   of element (lum_row, r..)).
+//!   PROLOGUE (statements computing the src element from the leaves, or nothing), VALUE (the src
+//!   element, converted to the output's storage type), DEST (physical index into out of element
+//!   (lum_row, r..)).
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
 {{DYN_LOADS}}
@@ -27,6 +31,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
 {{UNRAVEL}}
         const long long lum_row = {{ROW}};
         if (lum_row >= 0 && lum_row < lum_rows) {
+{{PROLOGUE}}
           out[{{DEST}}] = {{VALUE}};
         }
       }

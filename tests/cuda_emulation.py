@@ -116,7 +116,7 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
         uniq.setdefault(k.name, k)
     src = [_SHIM, module_source(list(uniq.values()))]
     for k in uniq.values():
-        threaded = "__syncthreads" in k.body or "__shfl" in k.body
+        threaded = any(x in k.body for x in ("__syncthreads", "__shfl", "lum_warp_reduce", "lum_group_reduce"))
         for lc in k.launches:
             args = ", ".join(f"*({_ptype(p.ctype)}*)p[{i}]" for i, p in enumerate(k.params))
             sync = "true" if threaded else "false"

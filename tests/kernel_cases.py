@@ -154,6 +154,34 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
             oshape = tuple(d for k, d in enumerate(shape) if k != axis)
             b.op(case, "reduce", red, [(inp(case, 0, size, dt), view)], oshape, dt, {"axis": axis},
                  output=f"{case}.y", case_kind="reduce", tol=tol)
+    # row kernels (templates/row.cu): RMSNorm (a RowSum read back along the row), softmax (a RowMax nested
+    # in a RowSum) and a reduce over the last axis of a row-normalised value, over several views
+    f32 = DType.f32
+
+    def xf(k: int) -> list:
+        return ["Cast", "f32", ["arg", k]]
+
+    for vname in ("contig", "permuted", "padded", "window"):
+        view, size = views[vname]
+        case = f"row.rmsnorm.{vname}"
+        ms = ["RowSum", "f32", ["Mul", "f32", xf(0), xf(0)]]
+        rs = ["Recip", "f32", ["Sqrt", "f32", ["Add", "f32", ms, xf(1)]]]
+        expr = ["Cast", dt.value, ["Mul", "f32", ["Mul", "f32", xf(0), rs], xf(1)]]
+        w = views["broadcast"][0]
+        b.op(case, "elementwise", "Fused", [(inp(case, 0, size, dt), view), (inp(case, 1, 16, dt, True), w)],
+             shape, dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
+        case = f"row.softmax.{vname}"
+        m = ["RowMax", "f32", xf(0)]
+        e = ["Exp2", "f32", ["Add", "f32", xf(0), ["Mul", "f32", m, xf(1)]]]
+        expr = ["Cast", dt.value, ["Mul", "f32", e, ["Recip", "f32", ["RowSum", "f32", e]]]]
+        neg = inp(case, 1, 16, dt, data=np.full(16, -1.0, dt.np))
+        b.op(case, "elementwise", "Fused", [(inp(case, 0, size, dt), view), (neg, views["broadcast"][0])],
+             shape, dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
+        case = f"row.reduce.{vname}"
+        normed = ["Mul", "f32", xf(0), ["Recip", "f32", ["Sqrt", "f32", ["RowSum", "f32", ["Mul", "f32", xf(0), xf(0)]]]]]
+        b.op(case, "reduce", "Max", [(inp(case, 0, size, dt), view)], (s, 4), f32,
+             {"axis": 2, "expr": ["Mul", "f32", normed, normed]}, output=f"{case}.y", case_kind="row",
+             tol=TOL[f32])
     # gather rows of a [10, 24] table (contiguous and transposed) by i32 / i64 indices
     for it in (DType.i32, DType.i64):
         for tname, tview in (("rows", ShapeTracker.contiguous((10, 24))),
@@ -181,6 +209,37 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
          [(sname, cache), (inp(case, 1, 32 * s, dt), ShapeTracker.contiguous((s, 4, 8))),
           (inp(case, 2, s, DType.i32, data=rows), ShapeTracker.contiguous((s,)))],
          (12, 4, 8), dt, alias=0, output=sname, role="state", case_kind="scatter_nocopy", tol=tol)
+    # long rows: several warps per row combine through shared memory (lum_group_reduce with GROUP > 32)
+    case = "row.softmax.long"
+    m = ["RowMax", "f32", xf(0)]
+    e = ["Exp2", "f32", ["Add", "f32", xf(0), ["Mul", "f32", m, xf(1)]]]
+    expr = ["Cast", dt.value, ["Mul", "f32", e, ["Recip", "f32", ["RowSum", "f32", e]]]]
+    neg = inp(case, 1, 1, dt, data=np.full(1, -1.0, dt.np))
+    b.op(case, "elementwise", "Fused", [(inp(case, 0, 300 * s, dt), ShapeTracker.contiguous((s, 300))),
+                                        (neg, ShapeTracker((s, as_expr(300)), (as_expr(0), as_expr(0)), as_expr(0)))],
+         (s, 300), dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
+    # scatters that compute their rows (a fused prologue over leaves args[1:-1]): a rotation-like expression
+    # of a permuted and a padded read (copy and in place), and an RMSNorm of each row (a row kernel)
+    for kind, with_rows in (("scatter", False), ("scatter_nocopy", False), ("scatter_nocopy", True)):
+        case = f"{kind}.prologue" + (".rows" if with_rows else "")
+        rows = rng.permutation(12)[:n_of(s)].astype(np.int64)
+        srcs = [ShapeTracker.contiguous((4, s, 8)).permute((1, 0, 2)), ShapeTracker.contiguous((s, 4, 6)).pad(2, 1, 1)]
+        leaves = [(inp(case, 1, 32 * s, dt), srcs[0]), (inp(case, 2, 24 * s, dt), srcs[1])]
+        val = ["Add", "f32", ["Mul", "f32", xf(0), xf(1)], xf(1)]
+        if with_rows:
+            val = ["Mul", "f32", val, ["Recip", "f32", ["Sqrt", "f32", ["RowSum", "f32", ["Mul", "f32", val, val]]]]]
+        expr = ["Cast", dt.value, val]
+        idx = (inp(case, 3, s, DType.i64, data=rows), ShapeTracker.contiguous((s,)))
+        if kind == "scatter":
+            dest = (inp(case, 0, 384, dt), cache)
+            b.op(case, kind, "Scatter", [dest, *leaves, idx], (12, 4, 8), dt, {"expr": expr}, output=f"{case}.y",
+                 case_kind=kind, tol=tol)
+        else:
+            sname = b.input(f"{case}.cache", (12, 4, 8), dt, "state")
+            b.state[sname] = TensorSpec(sname, tuple(map(as_expr, (12, 4, 8))), dt)
+            b.state_init[sname] = _rand(rng, dt, 384).reshape(12, 4, 8)
+            b.op(case, kind, "ScatterNoCopy", [(sname, cache), *leaves, idx], (12, 4, 8), dt, {"expr": expr},
+                 alias=0, output=sname, role="state", case_kind=kind, tol=tol)
     # iota in the dtype and in i64
     for odt in (dt, DType.i64):
         case = f"iota.{odt.value}"

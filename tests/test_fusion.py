@@ -204,7 +204,12 @@ def test_a_producer_of_identity_reads_inlines_through_any_unmasked_view(case):
     prog, _ = compile_group(g, sat=sat)
     assert [o.op for o in _kernels(prog) if o.kind == "elementwise"] == ["Fused"]   # p is recomputed
     (k,) = [o for o in _kernels(prog) if o.op == "Fused"]
-    assert k.params["expr"] == ["Add", "f32", ["Mul", "f32", ["arg", 0], ["arg", 1]], ["arg", 2]]
+    if case == "scalar":                        # the row sum itself is recomputed in the row kernel
+        assert k.params["expr"] == ["Add", "f32", ["Mul", "f32", ["RowSum", "f32", ["arg", 0]], ["arg", 1]], ["arg", 2]]
+        assert prog.ops[k.args[0].src].kind == "input" and k.args[0].view == ShapeTracker.contiguous((4, 8))
+        assert not any(o.kind == "reduce" for o in prog.ops)
+    else:
+        assert k.params["expr"] == ["Add", "f32", ["Mul", "f32", ["arg", 0], ["arg", 1]], ["arg", 2]]
     if case == "scalar":                        # the constant is read through an all-zero view
         assert k.args[1].view.strides == (as_expr(0), as_expr(0)) and prog.ops[k.args[1].src].kind == "constant"
     else:                                       # p's operands are read through the consumer's own view
@@ -272,12 +277,12 @@ def test_a_reduction_fuses_its_prologue(case):
         F.output(p.sum(-1), "out")
         want = [("reduce", "Sum")]
         expr = ["Mul", "f32", ["arg", 0], ["arg", 0]]
-    elif case == "softmax":                     # sum(exp2(x - max)) fuses; the normalisation recomputes it
-        e = (x - x.max(-1, keepdim=True)).exp2()
+    elif case == "softmax":                     # sum(exp2(x - max)): one reduce; its prologue recomputes the
+        e = (x - x.max(-1, keepdim=True)).exp2()   # max as a row reduction (x - max is x + max * -1)
         p = e
-        F.output(e * e.sum(-1, keepdim=True).recip(), "out")
-        want = None                             # x - max is x + max * -1: the [4, 1] product inlines too
-        expr = ["Exp2", "f32", ["Add", "f32", ["arg", 0], ["Mul", "f32", ["arg", 1], ["arg", 2]]]]
+        F.output(e.sum(-1), "out")
+        want = [("reduce", "Sum")]
+        expr = ["Exp2", "f32", ["Add", "f32", ["arg", 0], ["Mul", "f32", ["RowMax", "f32", ["arg", 0]], ["arg", 1]]]]
     else:
         y = F.input_tensor(g, "y", [8], "f32")
         p = (x * y).sin()
@@ -290,10 +295,7 @@ def test_a_reduction_fuses_its_prologue(case):
     prog, _ = compile_group(g, sat=sat)
     fused = [o for o in _reduces(prog) if "expr" in o.params]
     assert len(fused) == 1 and fused[0].params["expr"] == expr
-    if want is not None:
-        assert [(o.kind, o.op) for o in _kernels(prog)] == want
-    else:
-        assert not any(o.op == "Exp2" for o in prog.ops)        # exp2 is never materialised
+    assert [(o.kind, o.op) for o in _kernels(prog)] == want
     k = fused[0]
     n_in = 32
     assert k.flops == as_expr(n_in * (1 + expr_nodes(expr)))
@@ -395,17 +397,22 @@ def _rmsnorm_graph(rows: int, dtype: str, add_one: bool) -> Graph:
 
 @pytest.mark.parametrize("rows, dtype, add_one", [(4, "f32", False), (1, "bf16", False), (3, "bf16", True),
                                                   (1, "f32", True)])
-def test_rmsnorm_is_a_reduce_and_one_fused_kernel(rows, dtype, add_one):
-    """x * rsqrt(mean(x²) + eps) * w: Σ(x·x) with a fused prologue, then ONE Fused kernel that recomputes
-    the per-row rsqrt(Σ/n + eps) through its broadcast read (the fuse-view-* rules)."""
+def test_rmsnorm_is_one_row_kernel(rows, dtype, add_one):
+    """x * rsqrt(mean(x²) + eps) * w: ONE row kernel. The per-row rsqrt(Σ/n + eps) is lifted through its
+    broadcast read to the Σ (the fuse-view-* rules), and the Σ(x·x) read broadcast along its own axis
+    is a row reduction (rules/rows.egg) that the normalising kernel computes first."""
     g = _rmsnorm_graph(rows, dtype, add_one)
     sat = saturate(g)
     assert sat.fired("fuse-view-recip") >= 1 and sat.fired("fuse-view-sqrt") >= 1
+    assert sat.fired("fuse-row-sum") >= 1
     prog, _ = compile_group(g, sat=sat)
     ks = _kernels(prog)
-    assert [(o.kind, o.op) for o in ks] == [("reduce", "Sum"), ("elementwise", "Fused")]
-    assert "expr" in ks[0].params
-    assert "['Recip', 'f32', ['Sqrt', 'f32'" in str(ks[1].params["expr"])
+    assert [(o.kind, o.op) for o in ks] == [("elementwise", "Fused")]
+    assert "['Recip', 'f32', ['Sqrt', 'f32'" in str(ks[0].params["expr"])
+    assert "['RowSum', 'f32', ['Mul', 'f32', ['arg', 0], ['arg', 0]]]" in str(ks[0].params["expr"]) or \
+        "['RowSum', 'f32', ['Mul', 'f32', ['Cast', 'f32', ['arg', 0]], ['Cast', 'f32', ['arg', 0]]]]" in \
+        str(ks[0].params["expr"])
+    assert prog.version() == 2 and Program.loads(prog.dumps()).ops == prog.ops
     _check(g, prog, tol=1e-6 if dtype == "f32" else 0.0)
     for seed in range(8):                       # every selection computes the same
         _check(g, lower(sat, random_choice(sat, seed)), tol=1e-6 if dtype == "f32" else 1e-2)
@@ -418,13 +425,16 @@ def _softmax_graph(dtype: str = "f32") -> Graph:
     return g
 
 
-def test_softmax_is_max_sum_and_one_fused_kernel():
+def test_softmax_is_one_row_kernel():
+    """max, Σexp(x − max) and the quotient: one kernel whose Σ row holds the max row (nested rows)."""
     g = _softmax_graph()
     sat = saturate(g)
+    assert sat.fired("fuse-row-max") >= 1 and sat.fired("fuse-row-sum") >= 1
     prog, _ = compile_group(g, sat=sat)
     ks = _kernels(prog)
-    assert [(o.kind, o.op) for o in ks] == [("reduce", "Max"), ("reduce", "Sum"), ("elementwise", "Fused")]
-    assert "expr" in ks[1].params and "'Recip'" in str(ks[2].params["expr"])   # 1/Σ is recomputed
+    assert [(o.kind, o.op) for o in ks] == [("elementwise", "Fused")]
+    text = str(ks[0].params["expr"])
+    assert "['Recip', 'f32', ['RowSum', 'f32', ['Exp2'" in text and "['RowMax', 'f32', ['arg', 0]]" in text
     _check(g, prog)
     for seed in range(8):
         _check(g, lower(sat, random_choice(sat, seed)))
@@ -475,7 +485,9 @@ def test_fused_reduce_with_padded_leaves_and_mixed_dtypes_is_exact():
         _check(g, lower(sat, random_choice(sat, seed)), inputs, tol=0.0)
 
 
-def test_a_scatter_consumer_reads_the_buffer():
+def test_a_scatter_computes_its_rows():
+    """A scatter's src rows may be recomputed inline (a fused prologue; never its dest or indices): the KV
+    cache write computes RoPE and the cast to the cache dtype. Every selection computes the same."""
     g = Graph("scatter")
     cache = F.input_tensor(g, "cache", [6, 8], "f32", role="state")
     new = F.input_tensor(g, "new", [2, 8], "f32")
@@ -483,12 +495,33 @@ def test_a_scatter_consumer_reads_the_buffer():
     src = (new * 2.0).sin()
     F.output(F.scatter(cache, src, pos), "cache", role="state")
     sat = saturate(g)
-    assert _inline_ops(sat, _edge_reading(sat, src, "Scatter")) == set()
+    assert _inline_ops(sat, _edge_reading(sat, src, "Scatter")) == {"XSin"}
+    prog, _ = compile_group(g, sat=sat)
+    (k,) = _kernels(prog)
+    assert k.kind == "scatter_nocopy" and k.params["expr"] == ["Sin", "f32", ["Mul", "f32", ["arg", 0], ["arg", 1]]]
+    assert len(k.args) == 4 and prog.ops[k.args[-1].src].params["name"] == "pos" and prog.version() == 2
+    assert Program.loads(prog.dumps()).ops == prog.ops
+    _check(g, prog)
+    kinds = set()
+    for seed in range(8):
+        p = lower(sat, random_choice(sat, seed))
+        kinds.add(tuple(o.kind for o in _kernels(p)))
+        _check(g, p)
+    assert (("elementwise", "scatter_nocopy") in kinds or ("elementwise", "scatter") in kinds) and len(kinds) > 1
+
+
+def test_an_in_place_scatter_never_recomputes_rows_from_its_destination():
+    """src rows computed from the destination's own buffer would race with the rows being written: the
+    in-place option is dropped (a copying scatter stays), as rules/inplace.egg does for a direct read."""
+    g = Graph("scatter-self")
+    cache = F.input_tensor(g, "cache", [6, 8], "f32", role="state")
+    pos = F.input_tensor(g, "pos", [2], "i64")
+    src = cache.slice(0, 0, 2) * 2.0
+    F.output(F.scatter(cache, src, pos), "cache", role="state")
+    sat = saturate(g)
+    assert not any(n.op == "KScatterNoCopy" for c in sat.reachable for n in sat.options[c])
     for seed in range(4):
-        prog = lower(sat, random_choice(sat, seed))
-        assert [o.kind for o in _kernels(prog)][-1] in ("scatter", "scatter_nocopy")
-        assert any(o.kind == "elementwise" for o in _kernels(prog))   # sin(new * 2) is materialised
-        _check(g, prog)
+        _check(g, lower(sat, random_choice(sat, seed)))
 
 
 def test_a_class_inlined_for_one_consumer_is_still_emitted_for_the_others():
@@ -728,10 +761,10 @@ def test_nvrtc_compiles_fused_reduce_kernels(tmp_path):
 
 
 # ====================================================================== model-level kernel counts
-def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
     """(kernels, elementwise kernels, Sums that read a materialised Mul through its identity view: the
-    norms' sum(x*x) and decode attention's q·k) of one decode step, unfused and fused, by the cost
-    model's choice."""
+    norms' sum(x*x) and decode attention's q·k, reduce kernels) of one decode step, unfused and fused,
+    by the cost model's choice."""
     from lum.builder.models import load_spec
     from lum.builder.partition import chunk_graph, group_chunks, partition
 
@@ -741,6 +774,7 @@ def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int], dict[str
     kernels = {"unfused": 0, "fused": 0}
     elementwise = {"unfused": 0, "fused": 0}
     mul_sums = {"unfused": 0, "fused": 0}
+    reduces = {"unfused": 0, "fused": 0}
     for grp in group_chunks(g, chunks):
         sat = saturate(chunk_graph(g, grp.representative))
         choice = choose_by_cost(sat)
@@ -751,7 +785,8 @@ def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int], dict[str
             elementwise[key] += len(grp) * sum(o.kind == "elementwise" for o in ks)
             mul_sums[key] += len(grp) * sum(o.op == "Sum" and prog.ops[a.src].op == "Mul"
                                             and _identity(a.view, prog.ops[a.src].shape) for o in ks for a in o.args)
-    return kernels, elementwise, mul_sums
+            reduces[key] += len(grp) * sum(o.kind == "reduce" for o in ks)
+    return kernels, elementwise, mul_sums, reduces
 
 
 def _identity(v: ShapeTracker, shape) -> bool:
@@ -763,17 +798,18 @@ def _identity(v: ShapeTracker, shape) -> bool:
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
 def test_decode_kernel_counts_drop(model):
-    """Elementwise chains fuse, and so do the prologues of reductions: every RMSNorm's sum(x*x) is one
-    kernel, and per-row values read through broadcasts (rsqrt, 1/Σ) are recomputed by their consumers
-    (tiny-llama 191 -> 61 decode kernels, tiny-gemma3 445 -> 107; 86 / 169 before the fuse-view-* rules).
-    "Unfused" keeps the fused selection's other choices (a GEMV the cost model made a reduce stays one)."""
-    kernels, elementwise, mul_sums = _decode_counts(model)
+    """Elementwise chains fuse, reductions fuse their prologues, per-row values read through broadcasts
+    (rsqrt, 1/Σ) are recomputed by their consumers, norms and softmax are row kernels, and the KV-cache
+    writes compute RoPE and the cast (tiny-llama 148 -> 40 decode kernels, tiny-gemma3 379 -> 64; 61 / 107
+    before row kernels and scatter prologues). "Unfused" keeps the fused selection's other choices."""
+    kernels, elementwise, mul_sums, reduces = _decode_counts(model)
     print(f"{model} decode: kernels {kernels['unfused']} -> {kernels['fused']}, "
           f"elementwise {elementwise['unfused']} -> {elementwise['fused']}, "
+          f"reduces {reduces['unfused']} -> {reduces['fused']}, "
           f"Sums of a materialised Mul {mul_sums['unfused']} -> {mul_sums['fused']}")
     assert elementwise["fused"] * 2 <= elementwise["unfused"]
-    # fused reductions stay reduce kernels: every kernel removed is an elementwise one
-    assert kernels["unfused"] - kernels["fused"] == elementwise["unfused"] - elementwise["fused"]
+    assert reduces["fused"] == 0 < reduces["unfused"]        # every norm and softmax is a row kernel
+    assert kernels["fused"] * 3 <= kernels["unfused"]
     assert mul_sums["unfused"] > 0 and mul_sums["fused"] == 0
 
 
@@ -781,12 +817,19 @@ def _square(expr) -> bool:
     return isinstance(expr, list) and expr[0] == "Mul" and expr[2] == expr[3]
 
 
+def _row_squares(expr) -> list:
+    """The RowSum(x·x) nodes of a Fused tree (the Σx² of an RMSNorm computed in its consumer's kernel)."""
+    if not isinstance(expr, list) or expr[0] == "arg":
+        return []
+    here = [expr] if expr[0] == "RowSum" and _square(expr[2]) else []
+    return here + [x for k in expr[2:] for x in _row_squares(k)]
+
+
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
-def test_decode_norms_are_a_sum_and_their_consumer(model):
-    """Each RMSNorm of a decode step is two kernels: Σ(x·x) with a fused prologue, and the kernel that
-    consumes the normalised x, which recomputes rsqrt(Σ/n + eps) through its broadcast read (a Fused
-    elementwise op or a reduce with a prologue: the cost model may turn a small GEMV into one). No kernel
-    materialises a per-row rsqrt or softmax's 1/Σ (before the fuse-view-* rules, each was a kernel)."""
+def test_decode_norms_are_row_kernels(model):
+    """Every RMSNorm of a decode step is computed inside the kernel that consumes the normalised x (a row
+    kernel: its Σ(x·x) is a row reduction), so a decode step has no reduce kernel at all, and no kernel
+    materialises a per-row rsqrt or softmax's 1/Σ. Each norm's Σ(x·x) appears in at least one kernel."""
     from lum.builder.models import load_spec
     from lum.builder.partition import chunk_graph, group_chunks, partition
 
@@ -795,16 +838,17 @@ def test_decode_norms_are_a_sum_and_their_consumer(model):
     g = spec.graphs["decode"]
     norms = 0
     for grp in group_chunks(g, partition(g)):
-        prog = compile_group(chunk_graph(g, grp.representative))[0]
+        cg = chunk_graph(g, grp.representative)
+        prog = compile_group(cg)[0]
         ks = _kernels(prog)
+        assert not any(o.kind == "reduce" for o in ks), [o.op for o in ks]
         for o in ks:
             root = o.params["expr"][0] if o.op == "Fused" else o.op
             assert not (o.kind == "elementwise" and root in ("Recip", "Sqrt")), (o.op, o.params)
-            if o.op == "Sum" and _square(o.params.get("expr")):
-                norms += len(grp)
-                readers = [k for k in ks if any(a.src == o.id for a in k.args)]
-                assert readers and all(k.op == "Fused" or (k.kind == "reduce" and "expr" in k.params)
-                                       for k in readers)
-                assert all("['Recip', 'f32', ['Sqrt', 'f32'" in str(k.params["expr"]) for k in readers)
+        in_kernels = sum(len(_row_squares(o.params.get("expr"))) for o in ks)
+        hlir_norms = sum(1 for n in cg.nodes if n.op == "SumReduce" and cg.nodes[n.inputs[0].src].op == "Mul"
+                         and cg.nodes[n.inputs[0].src].inputs[0] == cg.nodes[n.inputs[0].src].inputs[1])
+        assert in_kernels >= hlir_norms
+        norms += len(grp) * hlir_norms
     per_layer = 6 if model == "tiny-gemma3" else 2   # gemma3: pre/post attention and FFN norms, q and k norms
     assert norms == per_layer * cfg.num_layers + 1         # and the final norm

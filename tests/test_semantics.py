@@ -7,7 +7,9 @@ extractions are lowered to LLIR and run by the loader's reference backend, and e
 compared with the HLIR reference interpreter (relative error < 1e-5 in f32, max-norm). Random
 extractions pick fuse / no-fuse per fusable read (rules/fuse.egg), so Fused ops and reductions with a
 fused prologue (reduce ops with ``params["expr"]``) are covered too, and so are producers inlined
-through a broadcast / permute / slice / reshape of their buffer (the fuse-view-* rules; counted).
+through a broadcast / permute / slice / reshape of their buffer (the fuse-view-* rules), row reductions
+recomputed in their consumer's row kernel (rules/rows.egg) and scatters that compute their rows (a
+fused prologue); each is counted.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from hypothesis import strategies as st  # noqa: E402
 
 from lum.builder import frontend as F  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
-from lum.builder.egraph import ELEMENTWISE_KERNELS, FUSING_CONSUMERS, INLINE_OPS, saturate  # noqa: E402
-from lum.builder.extract import _ARITY, _ld, _Reads, chosen, lower, random_choice  # noqa: E402
+from lum.builder.egraph import (ELEMENTWISE_KERNELS, FUSING_CONSUMERS, INLINE_OPS, ROW_INLINE_OPS,  # noqa: E402
+                                fused_args, saturate)
+from lum.builder.extract import _ld, _Reads, chosen, lower, random_choice  # noqa: E402
 from lum.builder.hlir import Edge, Graph  # noqa: E402
 from lum.builder.partition import chunk_graph, group_chunks, partition  # noqa: E402
 from lum.builder.reference import run_graph  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
 from lum.format.expr import Var, as_expr  # noqa: E402
+from lum.format.llir import has_row_ops  # noqa: E402
 from lum.format.shapetracker import ShapeTracker  # noqa: E402
 from lum.loader.reference_backend import execute  # noqa: E402
 
@@ -49,8 +53,9 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) / scale
 
 
-FUSED = {"programs": 0, "reduce": 0, "lifted": 0}   # programs run that hold a Fused op / a reduce with a
-# fused prologue / an inline value read through a view other than the producer's identity (fuse-view-*)
+FUSED = {"programs": 0, "reduce": 0, "lifted": 0, "rows": 0, "scatter": 0}   # programs run that hold a Fused
+# op / a reduce with a fused prologue / an inline value read through a view other than the producer's
+# identity (fuse-view-*) / a row reduction inside a kernel / a scatter with a fused prologue
 
 
 def _lifted(sat, choice) -> bool:
@@ -61,11 +66,14 @@ def _lifted(sat, choice) -> bool:
         node = chosen(sat, choice, c)
         if node.op not in FUSING_CONSUMERS:
             continue
-        stack = list(node.args[:_ARITY[node.op]])
+        stack = list(fused_args(node))
         while stack:
             k = stack.pop()
             x = reads.inline(k)
             if x is None:
+                continue
+            if x.op in ROW_INLINE_OPS:            # a reduce recomputed in a row kernel, not an elementwise op
+                stack.extend(kid for kid in x.children() if sat.classes[kid].sort == "Op")
                 continue
             ld = _ld(sat, k)
             prod = next(n for n in sat.options[ld.args[0]] if n.op in ELEMENTWISE_KERNELS)
@@ -95,6 +103,8 @@ def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 
         FUSED["programs"] += any(o.op == "Fused" for o in prog.ops)
         FUSED["reduce"] += any(o.kind == "reduce" and "expr" in o.params for o in prog.ops)
         FUSED["lifted"] += _lifted(sat, choice)
+        FUSED["rows"] += any("expr" in o.params and has_row_ops(o.params["expr"]) for o in prog.ops)
+        FUSED["scatter"] += any(o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params for o in prog.ops)
         out = execute(prog, inputs, dyn)
         assert set(out) == set(ref)
         for name, want in ref.items():
@@ -418,6 +428,8 @@ def test_random_graphs_cover_decisions():
     assert FUSED["reduce"] >= STATS["programs"] // 4, (FUSED, STATS)     # many a fused reduce
     print(FUSED, STATS)
     assert FUSED["lifted"] >= STATS["programs"] // 5, (FUSED, STATS)     # many inline a broadcast / permute ...
+    assert FUSED["rows"] >= STATS["programs"] // 20, (FUSED, STATS)      # softmax / norm-like rows
+    assert FUSED["scatter"] >= 1, (FUSED, STATS)
 
 
 # ====================================================================== tiny models
@@ -443,7 +455,7 @@ def test_tiny_model_groups_every_extraction_matches_the_reference(model):
     weights = {n: np.asarray(spec.weights.get(n)) for n in spec.weights.names()}
     state = {n: rng.standard_normal((spec.max_seq, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
              for n in spec.state_names}
-    lifted = FUSED["lifted"]
+    lifted, rows, scatter = FUSED["lifted"], FUSED["rows"], FUSED["scatter"]
     for entry, dyn in (("prefill", {"s": 5}), ("decode", {"p": 9})):
         g = spec.graphs[entry]
         chunks = partition(g)
@@ -470,3 +482,5 @@ def test_tiny_model_groups_every_extraction_matches_the_reference(model):
                 if ci == grp.chunks[-1] == grp.chunks[0]:
                     break
     assert FUSED["lifted"] > lifted       # norms' rsqrt, softmax's 1/sum, rope tables inline through broadcasts
+    assert FUSED["rows"] > rows           # norms and softmax as row kernels
+    assert FUSED["scatter"] > scatter     # KV-cache writes that compute RoPE and the cast

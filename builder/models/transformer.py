@@ -130,8 +130,11 @@ class DecoderBuilder:
             q = self.norm(q, p + "q_norm.weight")
             k = self.norm(k, p + "k_norm.weight")
         cos, sin = rope
-        q = F.rope(q.permute(1, 0, 2), cos, sin)                    # [nh, s, hd]
-        k = F.rope(k.permute(1, 0, 2), cos, sin).permute(1, 0, 2)   # [s, nkv, hd]
+        # q in the [nh, s, hd] layout of q·k, rounded to 16 bits in RoPE's own kernel (flash attention's
+        # operands); k in the cache's [s, nkv, hd] layout (the tables broadcast over the heads), so the
+        # cache write's rounding fuses into RoPE's kernel too
+        q = F.rope(q.permute(1, 0, 2), cos, sin).cast(self.dtype)                # [nh, s, hd]
+        k = F.rope(k, cos.unsqueeze(1), sin.unsqueeze(1))                       # [s, nkv, hd]
 
         # KV cache: write the new rows at their positions, then read rows [0, past + s).
         total = self.past + s
@@ -147,12 +150,12 @@ class DecoderBuilder:
             """Rows [0, past + s) of a cache as [nkv, group, T, hd]: broadcast over a KV head's group (GQA)."""
             return t.slice(0, 0, total).permute(1, 0, 2).expand_dim(1, group)
 
-        # q·k as flash attention computes it: 16-bit operands (q rounded; the cache widened as a whole
-        # before the views, so rules/flatten.egg's widened-product rule reads it as stored and nothing is
-        # widened in memory), products summed and kept in f32 — rounding the scores to bf16 before the
+        # q·k as flash attention computes it: 16-bit operands (q rounded above; the cache widened as a
+        # whole before the views, so rules/flatten.egg's widened-product rule reads it as stored and nothing
+        # is widened in memory), products summed and kept in f32 — rounding the scores to bf16 before the
         # softmax would put errors of ~0.4% of the logit into exp(). No-op casts for f32 models.
         f32 = DType.f32
-        qg = q.reshape(nkv, group, s, hd).cast(self.dtype).cast(f32)
+        qg = q.reshape(nkv, group, s, hd).cast(f32)
         scores = F.matmul(qg, heads(k_cache.cast(f32)).transpose(-2, -1)) * cfg.attn_scale   # [nkv, group, s, T]
         if cfg.attn_logit_softcapping:
             cap = float(cfg.attn_logit_softcapping)
