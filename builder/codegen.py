@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -69,7 +70,7 @@ from typing import Any, Mapping, Sequence
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
-                             check_row_reduce, check_scatter_prologue, has_row_ops)
+                             attention_dims, check_attention, check_row_reduce, check_scatter_prologue, has_row_ops)
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -78,8 +79,9 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
-KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "gemm")
+KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention", "gemm")
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
+ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 _GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
 
@@ -497,11 +499,18 @@ def gemv_rows(op: LOp) -> int | None:
     return m.value
 
 
+def _f32_literal(x: float) -> str:
+    """``x`` rounded to f32 as an exact C++ hex-float literal (what an f32 constant buffer would hold)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0].hex() + "f"
+
+
 def _default_threads(op: LOp) -> int:
     """Block size when the caller leaves it open: 256, except lum's decode GEMV (dot scheme), where
     benchmarks/gemv_sweep.py measured small blocks best for many columns (>= 8,192: 128 threads, e.g.
     3.54 vs 3.15 TB/s on gemma3-4b's gate projection) and large ones for few (512: 2.40 vs 2.15 TB/s on
     its q projection)."""
+    if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
+        return 128
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         return 128 if cols.is_const and cols.value >= 8192 else 512
@@ -972,8 +981,9 @@ class _Gen:
 
     # ------------------------------------------------------------------ row kernels
     def _row_group(self, rows: Expr, n: Expr) -> int:
-        """Threads per row: a warp when there are many rows, else about four elements per thread (one
-        block per row of RMSNorm's 2,560: few long rows are latency-bound in one warp)."""
+        """Threads per row: a warp when there are many rows; else, for a static row length, enough that the
+        row fits in registers (:data:`ROW_REGS` per lane), or about four elements per thread (one block per
+        row of RMSNorm's 2,560: few long rows are latency-bound in one warp)."""
         if self.group is not None:
             return self.group
         bounds = self.ctx._dyn_bounds()
@@ -981,6 +991,8 @@ class _Gen:
         n_hi = 4096 if n_hi == INF else n_hi
         if rows_hi >= 1024:
             return 32
+        if n.is_const:                   # the row in registers: at most ROW_REGS elements per lane
+            return max(32, min(1024, _pow2ceil(-(-n.value // ROW_REGS))))
         return max(32, min(1024, _pow2_floor(max(1, int(n_hi) // 4))))
 
     def k_row(self):
@@ -1062,6 +1074,23 @@ class _Gen:
             if valid:
                 setup.append(f"{ind}const bool lum_v{k} = {valid};")
             guards[k] = f"lum_v{k}" if valid else None
+        # a static row of at most ROW_REGS elements per lane is loaded once, into registers; every phase then
+        # reads registers (one round of memory latency per row instead of one per phase)
+        regs = -(-n.value // group) if n.is_const and -(-n.value // group) <= ROW_REGS else 0
+        if regs:
+            loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
+                    f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;", f"{ind}  if (lum_c < lum_n) {{"]
+            close = [f"{ind}  }}}}", f"{ind}}}"]
+            for k in crows:
+                kd = _kind(self.dts[k])
+                val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
+                setup += [f"{ind}{_KIND_C[kd]} lum_a{k}[{regs}];", f"{ind}#pragma unroll",
+                          f"{ind}for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
+                          f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;",
+                          f"{ind}  lum_a{k}[lum_kk] = (lum_live && lum_c < lum_n) ? {val} : {_ZERO[kd]};", f"{ind}}}"]
+        else:
+            loop = [f"{ind}#pragma unroll 4", f"{ind}  for (idx_t lum_c = lum_lane; lum_c < lum_n; lum_c += GROUP) {{"]
+            close = [f"{ind}  }}", f"{ind}}}"]
         rownames: dict[str, tuple[str, str]] = {}
 
         def emit(t: list, lines: list[str], round_root: bool) -> tuple[str, str]:
@@ -1077,6 +1106,8 @@ class _Gen:
                 if t[0] == "arg":
                     k = first + t[1]
                     kd = _kind(self.dts[k])
+                    if regs:
+                        return f"lum_a{k}[lum_kk]", kd
                     val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                     names[key] = (f"lum_a{k}", kd)
                     lines.append(f"{ind3}const {_KIND_C[kd]} lum_a{k} = {val};")
@@ -1095,13 +1126,11 @@ class _Gen:
 
             return node(t, True)
 
-        loop = [f"{ind}#pragma unroll 4", f"{ind}  for (idx_t lum_c = lum_lane; lum_c < lum_n; lum_c += GROUP) {{"]
-
         def accumulate(j: int, red: str, t: list) -> list[str]:
             """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane."""
             lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *loop]
             x, _ = emit(t, lines, True)
-            lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", f"{ind}  }}", f"{ind}}}",
+            lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", *close,
                       f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);"]
             return lines
 
@@ -1146,19 +1175,138 @@ class _Gen:
                 ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx) + col * wcol.strides[0])
             final += [f"{ind}if ({cond}) {{", *loop]
             x, kd = emit(expr, final, kind == "scatter")
-            final += [f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};", f"{ind}  }}", f"{ind}}}"]
+            final += [f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};", *close]
         src = render(load_template("row.cu"), {
             "KERNEL": _ENTRY, "THREADS": threads, "GROUP": group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[acc_kind], "ROWS": ctx.c(rows), "N": ctx.c(n),
             "ROW_SETUP": "\n".join(x for x in setup if x), "PHASES": "\n".join(phases), "FINAL": "\n".join(final)})
         per_block = threads // group
         tuning = {"threads": threads, "group": group, "max_blocks": self.max_blocks, "acc": self.acc,
-                  "math": self.math, "scheme": "row"}
+                  "math": self.math, "scheme": "row", "regs": regs}
         return src, self.grid(rows, per_block), threads, self.max_blocks * per_block, tuning
 
     @staticmethod
     def _row_identity(red: str) -> str:
         return "(acc_t)0" if red == "Sum" else "(acc_t)(-LUM_INF_F32)"
+
+    # ------------------------------------------------------------------ attention (decode, split-K)
+    def k_attention(self):
+        """The per-chunk partials of decode attention (templates/attention.cu; semantics in format/llir.py)."""
+        op, ctx = self.op, self.ctx
+        try:
+            check_attention(op, "attention")
+            r, t, d, dv = attention_dims(op)
+        except ValueError as e:
+            raise CodegenError(str(e)) from None
+        vq, vk, vv, vm = (a.view for a in op.args)
+        if any(x.mask is not None for x in (vq, vk, vv)):
+            raise CodegenError("attention reads q, k and v unpadded")
+        if not (d.is_const and dv.is_const):
+            raise CodegenError("attention needs static feature sizes")
+        if any(not self.dts[k].is_float for k in range(3)) or self.dts[3] != DType.bool:
+            raise CodegenError("attention reads float q, k, v and a bool mask")
+        zero, nr = as_expr(0), len(r)
+        group = [i for i in range(nr) if _is_one(r[i]) or (vk.strides[i] == zero and vv.strides[i] == zero)]
+        heads = [i for i in range(nr) if i not in group]
+        m_size = 1
+        for i in group:
+            if not r[i].is_const:
+                raise CodegenError("the query rows sharing a K / V row must be a static number")
+            m_size *= r[i].value
+        if m_size > 8:
+            raise CodegenError(f"{m_size} query rows share a K / V row; at most 8 fit one attention block")
+        unroll = 4 if self.unroll is None else self.unroll
+        if not 1 <= unroll <= 16:
+            raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
+        D, DV = d.value, dv.value
+        dpl, vpl = -(-D // 32), -(-DV // 32)
+        chunk = int(op.params["chunk"])
+        ns = cdiv(t, chunk)
+        ind, ind4 = " " * 4, " " * 8
+        # row indices: the kv-row dims from lum_h, the group dims from the unrolled query row lum_m
+        hshape = tuple(r[i] for i in heads)
+        setup = [_unravel(ctx, "lum_h", hshape, ind).rstrip("\n")]
+        idx: list[Expr] = [as_expr(0)] * nr
+        for pos, i in enumerate(heads):
+            idx[i] = Var(f"lum_i{pos}")
+        lum_m, rest = Var("lum_m"), 1
+        for i in reversed(group):
+            idx[i] = (lum_m // rest) % r[i] if r[i].value > 1 else as_expr(0)
+            rest *= r[i].value
+        ctx.var_bounds["lum_m"] = (0, m_size - 1)
+        lum_t, lum_d = Var("lum_t"), Var("lum_d")
+        ctx.bound_var("lum_t", t + chunk)
+        ctx.bound_var("lum_d", as_expr(max(D, DV)))
+        kv_idx = [as_expr(0) if i in group else idx[i] for i in range(nr)]
+        setup.append(f"{ind}const idx_t lum_kb = {ctx.c(vk.physical_index(tuple(kv_idx) + (zero, zero)))};")
+        setup.append(f"{ind}const idx_t lum_vb = {ctx.c(vv.physical_index(tuple(kv_idx) + (zero, zero)))};")
+        ctx.exprs += [vk.physical_index(tuple(kv_idx) + (lum_t, lum_d)), vv.physical_index(tuple(kv_idx) + (lum_t, lum_d))]
+        # q: lane slice of every query row, as float
+        qd = vq.strides[-1]
+        load_q = [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
+                  f"{ind}  const idx_t lum_qb = {ctx.c(vq.physical_index(tuple(idx) + (zero,)))};",
+                  f"{ind}#pragma unroll", f"{ind}  for (int i = 0; i < DPL; ++i) {{",
+                  f"{ind}    const int lum_d = lum_lane * DPL + i;",
+                  f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? {_load_conv(self.dts[0], f'in0[lum_qb + (idx_t)lum_d * ({ctx.c(qd)})]')} : 0.0f;",
+                  f"{ind}  }}", f"{ind}}}"]
+        ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
+
+        def row_load(k: int, view: ShapeTracker, width: int, per_lane: int, dest: str, base: str) -> list[str]:
+            """Lane slice of row lum_t of k / v into dest[u][i]: one vector access when the features are
+            contiguous and aligned, else one guarded load per feature; zeros past the chunk."""
+            dt, st, sd = self.dts[k], view.strides[-2], view.strides[-1]
+            vec_ok = (sd == as_expr(1) and width % 32 == 0 and per_lane * dt.itemsize <= 16
+                      and all(e % per_lane == zero for e in (view.offset, *view.strides[:-1])))
+            src = f"in{k} + {base} + lum_t * ({ctx.c(st)})"
+            if vec_ok:
+                cvt = f"[](const {STORAGE_C[dt]} x) {{ return {_load_conv(dt, 'x')}; }}"
+                return [f"{ind4}if (lum_in) lum_load_f32<{per_lane}>({src} + lum_lane * {per_lane}, {dest}[u], {cvt});",
+                        f"{ind4}else {{", f"{ind4}#pragma unroll",
+                        f"{ind4}  for (int i = 0; i < {per_lane}; ++i) {dest}[u][i] = 0.0f;", f"{ind4}}}"]
+            return [f"{ind4}#pragma unroll", f"{ind4}for (int i = 0; i < {per_lane}; ++i) {{",
+                    f"{ind4}  const int lum_d = lum_lane * {per_lane} + i;",
+                    f"{ind4}  {dest}[u][i] = (lum_in && lum_d < {width}) ? "
+                    f"{_load_conv(dt, f'({src})[(idx_t)lum_d * ({ctx.c(sd)})]')} : 0.0f;",
+                    f"{ind4}}}"]
+
+        load_kv = row_load(1, vk, D, dpl, "lum_k", "lum_kb") + row_load(2, vv, DV, vpl, "lum_v", "lum_vb")
+        mphys, mvalid = view_access(ctx, vm, tuple(idx) + (lum_t,))
+        mval = _load_conv(DType.bool, f"in3[{mphys}]")
+        mval = "false" if mvalid == "false" else f"(({mvalid}) && {mval})" if mvalid else mval
+        p_dt = DType.parse(op.params["p_dtype"])
+        rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
+        scale = float(op.params["scale"])
+        key = [f"{ind4}#pragma unroll", f"{ind4}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
+               f"{ind4}  float lum_s = 0.0f;", f"{ind4}#pragma unroll",
+               f"{ind4}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
+               f"{ind4}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
+               f"{ind4}  const bool lum_keep = lum_in && {mval};",
+               f"{ind4}  const float lum_x = lum_keep ? (lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)} "
+               f": -LUM_INF_F32;",
+               f"{ind4}  if (lum_x > lum_c[lum_m]) {{",
+               f"{ind4}    const float lum_cn = ceilf(lum_x), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
+               f"{ind4}    lum_l[lum_m] *= lum_f;", f"{ind4}#pragma unroll",
+               f"{ind4}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
+               f"{ind4}    lum_c[lum_m] = lum_cn;", f"{ind4}  }}",
+               f"{ind4}  if (lum_keep) {{",
+               f"{ind4}    const float lum_e = exp2f(lum_x - lum_c[lum_m]);",
+               f"{ind4}    const float lum_p = {rnd};",
+               f"{ind4}    lum_l[lum_m] += lum_e;", f"{ind4}#pragma unroll",
+               f"{ind4}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
+               f"{ind4}  }}", f"{ind4}}}"]
+        out_idx = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), zero))
+        ctx.bound_var("lum_j", ns)
+        ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
+        heads_n = numel(hshape)
+        src = render(load_template("attention.cu"), {
+            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
+            "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
+            "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
+            "KEY": "\n".join(key), "STORE": ctx.c(out_idx)})
+        work = heads_n * ns
+        tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size}
+        return [src], [("", self.grid(work, 1), (self.threads, 1, 1))], tuning, self.max_blocks
 
     # ------------------------------------------------------------------ gather
     @staticmethod

@@ -140,6 +140,11 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
         for k in range(len(op.args)):
             total = total + read(k)
         return total
+    if kind == "attention":     # q, k, v and the mask once each, the chunk partials written
+        total = written
+        for k in range(len(op.args)):
+            total = total + read(k)
+        return total
     if kind == "gather":
         # only the picked rows of the table are read (at most the whole table)
         rows_read = smin(out_elems, view_elements(op.args[0].view))
@@ -172,6 +177,9 @@ def op_flops(op: LOp) -> Expr:
         return numel(op.args[0].view.shape) * (1 + expr_nodes(op.params["expr"]) if "expr" in op.params else 1)
     if kind == "gemm":
         return 2 * _p(op, "batch", 1) * _p(op, "m") * _p(op, "n") * _p(op, "k")
+    if kind == "attention":     # q·k and p·v over every (row, key) pair
+        q, k, v = (a.view.shape for a in op.args[:3])
+        return 2 * numel(q[:-1]) * k[-2] * (q[-1] + v[-1])
     if kind in ("scatter", "scatter_nocopy") and "expr" in op.params:
         return numel(op.args[1].view.shape) * expr_nodes(op.params["expr"])
     return as_expr(0)

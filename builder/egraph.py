@@ -40,10 +40,10 @@ from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
 
 __all__ = ["RULE_FILES", "SCHEDULE_FILE", "ENode", "EClass", "SaturatedGroup", "saturate", "encode_rows",
            "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ROW_INLINE_OPS", "ELEMENTWISE_KERNELS", "FUSING_CONSUMERS",
-           "fused_args",
+           "fused_args", "attention_views", "AttentionViews", "ATTENTION_MAX_GROUP",
            "rule_text"]
 
-RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "rows.egg", "flatten.egg",
+RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "rows.egg", "attention.egg", "flatten.egg",
               "gemm.egg", "inplace.egg")
 SCHEDULE_FILE = "schedule.egg"
 
@@ -51,7 +51,7 @@ SCHEDULE_FILE = "schedule.egg"
 KERNEL_OPS = frozenset({
     "KInput", "KConstant", "KIota", "KCast", "KExp2", "KLog2", "KSin", "KSqrt", "KRecip", "KAdd", "KMul",
     "KMod", "KLessThan", "KWhere", "KSumReduce", "KMaxReduce", "KGather", "KScatter", "KScatterNoCopy",
-    "KContiguous", "Gemm",
+    "KContiguous", "KAttention", "Gemm",
 })
 ELEMENTWISE_KERNELS = frozenset({"KCast", "KExp2", "KLog2", "KSin", "KSqrt", "KRecip", "KAdd", "KMul", "KMod",
                                  "KLessThan", "KWhere", "KContiguous"})
@@ -390,6 +390,9 @@ def encode_rows(graph: Graph) -> tuple[dict[str, list[tuple]], dict[tuple[int, i
             continue
         if op == "Constant":
             rows["RConstant"].append((i, r.dlist(n.shape), n.dtype.value))
+            value = n.attrs.get("value")
+            if not n.shape and n.dtype.is_float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                rows["RScalar"].append((i, repr(float(value))))   # rules/attention.egg matches -1, log2 e, -inf
             continue
         rows["RWritable"].append((i,))  # a buffer this group produces
         if op == "Iota":
@@ -566,6 +569,70 @@ def _racy_in_place(sat: SaturatedGroup) -> set[ENode]:
     return out
 
 
+ATTENTION_MAX_GROUP = 8     # query rows sharing a K / V row that one attention block keeps in registers
+
+
+@dataclass(frozen=True)
+class AttentionViews:
+    """What a KAttention e-node means, in the views an attention LLIR op reads (format/llir.py): q [R…, D],
+    k [R…, T, D], v [R…, T, Dv], mask [R…, T]; ``group``: the R dims along which k and v do not move (the
+    query heads of a GQA group), whose sizes multiply to at most :data:`ATTENTION_MAX_GROUP`."""
+
+    q: ShapeTracker
+    k: ShapeTracker
+    v: ShapeTracker
+    mask: ShapeTracker
+    group: tuple[int, ...]
+
+
+def attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
+    """The views of a KAttention node (rules/attention.egg), or None when they do not make the node an
+    attention over the keys: q read broadcast along the keys, the probabilities read by p·v in their own
+    row-major layout broadcast along V's feature axis, static feature sizes, no padded q / k / v reads,
+    float operands, and the rows sharing a K / V row a static few."""
+    q_ld, k_ld, v_ld, m_ld, _cs, pdt, _dt, vp_id = node.args
+    views = []
+    for c in (q_ld, k_ld, v_ld, m_ld):
+        ld = next((n for n in sat.classes[c].nodes if n.op == "Ld"), None)
+        if ld is None:
+            return None
+        views.append(sat.view(ld.args[1]))
+    vq, vk, vv, vm = views
+    vp = sat.view(vp_id)
+    zero, one = as_expr(0), as_expr(1)
+    if vq.ndim < 2 or tuple(vk.shape) != tuple(vq.shape) or vv.ndim != vq.ndim or tuple(vp.shape) != tuple(vv.shape):
+        return None
+    r, t, d = tuple(vq.shape[:-2]), vq.shape[-2], vq.shape[-1]
+    if tuple(vv.shape[:-2]) != r or vv.shape[-1] != t or tuple(vm.shape) != r + (t,):
+        return None
+    dv = vv.shape[-2]
+    if not (d.is_const and dv.is_const) or any(x.mask is not None for x in (vq, vk, vv, vp)):
+        return None
+    if vq.strides[-2] != zero and t != one:
+        return None
+    rows = contiguous_strides(r + (t,))
+    want = tuple(zero if n == one else st for n, st in zip(r, rows[:-1])) + (zero, zero if t == one else rows[-1])
+    if vp.offset != zero or tuple(vp.strides) != want:
+        return None
+    for c in (q_ld, k_ld, v_ld):
+        dt = sat.dtype.get(c)
+        if dt not in ("f32", "bf16", "f16"):
+            return None
+    if sat.dtype.get(m_ld) != "bool" or pdt not in ("f32", "bf16", "f16"):
+        return None
+    group = tuple(i for i in range(len(r)) if vk.strides[i] == zero and vv.strides[i] == zero)
+    size = 1
+    for i in group:
+        if not r[i].is_const:
+            return None
+        size *= r[i].value
+    if size > ATTENTION_MAX_GROUP:
+        return None
+    q = ShapeTracker(r + (d,), tuple(vq.strides[:-2]) + (vq.strides[-1],), vq.offset, None)
+    v = ShapeTracker(r + (t, dv), tuple(vv.strides[:-2]) + (vv.strides[-1], vv.strides[-2]), vv.offset, None)
+    return AttentionViews(q, vk, v, vm, group)
+
+
 def _analyse(sat: SaturatedGroup) -> None:
     """Feasible executable options per Op class, reachability from the roots, decision points."""
     classes = sat.classes
@@ -586,7 +653,8 @@ def _analyse(sat: SaturatedGroup) -> None:
             exe[c.id] = [n for n in c.nodes
                          if n.op in EXECUTABLE and (n.op not in INLINE_OPS or c.id in inline_read)
                          and not (n.op in ROW_INLINE_OPS and c.id in no_rows)
-                         and not (n.op == "KScatterNoCopy" and n in racy)]
+                         and not (n.op == "KScatterNoCopy" and n in racy)
+                         and not (n.op == "KAttention" and attention_views(sat, n) is None)]
     # feasibility: a node is feasible when every Op child class is (bottom-up worklist)
     feasible: set[int] = set()
     waiting: dict[int, list[tuple[int, ENode]]] = defaultdict(list)

@@ -31,15 +31,15 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel
-from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, fused_args
+from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.format.dtypes import DType
-from lum.format.expr import Expr, as_expr, smax
+from lum.format.expr import Expr, as_expr, cdiv, smax
 from lum.format.llir import Arg, LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Choice", "random_choice", "choose_by_cost", "row_broadcast_reads", "lower", "lower_enode",
            "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
-           "choice_to_genome", "FUSE_MAX_NODES"]
+           "choice_to_genome", "FUSE_MAX_NODES", "lower_attention", "attention_ops", "ATTENTION_CHUNK"]
 
 Choice = dict  # class id -> option index
 
@@ -52,6 +52,8 @@ _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XS
            "XAdd": "Add", "XMul": "Mul", "XMod": "Mod", "XLessThan": "LessThan", "XWhere": "Where",
            "XRowSum": "RowSum", "XRowMax": "RowMax"}
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
+ATTENTION_CHUNK = 16  # keys per split of decode attention (4 warps x 4 keys: short contexts still fill several
+#                       blocks per KV head; 4,096 keys are 256 splits)
 _REDUCE = {"KSumReduce": "Sum", "KMaxReduce": "Max"}
 _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
           "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2, "KWhere": 3, "KSumReduce": 1, "KMaxReduce": 1,
@@ -269,6 +271,8 @@ def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None =
                 local[(c, j)] = math.inf                 # never chosen: see row_broadcast_reads
             elif node.op == "Ld" or node.op in INLINE_OPS:  # a read or an inline value: no kernel of its own
                 local[(c, j)] = 0.0
+            elif node.op == "KAttention":                 # the chunk partials and their combine
+                local[(c, j)] = float(sum(cost_fn(o) for o in lower_attention(sat, node, lambda k: k) if o.kind != "constant"))
             else:
                 # lowered on its own: producers are named by their class ids
                 local[(c, j)] = float(cost_fn(lower_enode(sat, c, node, lambda k: k)))
@@ -402,6 +406,8 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
             args = (arg(d), arg(s), arg(i))
         lop = LOp(op_id, "scatter_nocopy" if nocopy else "scatter", "ScatterNoCopy" if nocopy else "Scatter",
                   args, _dlist(sat, sh), DType.parse(dt), params, 0 if nocopy else None)
+    elif op == "KAttention":      # its kernel; lower() also emits the combine (lower_attention)
+        return lower_attention(sat, node, src_of, op_id)[0]
     elif op == "Gemm":
         params = _gemm_params(sat, node)
         args = []
@@ -415,6 +421,49 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
         raise ValueError(f"e-node {op} is not executable")
     _set_bytes_flops(lop, arg_dtypes)
     return lop
+
+
+def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], int], op_id: int = 0) -> list[LOp]:
+    """A KAttention e-node as LLIR: the attention op (per-chunk partials, f32 [R…, NS, Dv + 2]), a −1
+    constant and the reduce that combines the chunks, Σ_j 2^(c_j − max c)·acc_j / Σ_j 2^(c_j − max c)·l_j
+    (a row kernel over the chunk axis), in that order from ``op_id``; the last op is the attention's value."""
+    av = attention_views(sat, node)
+    if av is None:
+        raise ValueError("a KAttention e-node whose views are not an attention (builder/egraph.py)")
+    q_ld, k_ld, v_ld, m_ld, cs, pdt, dt, _vp = node.args
+    const = next(n for n in sat.options[cs] if n.op == "KConstant")
+    scale = float(sat.graph.nodes[const.args[0]].attrs["value"])
+    args = tuple(Arg(src_of(_ld(sat, c).args[0]), v) for c, v in zip((q_ld, k_ld, v_ld, m_ld), (av.q, av.k, av.v, av.mask)))
+    ops = attention_ops(args, scale, DType.parse(pdt), DType.parse(dt), op_id)
+    _set_bytes_flops(ops[0], [DType.parse(sat.dtype[c]) for c in (q_ld, k_ld, v_ld, m_ld)])
+    _set_bytes_flops(ops[2], [DType.f32] * 4)
+    return ops
+
+
+def attention_ops(args: tuple[Arg, Arg, Arg, Arg], scale: float, p_dtype: DType, out_dtype: DType, op_id: int = 0,
+                  chunk: int = ATTENTION_CHUNK) -> list[LOp]:
+    """The LLIR of decode attention over reads (q [R…, D], k [R…, T, D], v [R…, T, Dv], mask [R…, T]): the
+    attention op (chunk partials), a −1 constant and the combine reduce (ids from ``op_id``; see
+    :func:`lower_attention`). Bytes and flops are left to the caller."""
+    q, k, v = (a.view for a in args[:3])
+    r, t, dv = tuple(q.shape[:-1]), k.shape[-2], v.shape[-1]
+    ns = cdiv(t, chunk)
+    part = LOp(op_id, "attention", "Attention", tuple(args), r + (ns, dv + 2), DType.f32,
+               {"scale": float(scale), "chunk": int(chunk), "p_dtype": p_dtype.value})
+    neg = LOp(op_id + 1, "constant", "Constant", (), (), DType.f32, {"value": -1.0})
+    rstr = ShapeTracker.contiguous(r + (ns, dv + 2)).strides[:len(r)]
+    dom, zero, width = r + (dv, ns), as_expr(0), dv + 2
+
+    def over(d_stride: Expr, offset: Expr) -> Arg:
+        return Arg(part.id, ShapeTracker(dom, rstr + (d_stride, width), offset, None))
+
+    w = ["Exp2", "f32", ["Add", "f32", ["arg", 1], ["Mul", "f32", ["RowMax", "f32", ["arg", 1]], ["arg", 3]]]]
+    expr = ["Mul", "f32", ["Mul", "f32", w, ["arg", 0]], ["Recip", "f32", ["RowSum", "f32", ["Mul", "f32", w, ["arg", 2]]]]]
+    comb = LOp(op_id + 2, "reduce", "Sum",
+               (over(as_expr(1), zero), over(zero, dv), over(zero, dv + 1),
+                Arg(neg.id, ShapeTracker(dom, (zero,) * len(dom), zero, None))),
+               r + (dv,), out_dtype, {"axis": len(dom) - 1, "expr": expr})
+    return [part, neg, comb]
 
 
 def _set_bytes_flops(lop: LOp, arg_dtypes: list[DType | None]) -> None:
@@ -437,7 +486,11 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
 
     def emit(c: int) -> None:
         node = chosen(sat, choice, c)
-        lop = lower_enode(sat, c, node, op_of.__getitem__, shape_of.__getitem__, len(ops), reads.inline)
+        if node.op == "KAttention":
+            *head, lop = lower_attention(sat, node, op_of.__getitem__, len(ops))
+            ops.extend(head)
+        else:
+            lop = lower_enode(sat, c, node, op_of.__getitem__, shape_of.__getitem__, len(ops), reads.inline)
         op_of[c] = lop.id
         shape_of[c] = lop.shape
         ops.append(lop)

@@ -18,6 +18,8 @@ reduce         ``op`` ∈ Sum Max over ``axis`` of ``args[0]``, or (params ``exp
 gather         rows of ``args[0]`` picked by ``args[1]``
 scatter        copy of ``args[0]`` with rows ``args[2]`` set to ``args[1]``
 scatter_nocopy the same, writing into ``args[0]``'s buffer in place (``alias == 0``)
+attention      the per-chunk partials of decode attention (split-K flash decoding), params ``scale``,
+               ``chunk``, ``p_dtype``; a reduce with row reductions combines the chunks (version 2)
 gemm           cuBLASLt-style batched matmul on raw buffers, params: layout (RmRm RmCm CmRm CmCm:
                the majorness of A and B), ``m n k``, ``lda ldb ldc``, ``batch``, ``stride_a stride_b
                stride_c`` and element ``offset_a offset_b``; C is row-major [batch, m, n] with ldc = n.
@@ -68,6 +70,17 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   ``args[1:-1]`` (every leaf view of
   the src shape; padding reads 0), its root rounded to its own dtype and then converted to the op's,
   and ``idx = args[-1]`` — the KV cache write computes RoPE and the rounding to the cache dtype.
+* attention (LLIR version 2): ``q = args[0]`` viewed [R…, D], ``k = args[1]`` [R…, T, D], ``v = args[2]``
+  [R…, T, Dv], ``mask = args[3]`` (bool) [R…, T]; the op's shape is [R…, NS, Dv + 2] (f32) with
+  ``NS = cdiv(T, chunk)``. Per query row r: ``L[t] = where(mask[t], f32(f32(Σ_d q[d]·k[t, d]) · scale),
+  −inf)`` and ``x[t] = f32(L[t] · log2 e)``; chunk j holds the keys ``j·chunk ≤ t < (j+1)·chunk``, and
+  its partials are ``c = ceil(max_t x[t])``, ``l = Σ_t 2^(x[t] − c)`` and
+  ``acc[d] = Σ_t round_p(2^(x[t] − c)) · v[t, d]`` (``round_p``: rounding to ``p_dtype``), stored as
+  ``[acc[0…Dv), c, l]``; a chunk without a finite logit stores ``c = −inf``, ``l = 0``, ``acc = 0``. The
+  combined ``Σ_j 2^(c_j − c*) acc_j / Σ_j 2^(c_j − c*) l_j`` (``c* = max_j c_j``) is softmax(L)·v with the
+  probabilities rounded to ``p_dtype`` before ·v (up to where f32 rounds, the unfused computation's
+  value; a row without a finite logit is NaN there and here). The offsets are integers, so scaling by
+  ``2^(c_j − c*)`` is exact and the result does not depend on ``chunk``.
 * gemm: ``A = args[0]``, ``B = args[1]`` are addressed in their producers' raw flat buffers by the
   params alone (the args' views are not applied; by convention they are the 1-D contiguous view
   of the buffer). For batch ``b``, ``A[b,i,l] = bufA[offset_a + b*stride_a + i*lda + l]`` when A is
@@ -86,13 +99,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lum.format.dtypes import DType
-from lum.format.expr import Expr, as_expr, parse
+from lum.format.expr import Expr, as_expr, cdiv, parse
 from lum.format.shapetracker import ShapeTracker
 
 ELEMENTWISE_ARITY = {"Cast": 1, "Contiguous": 1, "Exp2": 1, "Log2": 1, "Sin": 1, "Sqrt": 1, "Recip": 1,
                      "Add": 2, "Mul": 2, "Mod": 2, "LessThan": 2, "Where": 3}
 KINDS = ("input", "output", "constant", "iota", "elementwise", "reduce", "gather", "scatter",
-         "scatter_nocopy", "gemm")
+         "scatter_nocopy", "attention", "gemm")
 GEMM_LAYOUTS = ("RmRm", "RmCm", "CmRm", "CmCm")
 GEMM_DEFAULTS = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}   # absent gemm params
 ROW_OPS = {"RowSum": "Sum", "RowMax": "Max"}     # row reductions in Fused trees (LLIR version 2)
@@ -171,11 +184,11 @@ class Program:
 
     # ------------------------------------------------------------------ JSON
     def version(self) -> int:
-        """The lowest LLIR version that holds this program: 2 when a Fused tree has row reductions or a
-        scatter has a fused prologue, else 1,
+        """The lowest LLIR version that holds this program: 2 when a Fused tree has row reductions, a
+        scatter has a fused prologue or an attention op is there, else 1,
         so a loader that reads only version 1 still opens every program that needs nothing newer."""
-        return 2 if any(o.kind in ("scatter", "scatter_nocopy") or has_row_ops(o.params["expr"])
-                        for o in self.ops if "expr" in o.params) else 1
+        return 2 if any(o.kind == "attention" or ("expr" in o.params and (
+            o.kind in ("scatter", "scatter_nocopy") or has_row_ops(o.params["expr"]))) for o in self.ops) else 1
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version(), "name": self.name, "ops": [_op_to_json(o) for o in self.ops]}
@@ -205,6 +218,10 @@ class Program:
                 check_row_reduce(o, f"LLIR op {i} (reduce {o.op})")
             if o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params:
                 check_scatter_prologue(o, version, f"LLIR op {i} ({o.kind})")
+            if o.kind == "attention":
+                if version < 2:
+                    raise ValueError(f"LLIR op {i} (attention) needs LLIR version 2")
+                check_attention(o, f"LLIR op {i} (attention)")
         return Program(str(data["name"]), ops)
 
     @staticmethod
@@ -262,6 +279,36 @@ def check_scatter_prologue(op: LOp, version: int, where: str) -> None:
     check_expr(op.params["expr"], len(op.args) - 2, None, where)
     if has_row_ops(op.params["expr"]) and len(op.shape) < 2:
         raise ValueError(f"{where}: row reductions in a scatter prologue need a dest of at least 2 dims")
+
+
+def attention_dims(op: LOp) -> tuple[tuple[Expr, ...], Expr, Expr, Expr]:
+    """(R, T, D, Dv) of an attention op (see the module docstring); ValueError when its views disagree."""
+    if len(op.args) != 4:
+        raise ValueError(f"attention takes (q, k, v, mask), got {len(op.args)} arguments")
+    q, k, v, m = (a.view for a in op.args)
+    if q.ndim < 1 or k.ndim != q.ndim + 1 or v.ndim != k.ndim or m.ndim != q.ndim:
+        raise ValueError("attention views must be q [R…, D], k [R…, T, D], v [R…, T, Dv], mask [R…, T]")
+    r, t, d = tuple(q.shape[:-1]), k.shape[-2], q.shape[-1]
+    if tuple(k.shape) != r + (t, d) or tuple(v.shape[:-1]) != r + (t,) or tuple(m.shape) != r + (t,):
+        raise ValueError("attention views must be q [R…, D], k [R…, T, D], v [R…, T, Dv], mask [R…, T]")
+    return r, t, d, v.shape[-1]
+
+
+def check_attention(op: LOp, where: str) -> None:
+    """An attention op's views, params and partials shape (the module docstring)."""
+    try:
+        r, t, _, dv = attention_dims(op)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    chunk, scale, p_dtype = op.params.get("chunk"), op.params.get("scale"), op.params.get("p_dtype")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"{where}: chunk must be a positive int, got {chunk!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{where}: scale must be a number, got {scale!r}")
+    if not isinstance(p_dtype, str) or not DType.parse(p_dtype).is_float:
+        raise ValueError(f"{where}: p_dtype must be a float dtype, got {p_dtype!r}")
+    if op.dtype != DType.f32 or tuple(op.shape) != r + (cdiv(t, chunk), dv + 2):
+        raise ValueError(f"{where}: the partials are f32 [R…, cdiv(T, chunk), Dv + 2]")
 
 
 def check_row_reduce(op: LOp, where: str) -> None:

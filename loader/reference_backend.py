@@ -29,8 +29,8 @@ import numpy as np
 
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, UnboundVariableError
-from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr, check_row_reduce,
-                             check_scatter_prologue)
+from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_LAYOUTS, ROW_OPS, LOp, Program, attention_dims, check_attention,
+                             check_expr, check_row_reduce, check_scatter_prologue)
 from lum.format.numerics import NumericsError, round_to, store_as, view_of
 from lum.format.shapetracker import ShapeTracker
 
@@ -43,7 +43,8 @@ class BackendError(NumericsError):
 
 
 _ARITY = {"input": 0, "output": 1, "constant": 0, "iota": 0, "reduce": 1, "gather": 2, "scatter": 3,
-          "scatter_nocopy": 3, "gemm": 2}
+          "scatter_nocopy": 3, "attention": 4, "gemm": 2}
+_LOG2E_F32 = float(np.float32(1.4426950408889634))   # log2 e as the f32 constant kernels multiply by
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "Exp2": np.exp2, "Log2": np.log2, "Sin": np.sin, "Sqrt": np.sqrt, "Recip": lambda x: 1.0 / x,
 }
@@ -176,6 +177,11 @@ class _Executor:
                 except ValueError as e:
                     raise BackendError(str(e)) from None
                 want = len(o.args)
+            elif o.kind == "attention":
+                try:
+                    check_attention(o, where)
+                except ValueError as e:
+                    raise BackendError(str(e)) from None
             elif fused or (o.kind == "reduce" and "expr" in o.params):
                 try:
                     check_expr(o.params.get("expr"), len(o.args), o.dtype if fused else None, where)
@@ -440,6 +446,31 @@ class _Executor:
         out = self._convert(dest, self.arg_dtype(o, 0), o.dtype).copy()
         src, idx = self._scatter_parts(o, dest.shape)
         out[idx] = src                               # duplicate indices: the last one wins
+        return out
+
+    def k_attention(self, o: LOp) -> np.ndarray:
+        """The per-chunk partials of decode attention, exactly as lum.format.llir defines them."""
+        r, t, _, dv = (self.ev(x) if not isinstance(x, tuple) else tuple(self.ev(y) for y in x)
+                       for x in attention_dims(o))
+        q, k, v = (self.readc(o, j).astype(np.float64) for j in range(3))
+        mask = self.readc(o, 3).astype(np.bool_)
+        if mask.shape != tuple(r) + (t,):
+            raise BackendError(f"the mask view has shape {mask.shape}, not {tuple(r) + (t,)}")
+        scores = round_to(np.einsum("...d,...td->...t", q, k), DType.f32)
+        logits = np.where(mask, round_to(scores * float(o.params["scale"]), DType.f32), -np.inf)
+        with np.errstate(invalid="ignore"):
+            x = np.where(np.isfinite(logits), round_to(logits * _LOG2E_F32, DType.f32), -np.inf)
+        chunk, p_dtype = int(o.params["chunk"]), DType.parse(o.params["p_dtype"])
+        ns = -(-t // chunk)
+        out = np.zeros(tuple(r) + (ns, dv + 2))
+        for j in range(ns):
+            xs, vs = x[..., j * chunk:(j + 1) * chunk], v[..., j * chunk:(j + 1) * chunk, :]
+            c = np.ceil(xs.max(axis=-1, initial=-np.inf))
+            finite = np.isfinite(c)
+            e = np.exp2(xs - np.where(finite, c, 0.0)[..., None])   # exp2(-inf) = 0 for masked keys
+            out[..., j, :dv] = np.einsum("...t,...td->...d", round_to(e, p_dtype), vs)
+            out[..., j, dv] = np.where(finite, c, -np.inf)
+            out[..., j, dv + 1] = e.sum(axis=-1)
         return out
 
     def k_gemm(self, o: LOp) -> np.ndarray:

@@ -240,6 +240,35 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
             b.state_init[sname] = _rand(rng, dt, 384).reshape(12, 4, 8)
             b.op(case, kind, "ScatterNoCopy", [(sname, cache), *leaves, idx], (12, 4, 8), dt, {"expr": expr},
                  alias=0, output=sname, role="state", case_kind=kind, tol=tol)
+    # decode attention (the split-K partials and their combine, builder/extract.attention_ops): GQA groups
+    # of 3 query rows over 2 kv heads reading a [12 + s, 2, D] cache through slice / permute / broadcast
+    # views, T = s + 19 keys (two chunks), a mask with holes; D = 32 / Dv = 64 (vector loads) and
+    # D = 24 / Dv = 40 (per-feature loads), p rounded to the dtype
+    from lum.builder.extract import attention_ops
+
+    for d_qk, d_v in ((32, 64), (24, 40)):
+        case = f"attention.d{d_qk}"
+        tk = s + 19
+        rows = (2, 3, 1)
+        qv = ShapeTracker.contiguous(rows + (d_qk,))
+        cache_k = ShapeTracker.contiguous((s + 24, 2, d_qk))
+        cache_v = ShapeTracker.contiguous((s + 24, 2, d_v))
+
+        def heads(c: ShapeTracker) -> ShapeTracker:   # rows [0, T) as [2, 3, 1, T, d]
+            return c.slice(0, 0, tk).permute((1, 0, 2)).expand_dim(1, 3).expand_dim(2, 1)
+
+        mrow = (rng.random(n_of(tk)) < 0.8) | (np.arange(n_of(tk)) == 0)
+        mask = ShapeTracker.contiguous((tk,)).expand_dim(0, 1).expand_dim(0, 3).expand_dim(0, 2)
+        args = [(inp(case, 0, numel(rows) * d_qk, dt), qv), (inp(case, 1, (s + 24) * 2 * d_qk, dt), heads(cache_k)),
+                (inp(case, 2, (s + 24) * 2 * d_v, dt), heads(cache_v)),
+                (inp(case, 3, tk, DType.bool, data=mrow), mask)]
+        part, _neg, comb = attention_ops(tuple(Arg(0, v) for _, v in args), 0.25, dt, dt)
+        b.op(f"{case}.part", "attention", "Attention", args, part.shape, DType.f32, part.params)
+        neg = inp(case, 4, 1, f32, data=np.full(1, -1.0, np.float32))
+        cargs = [(f"{case}.part", a.view) for a in comb.args[:3]] + [(neg, ShapeTracker(comb.args[3].view.shape,
+                                                                      comb.args[3].view.strides, as_expr(0)))]
+        b.op(case, "reduce", "Sum", cargs, comb.shape, dt, comb.params, output=f"{case}.y", case_kind="attention",
+             tol=tol if dt == f32 else 2e-2)
     # iota in the dtype and in i64
     for odt in (dt, DType.i64):
         case = f"iota.{odt.value}"

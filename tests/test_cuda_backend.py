@@ -26,6 +26,7 @@ from lum.loader.cuda.plan import Layout, ParamPack, bucket, build_entry_plan, is
 from lum.loader.cuda.target import check_target, parse_sm
 from lum.loader.cuda.upload import pack
 from lum.format.shapetracker import ShapeTracker
+from lum.format.manifest import KERNEL_OP_KINDS
 from tests.kernel_cases import BOUNDS, DYN, gemm_cases, template_cases, write_case_package
 
 try:
@@ -61,8 +62,7 @@ def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
     for k, (ref, prog) in enumerate(zip(m.groups, pkg.programs)):
         t = ref.table
         assert t is not None and t.arch == "sm_90" and t.dyn_vars == ("p", "s") and t.max_dyn == {"p": 32, "s": 32}
-        kernel_ops = [o for o in prog.ops if o.kind in ("elementwise", "reduce", "gather", "scatter",
-                                                         "scatter_nocopy", "iota") or gemv_rows(o) is not None]
+        kernel_ops = [o for o in prog.ops if o.kind in KERNEL_OP_KINDS or gemv_rows(o) is not None]
         assert [k.op for k in t.ops] == [o.id for o in kernel_ops]
         gemm_kernels += sum(o.kind == "gemm" for o in kernel_ops)
         if kernel_ops:
@@ -265,7 +265,8 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
     assert kernels and len(fns) == len(kernels)
     # every decode gemm has a static m (1, or the query heads of a KV head): lum's gemv kernel, no library call
     assert gemv and not [s for s in plan.steps if type(s).__name__ == "GemmStep"]
-    assert any("p" in plan.grid_exprs[k.grid[0]].vars() for k in gemv)     # attention: n = p + 1
+    att = [k for k in kernels if "(attention " in k.where]
+    assert att and all("p" in plan.grid_exprs[k.grid[0]].vars() for k in att)   # its chunks: cdiv(p + 1, 16)
     lo, hi = layout.arena, layout.arena + ap.size
     state = {v: (p, p + layout.state_bytes[v]) for v, p in layout.state.items()}
     nocopy = 0

@@ -785,8 +785,13 @@ def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int], dict[str
             elementwise[key] += len(grp) * sum(o.kind == "elementwise" for o in ks)
             mul_sums[key] += len(grp) * sum(o.op == "Sum" and prog.ops[a.src].op == "Mul"
                                             and _identity(a.view, prog.ops[a.src].shape) for o in ks for a in o.args)
-            reduces[key] += len(grp) * sum(o.kind == "reduce" for o in ks)
+            reduces[key] += len(grp) * sum(o.kind == "reduce" and not _combines_attention(prog, o) for o in ks)
     return kernels, elementwise, mul_sums, reduces
+
+
+def _combines_attention(prog: Program, o: LOp) -> bool:
+    """The reduce that combines an attention op's chunk partials (builder/extract.attention_ops)."""
+    return o.kind == "reduce" and any(prog.ops[a.src].kind == "attention" for a in o.args)
 
 
 def _identity(v: ShapeTracker, shape) -> bool:
@@ -800,7 +805,8 @@ def _identity(v: ShapeTracker, shape) -> bool:
 def test_decode_kernel_counts_drop(model):
     """Elementwise chains fuse, reductions fuse their prologues, per-row values read through broadcasts
     (rsqrt, 1/Σ) are recomputed by their consumers, norms and softmax are row kernels, and the KV-cache
-    writes compute RoPE and the cast (tiny-llama 148 -> 40 decode kernels, tiny-gemma3 379 -> 64; 61 / 107
+    writes compute RoPE and the cast, decode attention is one kernel and its combine (tiny-llama 126 -> 38
+    decode kernels, tiny-gemma3 346 -> 61; 61 / 107
     before row kernels and scatter prologues). "Unfused" keeps the fused selection's other choices."""
     kernels, elementwise, mul_sums, reduces = _decode_counts(model)
     print(f"{model} decode: kernels {kernels['unfused']} -> {kernels['fused']}, "
@@ -809,6 +815,7 @@ def test_decode_kernel_counts_drop(model):
           f"Sums of a materialised Mul {mul_sums['unfused']} -> {mul_sums['fused']}")
     assert elementwise["fused"] * 2 <= elementwise["unfused"]
     assert reduces["fused"] == 0 < reduces["unfused"]        # every norm and softmax is a row kernel
+    # (the reduce combining decode attention's chunks is not counted: it replaces q·k, softmax and p·v)
     assert kernels["fused"] * 3 <= kernels["unfused"]
     assert mul_sums["unfused"] > 0 and mul_sums["fused"] == 0
 
@@ -841,7 +848,7 @@ def test_decode_norms_are_row_kernels(model):
         cg = chunk_graph(g, grp.representative)
         prog = compile_group(cg)[0]
         ks = _kernels(prog)
-        assert not any(o.kind == "reduce" for o in ks), [o.op for o in ks]
+        assert not any(o.kind == "reduce" and not _combines_attention(prog, o) for o in ks), [o.op for o in ks]
         for o in ks:
             root = o.params["expr"][0] if o.op == "Fused" else o.op
             assert not (o.kind == "elementwise" and root in ("Recip", "Sqrt")), (o.op, o.params)

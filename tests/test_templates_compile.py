@@ -343,3 +343,19 @@ def test_16bit_to_f32_conversions_are_exact(conv_lib):
     got = _call(conv_lib, "bf16_to_f32", allh, np.float32)
     ref = allh.view(ml_dtypes.bfloat16).astype(np.float32)
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_kernel_cases_compile(cache_dir):
+    """Every kernel of tests/kernel_cases.template_cases (row kernels, scatter prologues, attention and its
+    combine among them) in every float dtype, as the GPU tests run them: one module, no warnings."""
+    from lum.builder.codegen import generate_program
+    from tests.kernel_cases import MAX_SEQ, template_cases
+
+    ks = []
+    for dt in FLOATS:
+        prog, _, _ = template_cases(dt)
+        ks += [k for k in generate_program(prog, ["s"], max_dyn={"s": MAX_SEQ}).values() if k is not None]
+    kinds = {k.kind for k in ks}
+    assert {"attention", "scatter_nocopy", "reduce", "elementwise"} <= kinds
+    assert any(k.tuning.get("scheme") == "row" for k in ks)
+    _compile_family(ks, cache_dir)

@@ -36,6 +36,7 @@ import numpy as np
 from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import as_expr
 from lum.format.llir import LOp
+from lum.format.manifest import KERNEL_OP_KINDS
 from lum.format.numerics import store_as
 from lum.loader.cuda import driver as cu
 from lum.loader.cuda.arrays import DeviceArray
@@ -144,9 +145,8 @@ class CudaRunner:
     # ------------------------------------------------------------------ setup
     def _check_kernels(self, used: list[int]) -> None:
         m = self.pkg.manifest
-        kernel_kinds = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota")
         missing = [g for g in used if m.groups[g].table is None
-                   and any(o.kind in kernel_kinds for o in self.pkg.programs[g].ops)]
+                   and any(o.kind in KERNEL_OP_KINDS for o in self.pkg.programs[g].ops)]
         if missing:
             raise BackendUnavailableError(f"the package has no compiled kernels for group(s) {missing} (built "
                                           "without kernels); rebuild it, or use the reference backend")

@@ -1,0 +1,91 @@
+//! lum/templates/attention.cu — LLIR attention: the per-chunk partials of decode attention (split-K flash
+//! decoding; format/llir.py gives the exact semantics). A reduce over the chunk axis combines them.
+//!
+//! Work item w = (kv row h, chunk j), walked grid-stride (correct for any grid >= 1). The M query rows that
+//! share kv row h (a GQA group: k and v do not move along their dims) are handled by the same block, so
+//! K and V are read once per group. Lane `lane` of every warp owns features [lane*DPL, lane*DPL + DPL) of
+//! q·k and [lane*VPL, lane*VPL + VPL) of v; warp `warp` takes keys t0 + warp*UNROLL + u of each step of
+//! WARPS*UNROLL keys (loads of UNROLL keys in flight, then their math). Per query row and warp an online
+//! softmax in the log2 domain keeps an integer offset c (raised to ceil(x) when a logit x exceeds it: the
+//! rescale 2^(c_old - c_new) is exact), l = sum 2^(x - c) and acc = sum round_p(2^(x - c)) * v. The warps'
+//! partials are combined through shared memory and stored as [acc[0..DV), c, l]. Every warp runs the same
+//! number of steps, so every thread reaches each warp shuffle and __syncthreads.
+//!
+//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK; T (keys), NS (chunks),
+//!   HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
+//!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
+//!   row for key lum_t of slot u), STORE (the out offset of query row lum_m's chunk lum_j).
+extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
+  typedef {{IDX_T}} idx_t;
+  constexpr int THREADS = {{THREADS}};
+  constexpr int WARPS = THREADS / 32;
+  constexpr int M = {{M}};
+  constexpr int DPL = {{DPL}};
+  constexpr int VPL = {{VPL}};
+  constexpr int DV = {{DV}};
+  constexpr int UNROLL = {{UNROLL}};
+  constexpr int CHUNK = {{CHUNK}};
+  static_assert(THREADS % 32 == 0 && M >= 1, "THREADS must be a multiple of 32");
+  __shared__ float lum_part[WARPS][VPL * 32 + 2];
+{{DYN_LOADS}}
+  const idx_t lum_T = {{T}};
+  const idx_t lum_ns = {{NS}};
+  const idx_t lum_work = (idx_t)({{HEADS}}) * lum_ns;
+  const int lum_lane = (int)threadIdx.x & 31;
+  const int lum_warp = (int)threadIdx.x >> 5;
+  for (idx_t lum_w = (idx_t)blockIdx.x; lum_w < lum_work; lum_w += (idx_t)gridDim.x) {
+    const idx_t lum_h = lum_w / lum_ns;
+    const idx_t lum_j = lum_w - lum_h * lum_ns;
+{{SETUP}}
+    float lum_q[M][DPL];
+{{LOAD_Q}}
+    float lum_c[M], lum_l[M], lum_acc[M][VPL];
+#pragma unroll
+    for (int lum_m = 0; lum_m < M; ++lum_m) {
+      lum_c[lum_m] = -LUM_INF_F32;
+      lum_l[lum_m] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] = 0.0f;
+    }
+    const idx_t lum_t0 = lum_j * CHUNK;
+    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);
+    for (idx_t lum_tb = lum_t0; lum_tb < lum_t1; lum_tb += (idx_t)(WARPS * UNROLL)) {
+      float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);
+        const bool lum_in = lum_t < lum_t1;
+{{LOAD_KV}}
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);
+        const bool lum_in = lum_t < lum_t1;
+{{KEY}}
+      }
+    }
+    // the warps' partials of each query row, combined through shared memory
+#pragma unroll
+    for (int lum_m = 0; lum_m < M; ++lum_m) {
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) lum_part[lum_warp][lum_lane * VPL + i] = lum_acc[lum_m][i];
+      if (lum_lane == 0) {
+        lum_part[lum_warp][VPL * 32] = lum_c[lum_m];
+        lum_part[lum_warp][VPL * 32 + 1] = lum_l[lum_m];
+      }
+      __syncthreads();
+      float lum_cs = -LUM_INF_F32;
+      for (int w = 0; w < WARPS; ++w) lum_cs = fmaxf(lum_cs, lum_part[w][VPL * 32]);
+      const idx_t lum_ob = {{STORE}};
+      for (int d = (int)threadIdx.x; d < DV + 2; d += THREADS) {
+        float lum_val = d == DV ? lum_cs : 0.0f;
+        if (lum_cs != -LUM_INF_F32 && d != DV) {
+          const int col = d < DV ? d : VPL * 32 + 1;
+          for (int w = 0; w < WARPS; ++w) lum_val += exp2f(lum_part[w][VPL * 32] - lum_cs) * lum_part[w][col];
+        }
+        out[lum_ob + (idx_t)d] = lum_val;
+      }
+    }
+  }
+}
