@@ -43,9 +43,9 @@ class UserError(Exception):
 
 
 def _is_expected(exc: BaseException) -> bool:
-    """Errors reported as one line: UserError, ValueError, file errors, and any LumError subclass."""
-    if isinstance(exc, (UserError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                        PermissionError)):
+    """Errors reported as one line: UserError, ValueError, any OSError (a missing file, a full disk, no
+    permission: the environment, not lum), and any LumError subclass."""
+    if isinstance(exc, (UserError, ValueError, OSError)):
         return True
     return any(cls.__name__ == "LumError" for cls in type(exc).__mro__)
 
@@ -53,6 +53,8 @@ def _is_expected(exc: BaseException) -> bool:
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         msg = f"{exc.strerror}: {exc.filename}"
+    elif isinstance(exc, OSError) and exc.strerror:
+        msg = exc.strerror
     else:
         msg = str(exc) or type(exc).__name__
     return " ".join(msg.split())

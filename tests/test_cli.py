@@ -164,3 +164,21 @@ def test_graph_of_a_hugging_face_folder(capsys, tmp_path):
     assert code == 0, err
     data = json.loads(out)
     assert set(data["graphs"]) == {"prefill", "decode"} and data["param_count"] > 0
+
+
+@needs_models
+def test_a_full_disk_is_a_one_line_error_and_leaves_no_file(capsys, tmp_path, monkeypatch):
+    """An OSError while writing (ENOSPC here, as a benchmark's kept work folder once caused) is reported as
+    one line with exit status 2, not a traceback, and the atomic write leaves nothing under the name."""
+    import errno
+
+    from lum.format import package
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(package.PackageWriter, "write", full)
+    out = tmp_path / "t.lumpkg"
+    code, _, err = run_main(capsys, "build", "--random", "tiny-llama", "-o", str(out))
+    assert code == 2 and err.strip().splitlines()[-1] == "error: No space left on device"
+    assert "Traceback" not in err and not out.exists()
