@@ -7,8 +7,10 @@
 
 Every non-library op kind has a template: ``elementwise.cu`` (Cast … Contiguous, Fused expression
 trees, and the copy half of scatter), ``reduce.cu`` (Sum / Max over an axis, of one read or of a
-fused prologue's expression tree), ``gather.cu``, ``scatter.cu`` (scatter rows and scatter_nocopy),
-``iota.cu``, ``gemv.cu`` (a ``gemm`` with a static m ≤ GEMV_MAX_M: decode GEMV, see
+fused prologue's expression tree), ``row.cu`` (trees with row reductions: an elementwise op, a reduce
+over the last axis or a scatter whose prologue normalises rows), ``gather.cu``, ``scatter.cu``
+(scatter rows and scatter_nocopy, with or without a fused prologue), ``iota.cu``, ``attention.cu``
+(the chunk partials of decode attention), ``gemv.cu`` (a ``gemm`` with a static m ≤ GEMV_MAX_M: decode GEMV, see
 :func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp reductions,
 vector loads) is pasted at the top of each module. Any other ``gemm`` is a cuBLASLt call:
 :func:`generate` returns ``None`` for it (and for input / output / constant, which are not kernels).
@@ -1172,7 +1174,8 @@ class _Gen:
                              f"(long long)({self.load(last, cviews[1], idx)}) : -1LL;")
                 cond = f"lum_dr >= 0 && lum_dr < (long long)({ctx.c(shape[0])})"
                 dest = f"({wbase}) + (idx_t)lum_dr * ({ctx.c(write.strides[0])}) + lum_c * ({ctx.c(wcol.strides[0])})"
-                ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx) + col * wcol.strides[0])
+                ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx)
+                                 + col * wcol.strides[0])
             final += [f"{ind}if ({cond}) {{", *loop]
             x, kd = emit(expr, final, kind == "scatter")
             final += [f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};", *close]
@@ -1240,14 +1243,15 @@ class _Gen:
         kv_idx = [as_expr(0) if i in group else idx[i] for i in range(nr)]
         setup.append(f"{ind}const idx_t lum_kb = {ctx.c(vk.physical_index(tuple(kv_idx) + (zero, zero)))};")
         setup.append(f"{ind}const idx_t lum_vb = {ctx.c(vv.physical_index(tuple(kv_idx) + (zero, zero)))};")
-        ctx.exprs += [vk.physical_index(tuple(kv_idx) + (lum_t, lum_d)), vv.physical_index(tuple(kv_idx) + (lum_t, lum_d))]
+        ctx.exprs += [x.physical_index(tuple(kv_idx) + (lum_t, lum_d)) for x in (vk, vv)]
         # q: lane slice of every query row, as float
         qd = vq.strides[-1]
         load_q = [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
                   f"{ind}  const idx_t lum_qb = {ctx.c(vq.physical_index(tuple(idx) + (zero,)))};",
                   f"{ind}#pragma unroll", f"{ind}  for (int i = 0; i < DPL; ++i) {{",
                   f"{ind}    const int lum_d = lum_lane * DPL + i;",
-                  f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? {_load_conv(self.dts[0], f'in0[lum_qb + (idx_t)lum_d * ({ctx.c(qd)})]')} : 0.0f;",
+                  f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? "
+                  f"{_load_conv(self.dts[0], f'in0[lum_qb + (idx_t)lum_d * ({ctx.c(qd)})]')} : 0.0f;",
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
 
@@ -1281,8 +1285,8 @@ class _Gen:
                f"{ind4}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
                f"{ind4}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
                f"{ind4}  const bool lum_keep = lum_in && {mval};",
-               f"{ind4}  const float lum_x = lum_keep ? (lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)} "
-               f": -LUM_INF_F32;",
+               f"{ind4}  const float lum_x = lum_keep ? (lum_s * {_f32_literal(scale)}) * "
+               f"{_f32_literal(1.4426950408889634)} : -LUM_INF_F32;",
                f"{ind4}  if (lum_x > lum_c[lum_m]) {{",
                f"{ind4}    const float lum_cn = ceilf(lum_x), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
                f"{ind4}    lum_l[lum_m] *= lum_f;", f"{ind4}#pragma unroll",

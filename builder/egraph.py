@@ -11,11 +11,14 @@ views are hash-consed in Python, written as primitive-only TSV rows, bulk-loaded
 Every view is normalised first: unit dims get stride 0 (so broadcast checks in the rules accept them).
 
 Semantics (see ``rules/terms.egg``): every Op e-class is the flat contiguous buffer a node writes;
-consumers read it through ``(Ld op view)``. Only kernel ops (``K*``), ``Gemm``, ``Ld`` and the inline
-values ``X*`` (in Ld classes that an elementwise or reduce kernel op reads, rules/fuse.egg) are
+consumers read it through ``(Ld op view)``. Only kernel ops (``K*``, ``KAttention`` of
+rules/attention.egg among them), ``Gemm``, ``Ld`` and the inline values ``X*`` (in Ld classes that an
+elementwise, reduce or scatter kernel op may recompute, rules/fuse.egg and rules/rows.egg) are
 executable; HLIR constructors and fuse.egg's helper terms (``Thru``, ``ZeroStrides``) are not.
-:class:`SaturatedGroup` keeps, per Op e-class, its feasible
-executable e-nodes (``options``); classes with more than one are the extraction's decision points.
+:class:`SaturatedGroup` keeps, per Op e-class, its feasible executable e-nodes (``options``; checks
+the rules cannot make drop some here: row values where no row kernel reads them, in-place scatters
+that would race with their own inline src, attentions whose views are not one); classes with more
+than one are the extraction's decision points.
 
     sat = saturate(graph)          # SaturatedGroup
     sat.decisions                  # [class id, ...] with > 1 option
@@ -36,15 +39,17 @@ from typing import Any, Iterable
 
 from lum.builder.hlir import BINARY_OPS, REDUCE_OPS, UNARY_OPS, Graph
 from lum.format.expr import Expr, as_expr, parse
+from lum.format.llir import ELEMENTWISE_ARITY
 from lum.format.shapetracker import ShapeTracker, contiguous_strides, numel
 
 __all__ = ["RULE_FILES", "SCHEDULE_FILE", "ENode", "EClass", "SaturatedGroup", "saturate", "encode_rows",
-           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ROW_INLINE_OPS", "ELEMENTWISE_KERNELS", "FUSING_CONSUMERS",
+           "EXECUTABLE", "KERNEL_OPS", "INLINE_OPS", "ROW_INLINE_OPS", "ELEMENTWISE_KERNELS",
+           "FUSING_CONSUMERS",
            "fused_args", "attention_views", "AttentionViews", "ATTENTION_MAX_GROUP",
            "rule_text"]
 
-RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "rows.egg", "attention.egg", "flatten.egg",
-              "gemm.egg", "inplace.egg")
+RULE_FILES = ("terms.egg", "build.egg", "dtype.egg", "lower.egg", "fuse.egg", "rows.egg", "attention.egg",
+              "flatten.egg", "gemm.egg", "inplace.egg")
 SCHEDULE_FILE = "schedule.egg"
 
 # Executable constructors: what extraction may pick for an Op e-class.
@@ -59,18 +64,19 @@ ELEMENTWISE_KERNELS = frozenset({"KCast", "KExp2", "KLog2", "KSin", "KSqrt", "KR
 # which of their arguments: every operand of an elementwise op, a reduction's input, a scatter's src rows
 # (the KV-cache write computes RoPE and the cast to the cache dtype; never its destination or indices).
 FUSING_CONSUMERS = ELEMENTWISE_KERNELS | {"KSumReduce", "KMaxReduce", "KScatter", "KScatterNoCopy"}
-_ARITIES = {"KWhere": 3, "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2}
 
 
 def fused_args(node: ENode) -> tuple[int, ...]:
     """The e-class arguments of a fusing consumer that it may recompute inline (none for other ops)."""
     if node.op in ELEMENTWISE_KERNELS:
-        return tuple(node.args[:_ARITIES.get(node.op, 1)])
+        return tuple(node.args[:ELEMENTWISE_ARITY[node.op[1:]]])
     if node.op in ("KSumReduce", "KMaxReduce"):
         return (node.args[0],)
     if node.op in ("KScatter", "KScatterNoCopy"):
         return (node.args[1],)
     return ()
+
+
 # Inline values (rules/fuse.egg): in Ld classes, the alternative to reading the producer's buffer.
 ROW_INLINE_OPS = frozenset({"XRowSum", "XRowMax"})   # row reductions (rules/rows.egg): row kernels only
 INLINE_OPS = frozenset({"XCast", "XExp2", "XLog2", "XSin", "XSqrt", "XRecip", "XAdd", "XMul", "XMod",
@@ -522,8 +528,8 @@ def _read_back(eg, graph: Graph, edge_operand: dict[tuple[int, int], int], match
 def _no_row_reads(sat: SaturatedGroup) -> set[int]:
     """Ld classes whose inline value a consumer that is not a row kernel could recompute: the input of a
     reduce over an axis other than the last and the src of a scatter into a 1-D dest, and the classes
-    their inline values read, transitively. A
-    row reduction (XRowSum / XRowMax) is dropped from them, so every selection is one row kernels can run."""
+    their inline values read, transitively. A row reduction (XRowSum / XRowMax) is dropped from them, so
+    every selection is one that row kernels can run."""
     classes = sat.classes
     stack = []
     for c in classes:
@@ -600,7 +606,9 @@ def attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     vq, vk, vv, vm = views
     vp = sat.view(vp_id)
     zero, one = as_expr(0), as_expr(1)
-    if vq.ndim < 2 or tuple(vk.shape) != tuple(vq.shape) or vv.ndim != vq.ndim or tuple(vp.shape) != tuple(vv.shape):
+    if vq.ndim < 2 or tuple(vk.shape) != tuple(vq.shape) or vv.ndim != vq.ndim:
+        return None
+    if tuple(vp.shape) != tuple(vv.shape):
         return None
     r, t, d = tuple(vq.shape[:-2]), vq.shape[-2], vq.shape[-1]
     if tuple(vv.shape[:-2]) != r or vv.shape[-1] != t or tuple(vm.shape) != r + (t,):
@@ -636,7 +644,7 @@ def attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
 def _analyse(sat: SaturatedGroup) -> None:
     """Feasible executable options per Op class, reachability from the roots, decision points."""
     classes = sat.classes
-    # X nodes only matter in Ld classes a fusing consumer (an elementwise or reduce kernel op) reads,
+    # X nodes only matter in Ld classes a fusing consumer (fused_args: elementwise, reduce, scatter src) reads,
     # directly or through other X nodes: everywhere else they are dropped, so they make no decision points
     inline_read: set[int] = set()
     stack = [k for c in classes if c.sort == "Op" for n in c.nodes for k in fused_args(n)]

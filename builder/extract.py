@@ -10,13 +10,16 @@ order (inputs first, outputs last), argument views decoded from the e-graph's ``
 ``flops`` per op.
 
 Fusion. An Ld class may also hold an inline value (``XAdd`` …, rules/fuse.egg); choosing it means
-that *fusing* consumers (elementwise ops and Sum / Max reductions) recompute the producer inside
-their own kernel: an elementwise consumer lowers to one ``Fused`` op whose ``params["expr"]`` is the
-expression tree over the reads that stay reads, a reduction to a reduce op with the tree of its
-input in ``params["expr"]`` (a reduction with a fused prologue: ``sum(x*x)`` is one kernel). At
-most :data:`FUSE_MAX_NODES` nodes per inlined read; a bigger one is read from the buffer. Every
-other consumer (gather, scatter, GEMMs, program outputs) reads the producer's buffer, which is then
-emitted even though its class chose the inline value.
+that *fusing* consumers (elementwise ops, Sum / Max reductions and a scatter's src rows) recompute the
+producer inside their own kernel: an elementwise consumer lowers to one ``Fused`` op whose
+``params["expr"]`` is the expression tree over the reads that stay reads, a reduction to a reduce op
+with the tree of its input in ``params["expr"]`` (a reduction with a fused prologue: ``sum(x*x)`` is
+one kernel), a scatter to one with a prologue; row reductions (``XRowSum`` / ``XRowMax``) become
+``RowSum`` / ``RowMax`` nodes of the tree (a row kernel). At most :data:`FUSE_MAX_NODES` nodes per
+inlined read; a bigger one is read from the buffer. Every other consumer (gather, GEMMs, attention,
+program outputs, a scatter's dest and indices) reads the producer's buffer, which is then emitted even
+though its class chose the inline value. A ``KAttention`` node lowers to three ops (see
+:func:`lower_attention`).
 
 Choices are checked for acyclicity: :func:`random_choice` and :func:`choose_by_cost` only return
 acyclic selections, and :func:`lower` raises :class:`ValueError` on a cyclic one.
@@ -272,7 +275,8 @@ def choose_by_cost(sat: SaturatedGroup, cost_fn: Callable[[LOp], float] | None =
             elif node.op == "Ld" or node.op in INLINE_OPS:  # a read or an inline value: no kernel of its own
                 local[(c, j)] = 0.0
             elif node.op == "KAttention":                 # the chunk partials and their combine
-                local[(c, j)] = float(sum(cost_fn(o) for o in lower_attention(sat, node, lambda k: k) if o.kind != "constant"))
+                parts = lower_attention(sat, node, lambda k: k)
+                local[(c, j)] = float(sum(cost_fn(o) for o in parts if o.kind != "constant"))
             else:
                 # lowered on its own: producers are named by their class ids
                 local[(c, j)] = float(cost_fn(lower_enode(sat, c, node, lambda k: k)))
@@ -406,8 +410,8 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
             args = (arg(d), arg(s), arg(i))
         lop = LOp(op_id, "scatter_nocopy" if nocopy else "scatter", "ScatterNoCopy" if nocopy else "Scatter",
                   args, _dlist(sat, sh), DType.parse(dt), params, 0 if nocopy else None)
-    elif op == "KAttention":      # its kernel; lower() also emits the combine (lower_attention)
-        return lower_attention(sat, node, src_of, op_id)[0]
+    elif op == "KAttention":
+        raise ValueError("a KAttention e-node lowers to several ops: use lower_attention")
     elif op == "Gemm":
         params = _gemm_params(sat, node)
         args = []
@@ -433,7 +437,8 @@ def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], in
     q_ld, k_ld, v_ld, m_ld, cs, pdt, dt, _vp = node.args
     const = next(n for n in sat.options[cs] if n.op == "KConstant")
     scale = float(sat.graph.nodes[const.args[0]].attrs["value"])
-    args = tuple(Arg(src_of(_ld(sat, c).args[0]), v) for c, v in zip((q_ld, k_ld, v_ld, m_ld), (av.q, av.k, av.v, av.mask)))
+    reads = zip((q_ld, k_ld, v_ld, m_ld), (av.q, av.k, av.v, av.mask))
+    args = tuple(Arg(src_of(_ld(sat, c).args[0]), v) for c, v in reads)
     ops = attention_ops(args, scale, DType.parse(pdt), DType.parse(dt), op_id)
     _set_bytes_flops(ops[0], [DType.parse(sat.dtype[c]) for c in (q_ld, k_ld, v_ld, m_ld)])
     _set_bytes_flops(ops[2], [DType.f32] * 4)
@@ -458,7 +463,8 @@ def attention_ops(args: tuple[Arg, Arg, Arg, Arg], scale: float, p_dtype: DType,
         return Arg(part.id, ShapeTracker(dom, rstr + (d_stride, width), offset, None))
 
     w = ["Exp2", "f32", ["Add", "f32", ["arg", 1], ["Mul", "f32", ["RowMax", "f32", ["arg", 1]], ["arg", 3]]]]
-    expr = ["Mul", "f32", ["Mul", "f32", w, ["arg", 0]], ["Recip", "f32", ["RowSum", "f32", ["Mul", "f32", w, ["arg", 2]]]]]
+    norm = ["Recip", "f32", ["RowSum", "f32", ["Mul", "f32", w, ["arg", 2]]]]
+    expr = ["Mul", "f32", ["Mul", "f32", w, ["arg", 0]], norm]
     comb = LOp(op_id + 2, "reduce", "Sum",
                (over(as_expr(1), zero), over(zero, dv), over(zero, dv + 1),
                 Arg(neg.id, ShapeTracker(dom, (zero,) * len(dom), zero, None))),

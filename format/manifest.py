@@ -63,7 +63,8 @@ from lum.format.expr import Expr, ExprParseError, parse
 SCHEMA = "lum.model"
 SCHEMA_VERSION = 1
 KERNEL_TABLE_VERSION = 1
-KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention")   # always kernels
+# kinds that are always kernels
+KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention")
 TABLE_OP_KINDS = KERNEL_OP_KINDS + ("gemm",)   # kinds a launch table may hold (a gemm: when not cuBLASLt)
 SM_RE = re.compile(r"sm_(\d{2,3})([af]?)")
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")

@@ -178,7 +178,8 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
         b.op(case, "elementwise", "Fused", [(inp(case, 0, size, dt), view), (neg, views["broadcast"][0])],
              shape, dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
         case = f"row.reduce.{vname}"
-        normed = ["Mul", "f32", xf(0), ["Recip", "f32", ["Sqrt", "f32", ["RowSum", "f32", ["Mul", "f32", xf(0), xf(0)]]]]]
+        rms = ["Recip", "f32", ["Sqrt", "f32", ["RowSum", "f32", ["Mul", "f32", xf(0), xf(0)]]]]
+        normed = ["Mul", "f32", xf(0), rms]
         b.op(case, "reduce", "Max", [(inp(case, 0, size, dt), view)], (s, 4), f32,
              {"axis": 2, "expr": ["Mul", "f32", normed, normed]}, output=f"{case}.y", case_kind="row",
              tol=TOL[f32])
