@@ -412,3 +412,68 @@ def test_build_stores_timed_gemm_algos_and_session_uses_them(tmp_path, cublaslt,
     # a second build reads the choices from the tuning DB: the same bytes
     again = build_package(load_spec(src=str(tmp_path / "hf"), max_seq=MAX_SEQ), tmp_path / "again.lumpkg")
     assert again.read_bytes() == path.read_bytes()
+
+
+# ============================================================================ (f) attention at long contexts
+def _attention_package(tmp_path, dt: DType, d: int, group: int, max_t: int):
+    """q [2 kv heads, group, 1, d], a [max_t, 2, d] K / V cache read [0, p + 1), a mask [p + 1]: decode
+    attention's partials and combine (builder/extract.attention_ops) as one program."""
+    from lum.builder.extract import attention_ops
+    from lum.builder.package_builder import BuildOptions, write_program_package
+    from lum.format.expr import Var
+    from lum.format.llir import Arg, LOp, Program
+    from lum.format.shapetracker import ShapeTracker
+    from tests.kernel_cases import entry_for
+
+    from lum.format.expr import as_expr
+
+    t = Var("p") + 1
+    rows = tuple(as_expr(x) for x in (2, group, 1))
+    d_, mt = as_expr(d), as_expr(max_t)
+    cache = ShapeTracker.contiguous((max_t, 2, d)).slice(0, 0, t).permute((1, 0, 2))
+    kv = cache.expand_dim(1, group).expand_dim(2, 1)
+    mask = ShapeTracker.contiguous((max_t,)).slice(0, 0, t).expand_dim(0, 1).expand_dim(0, group).expand_dim(0, 2)
+    ins = [LOp(0, "input", "Input", (), rows + (d_,), dt, {"name": "q", "role": "input"}),
+           LOp(1, "input", "Input", (), (mt, as_expr(2), d_), dt, {"name": "k", "role": "input"}),
+           LOp(2, "input", "Input", (), (mt, as_expr(2), d_), dt, {"name": "v", "role": "input"}),
+           LOp(3, "input", "Input", (), (mt,), DType.bool, {"name": "mask", "role": "input"})]
+    ops = attention_ops((Arg(0, ShapeTracker.contiguous(rows + (d,))), Arg(1, kv), Arg(2, kv), Arg(3, mask)),
+                        d ** -0.5, dt, DType.f32, 4)
+    out = LOp(7, "output", "Output", (Arg(6, ShapeTracker.contiguous(ops[-1].shape)),), ops[-1].shape, DType.f32,
+              {"name": "y", "role": "output"})
+    prog = Program("attention", ins + ops + [out])
+    path = write_program_package(tmp_path / f"att-{dt.value}-{d}.lumpkg", [prog],
+                                 {"main": entry_for(prog, None, ("p",))}, model={"max_seq": max_t},
+                                 options=BuildOptions())
+    return lum.loader.open(path)
+
+
+@pytest.mark.parametrize("dt,d,group", [(DType.bf16, 256, 2), (DType.f32, 64, 4)], ids=["bf16-d256-g2", "f32-d64-g4"])
+def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, record_property):
+    """The split-K kernel and its combine over up to 256 chunks (p + 1 = 4,096 keys), the arena poisoned,
+    against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16)."""
+    import ml_dtypes
+
+    max_t = 4096
+    pkg = _attention_package(tmp_path, dt, d, group, max_t)
+    rng = np.random.default_rng(5)
+    np_dt = ml_dtypes.bfloat16 if dt == DType.bf16 else np.float32
+    q = rng.normal(size=(2, group, 1, d)).astype(np_dt)
+    k = (rng.normal(size=(max_t, 2, d)) * 2).astype(np_dt)
+    v = rng.normal(size=(max_t, 2, d)).astype(np_dt)
+    mask = rng.random(max_t) < 0.9
+    mask[0] = True
+    with pkg.session(dyn={"p": max_t - 1}, backend="cuda") as sess:
+        for p in (15, 1000, max_t - 1):
+            sess.runner.fill_arena(0xFF)
+            got = sess.run("main", {"q": q, "k": k, "v": v, "mask": mask}, {"p": p})["y"].astype(np.float64)
+            n = p + 1
+            qf, kf, vf = (x.astype(np.float64) for x in (q, k[:n], v[:n]))
+            s = np.einsum("hgxd,thd->hgxt", qf, kf) * d ** -0.5
+            s = np.where(mask[:n], s, -np.inf)
+            e = np.exp(s - s.max(-1, keepdims=True))
+            pr = e.astype(np_dt).astype(np.float64) if dt == DType.bf16 else e
+            want = np.einsum("hgxt,thd->hgxd", pr, vf) / e.sum(-1, keepdims=True)
+            err = np.abs(got - want).max() / np.abs(want).max()
+            record_property(f"rel_err_p{p}", float(err))
+            assert not np.isnan(got).any() and err < (2e-2 if dt == DType.bf16 else 1e-4), (p, err)
