@@ -84,6 +84,7 @@ ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip",
 KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention", "gemm")
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
+ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 _GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
 
@@ -560,8 +561,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               max_blocks=max_blocks, acc=acc, math=math)
-    gen.threads_given = threads_given
+               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -606,11 +606,12 @@ def module_source(kernels: Sequence[KernelSource]) -> str:
 # ============================================================================ generators
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
-                 group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str):
+                 group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str,
+                 threads_given: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
-        self.threads_given = True                  # generate() says whether threads was the caller's
+        self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
 
@@ -1121,7 +1122,7 @@ class _Gen:
                     return val, kd
                 dt = DType.parse(t[1])
                 names[key] = (f"lum_u{len(names)}", _kind(dt))
-                val = _to_kind(kd, _kind(dt), val) if dt in (DType.i64, DType.i32, DType.bool) else \
+                val = _to_kind(kd, _kind(dt), val) if dt in (DType.i64, DType.bool) else \
                     _load_conv(dt, _store_conv(kd, val, dt))          # round through the storage type
                 lines.append(f"{ind3}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
                 return names[key]
@@ -1216,8 +1217,9 @@ class _Gen:
             if not r[i].is_const:
                 raise CodegenError("the query rows sharing a K / V row must be a static number")
             m_size *= r[i].value
-        if m_size > 8:
-            raise CodegenError(f"{m_size} query rows share a K / V row; at most 8 fit one attention block")
+        if m_size > ATTENTION_MAX_GROUP:
+            raise CodegenError(f"{m_size} query rows share a K / V row; at most {ATTENTION_MAX_GROUP} fit one "
+                               "attention block")
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
@@ -1434,7 +1436,7 @@ class _Gen:
     def _scatter_launch(self, ept: int) -> tuple[str, tuple[Expr, Expr, Expr], int, int, dict[str, Any]]:
         """The row-writing kernel of a scatter: source, grid, threads, index margin, tuning. A prologue with
         row reductions (a norm computed in the cache write) makes it a row kernel."""
-        if has_row_ops(self.op.params.get("expr") or ["arg", 0]):
+        if has_row_ops(self.op.params.get("expr")):
             return self._row_kernel()
         tile = self.threads * ept
         src, n = self._scatter_rows(ept)

@@ -37,6 +37,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable
 
+from lum.builder.codegen import ATTENTION_MAX_GROUP
 from lum.builder.hlir import BINARY_OPS, REDUCE_OPS, UNARY_OPS, Graph
 from lum.format.expr import Expr, as_expr, parse
 from lum.format.llir import ELEMENTWISE_ARITY
@@ -575,9 +576,6 @@ def _racy_in_place(sat: SaturatedGroup) -> set[ENode]:
     return out
 
 
-ATTENTION_MAX_GROUP = 8     # query rows sharing a K / V row that one attention block keeps in registers
-
-
 @dataclass(frozen=True)
 class AttentionViews:
     """What a KAttention e-node means, in the views an attention LLIR op reads (format/llir.py): q [R…, D],
@@ -595,7 +593,15 @@ def attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     """The views of a KAttention node (rules/attention.egg), or None when they do not make the node an
     attention over the keys: q read broadcast along the keys, the probabilities read by p·v in their own
     row-major layout broadcast along V's feature axis, static feature sizes, no padded q / k / v reads,
-    float operands, and the rows sharing a K / V row a static few."""
+    float operands, and the rows sharing a K / V row a static few. Memoised per node: extraction asks
+    again for every lowering."""
+    key = ("attention", node)
+    if key not in sat._memo:
+        sat._memo[key] = _attention_views(sat, node)
+    return sat._memo[key]
+
+
+def _attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     q_ld, k_ld, v_ld, m_ld, _cs, pdt, _dt, vp_id = node.args
     views = []
     for c in (q_ld, k_ld, v_ld, m_ld):

@@ -210,18 +210,7 @@ class Program:
                     raise ValueError(f"LLIR op {i} reads op {a.src}, which does not precede it")
             if o.alias is not None and not 0 <= o.alias < len(o.args):
                 raise ValueError(f"LLIR op {i} aliases a missing argument {o.alias}")
-            rows = version >= 2
-            if o.kind == "elementwise" and o.op == "Fused":
-                check_expr(o.params.get("expr"), len(o.args), o.dtype, f"LLIR op {i} (elementwise Fused)", rows)
-            if o.kind == "reduce" and "expr" in o.params:
-                check_expr(o.params["expr"], len(o.args), None, f"LLIR op {i} (reduce {o.op})", rows)
-                check_row_reduce(o, f"LLIR op {i} (reduce {o.op})")
-            if o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params:
-                check_scatter_prologue(o, version, f"LLIR op {i} ({o.kind})")
-            if o.kind == "attention":
-                if version < 2:
-                    raise ValueError(f"LLIR op {i} (attention) needs LLIR version 2")
-                check_attention(o, f"LLIR op {i} (attention)")
+            check_params(o, version, f"LLIR op {i} ({o.kind} {o.op})" if o.op else f"LLIR op {i} ({o.kind})")
         return Program(str(data["name"]), ops)
 
     @staticmethod
@@ -267,6 +256,31 @@ def has_row_ops(expr: Any) -> bool:
     if not isinstance(expr, (list, tuple)) or not expr or expr[0] == "arg":
         return False
     return (isinstance(expr[0], str) and expr[0] in ROW_OPS) or any(has_row_ops(k) for k in expr[2:])
+
+
+def has_expr_params(op: LOp) -> bool:
+    """Whether :func:`check_params` has something to check for ``op``; its args then are the expr's leaves
+    (and, for a scatter, dest and idx around them) rather than a fixed arity."""
+    return (op.kind == "elementwise" and op.op == "Fused") or op.kind == "attention" or \
+        (op.kind in ("reduce", "scatter", "scatter_nocopy") and "expr" in op.params)
+
+
+def check_params(op: LOp, version: int, where: str) -> None:
+    """Raise ValueError unless the params of ``op`` that go beyond a plain kernel are valid at ``version``:
+    a Fused tree, a reduce's prologue (row reductions over the last axis only), a scatter's prologue and
+    an attention op's views and params (the module docstring). Every reader of LLIR checks with this."""
+    rows = version >= 2
+    if op.kind == "elementwise" and op.op == "Fused":
+        check_expr(op.params.get("expr"), len(op.args), op.dtype, where, rows)
+    elif op.kind == "reduce" and "expr" in op.params:
+        check_expr(op.params["expr"], len(op.args), None, where, rows)
+        check_row_reduce(op, where)
+    elif op.kind in ("scatter", "scatter_nocopy") and "expr" in op.params:
+        check_scatter_prologue(op, version, where)
+    elif op.kind == "attention":
+        if version < 2:
+            raise ValueError(f"{where} needs LLIR version 2")
+        check_attention(op, where)
 
 
 def check_scatter_prologue(op: LOp, version: int, where: str) -> None:

@@ -29,8 +29,8 @@ import numpy as np
 
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, UnboundVariableError
-from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_LAYOUTS, ROW_OPS, LOp, Program, attention_dims, check_attention,
-                             check_expr, check_row_reduce, check_scatter_prologue)
+from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_LAYOUTS, LLIR_VERSION, ROW_OPS, LOp, Program, attention_dims,
+                             check_params, has_expr_params)
 from lum.format.numerics import NumericsError, round_to, store_as, view_of
 from lum.format.shapetracker import ShapeTracker
 
@@ -170,26 +170,13 @@ class _Executor:
             if o.id != i:
                 raise BackendError(f"{where} has id {o.id}; ops must be numbered in order")
             want = ELEMENTWISE_ARITY.get(o.op) if o.kind == "elementwise" else _ARITY[o.kind]
-            fused = o.kind == "elementwise" and o.op == "Fused"
-            if o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params:
+            if has_expr_params(o):
                 try:
-                    check_scatter_prologue(o, 2, where)
+                    check_params(o, LLIR_VERSION, where)
                 except ValueError as e:
                     raise BackendError(str(e)) from None
-                want = len(o.args)
-            elif o.kind == "attention":
-                try:
-                    check_attention(o, where)
-                except ValueError as e:
-                    raise BackendError(str(e)) from None
-            elif fused or (o.kind == "reduce" and "expr" in o.params):
-                try:
-                    check_expr(o.params.get("expr"), len(o.args), o.dtype if fused else None, where)
-                    if not fused:
-                        check_row_reduce(o, where)
-                except ValueError as e:
-                    raise BackendError(str(e)) from None
-                want = len(o.args)
+                if o.kind != "attention":
+                    want = len(o.args)
             if want is None:
                 raise BackendError(f"{where}: unknown elementwise op {o.op!r}")
             if len(o.args) != want:
@@ -450,12 +437,11 @@ class _Executor:
 
     def k_attention(self, o: LOp) -> np.ndarray:
         """The per-chunk partials of decode attention, exactly as lum.format.llir defines them."""
-        r, t, _, dv = (self.ev(x) if not isinstance(x, tuple) else tuple(self.ev(y) for y in x)
-                       for x in attention_dims(o))
+        rows, keys, _, width = attention_dims(o)
+        r, t, dv = tuple(self.ev(x) for x in rows), self.ev(keys), self.ev(width)
         q, k, v = (self.readc(o, j).astype(np.float64) for j in range(3))
         mask = self.readc(o, 3).astype(np.bool_)
-        if mask.shape != tuple(r) + (t,):
-            raise BackendError(f"the mask view has shape {mask.shape}, not {tuple(r) + (t,)}")
+        self.check_shape(mask.shape, r + (t,), "the mask view")
         scores = round_to(np.einsum("...d,...td->...t", q, k), DType.f32)
         logits = np.where(mask, round_to(scores * float(o.params["scale"]), DType.f32), -np.inf)
         with np.errstate(invalid="ignore"):
