@@ -62,6 +62,7 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -87,6 +88,13 @@ ROW_REGS = 8                                     # row kernels keep a static row
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_PREFETCH_BYTES = 32 << 20                   # of a GEMV's weights asked into L2 early (H200 L2: 60 MB)
+
+
+def _gemv_prefetch_bytes() -> int:
+    """GEMV_PREFETCH_BYTES, or ``LUM_GEMV_PREFETCH_BYTES`` from the environment (0 turns the prefetch off;
+    for A/B benchmarks of the same model)."""
+    v = os.environ.get("LUM_GEMV_PREFETCH_BYTES", "")
+    return int(v) if v.strip().isdigit() else GEMV_PREFETCH_BYTES
 _GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
@@ -1503,7 +1511,7 @@ class _Gen:
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
-            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok, "PREFETCH": GEMV_PREFETCH_BYTES})
+            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok, "PREFETCH": _gemv_prefetch_bytes()})
         if b_kc:
             items, per_block, margin = batch * n, span, self.max_blocks * span
         else:

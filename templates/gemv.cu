@@ -68,10 +68,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   // block asks L2 for its first tile's columns while that kernel still runs, then waits for it
   // (common.cuh). Only the first PREFETCH bytes of the matrix are asked for, so what L2 holds stays
   // what the blocks resident now will read.
-  if (B_KCONTIG && lum_lane == 0) {
+  constexpr unsigned long long PREFETCH = {{PREFETCH}}ull;
+  if (B_KCONTIG && PREFETCH > 0 && lum_lane == 0) {
     const idx_t lum_c = (idx_t)blockIdx.x * SPAN + lum_g;
     const unsigned long long lum_row = (unsigned long long)lum_k * sizeof(b_t);
-    if (lum_c < lum_batch * lum_n && ((unsigned long long)blockIdx.x + 1ull) * SPAN * lum_row <= {{PREFETCH}}ull) {
+    if (lum_c < lum_batch * lum_n && ((unsigned long long)blockIdx.x + 1ull) * SPAN * lum_row <= PREFETCH) {
       const idx_t lum_b = lum_c / lum_n;
       lum_prefetch_l2(in1 + (lum_ob + lum_b * lum_sb + (lum_c - lum_b * lum_n) * lum_ldb), lum_row);
     }
