@@ -15,8 +15,6 @@ What it does, in one run on one GPU:
    * ``lum``: ``lum.loader.open(pkg).session(backend="cuda")``; records package open → first token (prefill
      and argmax included); decode steps through ``sess.run("decode", …)`` (or, if that loop fails, the
      difference of two ``sess.generate`` calls).
-   * ``lum-plain``: the same package with plain launches (``programmatic_launch=False``), to measure what
-     programmatic dependent launch and the GEMVs' early weight prefetch give, side by side.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -53,9 +51,8 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "lum-plain", "hf-eager", "hf-compile")
-CAP_S = {"lum": 200.0, "lum-plain": 120.0, "hf-eager": 150.0, "hf-compile": 330.0}   # per worker (the limit wins)
-LUM_OPTIONS = {"lum": {}, "lum-plain": {"programmatic_launch": False}}               # their session options
+SYSTEMS = ("lum", "hf-eager", "hf-compile")
+CAP_S = {"lum": 200.0, "hf-eager": 150.0, "hf-compile": 330.0}   # per-worker caps (the global limit wins)
 BUILD_CAP_S = 240.0
 
 
@@ -133,7 +130,7 @@ def worker_lum(spec: dict) -> dict:
     t0 = time.perf_counter()
     pkg = lum.loader.open(spec["pkg"])
     t_open = time.perf_counter()
-    sess = pkg.session(backend=spec.get("lum_backend", "cuda"), **spec.get("lum_options", {}))
+    sess = pkg.session(backend=spec.get("lum_backend", "cuda"))
     t_sess = time.perf_counter()
     out["details"]["backend"] = getattr(sess, "backend", "?")
     logits = sess.run("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})["logits"]
@@ -356,13 +353,10 @@ def worker_hf_compile(spec: dict) -> dict:
                                   "static cache, manual greedy loop"}}
 
 
-WORKERS = {"lum": worker_lum, "lum-plain": worker_lum, "hf-eager": worker_hf_eager,
-           "hf-compile": worker_hf_compile}
+WORKERS = {"lum": worker_lum, "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
 
 
 def run_worker(system: str, spec: dict, workdir: Path, timeout: float) -> dict:
-    if system in LUM_OPTIONS:
-        spec = {**spec, "lum_options": LUM_OPTIONS[system]}
     return _run_worker(Path(__file__), system, spec, workdir, timeout)
 
 
@@ -400,8 +394,8 @@ def main(argv=None) -> int:
         copy_GBps=None)
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "tok_per_s": None, "weight_bytes": None,
                 "roofline_tok_per_s": None, "error": None} for s in systems}
-    for s in LUM_OPTIONS.keys() & rows.keys():
-        rows[s]["open_to_first_token_s"] = None
+    if "lum" in rows:
+        rows["lum"]["open_to_first_token_s"] = None
 
     return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
                           lambda torch: _run(args, torch, result["target"], deadline, max_seq, systems, rows, result,
@@ -447,9 +441,8 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             "warmup": args.warmup, "steps": args.steps, "max_seq": max_seq, "device": args.device,
             "lum_backend": args.lum_backend}
 
-    # 3. the lum package (one, for every lum row)
-    lum_rows = [rows[s] for s in LUM_OPTIONS if s in rows]
-    if lum_rows:
+    # 3. the lum package
+    if "lum" in rows:
         pkg = Path(args.pkg) if args.pkg else workdir / f"{args.model}-{args.dtype}.lumpkg"
         if not pkg.exists():
             left = deadline - time.perf_counter()
@@ -457,16 +450,14 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, min(BUILD_CAP_S, left - 30),
                                          workdir / "log-build.txt")
             if err:
-                for r in lum_rows:
-                    r["error"] = err
+                rows["lum"]["error"] = err
                 log(err)
             else:
                 result["timings_s"]["lum_build"] = round(build_s, 1)
-                lum_rows[0]["build_s"] = round(build_s, 1)
+                rows["lum"]["build_s"] = round(build_s, 1)
         if pkg.exists():
             spec["pkg"] = str(pkg)
-            for r in lum_rows:
-                r["package_bytes"] = pkg.stat().st_size
+            rows["lum"]["package_bytes"] = pkg.stat().st_size
 
     # 4. the systems, each in its own process
     outputs = run_systems(rows, CAP_S, deadline, args.time_limit,

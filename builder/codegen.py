@@ -62,7 +62,6 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -87,14 +86,6 @@ GEMV_MAX_M = 8                                   # gemms with a static m up to t
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
-GEMV_PREFETCH_BYTES = 32 << 20                   # of a GEMV's weights asked into L2 early (H200 L2: 60 MB)
-
-
-def _gemv_prefetch_bytes() -> int:
-    """GEMV_PREFETCH_BYTES, or ``LUM_GEMV_PREFETCH_BYTES`` from the environment (0 turns the prefetch off;
-    for A/B benchmarks of the same model)."""
-    v = os.environ.get("LUM_GEMV_PREFETCH_BYTES", "")
-    return int(v) if v.strip().isdigit() else GEMV_PREFETCH_BYTES
 _GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
@@ -316,15 +307,10 @@ class _Ctx:
 
         return all(ok(e) for e in self.exprs)
 
-    def dyn_loads(self, wait: bool = True) -> tuple[str, dict[str, int]]:
-        """The kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it
-        uses, then wait for the previous kernel (``lum_pdl_wait``; common.cuh), unless ``wait`` is False
-        because the template waits itself after issuing its prefetches (gemv.cu)."""
+    def dyn_loads(self) -> tuple[str, dict[str, int]]:
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        lines = ["  lum_pdl_trigger();  // common.cuh: programmatic launch order"]
-        lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
-        lines += ["  lum_pdl_wait();"] if wait else []
-        return "\n".join(lines if slots else lines + ["  (void)dyn;"]), slots
+        lines = [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
+        return ("\n".join(lines) if lines else "  (void)dyn;"), slots
 
 
 def view_access(ctx: _Ctx, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
@@ -580,7 +566,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads(wait=op.kind != "gemm")     # gemv.cu prefetches, then waits
+    dyn_loads, slots = ctx.dyn_loads()
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS@", dyn_loads)
     tuning = {**tuning, "index_bits": index_bits}
     digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
@@ -1511,7 +1497,7 @@ class _Gen:
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
-            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok, "PREFETCH": _gemv_prefetch_bytes()})
+            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         if b_kc:
             items, per_block, margin = batch * n, span, self.max_blocks * span
         else:

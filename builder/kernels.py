@@ -88,11 +88,8 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             "dyn_slots": dict(ks.dyn_slots),
             "tuning": {k: v for k, v in sorted(ks.tuning.items())},
         })
-    # programmatic launch is safe only if every kernel waits for its predecessor (codegen's preamble)
-    waits = all(ks.body.count("lum_pdl_wait();") == len(ks.launches) for ks in sources.values() if ks is not None)
     return {"version": KERNEL_TABLE_VERSION, "arch": arch, "dyn_vars": list(dyn_vars),
-            "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops,
-            "programmatic": waits}
+            "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops}
 
 
 def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,

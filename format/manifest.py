@@ -29,8 +29,7 @@ the package and the reference backend runs it. Otherwise::
                             "block": [256, 1, 1], "shared_mem": 0}],
               "params": ["out", "in0", "in1", "dyn"],             # out, one per op.args, dyn
               "dyn_slots": {"s": 1},  # the vars this kernel reads
-              "tuning": {…}}],        # informational: the template parameters used
-     "programmatic": true}            # optional (default false), see below
+              "tuning": {…}}]}        # informational: the template parameters used
 
 A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1); launches of one op
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
@@ -49,12 +48,6 @@ with ``target.cublaslt_version`` (an int, ``cublasLtGetVersion()``) naming the l
 for: the loader passes them only to that version. The parser checks everything above that a loader
 relies on (names, expressions and their vars, block limits, the parameter convention); the loader
 checks the table against the LLIR (every kernel op covered, kinds and arities equal).
-
-``programmatic: true`` says that every kernel of the table begins by waiting, on the device, for the
-kernel before it in the stream (``griddepcontrol.wait``) before it touches global memory other than the
-dyn buffer (cache prefetches aside), and lets the next kernel launch early
-(``griddepcontrol.launch_dependents``). Only then may the CUDA runner launch the table's kernels with
-programmatic stream serialization (sm_90+); tables without the flag (older builds) launch plainly.
 """
 
 from __future__ import annotations
@@ -171,7 +164,6 @@ class KernelTable:
     max_dyn: dict[str, int]
     ops: tuple[KernelOp, ...]
     gemms: tuple[GemmAlgo, ...] = ()
-    programmatic: bool = False      # every kernel waits for its predecessor itself (see the module doc)
 
     def by_op(self) -> dict[int, KernelOp]:
         return {k.op: k for k in self.ops}
@@ -381,10 +373,7 @@ class _Parser:
         if ops and cubin is None:
             raise self.fail(where + ".cubin", "the table has kernels but names no cubin section")
         gemms = self.gemm_algos(d["gemms"], where + ".gemms", target) if "gemms" in d else ()
-        programmatic = d.get("programmatic", False)
-        if not isinstance(programmatic, bool):
-            raise self.fail(where + ".programmatic", f"expected true or false, found {programmatic!r}")
-        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms, programmatic)
+        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms)
 
     def gemm_algos(self, v: Any, where: str, target: dict) -> tuple[GemmAlgo, ...]:
         if "cublaslt_version" not in target:

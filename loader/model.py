@@ -305,8 +305,7 @@ class Session:
     ``dyn`` bounds the dyn values later runs may use (the CUDA backend sizes its arena for them).
     CUDA options: ``device`` (ordinal, default 0), ``graphs`` (capture and replay CUDA graphs,
     default True), ``graph_cache`` (graphs kept per entry, LRU, default 1024), ``upload_method``
-    (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure),
-    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default on; ``LUM_CUDA_PDL=0``).
+    (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):

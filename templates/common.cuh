@@ -215,45 +215,6 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
     for (int e = 0; e < P; ++e) out[q * P + e] = cvt(v.v[e]);
   }
 }
-
-// ------------------------------------------------------------------------------ launch order
-// Programmatic dependent launch (sm_90+). A table marked "programmatic" lets the CUDA runner launch
-// its kernels with programmatic stream serialization, and every lum kernel begins with these two
-// steps (the dyn loads between them read only the dyn buffer, which host copies fill before the graph
-// runs):
-//  * lum_pdl_trigger() first: the next kernel in the stream may be scheduled as soon as every block
-//    of this one is resident, so launches are not serialised behind completions; it costs nothing
-//    when launched plainly;
-//  * lum_pdl_wait() before the kernel's first other access to global memory, read or write: it
-//    returns once the previous grid has completed and its writes are visible. That grid waited for
-//    its own predecessor before finishing, so every earlier grid is covered too.
-// Between the two a kernel may only issue cache hints (the GEMV prefetches its weights into L2 there).
-LUM_D void lum_pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-LUM_D void lum_pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// Ask L2 to fetch [p, p + bytes) (sm_90 bulk prefetch: p 16-byte aligned, bytes a multiple of 16,
-// both rounded down here). Only a hint: nothing waits for it and nothing is written.
-LUM_D void lum_prefetch_l2(const void* p, unsigned long long bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned long long a = (unsigned long long)p;
-  const unsigned long long lo = (a + 15ull) & ~15ull;
-  const unsigned long long hi = (a + bytes) & ~15ull;
-  for (unsigned long long q = lo; q < hi; q += (1ull << 30)) {
-    const unsigned int n = (unsigned int)(hi - q < (1ull << 30) ? hi - q : (1ull << 30));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(q), "r"(n) : "memory");
-  }
-#else
-  (void)p; (void)bytes;
-#endif
-}
 #endif  // CUDA
 
 #endif  // LUM_COMMON_CUH

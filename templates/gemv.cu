@@ -25,8 +25,7 @@
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), A_KCONTIG B_KCONTIG (true |
 //!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
 //!   storage value of the float `lum_v`), N K BATCH LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions
-//!   of the dyn vars), VEC_OK (C bool expression), PREFETCH (bytes of B, from its start, that the first
-//!   blocks prefetch into L2 before waiting for the previous kernel; 0: none).
+//!   of the dyn vars), VEC_OK (C bool expression).
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{A_T}} a_t;
@@ -64,20 +63,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
                           (!(A_KCONTIG && B_KCONTIG) || lum_aligned(in0, A_PIECE * sizeof(a_t)));
   const int lum_g = (int)threadIdx.x / GROUP;
   const int lum_lane = (int)threadIdx.x % GROUP;
-  // B (the weights, in decode) does not depend on the previous kernel: under programmatic launch this
-  // block asks L2 for its first tile's columns while that kernel still runs, then waits for it
-  // (common.cuh). Only the first PREFETCH bytes of the matrix are asked for, so what L2 holds stays
-  // what the blocks resident now will read.
-  constexpr unsigned long long PREFETCH = {{PREFETCH}}ull;
-  if (B_KCONTIG && PREFETCH > 0 && lum_lane == 0) {
-    const idx_t lum_c = (idx_t)blockIdx.x * SPAN + lum_g;
-    const unsigned long long lum_row = (unsigned long long)lum_k * sizeof(b_t);
-    if (lum_c < lum_batch * lum_n && ((unsigned long long)blockIdx.x + 1ull) * SPAN * lum_row <= PREFETCH) {
-      const idx_t lum_b = lum_c / lum_n;
-      lum_prefetch_l2(in1 + (lum_ob + lum_b * lum_sb + (lum_c - lum_b * lum_n) * lum_ldb), lum_row);
-    }
-  }
-  lum_pdl_wait();
 
   if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
     const idx_t lum_cols = lum_batch * lum_n;

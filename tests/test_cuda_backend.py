@@ -88,10 +88,6 @@ def test_launch_table_round_trips_through_the_manifest(tiny_pkg):
     m = tiny_pkg.manifest
     again = Manifest.from_json(json.loads(json.dumps(m.to_json())), set(tiny_pkg.reader.names()))
     assert [g.table for g in again.groups] == [g.table for g in m.groups]
-    # a table without the programmatic flag (built before its kernels waited for their predecessor) is
-    # read as plain-launch only
-    d = _manifest_with(tiny_pkg, lambda t, d: t.pop("programmatic"))
-    assert not Manifest.from_json(d, set(tiny_pkg.reader.names())).groups[1].table.programmatic
 
 
 def _manifest_with(tiny_pkg, mutate) -> dict:
@@ -116,7 +112,6 @@ def _manifest_with(tiny_pkg, mutate) -> dict:
     (lambda t, d: t["max_dyn"].update(z=3), "not in dyn_vars"),
     (lambda t, d: t["ops"][0].update(kind="matmul"), "not a kernel op kind"),
     (lambda t, d: d["target"].update(sm="hopper"), "architecture like"),
-    (lambda t, d: t.update(programmatic="yes"), "true or false"),
 ])
 def test_manifest_rejects_bad_launch_tables(tiny_pkg, mutate, match):
     with pytest.raises(PackageFormatError, match=match):
@@ -290,14 +285,7 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
     assert not any(plan.volatile(st) for st in plan.steps) and len(plan.segments) == 1
     graph_keys = [[seg.key(plan.values({"p": p})) for seg in plan.segments] for p in range(32)]
     assert len({tuple(k) for k in graph_keys}) <= 6
-    ops = plan.concrete(plan.values({"p": 9}), lambda spec: spec)
-    assert all(o[0] == "kernel" for o in ops)
-    # the tables say their kernels wait for their predecessor, yet programmatic launch is the runner's
-    # choice: off unless asked for
-    assert all(g.table.programmatic for g in pkg.manifest.groups if g.table is not None)
-    assert not any(o[6] for o in ops)
-    on = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds, programmatic=True)
-    assert all(o[6] for o in on.concrete(on.values({"p": 9}), lambda spec: spec))
+    assert all(o[0] == "kernel" for o in plan.concrete(plan.values({"p": 9}), lambda spec: spec))
     plan.check({"p": 31})
     with pytest.raises(lum.loader.SessionError, match="planned"):
         plan.check({"p": 40})

@@ -116,7 +116,6 @@ print(json.dumps({"errors": errors, "checked": checked, "stats": fake_stats()}))
     assert res["errors"] == {}
     assert res["checked"] >= 200
     assert res["stats"]["live"] == [0] * 7 and res["stats"]["bad_guards"] == 0   # close() freed everything
-    assert res["stats"]["programmatic_launches"] > 0     # sm_90: kernels launch with programmatic serialization
 
 
 def test_gemv_graph_replays_as_p_grows(env):

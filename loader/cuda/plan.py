@@ -120,7 +120,6 @@ class KernelStep:
     block: tuple[int, int, int]
     shared_mem: int
     params: ParamPack
-    programmatic: bool = False                 # its table says it waits for its predecessor on the device
 
 
 @dataclass
@@ -255,8 +254,7 @@ class EntryPlan:
 
     def concrete(self, key: tuple, gemm_plan: Callable[[GemmSpec], Any], steps: Sequence[Any] | None = None
                  ) -> list[tuple]:
-        """The device operations for ``key``: ``("kernel", function, grid, block, shared_mem, params,
-        programmatic)``,
+        """The device operations for ``key``: ``("kernel", function, grid, block, shared_mem, params)``,
         ``("gemm", plan, a, b, c)`` (a, b: the operands' buffer bases; the plan adds the offsets),
         ``("memset", ptr, nbytes)``, ``("copy", dst, src, nbytes)``, each
         with the step's description appended (for errors). ``gemm_plan`` makes (or fetches) the
@@ -266,8 +264,7 @@ class EntryPlan:
         for st in (self.steps if steps is None else steps):
             if isinstance(st, KernelStep):
                 g = tuple(grids[i] for i in st.grid)
-                ops.append(("kernel", st.function, g, st.block, st.shared_mem, st.params.address,
-                            st.programmatic, st.where))
+                ops.append(("kernel", st.function, g, st.block, st.shared_mem, st.params.address, st.where))
             elif isinstance(st, GemmStep):
                 ops.extend(_gemm_ops(st, exact, gemm_plan))
             else:
@@ -342,8 +339,8 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 
 
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
-                     max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None,
-                     programmatic: bool = False) -> EntryPlan:
+                     max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None
+                     ) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
@@ -352,8 +349,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     an entry in its group's launch table (lum's gemv kernel, small static m) becomes a kernel step like
     any other; one without is a library call (:class:`GemmStep`). ``gemm_algos``: (group, op id) -> the
     package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner passes them only for the
-    same cuBLASLt version). ``programmatic``: kernel steps of tables marked programmatic (their kernels
-    wait for their predecessor themselves) launch with programmatic stream serialization."""
+    same cuBLASLt version)."""
     e = pkg.entry(entry_name)
     m = pkg.manifest
     plan = EntryPlan(entry_name)
@@ -440,8 +436,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             for lc in kop.launches:
                 grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
                 plan.steps.append(KernelStep(f"{where} kernel {lc.kernel}", function(call.group, lc.kernel),
-                                             grid, lc.block, lc.shared_mem, params,  # type: ignore[arg-type]
-                                             programmatic and table.programmatic))
+                                             grid, lc.block, lc.shared_mem, params))  # type: ignore[arg-type]
         plan.steps.extend(state_copies)
 
     for t in e.outputs:

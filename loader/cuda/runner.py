@@ -19,10 +19,6 @@ flight), then replays the entry's CUDA graph for the key of the dyn map (buckete
 library calls that depend on dyn values) — or captures one first (LRU cache of ``graph_cache`` graphs
 per entry; an evicted graph is destroyed, so memory stays flat); see :mod:`lum.loader.cuda.plan`. If a capture fails (a library that refuses stream capture)
 the session warns once and runs eagerly. ``graphs=False`` launches everything eagerly;
-``programmatic_launch`` (default: on from sm_90; ``LUM_CUDA_PDL=0`` turns it off) launches the kernels of
-tables marked programmatic with programmatic stream serialization: each kernel is scheduled while its
-predecessor still runs and waits for it on the device, so launches overlap and a GEMV's weights stream
-into L2 before its input is ready (templates/common.cuh, gemv.cu);
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
 synchronizes after every step and names the failing op. Outputs come back to numpy through pinned
 memory, or stay on the device as :class:`~lum.loader.cuda.arrays.DeviceArray`.
@@ -115,8 +111,7 @@ class CudaRunner:
 
     def __init__(self, pkg: Any, dyn: Mapping[str, int], *, device: int = 0, graphs: bool = True,
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
-                 workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
-                 programmatic_launch: bool | None = None):
+                 workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -132,9 +127,6 @@ class CudaRunner:
         used = sorted({c.group for e in m.entries.values() for c in e.calls})
         self._check_kernels(used)
         self.device = cu.device_info(device)
-        if programmatic_launch is None:   # default: on from sm_90 unless LUM_CUDA_PDL=0
-            programmatic_launch = os.environ.get("LUM_CUDA_PDL", "1") != "0"
-        self.programmatic = bool(programmatic_launch) and self.device.cc >= (9, 0)
         has_ptx = all(m.groups[g].table is None or not m.groups[g].table.ops or m.groups[g].table.ptx for g in used)
         compat = check_target(str(m.target.get("sm", "")), m.target.get("nvrtc"), self.device.cc,
                               self.device.driver_version, has_ptx, self.device.name, allow_ptx)
@@ -272,8 +264,7 @@ class CudaRunner:
                             {n: self.arena.ptr + off for n, (off, _) in io[e].items()},
                             {n: size for n, (_, size) in io[e].items()},
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
-            self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos,
-                                             self.programmatic)
+            self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos)
         # pinned staging: two slots for dyn values + inputs, one for outputs
         stage = max((sum(_align(n) for _, n in io[e].values()) for e in io), default=0)
         self._dyn_stage = _align(8 * sum(max(len(o), 1) for o in orders))
@@ -481,7 +472,7 @@ class CudaRunner:
             kind = op[0]
             try:
                 if kind == "kernel":
-                    cu.launch_kernel(op[1], op[2], op[3], op[4], stream, op[5], op[6])
+                    cu.launch_kernel(op[1], op[2], op[3], op[4], stream, op[5])
                 elif kind == "gemm":
                     op[1].run(stream.ptr, op[2], op[3], op[4], ws, wsn)
                 elif kind == "copy":
