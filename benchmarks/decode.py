@@ -15,6 +15,8 @@ What it does, in one run on one GPU:
    * ``lum``: ``lum.loader.open(pkg).session(backend="cuda")``; records package open → first token (prefill
      and argmax included); decode steps through ``sess.run("decode", …)`` (or, if that loop fails, the
      difference of two ``sess.generate`` calls).
+   * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
+     to measure what parallel graph branches give, side by side.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -51,8 +53,9 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "hf-eager", "hf-compile")
-CAP_S = {"lum": 200.0, "hf-eager": 150.0, "hf-compile": 330.0}   # per-worker caps (the global limit wins)
+SYSTEMS = ("lum", "lum-serial", "hf-eager", "hf-compile")
+CAP_S = {"lum": 200.0, "lum-serial": 120.0, "hf-eager": 150.0, "hf-compile": 330.0}  # per worker (the limit wins)
+LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}}                  # their session options
 BUILD_CAP_S = 240.0
 
 
@@ -130,7 +133,7 @@ def worker_lum(spec: dict) -> dict:
     t0 = time.perf_counter()
     pkg = lum.loader.open(spec["pkg"])
     t_open = time.perf_counter()
-    sess = pkg.session(backend=spec.get("lum_backend", "cuda"))
+    sess = pkg.session(backend=spec.get("lum_backend", "cuda"), **spec.get("lum_options", {}))
     t_sess = time.perf_counter()
     out["details"]["backend"] = getattr(sess, "backend", "?")
     logits = sess.run("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})["logits"]
@@ -353,10 +356,13 @@ def worker_hf_compile(spec: dict) -> dict:
                                   "static cache, manual greedy loop"}}
 
 
-WORKERS = {"lum": worker_lum, "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
+WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "hf-eager": worker_hf_eager,
+           "hf-compile": worker_hf_compile}
 
 
 def run_worker(system: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    if system in LUM_OPTIONS:
+        spec = {**spec, "lum_options": LUM_OPTIONS[system]}
     return _run_worker(Path(__file__), system, spec, workdir, timeout)
 
 
@@ -394,8 +400,8 @@ def main(argv=None) -> int:
         copy_GBps=None)
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "tok_per_s": None, "weight_bytes": None,
                 "roofline_tok_per_s": None, "error": None} for s in systems}
-    if "lum" in rows:
-        rows["lum"]["open_to_first_token_s"] = None
+    for s in LUM_OPTIONS.keys() & rows.keys():
+        rows[s]["open_to_first_token_s"] = None
 
     return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
                           lambda torch: _run(args, torch, result["target"], deadline, max_seq, systems, rows, result,
@@ -441,8 +447,9 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             "warmup": args.warmup, "steps": args.steps, "max_seq": max_seq, "device": args.device,
             "lum_backend": args.lum_backend}
 
-    # 3. the lum package
-    if "lum" in rows:
+    # 3. the lum package (one, for every lum row)
+    lum_rows = [rows[s] for s in LUM_OPTIONS if s in rows]
+    if lum_rows:
         pkg = Path(args.pkg) if args.pkg else workdir / f"{args.model}-{args.dtype}.lumpkg"
         if not pkg.exists():
             left = deadline - time.perf_counter()
@@ -450,14 +457,16 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, min(BUILD_CAP_S, left - 30),
                                          workdir / "log-build.txt")
             if err:
-                rows["lum"]["error"] = err
+                for r in lum_rows:
+                    r["error"] = err
                 log(err)
             else:
                 result["timings_s"]["lum_build"] = round(build_s, 1)
-                rows["lum"]["build_s"] = round(build_s, 1)
+                lum_rows[0]["build_s"] = round(build_s, 1)
         if pkg.exists():
             spec["pkg"] = str(pkg)
-            rows["lum"]["package_bytes"] = pkg.stat().st_size
+            for r in lum_rows:
+                r["package_bytes"] = pkg.stat().st_size
 
     # 4. the systems, each in its own process
     outputs = run_systems(rows, CAP_S, deadline, args.time_limit,

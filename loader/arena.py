@@ -40,7 +40,10 @@ def _align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def plan_arena(requests: list[BufferRequest]) -> ArenaPlan:
+def plan_arena(requests: list[BufferRequest], slack: int = 0) -> ArenaPlan:
+    """Place ``requests``. ``slack``: steps a buffer stays reserved after its last use, so the steps just
+    after it do not reuse its bytes; each reuse is a write-after-read dependency, which would keep
+    otherwise independent kernels from running side by side (loader/cuda/branches.py)."""
     by_name = {r.name: r for r in requests}
     if len(by_name) != len(requests):
         raise ValueError("duplicate buffer names in arena plan")
@@ -69,7 +72,7 @@ def plan_arena(requests: list[BufferRequest]) -> ArenaPlan:
                 raise ValueError(f"alias {r.name!r} is larger than its root {rt!r}")
         lo_hi = spans.setdefault(rt, [by_name[rt].first, by_name[rt].last])
         lo_hi[0] = min(lo_hi[0], r.first)
-        lo_hi[1] = max(lo_hi[1], r.last)
+        lo_hi[1] = max(lo_hi[1], r.last + max(0, slack))
 
     placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
     offsets: dict[str, int] = {}

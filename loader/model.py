@@ -196,10 +196,11 @@ class Package:
         return [BufferInfo(b.name, b.size, b.first, max(b.last, last_use.get(b.name, b.last)), b.alias_of, b.kind)
                 for b in out.values()]
 
-    def plan(self, entry: str, dyn_map: Mapping[str, int]) -> ArenaPlan:
+    def plan(self, entry: str, dyn_map: Mapping[str, int], slack: int = 0) -> ArenaPlan:
+        """The arena of ``entry`` at ``dyn_map`` (``slack``: see :func:`lum.loader.arena.plan_arena`)."""
         reqs = [BufferRequest(b.name, b.size.evaluate(dyn_map), b.first, b.last, b.alias_of)
                 for b in self.buffers(entry)]
-        return plan_arena(reqs)
+        return plan_arena(reqs, slack)
 
     def close(self) -> None:
         self.reader.close()
@@ -305,7 +306,9 @@ class Session:
     ``dyn`` bounds the dyn values later runs may use (the CUDA backend sizes its arena for them).
     CUDA options: ``device`` (ordinal, default 0), ``graphs`` (capture and replay CUDA graphs,
     default True), ``graph_cache`` (graphs kept per entry, LRU, default 1024), ``upload_method``
-    (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure).
+    (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure),
+    ``graph_branches`` (capture independent kernels on parallel streams, default True;
+    ``LUM_CUDA_BRANCHES=0``).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):

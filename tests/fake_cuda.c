@@ -38,6 +38,8 @@ typedef unsigned long long CUdeviceptr;
 #define E_NOT_SUPPORTED 801
 
 #define GUARD 64
+#define MAX_DEPS 16
+#define MAX_STREAMS 256
 #define MAX_ALLOCS 65536
 #define TOTAL_MEM (80ULL << 30)
 
@@ -59,10 +61,14 @@ typedef struct {
   run_fn fn; void **params; unsigned grid, block;
   void *dst; const void *src; size_t n; unsigned char value;
   host_fn hfn; void *harg;
+  int deps[MAX_DEPS]; int ndeps;  /* graph nodes this one waits for (stream order and event waits) */
 } Node;
 typedef struct { Node *nodes; int n, cap; long magic; } Graph;
-typedef struct { int capturing; Graph *graph; long magic; } Stream;
-typedef struct { long magic; } Event;
+/* A capturing stream: the graph it records into, its last node there and the nodes later work must also
+   wait for (cuStreamWaitEvent). A second stream joins a capture by waiting for an event recorded in it. */
+typedef struct { int capturing; Graph *graph; long magic; int last; int pending[MAX_DEPS]; int npending; } Stream;
+/* An event recorded during a capture remembers the recording stream's dependency set. */
+typedef struct { long magic; Graph *graph; int nodes[MAX_DEPS]; int n; } Event;
 typedef struct { long magic; } Module;
 typedef struct { run_fn fn; char name[256]; long magic; } Function;
 #define MAGIC_GRAPH 0x47524150L
@@ -79,8 +85,26 @@ static unsigned max_grid(void) {
   return s ? (unsigned)atoi(s) : 2u;
 }
 
-static void push(Graph *g, Node n) {
+static Stream *g_streams[MAX_STREAMS];   /* live streams, to find those still forked at the end of a capture */
+static int g_dep_overflow = 0;
+static long g_joins = 0;                 /* streams that joined a capture through an event */
+long fake_joins(void) { return g_joins; }
+
+static void add_dep(int *set, int *n, int node) {
+  if (node < 0) return;
+  for (int i = 0; i < *n; ++i) if (set[i] == node) return;
+  if (*n == MAX_DEPS) { g_dep_overflow = 1; return; }
+  set[(*n)++] = node;
+}
+
+/* Append n to the stream's capture: it depends on the stream's last node and on what it waited for. */
+static void push(Stream *s, Node n) {
+  Graph *g = s->graph;
+  n.ndeps = 0;
+  add_dep(n.deps, &n.ndeps, s->last);
+  for (int i = 0; i < s->npending; ++i) add_dep(n.deps, &n.ndeps, s->pending[i]);
   if (g->n == g->cap) { g->cap = g->cap ? 2 * g->cap : 64; g->nodes = realloc(g->nodes, g->cap * sizeof(Node)); }
+  s->last = g->n; s->npending = 0;
   g->nodes[g->n++] = n;
 }
 
@@ -119,7 +143,7 @@ int fake_enqueue_host(void *stream, host_fn fn, void *arg) {
   Stream *s = (Stream *)stream;
   Node n = {0}; n.kind = 3; n.hfn = fn; n.harg = arg;
   if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
-  if (s && s->capturing) push(s->graph, n); else run_node(&n);
+  if (s && s->capturing) push(s, n); else run_node(&n);
   return OK;
 }
 
@@ -140,6 +164,7 @@ CUresult cuGetErrorName(CUresult e, const char **name) {
     case 801: *name = "CUDA_ERROR_NOT_SUPPORTED"; break;
     case 900: *name = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
     case 901: *name = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
+    case 904: *name = "CUDA_ERROR_STREAM_CAPTURE_UNJOINED"; break;
     default: *name = "CUDA_ERROR_UNKNOWN"; break;
   }
   return OK;
@@ -241,7 +266,7 @@ static CUresult copy(void *stream, void *dst, const void *src, size_t n, int che
   if (check_dst && check_dev(dst, n)) { fprintf(stderr, "fake_cuda: copy to %p (+%zu) outside any allocation\n", dst, n); return E_INVALID_VALUE; }
   if (check_src && check_dev(src, n)) { fprintf(stderr, "fake_cuda: copy from %p (+%zu) outside any allocation\n", src, n); return E_INVALID_VALUE; }
   Node nd = {0}; nd.kind = 1; nd.dst = dst; nd.src = src; nd.n = n;
-  if (s && s->capturing) push(s->graph, nd); else run_node(&nd);
+  if (s && s->capturing) push(s, nd); else run_node(&nd);
   return OK;
 }
 CUresult cuMemcpyHtoD(CUdeviceptr d, const void *h, size_t n) { if (g_capturing) return E_CAPTURE_UNSUPPORTED; return copy(NULL, (void *)(uintptr_t)d, h, n, 1, 0); }
@@ -254,16 +279,20 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, void *stream)
   if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
   if (check_dev((void *)(uintptr_t)d, n)) { fprintf(stderr, "fake_cuda: memset %p (+%zu) outside any allocation\n", (void *)(uintptr_t)d, n); return E_INVALID_VALUE; }
   Node nd = {0}; nd.kind = 2; nd.dst = (void *)(uintptr_t)d; nd.n = n; nd.value = v;
-  if (s && s->capturing) push(s->graph, nd); else run_node(&nd);
+  if (s && s->capturing) push(s, nd); else run_node(&nd);
   return OK;
 }
 
 /* ---------------------------------------------------------------- streams and events */
 CUresult cuStreamCreate(void **out, unsigned flags) {
-  (void)flags; Stream *s = calloc(1, sizeof(Stream)); s->magic = MAGIC_STREAM; *out = s; ++g_live[2]; return OK;
+  (void)flags; Stream *s = calloc(1, sizeof(Stream)); s->magic = MAGIC_STREAM; s->last = -1;
+  for (int i = 0; i < MAX_STREAMS; ++i) if (!g_streams[i]) { g_streams[i] = s; break; }
+  *out = s; ++g_live[2]; return OK;
 }
 CUresult cuStreamDestroy(void *p) {
   Stream *s = p; if (!s || s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
+  if (s->capturing) return E_INVALID_VALUE;
+  for (int i = 0; i < MAX_STREAMS; ++i) if (g_streams[i] == s) g_streams[i] = NULL;
   s->magic = 0; free(s); --g_live[2]; return OK;
 }
 CUresult cuStreamSynchronize(void *p) {
@@ -278,9 +307,29 @@ CUresult cuEventDestroy(void *p) {
   Event *e = p; if (!e || e->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
   e->magic = 0; free(e); --g_live[3]; return OK;
 }
-CUresult cuEventRecord(void *e, void *s) {
-  if (!e || ((Event *)e)->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
-  if (s && ((Stream *)s)->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
+CUresult cuEventRecord(void *p, void *q) {
+  Event *e = p; Stream *s = q;
+  if (!e || e->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
+  if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
+  e->graph = NULL; e->n = 0;
+  if (s && s->capturing) {   /* remember what the stream's next node would wait for */
+    e->graph = s->graph;
+    add_dep(e->nodes, &e->n, s->last);
+    for (int i = 0; i < s->npending; ++i) add_dep(e->nodes, &e->n, s->pending[i]);
+  }
+  return OK;
+}
+CUresult cuStreamWaitEvent(void *q, void *p, unsigned flags) {
+  Stream *s = q; Event *e = p; (void)flags;
+  if (!e || e->magic != MAGIC_EVENT || !s || s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
+  if (!e->graph) return OK;      /* outside a capture every call ran synchronously */
+  if (!s->capturing) {           /* the stream joins the capture */
+    ++g_joins;
+    s->capturing = 1; s->graph = e->graph; s->last = -1; s->npending = 0; ++g_capturing;
+  } else if (s->graph != e->graph) {
+    return E_INVALID_VALUE;
+  }
+  for (int i = 0; i < e->n; ++i) add_dep(s->pending, &s->npending, e->nodes[i]);
   return OK;
 }
 CUresult cuEventSynchronize(void *e) {
@@ -321,7 +370,7 @@ CUresult cuLaunchKernel(void *func, unsigned gx, unsigned gy, unsigned gz, unsig
   if (gx < 1 || gy != 1 || gz != 1 || by != 1 || bz != 1 || bx < 1 || bx > 1024 || shmem > 232448 || extra || !params)
     return E_INVALID_VALUE;
   Node n = {0}; n.kind = 0; n.fn = f->fn; n.params = params; n.grid = gx; n.block = bx;
-  if (s && s->capturing) push(s->graph, n); else run_node(&n);
+  if (s && s->capturing) push(s, n); else run_node(&n);
   return OK;
 }
 
@@ -331,12 +380,35 @@ CUresult cuStreamBeginCapture(void *p, int mode) {
   if (!s || s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;   /* the legacy stream cannot be captured */
   if (s->capturing) return E_CAPTURE_UNSUPPORTED;
   s->capturing = 1; s->graph = calloc(1, sizeof(Graph)); s->graph->magic = MAGIC_GRAPH; ++g_capturing;
+  s->last = -1; s->npending = 0;
   return OK;
+}
+/* Every node of a stream forked into the capture must be joined back: an ancestor of what the capturing
+   stream's next node would wait for (else CUDA_ERROR_STREAM_CAPTURE_UNJOINED, 904). */
+static void mark_ancestors(Graph *g, int node, char *seen) {
+  if (node < 0 || seen[node]) return;
+  seen[node] = 1;
+  for (int i = 0; i < g->nodes[node].ndeps; ++i) mark_ancestors(g, g->nodes[node].deps[i], seen);
 }
 CUresult cuStreamEndCapture(void *p, void **graph) {
   Stream *s = p;
   if (!s || s->magic != MAGIC_STREAM || !s->capturing) return E_INVALID_VALUE;
-  s->capturing = 0; --g_capturing; *graph = s->graph; s->graph = NULL; ++g_live[5]; ++g_captures;
+  Graph *g = s->graph;
+  char *seen = calloc(g->n + 1, 1);
+  mark_ancestors(g, s->last, seen);
+  for (int i = 0; i < s->npending; ++i) mark_ancestors(g, s->pending[i], seen);
+  int unjoined = g_dep_overflow;
+  for (int i = 0; i < MAX_STREAMS; ++i) {
+    Stream *o = g_streams[i];
+    if (!o || o == s || !o->capturing || o->graph != g) continue;
+    if (o->last >= 0 && !seen[o->last]) unjoined = 1;
+    o->capturing = 0; o->graph = NULL; --g_capturing;
+  }
+  free(seen);
+  g_dep_overflow = 0;
+  s->capturing = 0; --g_capturing; s->graph = NULL;
+  if (unjoined) { free(g->nodes); free(g); return 904; }
+  *graph = g; ++g_live[5]; ++g_captures;
   return OK;
 }
 CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
@@ -359,7 +431,22 @@ CUresult cuGraphLaunch(void *exec, void *stream) {
   Graph *e = exec; Stream *s = stream;
   if (!e || e->magic != MAGIC_EXEC) return E_INVALID_HANDLE;
   if (s && (s->magic != MAGIC_STREAM || s->capturing)) return E_INVALID_VALUE;
-  for (int i = 0; i < e->n; ++i) run_node(&e->nodes[i]);
+  /* Run the nodes in a topological order that differs from the capture's wherever the edges allow:
+     always the latest-captured node whose dependencies are done. A missing edge shows up as a wrong
+     result (a reader running before its writer). */
+  char *done = calloc(e->n + 1, 1);
+  for (int left = e->n; left > 0; --left) {
+    int pick = -1;
+    for (int i = e->n - 1; i >= 0 && pick < 0; --i) {
+      if (done[i]) continue;
+      int ready = 1;
+      for (int d = 0; d < e->nodes[i].ndeps; ++d) if (!done[e->nodes[i].deps[d]]) { ready = 0; break; }
+      if (ready) pick = i;
+    }
+    run_node(&e->nodes[pick]);
+    done[pick] = 1;
+  }
+  free(done);
   ++g_graph_launches;
   return OK;
 }

@@ -22,6 +22,7 @@ from lum.format.dtypes import DType
 from lum.format.errors import PackageFormatError
 from lum.format.expr import Var, as_expr, parse
 from lum.format.manifest import Manifest
+from lum.loader.cuda.branches import BRANCH_SLACK
 from lum.loader.cuda.plan import Layout, ParamPack, bucket, build_entry_plan, is_flat_prefix
 from lum.loader.cuda.target import check_target, parse_sm
 from lum.loader.cuda.upload import pack
@@ -229,7 +230,7 @@ def test_pack_aligns_and_keeps_order():
 def _fake_layout(pkg, entry, bounds, base=1 << 40):
     """Addresses as a session would lay them out, without a driver."""
     m = pkg.manifest
-    ap = pkg.plan(entry, bounds)
+    ap = pkg.plan(entry, bounds, BRANCH_SLACK)    # as the runner plans it with graph branches on
     wl = pack({n: int(np.prod(w.shape)) * w.dtype.itemsize for n, w in m.weights.items()})
     sl = pack({n: int(np.prod(t.concrete_shape({}))) * t.dtype.itemsize for n, t in m.state.items()})
     wbase, sbase, cbase, dbase = base + (1 << 36), base + (2 << 36), base + (3 << 36), base + (4 << 36)
@@ -386,3 +387,60 @@ def test_cuda_backend_refuses_a_package_without_kernels(tmp_path):
     assert sess.backend == "reference" and sess.backend_reason.startswith("reference backend, because")
     with pytest.raises((lum.loader.BackendUnavailableError, lum.format.errors.IncompatibleTargetError)):
         pkg.session(dyn=BOUNDS, backend="cuda")
+
+
+# ============================================================================ graph branches
+@needs_nvrtc
+@pytest.mark.parametrize("entry", ["prefill", "decode"])
+def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry):
+    """The streams a graph is captured from (loader/cuda/branches.py) order every pair of steps that
+    share bytes with a write, and still leave independent kernels side by side in decode."""
+    from lum.loader.cuda.branches import EVERYTHING, conflicts, happens_before
+
+    bounds = {"s": 16} if entry == "prefill" else {"p": 31}
+    layout, _ = _fake_layout(tiny_pkg, entry, bounds)
+    plan = build_entry_plan(tiny_pkg, entry, layout, lambda g, name: (g, name), bounds)
+    (seg,) = plan.segments
+    sched = seg.schedule
+    kernel = [type(st).__name__ == "KernelStep" for st in seg.steps]
+    reads = [st.reads if k else EVERYTHING for st, k in zip(seg.steps, kernel)]
+    writes = [st.writes if k else EVERYTHING for st, k in zip(seg.steps, kernel)]
+    before = happens_before(sched)
+    n = len(seg.steps)
+    pairs = [(j, i) for i in range(n) for j in range(i) if conflicts(reads, writes, j, i)]
+    assert pairs and all(j in before[i] for j, i in pairs)
+    # every wait is on an event the schedule records, and every side stream joins back
+    assert all(w in sched.signals for p in sched.placements for w in p.waits)
+    last = {p.stream: i for i, p in enumerate(sched.placements)}
+    assert sorted(sched.tails) == sorted(i for s, i in last.items() if s)
+    # a side stream starts only with a wait (that is how it joins the capture)
+    first = {}
+    for i, p in enumerate(sched.placements):
+        first.setdefault(p.stream, p)
+    assert all(p.waits for s, p in first.items() if s)
+    if entry == "decode":
+        parallel = [(j, i) for i in range(n) for j in range(i) if j not in before[i]]
+        assert sched.streams > 1 and parallel           # e.g. the v-cache write beside the k path
+
+
+def test_graph_branches_schedule_small_cases():
+    from lum.loader.cuda.branches import EVERYTHING, happens_before, schedule
+
+    # a -> (b, c) -> d : b and c read a's output and write their own; d reads both
+    reads = [(), ((0, 8),), ((0, 8),), ((8, 16), (16, 24))]
+    writes = [((0, 8),), ((8, 16),), ((16, 24),), ((24, 32),)]
+    s = schedule(reads, writes)
+    hb = happens_before(s)
+    assert 1 not in hb[2] and 2 not in hb[1] and {0, 1, 2} <= hb[3] and s.streams == 2
+    # write-after-read: c overwrites what b reads
+    s = schedule([(), ((0, 8),), ()], [((0, 8),), ((8, 16),), ((0, 8),)])
+    assert 1 in happens_before(s)[2]
+    # a barrier orders everything; one stream suffices without independence
+    s = schedule([(), EVERYTHING, ()], [((0, 8),), EVERYTHING, ((8, 16),)])
+    assert happens_before(s)[2] == {0, 1}
+    assert schedule([(), ((0, 8),)], [((0, 8),), ((8, 16),)]).streams == 1
+    # at most max_streams streams, still correct
+    reads = [()] + [((0, 8),)] * 6 + [tuple((8 * k, 8 * k + 8) for k in range(1, 7))]
+    writes = [((0, 8),)] + [((8 * k, 8 * k + 8),) for k in range(1, 7)] + [((64, 72),)]
+    s = schedule(reads, writes, max_streams=3)
+    assert s.streams == 3 and set(range(7)) <= happens_before(s)[7]

@@ -243,6 +243,12 @@ class Event:
             call(drv.cuEventDestroy, h)
 
 
+def stream_wait(stream: Stream, event: Event) -> None:
+    """Work enqueued on ``stream`` from now on waits for ``event``'s last record (in a capture: a graph
+    edge, and the way a second stream joins the capture)."""
+    call(drv.cuStreamWaitEvent, stream.handle, event.handle, 0)
+
+
 # ============================================================================ modules
 class Module:
     """A loaded cubin (or PTX, JIT-compiled by the driver) and its kernel handles by name."""

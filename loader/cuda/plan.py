@@ -36,6 +36,8 @@ from lum.format.errors import PackageFormatError
 from lum.format.expr import Expr, as_expr
 from lum.format.llir import GEMM_DEFAULTS, LOp
 from lum.format.shapetracker import ShapeTracker
+from lum.loader.cuda.branches import EVERYTHING, Schedule
+from lum.loader.cuda.branches import schedule as branch_schedule
 from lum.loader.errors import BackendUnavailableError, SessionError
 
 __all__ = ["ParamPack", "Layout", "GemmSpec", "KernelStep", "GemmStep", "CopyStep", "Segment", "EntryPlan", "bucket",
@@ -120,6 +122,8 @@ class KernelStep:
     block: tuple[int, int, int]
     shared_mem: int
     params: ParamPack
+    reads: tuple[tuple[int, int], ...] = ()    # [lo, hi) device bytes of its arguments' buffers
+    writes: tuple[tuple[int, int], ...] = ()   # ... and of its output's (branches.schedule)
 
 
 @dataclass
@@ -176,6 +180,7 @@ class Segment:
     steps: list[Any]
     grid_ids: tuple[int, ...]
     exact_ids: tuple[int, ...] = ()
+    schedule: Schedule | None = None           # the streams its steps are captured from (branches.py)
 
     def key(self, values: tuple[Sequence[int], Sequence[int]]) -> tuple:
         """``values``: :meth:`EntryPlan.values` of the run's dyn map."""
@@ -235,7 +240,13 @@ class EntryPlan:
         """Make the entry's segment (see :class:`Segment`); called once the steps are complete."""
         grid_ids = sorted({i for st in self.steps if isinstance(st, KernelStep) for i in st.grid})
         exact_ids = sorted({i for st in self.steps for i in self.volatile_exprs(st)})
-        self.segments = [Segment(0, list(self.steps), tuple(grid_ids), tuple(exact_ids))] if self.steps else []
+        if not self.steps:
+            self.segments = []
+            return
+        reads = [st.reads if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
+        writes = [st.writes if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
+        self.segments = [Segment(0, list(self.steps), tuple(grid_ids), tuple(exact_ids),
+                                 branch_schedule(reads, writes))]
 
     def volatile_exprs(self, st: Any) -> list[int]:
         """The dyn-dependent expressions (indices into ``exact_exprs``) that a captured graph bakes
@@ -252,16 +263,17 @@ class EntryPlan:
         """A library call or copy whose sizes depend on dyn values (its graph is keyed by them)."""
         return bool(self.volatile_exprs(st))
 
-    def concrete(self, key: tuple, gemm_plan: Callable[[GemmSpec], Any], steps: Sequence[Any] | None = None
-                 ) -> list[tuple]:
+    def concrete(self, key: tuple, gemm_plan: Callable[[GemmSpec], Any], steps: Sequence[Any] | None = None,
+                 owners: list[int] | None = None) -> list[tuple]:
         """The device operations for ``key``: ``("kernel", function, grid, block, shared_mem, params)``,
         ``("gemm", plan, a, b, c)`` (a, b: the operands' buffer bases; the plan adds the offsets),
         ``("memset", ptr, nbytes)``, ``("copy", dst, src, nbytes)``, each
         with the step's description appended (for errors). ``gemm_plan`` makes (or fetches) the
-        library plan of a :class:`GemmSpec`; call this outside stream capture."""
+        library plan of a :class:`GemmSpec`; call this outside stream capture. ``owners``, when given,
+        receives the index (in ``steps``) of the step each op comes from."""
         exact, grids = key
         ops: list[tuple] = []
-        for st in (self.steps if steps is None else steps):
+        for j, st in enumerate(self.steps if steps is None else steps):
             if isinstance(st, KernelStep):
                 g = tuple(grids[i] for i in st.grid)
                 ops.append(("kernel", st.function, g, st.block, st.shared_mem, st.params.address, st.where))
@@ -271,6 +283,8 @@ class EntryPlan:
                 n = exact[st.nbytes]
                 if n:
                     ops.append(("copy", st.dst, st.src, n, st.where))
+            if owners is not None:
+                owners.extend([j] * (len(ops) - len(owners)))
         return ops
 
 
@@ -433,10 +447,14 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             if op.kind == "gemm":
                 plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
             params = ParamPack([ptr[op.id]] + [ptr[a.src] for a in op.args] + [dyn_ptr])
+            reads = tuple((ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args
+                          if ptr[a.src] not in readonly)     # weights and constants are never written
+            writes = ((ptr[op.id], ptr[op.id] + cap[op.id]),)
             for lc in kop.launches:
                 grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
                 plan.steps.append(KernelStep(f"{where} kernel {lc.kernel}", function(call.group, lc.kernel),
-                                             grid, lc.block, lc.shared_mem, params))  # type: ignore[arg-type]
+                                             grid, lc.block, lc.shared_mem, params,  # type: ignore[arg-type]
+                                             reads, writes))
         plan.steps.extend(state_copies)
 
     for t in e.outputs:

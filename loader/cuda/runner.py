@@ -18,7 +18,10 @@ session's stream; an event per slot guards its reuse, so nothing is overwritten 
 flight), then replays the entry's CUDA graph for the key of the dyn map (bucketed grids, and the exact sizes of
 library calls that depend on dyn values) — or captures one first (LRU cache of ``graph_cache`` graphs
 per entry; an evicted graph is destroyed, so memory stays flat); see :mod:`lum.loader.cuda.plan`. If a capture fails (a library that refuses stream capture)
-the session warns once and runs eagerly. ``graphs=False`` launches everything eagerly;
+the session warns once and runs eagerly. A graph is captured from several streams where the plan's
+kernels do not depend on each other (``graph_branches``, default on; ``LUM_CUDA_BRANCHES=0`` turns it
+off; :mod:`lum.loader.cuda.branches`), so such kernels run side by side. ``graphs=False`` launches
+everything eagerly, on one stream;
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
 synchronizes after every step and names the failing op. Outputs come back to numpy through pinned
 memory, or stay on the device as :class:`~lum.loader.cuda.arrays.DeviceArray`.
@@ -40,6 +43,7 @@ from lum.format.manifest import KERNEL_OP_KINDS
 from lum.format.numerics import store_as
 from lum.loader.cuda import driver as cu
 from lum.loader.cuda.arrays import DeviceArray
+from lum.loader.cuda.branches import BRANCH_SLACK, Schedule
 from lum.loader.cuda.plan import EntryPlan, GemmSpec, Layout, build_entry_plan
 from lum.loader.cuda.target import check_target
 from lum.loader.cuda.upload import ALIGN, HostBytes, UploadStats, pack, upload
@@ -111,7 +115,8 @@ class CudaRunner:
 
     def __init__(self, pkg: Any, dyn: Mapping[str, int], *, device: int = 0, graphs: bool = True,
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
-                 workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None):
+                 workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
+                 graph_branches: bool | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -121,6 +126,9 @@ class CudaRunner:
         self.graphs = bool(graphs) and not self.debug_sync
         self.graph_error: str | None = None
         self.graph_cache_size = max(1, int(graph_cache))
+        if graph_branches is None:
+            graph_branches = os.environ.get("LUM_CUDA_BRANCHES", "1") != "0"
+        self.graph_branches = bool(graph_branches)
         self.captures = 0
         self.bounds = session_bounds(pkg, dyn)
         m = pkg.manifest
@@ -187,6 +195,8 @@ class CudaRunner:
     def _setup(self, used: list[int], upload_method: str, workspace_bytes: int) -> None:
         pkg, m = self.pkg, self.pkg.manifest
         self.stream = self._own(cu.Stream())
+        self._side: list[cu.Stream] = []     # streams a capture forks into (branches.py), made on first use
+        self._events: list[cu.Event] = []    # their cross-stream dependencies, reused by every capture
         # modules
         self.modules: dict[int, cu.Module] = {}
         for g in used:
@@ -235,7 +245,8 @@ class CudaRunner:
         self.state_sizes = ssizes
         cu.memset(self.state_buf.ptr, 0, sl.total, self.stream)
         # arena: the buffer plan at the bounds, then the entry inputs' slots
-        self.arena_plans = {e: pkg.plan(e, b) for e, b in self.bounds.items()}
+        slack = BRANCH_SLACK if self.graph_branches else 0     # fewer false dependencies between branches
+        self.arena_plans = {e: pkg.plan(e, b, slack) for e, b in self.bounds.items()}
         io: dict[str, dict[str, tuple[int, int]]] = {}
         arena_size = 0
         for e, ap in self.arena_plans.items():
@@ -442,8 +453,12 @@ class CudaRunner:
         if g is not None:
             cache.move_to_end(gkey)
             return g
-        ops = plan.concrete(key, self._gemm_plan, seg.steps)   # library plans are made before the capture
-        g = cu.Graph(self.stream, lambda s: self._enqueue(ops, s))
+        owners: list[int] = []
+        ops = plan.concrete(key, self._gemm_plan, seg.steps, owners)   # library plans: before the capture
+        if self.graph_branches and seg.schedule is not None and seg.schedule.streams > 1:
+            g = cu.Graph(self.stream, lambda s: self._enqueue_branches(ops, owners, seg.schedule, s))
+        else:
+            g = cu.Graph(self.stream, lambda s: self._enqueue(ops, s))
         self.captures += 1
         cache[gkey] = g
         while len(cache) > self.graph_cache_size:
@@ -465,6 +480,30 @@ class CudaRunner:
         else:
             self._gemm_plans.move_to_end(spec)
         return p
+
+    def _enqueue_branches(self, ops: list[tuple], owners: list[int], sched: Schedule, stream: cu.Stream) -> None:
+        """Capture ``ops`` from several streams as ``sched`` places their steps: a step first waits for
+        the events of the steps it depends on in other streams, its ops go on its stream, and an event
+        is recorded after it when someone waits for it; stream 0 is ``stream`` (the capturing one),
+        which waits for every side stream at the end, so the graph joins back into it."""
+        while len(self._side) < sched.streams - 1:
+            self._side.append(self._own(cu.Stream()))
+        while len(self._events) < len(sched.signals):
+            self._events.append(self._own(cu.Event()))
+        streams = [stream] + self._side[:sched.streams - 1]
+        events = dict(zip(sorted(sched.signals), self._events))
+        by_step: dict[int, list[tuple]] = {}
+        for op, j in zip(ops, owners):
+            by_step.setdefault(j, []).append(op)
+        for j, place in enumerate(sched.placements):
+            s = streams[place.stream]
+            for w in place.waits:
+                cu.stream_wait(s, events[w])
+            self._enqueue(by_step.get(j, []), s)
+            if j in events:
+                events[j].record(s)
+        for t in sched.tails:
+            cu.stream_wait(stream, events[t])
 
     def _enqueue(self, ops: list[tuple], stream: cu.Stream) -> None:
         ws, wsn = self.workspace.ptr, self.workspace.nbytes
