@@ -394,6 +394,39 @@ def logical_and(a: GraphTensor, b: GraphTensor) -> GraphTensor:
     return where(a, b, constant(a.graph, 0, DType.i32) > 0)
 
 
+ARGMAX_CHUNK = 1024      # a long row's argmax runs as chunks of at most this many, then over the chunks
+
+
+def argmax(x: GraphTensor) -> GraphTensor:
+    """Index (i32) of the first maximum along the last axis of a float ``x`` [..., n] with static n, as
+    ``np.argmax`` (NaNs are never chosen). The index math runs in f32 (exact up to 2^24), so it stays in
+    float reductions, and the indices are constant tables (no iota kernel per run). A row longer than
+    ARGMAX_CHUNK is split into chunks so that many blocks share it (chunk length: the largest divisor of
+    n in [ARGMAX_CHUNK / 4, ARGMAX_CHUNK], else ARGMAX_CHUNK with the row padded by −inf): the first index
+    of each chunk's maximum, then the first among the chunks that hold the row's maximum."""
+    n = x.shape[-1]
+    if not n.is_const or n.value < 1:
+        raise ValueError("argmax needs a static, non-empty last axis")
+    g, n, lead = x.graph, n.value, x.shape[:-1]
+    big = float(2 ** 24)
+
+    def first_max(v: GraphTensor, idx: GraphTensor) -> tuple[GraphTensor, GraphTensor]:
+        m = v.max(-1, keepdim=True)
+        return m.squeeze(-1), where(v >= m, idx, big).min(-1)
+
+    x = x.cast(DType.f32)
+    if n <= ARGMAX_CHUNK:
+        return first_max(x, constant_table(g, np.arange(n)))[1].cast(DType.i32)
+    size = next((c for c in range(ARGMAX_CHUNK, ARGMAX_CHUNK // 4 - 1, -1) if n % c == 0), ARGMAX_CHUNK)
+    chunks = -(-n // size)
+    idx = constant_table(g, np.arange(chunks) * size).unsqueeze(1) + constant_table(g, np.arange(size))
+    rows = x.pad(-1, 0, chunks * size - n).reshape(*lead, chunks, size)
+    if chunks * size > n:
+        rows = where(idx < float(n), rows, float("-inf"))
+    m1, i1 = first_max(rows, idx)
+    return first_max(m1, i1)[1].cast(DType.i32)
+
+
 def maximum(a: GraphTensor, b: GraphTensor | Scalar) -> GraphTensor:
     b = _lift(a, b)
     return where(a < b, b, a)

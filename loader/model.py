@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from lum.format.dtypes import DType
 from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import Expr
 from lum.format.llir import Program
@@ -372,8 +373,15 @@ class Session:
         for spec in e.inputs:
             if spec.name not in inputs:
                 raise SessionError(f"entry {entry!r} needs input {spec.name!r}")
-            arr = np.asarray(inputs[spec.name])
             want = spec.concrete_shape(dyn)
+            dev = inputs[spec.name]
+            if hasattr(dev, "__cuda_array_interface__") and hasattr(dev, "ptr"):   # a DeviceArray (CUDA)
+                if tuple(dev.shape) != want or dev.dtype != spec.dtype:
+                    raise SessionError(f"device input {spec.name!r} is {dev.dtype} {tuple(dev.shape)}, entry "
+                                       f"{entry!r} expects {spec.dtype} {want}")
+                values[spec.name] = dev
+                continue
+            arr = np.asarray(dev)
             if arr.shape != want:
                 raise SessionError(f"input {spec.name!r} has shape {arr.shape}, entry {entry!r} expects {want}")
             values[spec.name] = arr.astype(spec.dtype.np, copy=False)
@@ -393,8 +401,14 @@ class Session:
         return self._runner.run_device(entry, values, dyn)
 
     # ------------------------------------------------------------------ LLM convenience
-    def generate(self, token_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
-        """Greedy decoding: prefill the prompt, then decode one token at a time with the KV cache."""
+    def generate(self, token_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False,
+                 device_loop: bool = True) -> list[int]:
+        """Greedy decoding: prefill the prompt, then decode one token at a time with the KV cache.
+
+        On CUDA, with packages that output ``next_token``, the loop stays on the device unless
+        ``stop_at_eos`` (which must see each token) or ``device_loop=False``: no step waits for the one
+        before it to reach the host. Otherwise each step's last logits row comes back and the host takes
+        its argmax."""
         if not token_ids:
             raise SessionError("generate needs at least one prompt token")
         if max_new_tokens < 0:
@@ -409,6 +423,8 @@ class Session:
         eos = set(self.pkg.manifest.generation.get("eos_token_ids", [])) if stop_at_eos else set()
         self.reset()
         ids = np.asarray(token_ids, dtype=np.int32)
+        if device_loop and not eos and max_new_tokens > 0 and self._pipelined():
+            return self._generate_on_device(ids, max_new_tokens)
         logits = self._last_logits("prefill", {"tokens": ids}, {"s": len(ids)})
         self.position = len(ids)
         out: list[int] = []
@@ -420,6 +436,34 @@ class Session:
             logits = self._last_logits("decode", {"tokens": np.asarray([nxt], np.int32)}, {"p": self.position})
             self.position += 1
         return out
+
+    def _pipelined(self) -> bool:
+        """The greedy loop can stay on the device: CUDA, and both entries output ``next_token`` ([1] i32,
+        the argmax of the last logits row) and take ``tokens`` as it."""
+        if not hasattr(self._runner, "collector"):
+            return False
+        for name in ("prefill", "decode"):
+            e = self.pkg.manifest.entries.get(name)
+            outs = {o.name: o for o in e.outputs} if e is not None else {}
+            tok = outs.get("next_token")
+            if tok is None or tok.dtype != DType.i32 or [str(d) for d in tok.shape] != ["1"]:
+                return False
+        return True
+
+    def _generate_on_device(self, ids: np.ndarray, max_new_tokens: int) -> list[int]:
+        """Greedy decoding that never waits for the GPU between steps: each step's input token is the
+        previous step's ``next_token`` output, copied on the device, and the tokens come back through
+        pinned memory in stream order, read once at the end (the host runs up to two steps ahead, as
+        far as the runner's staging slots allow)."""
+        sink = self._runner.collector(max_new_tokens, DType.i32)
+        tok = self.run_device("prefill", {"tokens": ids}, {"s": len(ids)})["next_token"]
+        self.position = len(ids)
+        sink.push(tok)
+        for _ in range(max_new_tokens - 1):
+            tok = self.run_device("decode", {"tokens": tok}, {"p": self.position})["next_token"]
+            self.position += 1
+            sink.push(tok)
+        return [int(t) for t in sink.values()]
 
     def _last_logits(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> np.ndarray:
         """The last row of ``logits``; on the GPU only that row comes back to the host (a prefill's

@@ -145,6 +145,8 @@ for mode in ({}, {"graphs": False}, {"debug_sync": True}, {"graph_branches": Fal
     with pkg.session(backend="cuda", **mode) as sess:
         out[str(mode)] = sess.generate(prompt, 6)
         out["captures" + str(mode)] = sess.runner.captures
+        out["host" + str(mode)] = sess.generate(prompt, 6, device_loop=False)
+        out["pipelined" + str(mode)] = sess._pipelined()
 ids = np.asarray(prompt, np.int32)
 ref.reset()
 w = ref.run("prefill", {"tokens": ids}, {"s": 5})["logits"]
@@ -156,6 +158,10 @@ with pkg.session(backend="cuda") as sess:
     out["cai"] = [list(cai["shape"]), cai["typestr"], cai["version"], cai["data"][0] == dev.ptr,
                   cai["stream"] == sess.runner.stream.ptr]
     out["dlpack_device"] = list(dev.__dlpack_device__())
+    try:                                  # a device input of the wrong dtype / shape is refused in one line
+        sess.run_device("decode", {"tokens": dev}, {"p": 5})
+    except L.SessionError as exc:
+        out["bad_device_input"] = str(exc)
     cap = dev.__dlpack__()
     out["dev_equal"] = bool((dev.numpy() == g).all())
     out["reason"] = sess.backend_reason
@@ -166,10 +172,14 @@ print(json.dumps(out))
 '''.replace("PKGS[MODEL]", f"PKGS[{model!r}]"))
     assert res["{}"] == res["{'graphs': False}"] == res["{'debug_sync': True}"] == res["want"]
     assert res["{'graph_branches': False}"] == res["want"]
+    # the device loop (next_token fed back on the device) and the host loop give the same tokens
+    assert all(res[k] for k in res if k.startswith("pipelined"))
+    assert all(res[k] == res["want"] for k in res if k.startswith("host"))
     assert res["captures{'graphs': False}"] == res["captures{'debug_sync': True}"] == 0 < res["captures{}"]
     assert res["logits_err"] is None
     assert res["cai"] == [[5, 256], "<f4", 3, True, True] and res["dlpack_device"] == [2, 0]
     assert res["dev_equal"] and "matches the package target sm_90" in res["reason"]
+    assert "device input 'tokens' is f32 (5, 256)" in res["bad_device_input"]
     assert res["upload"][0] > 0 and res["upload"][1] == "staged" and res["upload"][2]
     assert res["stats"]["bad_guards"] == 0
     # decode's independent kernels were captured on parallel streams, and the emulated graphs ran their

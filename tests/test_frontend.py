@@ -1052,3 +1052,27 @@ def test_chained_comparison_is_an_error_not_a_silent_drop():
         bool(x)
     inside, _ = run(lambda g, t: F.logical_and(0.0 < t, t < 1.0), {"x": (np.array([-0.5, 0.5, 1.5]), "f32")})
     np.testing.assert_array_equal(inside, [False, True, False])
+
+
+# ====================================================================== argmax
+@pytest.mark.parametrize("shape", [(1, 7), (3, 1024), (1, 1025), (2, 3000), (1, 128256), (1, 262144)])
+def test_argmax_first_maximum(shape):
+    """np.argmax semantics (the first maximum) for short rows and for chunked long rows, padded or not,
+    with ties inside a chunk and across chunks."""
+    r = rng(1)
+    x = r.standard_normal(shape).astype(np.float32)
+    n = shape[-1]
+    x[0, n // 3] = x[0, n - 1] = 9.0                    # tie: the earlier one wins
+    if shape[0] > 1:
+        x[1, :] = -3.0                                  # a row of ties: index 0
+    got, _ = run(lambda g, t: F.argmax(t), {"x": (x, DType.f32)})
+    assert got.dtype == np.int32 and got.shape == shape[:-1]
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+def test_argmax_of_bf16_and_static_only():
+    x = q(rng(2).standard_normal((2, 2100)), DType.bf16).astype(np.float32)
+    got, _ = run(lambda g, t: F.argmax(t.cast(DType.bf16)), {"x": (x, DType.f32)})
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    with pytest.raises(ValueError, match="static"):
+        run(lambda g, t: F.argmax(t), {"x": (np.ones((1, 4), np.float32), DType.f32, (1, Var("s")))}, {"s": 4})

@@ -93,6 +93,9 @@ class DecoderBuilder:
             cap = float(cfg.final_logit_softcapping)
             logits = F.tanh(logits * (1.0 / cap)) * cap
         F.output(logits, "logits")
+        # greedy decoding's next token, on the device: a generate loop can feed it to the next step
+        # without waiting for the logits to reach the host (loader/model.py Session.generate)
+        F.output(F.argmax(logits.slice(0, self.s - 1, self.s)), "next_token")
         return g
 
     def layer(self, i: int, x: GraphTensor, rope: tuple[GraphTensor, GraphTensor], mask: GraphTensor) -> GraphTensor:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from lum.format.dtypes import DType
 from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import as_expr
 from lum.format.llir import LOp
@@ -388,6 +389,11 @@ class CudaRunner:
                                       self._synchronize, self._to_host)
         return out
 
+    def collector(self, count: int, dtype: DType) -> "Collector":
+        """Pinned room for ``count`` small device values, copied back in stream order without waiting
+        (a greedy loop's tokens: see Session.generate)."""
+        return Collector(self, count, dtype)
+
     def _synchronize(self) -> None:
         self.ctx.make_current()
         self.stream.synchronize()
@@ -437,7 +443,14 @@ class CudaRunner:
             pos += 8 * max(len(order), 1)
         pos = self._dyn_stage
         for ref in plan.inputs:
-            arr = np.ascontiguousarray(inputs[ref.name], dtype=ref.dtype.np)
+            value = inputs[ref.name]
+            if isinstance(value, DeviceArray):       # already on the device (a previous run's output)
+                if value.dtype != ref.dtype or value.nbytes > ref.capacity:
+                    raise SessionError(f"device input {ref.name!r} is {value.dtype} of {value.nbytes} bytes; the "
+                                       f"entry takes {ref.dtype} in at most {ref.capacity}")
+                cu.memcpy_dtod(ref.ptr, value.ptr, value.nbytes, self.stream)
+                continue
+            arr = np.ascontiguousarray(value, dtype=ref.dtype.np)
             n = arr.nbytes
             if n > ref.capacity:
                 raise SessionError(f"input {ref.name!r} of {n} bytes exceeds its slot ({ref.capacity})")
@@ -524,6 +537,28 @@ class CudaRunner:
                     stream.synchronize()
             except cu.CudaError as exc:
                 raise cu.CudaError(exc.func, exc.code, exc.name, f"{op[-1]}") from None
+
+
+class Collector:
+    """Values copied device → pinned host memory asynchronously, one :meth:`push` at a time, read after
+    one synchronisation (:meth:`values`)."""
+
+    def __init__(self, runner: CudaRunner, count: int, dtype: DType):
+        self.runner, self.dtype, self.count = runner, dtype, int(count)
+        self.buf = cu.PinnedBuffer(max(1, self.count) * dtype.itemsize)
+        self.n = 0
+
+    def push(self, a: DeviceArray) -> None:
+        if a.dtype != self.dtype or a.nbytes != self.dtype.itemsize or self.n >= self.count:
+            raise SessionError(f"collector holds {self.count} scalars of {self.dtype}; got {a.dtype} {a.shape}")
+        cu.memcpy_dtoh(self.buf.ptr + self.n * self.dtype.itemsize, a.ptr, a.nbytes, self.runner.stream)
+        self.n += 1
+
+    def values(self) -> np.ndarray:
+        self.runner._synchronize()
+        out = self.buf.view(self.dtype.np, self.n).copy()
+        self.buf.close()
+        return out
 
 
 def stored_gemm_algos(manifest: Any, lt_version: int | None, groups: Any = None) -> dict[tuple[int, int], bytes]:
