@@ -785,8 +785,26 @@ def _decode_counts(model: str) -> tuple[dict[str, int], dict[str, int], dict[str
             elementwise[key] += len(grp) * sum(o.kind == "elementwise" for o in ks)
             mul_sums[key] += len(grp) * sum(o.op == "Sum" and prog.ops[a.src].op == "Mul"
                                             and _identity(a.view, prog.ops[a.src].shape) for o in ks for a in o.args)
-            reduces[key] += len(grp) * sum(o.kind == "reduce" and not _combines_attention(prog, o) for o in ks)
+            argmax = _only_for(prog, "next_token")
+            reduces[key] += len(grp) * sum(o.kind == "reduce" and not _combines_attention(prog, o)
+                                           and o.id not in argmax for o in ks)
     return kernels, elementwise, mul_sums, reduces
+
+
+def _only_for(prog: Program, name: str) -> set[int]:
+    """Ops that only the program output ``name`` needs (greedy decoding's argmax: its max and first-index
+    reductions are not norms or softmax)."""
+    def upstream(roots: list[int]) -> set[int]:
+        seen: set[int] = set()
+        while roots:
+            i = roots.pop()
+            if i not in seen:
+                seen.add(i)
+                roots.extend(a.src for a in prog.ops[i].args)
+        return seen
+    outs = prog.outputs()
+    mine = upstream([o.id for o in outs if o.params.get("name") == name])
+    return mine - upstream([o.id for o in outs if o.params.get("name") != name])
 
 
 def _combines_attention(prog: Program, o: LOp) -> bool:
@@ -805,9 +823,9 @@ def _identity(v: ShapeTracker, shape) -> bool:
 def test_decode_kernel_counts_drop(model):
     """Elementwise chains fuse, reductions fuse their prologues, per-row values read through broadcasts
     (rsqrt, 1/Σ) are recomputed by their consumers, norms and softmax are row kernels, and the KV-cache
-    writes compute RoPE and the cast, decode attention is one kernel and its combine (tiny-llama 126 -> 38
-    decode kernels, tiny-gemma3 346 -> 61; 61 / 107
-    before row kernels and scatter prologues). "Unfused" keeps the fused selection's other choices."""
+    writes compute RoPE and the cast, decode attention is one kernel and its combine (tiny-llama 135 -> 40
+    decode kernels, tiny-gemma3 355 -> 63, both with greedy decoding's argmax; 61 / 107 before row kernels
+    and scatter prologues). "Unfused" keeps the fused selection's other choices."""
     kernels, elementwise, mul_sums, reduces = _decode_counts(model)
     print(f"{model} decode: kernels {kernels['unfused']} -> {kernels['fused']}, "
           f"elementwise {elementwise['unfused']} -> {elementwise['fused']}, "
