@@ -6,6 +6,8 @@
 Builds the package the way ``decode.py`` does (random HF weights saved as a folder, ``lum build``), or takes
 ``--pkg``. Opens a CUDA session, runs the prompt and some warm-up decode steps, then profiles ``--steps`` decode
 steps with ``torch.profiler`` (CUPTI sees the kernels of lum's CUDA graphs, whichever context launched them).
+The steps loop as ``Session.generate`` does: each step's ``next_token`` output is the next step's input, on
+the device, when the package has it (``loop`` in the record), else the host takes the logits' argmax.
 
 Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's bytes at this ``p``), so a row says
 how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
@@ -100,16 +102,30 @@ def main(argv=None) -> int:
     vocab = int(pkg.entry("decode").outputs[0].shape[-1].evaluate({}))
     sess = pkg.session(backend="cuda")
     prompt = prompt_ids(vocab, None, args.prompt_len)
-    logits = sess.run("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})["logits"]
-    tok, pos = int(np.argmax(logits.reshape(-1, logits.shape[-1])[-1])), len(prompt)
+    # the loop Session.generate runs: next_token fed back on the device when the package has it (no host
+    # round trip per step), else the logits' argmax on the host
+    device_loop = "next_token" in {o.name for o in pkg.entry("decode").outputs}
+    result["loop"] = "device (next_token)" if device_loop else "host (logits argmax)"
+    first = sess.run_device("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})
+    if device_loop:
+        tok = first["next_token"]
+    else:
+        lg = first["logits"].numpy()
+        tok = np.asarray([int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1]))], np.int32)
+    pos = len(prompt)
 
     def steps(n: int) -> float:
         nonlocal tok, pos
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(n):
-            lg = sess.run("decode", {"tokens": np.asarray([tok], np.int32)}, {"p": pos})["logits"]
-            tok, pos = int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1])), pos + 1
+            out = sess.run_device("decode", {"tokens": tok}, {"p": pos})
+            if device_loop:
+                tok = out["next_token"]
+            else:
+                lg = out["logits"].numpy()
+                tok = np.asarray([int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1]))], np.int32)
+            pos += 1
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n
 
