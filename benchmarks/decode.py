@@ -30,7 +30,8 @@ What it does, in one run on one GPU:
    (wall clock between two device synchronisations), each step choosing the argmax token.
 4. Writes ``<out>/decode-<model>-<dtype>-<date>.json``: ``commit``, ``gpu``, ``driver``, ``date``, ``copy_GBps``
    and ``rows`` (``model dtype system tok_per_s weight_bytes roofline_tok_per_s`` …; ``open_to_first_token_s``
-   for lum). The roofline is ``copy_GBps·1e9 / weight_bytes``: a decode step reads every weight once.
+   for lum). The roofline is ``copy_GBps·1e9 / weight_bytes``: a decode step reads every weight once;
+   ``roofline_with_kv_tok_per_s`` also counts the K/V rows a step reads at the run's mean past length.
 
 The whole run for gemma3-4b bf16 stays under ``--time-limit`` seconds (default 470, under 8 minutes on an
 H200): workers get what is left of it, and a system that would not fit is recorded as skipped.
@@ -448,6 +449,13 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
 
     hf_cfg = AutoConfig.from_pretrained(hf_dir)
     vocab = int(getattr(hf_cfg, "vocab_size", None) or hf_cfg.get_text_config().vocab_size)
+    # the K/V rows a timed step also reads (2 · layers · kv heads · head dim · the mean past length):
+    # small at short prompts, a few % of the weights at thousands of tokens
+    kv = _kv_bytes_per_step(hf_cfg.get_text_config(), args.dtype, args.prompt_len + args.warmup + args.steps / 2)
+    if kv and roof:
+        result["kv_bytes_per_step"] = kv
+        for r in rows.values():
+            r["roofline_with_kv_tok_per_s"] = round(copy * 1e9 / (weight_bytes + kv), 2)
     bos = getattr(hf_cfg, "bos_token_id", None)
     spec = {"hf_dir": str(hf_dir), "dtype": args.dtype, "prompt": prompt_ids(vocab, bos, args.prompt_len),
             "warmup": args.warmup, "steps": args.steps, "max_seq": max_seq, "device": args.device,
@@ -502,6 +510,18 @@ def _prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _kv_bytes_per_step(cfg, dtype: str, past: float) -> int | None:
+    """Bytes of K and V a decode step reads at a mean past length ``past`` (None when the config does not
+    say its heads)."""
+    try:
+        layers, kv_heads = int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", None)
+                                                            or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    except (AttributeError, TypeError):
+        return None
+    return int(2 * layers * kv_heads * head_dim * past * (4 if dtype == "f32" else 2))
 
 
 def _weight_bytes_from_config(hf_dir: Path, dtype: str) -> int:

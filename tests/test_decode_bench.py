@@ -39,6 +39,8 @@ def test_decode_benchmark_smoke(tmp_path):
         assert r["error"] is None, r["error"]
         assert r["model"] == "tiny-llama" and r["dtype"] == "f32"
         assert r["tok_per_s"] > 0 and r["weight_bytes"] > 0 and r["roofline_tok_per_s"] > 0
+        assert 0 < r["roofline_with_kv_tok_per_s"] < r["roofline_tok_per_s"]     # K/V rows read too
+    assert d["kv_bytes_per_step"] > 0
     assert rows["lum"]["open_to_first_token_s"] > 0
     # the same weights and greedy decoding: lum's reference backend reproduces HF's tokens
     assert rows["lum"]["tokens_match_hf_eager"] == rows["lum"]["tokens_compared"] == 9
