@@ -67,7 +67,7 @@ import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
@@ -779,24 +779,33 @@ class _Gen:
         root too with ``round_root`` (a reduce's prologue: no store rounds it)."""
         if op_name != "Fused":
             return _compute(op_name, args, self.math)
-        names: dict[str, tuple[str, str]] = {}
+        return self._tree(self.op.params["expr"], {}, lines, ind, round_root,
+                          lambda t, key: args[t[1]] if t[0] == "arg" else None)
 
+    def _tree(self, t: list, names: dict[str, tuple[str, str]], lines: list[str], ind: str, round_root: bool,
+              leaf: Callable[[list, str], tuple[str, str] | None]) -> tuple[str, str]:
+        """(C expression, kind) of a Fused tree: ``leaf(node, key)`` gives the value of a node it knows (the
+        args; a row kernel's loaded leaves and row values), every other inner node becomes a local
+        ``lum_u<k>`` rounded through its storage type (a repeated subtree is computed once), the root too
+        with ``round_root``. ``names`` holds the locals so far (``leaf`` may add its own to it)."""
         def node(t: list, root: bool = False) -> tuple[str, str]:
-            if t[0] == "arg":
-                return args[t[1]]
             key = repr(t)
-            if key not in names:
-                expr, kind = _compute(t[0], [node(k) for k in t[2:]], self.math)
-                if root and not round_root:
-                    return expr, kind
-                dt = DType.parse(t[1])
-                names[key] = (f"lum_u{len(names)}", _kind(dt))
-                val = _to_kind(kind, _kind(dt), expr) if dt in (DType.i64, DType.bool) else \
-                    _load_conv(dt, _store_conv(kind, expr, dt))       # round through the storage type
-                lines.append(f"{ind}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
+            known = leaf(t, key)
+            if known is not None:
+                return known
+            if key in names:
+                return names[key]
+            expr, kind = _compute(t[0], [node(k) for k in t[2:]], self.math)
+            if root and not round_root:
+                return expr, kind
+            dt = DType.parse(t[1])
+            names[key] = (f"lum_u{len(names)}", _kind(dt))
+            val = _to_kind(kind, _kind(dt), expr) if dt in (DType.i64, DType.bool) else \
+                _load_conv(dt, _store_conv(kind, expr, dt))           # round through the storage type
+            lines.append(f"{ind}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
             return names[key]
 
-        return node(self.op.params["expr"], True)
+        return node(t, True)
 
     def _pick_vec(self, shape: tuple[Expr, ...], views: list[ShapeTracker], dts: list[DType]) -> int:
         if self.vec is not None and self.vec not in (1, 2, 4, 8):
@@ -1100,34 +1109,25 @@ class _Gen:
             """C lines computing tree ``t`` at column lum_c (leaves loaded on first use); its (value, kind)."""
             names: dict[str, tuple[str, str]] = {}
 
-            def node(t: list, root: bool = False) -> tuple[str, str]:
-                key = repr(t)
-                if key in rownames:
+            def leaf(t: list, key: str) -> tuple[str, str] | None:
+                if key in rownames:                  # a row value of an earlier phase
                     return rownames[key]
-                if key in names:
-                    return names[key]
-                if t[0] == "arg":
-                    k = first + t[1]
-                    kd = _kind(self.dts[k])
-                    if regs:
-                        return f"lum_a{k}[lum_kk]", kd
-                    val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
-                    names[key] = (f"lum_a{k}", kd)
-                    lines.append(f"{ind3}const {_KIND_C[kd]} lum_a{k} = {val};")
-                    return names[key]
                 if t[0] in ROW_OPS:
                     raise CodegenError("internal: a row reduction used before its phase")  # pragma: no cover
-                val, kd = _compute(t[0], [node(x) for x in t[2:]], self.math)
-                if root and not round_root:
-                    return val, kd
-                dt = DType.parse(t[1])
-                names[key] = (f"lum_u{len(names)}", _kind(dt))
-                val = _to_kind(kd, _kind(dt), val) if dt in (DType.i64, DType.bool) else \
-                    _load_conv(dt, _store_conv(kd, val, dt))          # round through the storage type
-                lines.append(f"{ind3}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
+                if t[0] != "arg":
+                    return None
+                if key in names:
+                    return names[key]
+                k = first + t[1]
+                kd = _kind(self.dts[k])
+                if regs:
+                    return f"lum_a{k}[lum_kk]", kd
+                val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
+                names[key] = (f"lum_a{k}", kd)
+                lines.append(f"{ind3}const {_KIND_C[kd]} lum_a{k} = {val};")
                 return names[key]
 
-            return node(t, True)
+            return self._tree(t, names, lines, ind3, round_root, leaf)
 
         def accumulate(j: int, red: str, t: list) -> list[str]:
             """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane."""
