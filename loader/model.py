@@ -296,6 +296,9 @@ def _make_runner(pkg: Package, dyn: dict[str, int], backend: str, options: dict[
         return ReferenceRunner(pkg), f"reference backend, because {exc.reason}"
 
 
+EOS_CHECK = 8        # device-loop steps between looks at the tokens when generate stops at EOS
+
+
 class Session:
     """Runs a package's entry points, carrying its state (KV caches) between calls.
 
@@ -406,9 +409,10 @@ class Session:
         """Greedy decoding: prefill the prompt, then decode one token at a time with the KV cache.
 
         On CUDA, with packages that output ``next_token``, the loop stays on the device unless
-        ``stop_at_eos`` (which must see each token) or ``device_loop=False``: no step waits for the one
-        before it to reach the host. Otherwise each step's last logits row comes back and the host takes
-        its argmax."""
+        ``device_loop=False``: no step waits for the one before it to reach the host (with
+        ``stop_at_eos``, the host looks at the tokens every EOS_CHECK steps and stops there, so up to that
+        many steps past an EOS are computed and dropped). Otherwise each step's last logits row comes back
+        and the host takes its argmax."""
         if not token_ids:
             raise SessionError("generate needs at least one prompt token")
         if max_new_tokens < 0:
@@ -423,8 +427,8 @@ class Session:
         eos = set(self.pkg.manifest.generation.get("eos_token_ids", [])) if stop_at_eos else set()
         self.reset()
         ids = np.asarray(token_ids, dtype=np.int32)
-        if device_loop and not eos and max_new_tokens > 0 and self._pipelined():
-            return self._generate_on_device(ids, max_new_tokens)
+        if device_loop and max_new_tokens > 0 and self._pipelined():
+            return self._generate_on_device(ids, max_new_tokens, eos)
         logits = self._last_logits("prefill", {"tokens": ids}, {"s": len(ids)})
         self.position = len(ids)
         out: list[int] = []
@@ -450,20 +454,28 @@ class Session:
                 return False
         return True
 
-    def _generate_on_device(self, ids: np.ndarray, max_new_tokens: int) -> list[int]:
+    def _generate_on_device(self, ids: np.ndarray, max_new_tokens: int, eos: set[int]) -> list[int]:
         """Greedy decoding that never waits for the GPU between steps: each step's input token is the
         previous step's ``next_token`` output, copied on the device, and the tokens come back through
-        pinned memory in stream order, read once at the end (the host runs up to two steps ahead, as
-        far as the runner's staging slots allow)."""
+        pinned memory in stream order (the host runs up to two steps ahead, as far as the runner's staging
+        slots allow), read at the end, or every EOS_CHECK steps when ``eos`` may stop the loop early."""
         sink = self._runner.collector(max_new_tokens, DType.i32)
-        tok = self.run_device("prefill", {"tokens": ids}, {"s": len(ids)})["next_token"]
-        self.position = len(ids)
-        sink.push(tok)
-        for _ in range(max_new_tokens - 1):
-            tok = self.run_device("decode", {"tokens": tok}, {"p": self.position})["next_token"]
-            self.position += 1
+        try:
+            tok = self.run_device("prefill", {"tokens": ids}, {"s": len(ids)})["next_token"]
             sink.push(tok)
-        return [int(t) for t in sink.values()]
+            done = 1
+            while done < max_new_tokens and not (eos and done % EOS_CHECK == 0 and eos & set(sink.read().tolist())):
+                tok = self.run_device("decode", {"tokens": tok}, {"p": len(ids) + done - 1})["next_token"]
+                sink.push(tok)
+                done += 1
+            out = [int(t) for t in sink.read()]
+        finally:
+            sink.close()
+        if eos:
+            stop = next((i for i, t in enumerate(out) if t in eos), None)
+            out = out if stop is None else out[:stop + 1]
+        self.position = len(ids) + len(out) - 1      # the last token's KV row is not written yet
+        return out
 
     def _last_logits(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> np.ndarray:
         """The last row of ``logits``; on the GPU only that row comes back to the host (a prefill's

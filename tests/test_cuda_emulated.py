@@ -147,6 +147,18 @@ for mode in ({}, {"graphs": False}, {"debug_sync": True}, {"graph_branches": Fal
         out["captures" + str(mode)] = sess.runner.captures
         out["host" + str(mode)] = sess.generate(prompt, 6, device_loop=False)
         out["pipelined" + str(mode)] = sess._pipelined()
+# stopping at EOS: the device loop looks every EOS_CHECK steps and drops what came after the EOS
+pkg.manifest.generation["eos_token_ids"] = [want[3]]
+ref_eos = ref.generate(prompt, 10, stop_at_eos=True)
+out["eos_want"] = [ref_eos, ref.position]
+with pkg.session(backend="cuda") as sess:
+    out["eos_device"] = [sess.generate(prompt, 10, stop_at_eos=True), sess.position]
+    out["eos_host"] = [sess.generate(prompt, 10, stop_at_eos=True, device_loop=False), sess.position]
+    out["eos_then_decode"] = [sess.generate(prompt, 10, stop_at_eos=True), sess.run("decode", {"tokens": np.asarray(
+        [ref_eos[-1]], np.int32)}, {"p": sess.position})["next_token"].tolist()]
+ref.generate(prompt, 10, stop_at_eos=True)
+out["eos_then_decode_want"] = ref.run("decode", {"tokens": np.asarray([ref_eos[-1]], np.int32)},
+                                      {"p": ref.position})["next_token"].tolist()
 ids = np.asarray(prompt, np.int32)
 ref.reset()
 w = ref.run("prefill", {"tokens": ids}, {"s": 5})["logits"]
@@ -175,6 +187,12 @@ print(json.dumps(out))
     # the device loop (next_token fed back on the device) and the host loop give the same tokens
     assert all(res[k] for k in res if k.startswith("pipelined"))
     assert all(res[k] == res["want"] for k in res if k.startswith("host"))
+    want = res["want"]
+    assert res["eos_want"][0] == want[:want.index(want[3]) + 1]            # up to the first EOS, included
+    assert res["eos_device"] == res["eos_host"] == res["eos_want"]
+    # the KV cache past the EOS holds the dropped steps' rows; the next decode at the session's position
+    # overwrites them and sees what the reference sees
+    assert res["eos_then_decode"][1] == res["eos_then_decode_want"]
     assert res["captures{'graphs': False}"] == res["captures{'debug_sync': True}"] == 0 < res["captures{}"]
     assert res["logits_err"] is None
     assert res["cai"] == [[5, 256], "<f4", 3, True, True] and res["dlpack_device"] == [2, 0]

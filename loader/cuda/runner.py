@@ -546,8 +546,8 @@ class CudaRunner:
 
 
 class Collector:
-    """Values copied device → pinned host memory asynchronously, one :meth:`push` at a time, read after
-    one synchronisation (:meth:`values`)."""
+    """Values copied device → pinned host memory asynchronously, one :meth:`push` at a time; :meth:`read`
+    synchronises and returns those pushed so far."""
 
     def __init__(self, runner: CudaRunner, count: int, dtype: DType):
         self.runner, self.dtype, self.count = runner, dtype, int(count)
@@ -560,11 +560,12 @@ class Collector:
         cu.memcpy_dtoh(self.buf.ptr + self.n * self.dtype.itemsize, a.ptr, a.nbytes, self.runner.stream)
         self.n += 1
 
-    def values(self) -> np.ndarray:
+    def read(self) -> np.ndarray:
         self.runner._synchronize()
-        out = self.buf.view(self.dtype.np, self.n).copy()
+        return self.buf.view(self.dtype.np, self.n).copy()
+
+    def close(self) -> None:
         self.buf.close()
-        return out
 
 
 def stored_gemm_algos(manifest: Any, lt_version: int | None, groups: Any = None) -> dict[tuple[int, int], bytes]:
