@@ -565,7 +565,11 @@ class Collector:
         return self.buf.view(self.dtype.np, self.n).copy()
 
     def close(self) -> None:
-        self.buf.close()
+        """Free the pinned memory once no copy into it is in flight (also after a failed push or run)."""
+        try:
+            self.runner._synchronize()
+        finally:
+            self.buf.close()
 
 
 def stored_gemm_algos(manifest: Any, lt_version: int | None, groups: Any = None) -> dict[tuple[int, int], bytes]:
