@@ -106,12 +106,15 @@ def main(argv=None) -> int:
     # round trip per step), else the logits' argmax on the host
     device_loop = "next_token" in {o.name for o in pkg.entry("decode").outputs}
     result["loop"] = "device (next_token)" if device_loop else "host (logits argmax)"
-    first = sess.run_device("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)})
-    if device_loop:
-        tok = first["next_token"]
-    else:
-        lg = first["logits"].numpy()
-        tok = np.asarray([int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1]))], np.int32)
+
+    def next_input(out: dict):
+        """The next step's ``tokens``: its ``next_token`` on the device, or the last logits row's argmax."""
+        if device_loop:
+            return out["next_token"]
+        lg = out["logits"].numpy()
+        return np.asarray([int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1]))], np.int32)
+
+    tok = next_input(sess.run_device("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)}))
     pos = len(prompt)
 
     def steps(n: int) -> float:
@@ -119,12 +122,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(n):
-            out = sess.run_device("decode", {"tokens": tok}, {"p": pos})
-            if device_loop:
-                tok = out["next_token"]
-            else:
-                lg = out["logits"].numpy()
-                tok = np.asarray([int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1]))], np.int32)
+            tok = next_input(sess.run_device("decode", {"tokens": tok}, {"p": pos}))
             pos += 1
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n

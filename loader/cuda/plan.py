@@ -448,7 +448,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                 plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
             params = ParamPack([ptr[op.id]] + [ptr[a.src] for a in op.args] + [dyn_ptr])
             reads = tuple((ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args
-                          if ptr[a.src] not in readonly)     # weights and constants are never written
+                          if ptr[a.src] not in readonly)     # weights are never written
             writes = ((ptr[op.id], ptr[op.id] + cap[op.id]),)
             for lc in kop.launches:
                 grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
