@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -180,13 +181,16 @@ def weight_bytes_of(model) -> int:
     return int(total)
 
 
-def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str, timeout: float, log_path: Path):
+def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str, timeout: float, log_path: Path,
+                  env: dict[str, str] | None = None):
+    """``lum build`` in a subprocess (``env``: extra environment variables for it); (seconds, error)."""
     cmd = [sys.executable, "-c", "import sys; from lum.loader.cli import main; main(sys.argv[1:])", "build",
            str(hf_dir), "-o", str(pkg), "--dtype", dtype, "--max-seq", str(max_seq), "--target", target]
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         try:
-            res = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+            res = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout,
+                                 env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired:
             return None, f"lum build timed out after {timeout:.0f} s"
     dt = time.perf_counter() - t0

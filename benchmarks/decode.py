@@ -19,6 +19,8 @@ What it does, in one run on one GPU:
      below) and with ``device_loop=False``; the row's rate is the best of these (all in ``details``).
    * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
      to measure what parallel graph branches give, side by side.
+   * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
+     input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -56,9 +58,11 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "lum-serial", "hf-eager", "hf-compile")
-CAP_S = {"lum": 200.0, "lum-serial": 120.0, "hf-eager": 150.0, "hf-compile": 330.0}  # per worker (the limit wins)
-LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}}                  # their session options
+SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "hf-eager", "hf-compile")
+CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "hf-eager": 150.0,
+         "hf-compile": 330.0}                                                      # per worker (the limit wins)
+LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {}}  # their session options
+LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"}}    # systems whose package is built differently
 BUILD_CAP_S = 240.0
 
 
@@ -363,7 +367,7 @@ def worker_hf_compile(spec: dict) -> dict:
                                   "static cache, manual greedy loop"}}
 
 
-WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "hf-eager": worker_hf_eager,
+WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "lum-noprologue": worker_lum, "hf-eager": worker_hf_eager,
            "hf-compile": worker_hf_compile}
 
 
@@ -461,30 +465,33 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             "warmup": args.warmup, "steps": args.steps, "max_seq": max_seq, "device": args.device,
             "lum_backend": args.lum_backend}
 
-    # 3. the lum package (one, for every lum row)
-    lum_rows = [rows[s] for s in LUM_OPTIONS if s in rows]
-    if lum_rows:
-        pkg = Path(args.pkg) if args.pkg else workdir / f"{args.model}-{args.dtype}.lumpkg"
+    # 3. the lum packages (one per build environment: the default one serves lum and lum-serial)
+    pkgs = {}
+    for env_key in dict.fromkeys(tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())) for s in LUM_OPTIONS if s in rows):
+        lum_rows = [rows[s] for s in LUM_OPTIONS if s in rows and tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())) == env_key]
+        tag = "".join(f"-{k.lower()}{v}" for k, v in env_key)
+        pkg = Path(args.pkg) if args.pkg and not env_key else workdir / f"{args.model}-{args.dtype}{tag}.lumpkg"
         if not pkg.exists():
             left = deadline - time.perf_counter()
-            log(f"lum build → {pkg}")
+            log(f"lum build{' with ' + ' '.join(f'{k}={v}' for k, v in env_key) if env_key else ''} → {pkg}")
             build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, min(BUILD_CAP_S, left - 30),
-                                         workdir / "log-build.txt")
+                                         workdir / f"log-build{tag}.txt", env=dict(env_key))
             if err:
                 for r in lum_rows:
                     r["error"] = err
                 log(err)
             else:
-                result["timings_s"]["lum_build"] = round(build_s, 1)
+                result["timings_s"]["lum_build" + tag.replace("-", "_")] = round(build_s, 1)
                 lum_rows[0]["build_s"] = round(build_s, 1)
         if pkg.exists():
-            spec["pkg"] = str(pkg)
-            for r in lum_rows:
-                r["package_bytes"] = pkg.stat().st_size
+            for s in LUM_OPTIONS:
+                if s in rows and rows[s] in lum_rows:
+                    pkgs[s] = str(pkg)
+                    rows[s]["package_bytes"] = pkg.stat().st_size
 
     # 4. the systems, each in its own process
     outputs = run_systems(rows, CAP_S, deadline, args.time_limit,
-                          lambda s, timeout: run_worker(s, spec, workdir, timeout))
+                          lambda s, timeout: run_worker(s, {**spec, "pkg": pkgs.get(s)}, workdir, timeout))
     for s, res in outputs.items():
         row = rows[s]
         row["tok_per_s"] = round(res["tok_per_s"], 2)

@@ -77,12 +77,15 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
-           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows"]
+           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
 KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention", "gemm")
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
+PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
+PRELOAD_VECTORS = 4                              # B vectors per thread a prologue gemv loads before computing A
+RESIDENT_THREADS = 132 * 2048                    # threads resident at once on an H200 (132 SMs x 2,048)
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
@@ -502,6 +505,26 @@ def gemv_rows(op: LOp) -> int | None:
     return m.value
 
 
+def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[Expr]) -> str | None:
+    """Why lum's GEMV cannot compute its A operand as a fused prologue over domain ``dom`` (None: it can):
+    the dot scheme (``RmCm``), no batch, A's buffer read from its start row-major, a static A of
+    ``m × k`` = numel(dom) floats that fits :data:`PROLOGUE_SMEM_BYTES` of shared memory."""
+    k = as_expr(p["k"])
+    if layout != "RmCm":
+        return f"needs layout RmCm (A row-major, B column-major), not {layout}"
+    if as_expr(p.get("batch", 1)) != as_expr(1) or as_expr(p.get("offset_a", 0)) != as_expr(0):
+        return "needs batch 1 and offset_a 0"
+    if not k.is_const or not dom or not all(as_expr(d).is_const for d in dom):
+        return "needs static k and a static domain"
+    if m > 1 and as_expr(p["lda"]) != k:
+        return "needs lda = k"
+    if numel(tuple(dom)) != as_expr(m * k.value):
+        return f"has a domain of {numel(tuple(dom))} elements for an A of {m} x {k.value}"
+    if m * k.value * 4 > PROLOGUE_SMEM_BYTES:
+        return f"A of {m} x {k.value} floats exceeds {PROLOGUE_SMEM_BYTES} bytes of shared memory"
+    return None
+
+
 def _f32_literal(x: float) -> str:
     """``x`` rounded to f32 as an exact C++ hex-float literal (what an f32 constant buffer would hold)."""
     return struct.unpack("<f", struct.pack("<f", x))[0].hex() + "f"
@@ -514,6 +537,8 @@ def _default_threads(op: LOp) -> int:
     its q projection)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
+    if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks
+        return 512
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         return 128 if cols.is_const and cols.value >= 8192 else 512
@@ -557,7 +582,10 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits not in (None, 32, 64):
         raise CodegenError(f"index_bits is None (auto), 32 or 64, got {index_bits!r}")
     dts = _arg_dtypes(op, arg_dtypes)
-    if op.kind == "gemm" and any(d not in GEMV_DTYPES for d in (*dts, op.dtype)):
+    if op.kind == "gemm" and "expr" in op.params:      # a prologue gemm has no library fallback
+        if any(d not in GEMV_DTYPES for d in (dts[-1], op.dtype)):
+            raise CodegenError(f"a gemm prologue's B and output must be one of {[d.value for d in GEMV_DTYPES]}")
+    elif op.kind == "gemm" and any(d not in GEMV_DTYPES for d in (*dts, op.dtype)):
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
@@ -604,6 +632,21 @@ def module_source(kernels: Sequence[KernelSource]) -> str:
 
 
 # ============================================================================ generators
+@dataclass(frozen=True)
+class _RowParts:
+    """A row loop's generated pieces and shape (see :meth:`_Gen._row_parts`)."""
+
+    setup: str
+    phases: str
+    final: str
+    rows: Expr
+    n: Expr
+    group: int
+    threads: int
+    regs: int
+    acc_kind: str
+
+
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str,
@@ -1015,6 +1058,20 @@ class _Gen:
 
     def _row_kernel(self) -> tuple[str, tuple[Expr, Expr, Expr], int, int, dict[str, Any]]:
         """The row kernel's source, grid, threads, index margin and tuning (see :meth:`k_row`)."""
+        rp = self._row_parts()
+        src = render(load_template("row.cu"), {
+            "KERNEL": _ENTRY, "THREADS": rp.threads, "GROUP": rp.group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[rp.acc_kind], "ROWS": self.ctx.c(rp.rows),
+            "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
+        per_block = rp.threads // rp.group
+        tuning = {"threads": rp.threads, "group": rp.group, "max_blocks": self.max_blocks, "acc": self.acc,
+                  "math": self.math, "scheme": "row", "regs": rp.regs}
+        return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
+
+    def _row_parts(self, sink: str | None = None) -> _RowParts:
+        """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
+        stores each element, as a float of the op's dtype, into that C array (a gemm prologue's shared
+        memory) at the element's row-major index, instead of into ``out``."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -1179,15 +1236,13 @@ class _Gen:
                                  + col * wcol.strides[0])
             final += [f"{ind}if ({cond}) {{", *loop]
             x, kd = emit(expr, final, kind == "scatter")
-            final += [f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};", *close]
-        src = render(load_template("row.cu"), {
-            "KERNEL": _ENTRY, "THREADS": threads, "GROUP": group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[acc_kind], "ROWS": ctx.c(rows), "N": ctx.c(n),
-            "ROW_SETUP": "\n".join(x for x in setup if x), "PHASES": "\n".join(phases), "FINAL": "\n".join(final)})
-        per_block = threads // group
-        tuning = {"threads": threads, "group": group, "max_blocks": self.max_blocks, "acc": self.acc,
-                  "math": self.math, "scheme": "row", "regs": regs}
-        return src, self.grid(rows, per_block), threads, self.max_blocks * per_block, tuning
+            if sink is None:
+                final.append(f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};")
+            else:
+                final.append(f"{ind3}{sink}[{dest}] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
+            final += close
+        return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
+                         group, threads, regs, acc_kind)
 
     @staticmethod
     def _row_identity(red: str) -> str:
@@ -1470,15 +1525,21 @@ class _Gen:
         op, ctx = self.op, self.ctx
         m = gemv_rows(op)
         assert m is not None                     # generate() sends only these here
-        if len(op.args) != 2:
+        prologue = "expr" in op.params
+        if len(op.args) != 2 and not prologue:
             raise CodegenError("gemm takes (A, B)")
         p = {name: as_expr(op.params.get(name, GEMM_DEFAULTS.get(name)))
              for name in ("n", "k", "batch", "lda", "ldb", "stride_a", "stride_b", "offset_a", "offset_b")}
         layout = op.params["layout"]
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
-        dta, dtb = self.dts
+        dta, dtb = DType.f32 if prologue else self.dts[0], self.dts[-1]
+        code, a_ptr, b_ptr = "", "in0", "in1"
+        if prologue:                              # A computed per block into shared memory (lum_as)
+            code = self._gemv_prologue(m, p, layout)
+            a_ptr, b_ptr = "lum_as", f"in{len(op.args) - 1}"
+            p.update(lda=p["k"], offset_a=as_expr(0), stride_a=as_expr(0))
         n, k, batch = p["n"], p["k"], p["batch"]
-        vec, vec_ok = self._gemv_vec(p, a_kc, b_kc)
+        vec, vec_ok = self._gemv_vec(p, a_kc, b_kc, dta, dtb)
         group = self._gemv_group(p, b_kc, vec)
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
@@ -1489,9 +1550,11 @@ class _Gen:
         a_ext = p["offset_a"] + batch * p["stride_a"] + (m * p["lda"] + k if a_kc else k * p["lda"] + m)
         b_ext = p["offset_b"] + batch * p["stride_b"] + (n * p["ldb"] + k if b_kc else k * p["ldb"] + n)
         ctx.exprs.extend([a_ext, b_ext, batch * m * n + n + tile])
+        preload = min(PRELOAD_VECTORS, max(1, -(-k.value // (vec * group)))) if prologue and k.is_const else 0
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
+            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "PRELOAD": preload,
             "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
             "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
@@ -1504,12 +1567,37 @@ class _Gen:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
                   "unroll": unroll, "cols": tile, "max_blocks": self.max_blocks}
-        return [src], [("", self.grid(items, per_block), (self.threads, 1, 1))], tuning, margin
+        grid = self.grid(items, per_block)
+        if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
+            cap = max(1, min(self.max_blocks, RESIDENT_THREADS // self.threads))
+            grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
+            tuning.update(prologue=True, preload=preload)
+        return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
 
-    def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool) -> tuple[int, str]:
+    def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str) -> str:
+        """The code that computes a gemm's A (its fused prologue tree, ``params["expr"]``) into the shared
+        array ``lum_as`` (templates/gemv_prologue.cuh); CodegenError where the kernel cannot (see
+        :func:`gemv_prologue_fits`)."""
+        op = self.op
+        expr = op.params["expr"]
+        dom = tuple(as_expr(d) for d in op.args[0].view.shape)
+        why = gemv_prologue_fits(m, p, layout, dom)
+        if why:
+            raise CodegenError(f"a gemm prologue {why}")
+        if any(tuple(a.view.shape) != dom for a in op.args[:-1]):
+            raise CodegenError("a gemm prologue's leaves must share one view shape")
+        a_dt = DType.parse(expr[1])
+        tree = LOp(0, "elementwise", "Fused", op.args[:-1], dom, a_dt, {"expr": expr})
+        sub = _Gen(tree, self.dts[:-1], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
+                   unroll=None, max_blocks=1, acc=self.acc, math=self.math)
+        rp = sub._row_parts(sink="lum_as")
+        return render(load_template("gemv_prologue.cuh"), {
+            "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "ROWS": self.ctx.c(rp.rows),
+            "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final}).rstrip("\n")
+
+    def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool, dta: DType, dtb: DType) -> tuple[int, str]:
         """Elements per vector access of B (the widest of at most 16 bytes that no static offset, stride
         or leading dim rules out; ``vec`` caps it) and the C condition for what only run time can tell."""
-        dta, dtb = self.dts
         if self.vec is not None and self.vec not in (1, 2, 4, 8):
             raise CodegenError(f"vec must be 1, 2, 4 or 8, got {self.vec}")
         widest = min(16 // dtb.itemsize, self.vec or 8)
@@ -1557,7 +1645,7 @@ class _Gen:
                 g *= 2
             return g
         span = min(32, t) if not n.is_const else min(32, t, _pow2ceil(max(1, -(-n.value // vec))))
-        while (sized and span > 1 and span * vec * self.dts[1].itemsize > 64
+        while (sized and span > 1 and span * vec * self.dts[-1].itemsize > 64
                and batch.value * -(-n.value // (span * vec)) * t < _GEMV_FILL_THREADS):
             span //= 2
         return t // span

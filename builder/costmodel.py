@@ -160,8 +160,14 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
         return rows + numel(op.args[1].view.shape) * op.dtype.itemsize
     if kind == "gemm":
         m, n, k, batch = _p(op, "m"), _p(op, "n"), _p(op, "k"), _p(op, "batch", 1)
-        a = _batch_reads(_p(op, "stride_a", 0), batch) * m * k * _arg_dtype(op, 0, program).itemsize
-        b = _batch_reads(_p(op, "stride_b", 0), batch) * k * n * _arg_dtype(op, 1, program).itemsize
+        last = len(op.args) - 1
+        if "expr" in op.params:          # a fused prologue reads its leaves (once: every block's rereads hit L2)
+            a = as_expr(0)
+            for j in range(last):
+                a = a + read(j)
+        else:
+            a = _batch_reads(_p(op, "stride_a", 0), batch) * m * k * _arg_dtype(op, 0, program).itemsize
+        b = _batch_reads(_p(op, "stride_b", 0), batch) * k * n * _arg_dtype(op, last, program).itemsize
         return a + b + batch * m * n * op.dtype.itemsize
     raise ValueError(f"no cost model for LLIR op kind {kind!r}")
 
@@ -176,7 +182,10 @@ def op_flops(op: LOp) -> Expr:
     if kind == "reduce":
         return numel(op.args[0].view.shape) * (1 + expr_nodes(op.params["expr"]) if "expr" in op.params else 1)
     if kind == "gemm":
-        return 2 * _p(op, "batch", 1) * _p(op, "m") * _p(op, "n") * _p(op, "k")
+        flops = 2 * _p(op, "batch", 1) * _p(op, "m") * _p(op, "n") * _p(op, "k")
+        if "expr" in op.params:
+            flops = flops + numel(op.args[0].view.shape) * expr_nodes(op.params["expr"])
+        return flops
     if kind == "attention":     # q·k and p·v over every (row, key) pair
         q, k, v = (a.view.shape for a in op.args[:3])
         return 2 * numel(q[:-1]) * k[-2] * (q[-1] + v[-1])
@@ -191,7 +200,7 @@ def _bandwidth(op: LOp, spec: GpuSpec) -> float:
 
 
 def _peak(op: LOp, spec: GpuSpec, program: Program | None) -> float:
-    if op.kind == "gemm":
+    if op.kind == "gemm" and "expr" not in op.params:
         dts = {_arg_dtype(op, 0, program), _arg_dtype(op, 1, program)}
         if dts <= {DType.bf16, DType.f16}:
             return spec.tensor_flops

@@ -33,7 +33,7 @@ import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from lum.builder import costmodel
+from lum.builder import costmodel, prologue
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, cdiv, smax
@@ -478,8 +478,11 @@ def _set_bytes_flops(lop: LOp, arg_dtypes: list[DType | None]) -> None:
     lop.bytes, lop.flops = costmodel.op_bytes(lop, stub), costmodel.op_flops(lop)
 
 
-def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None) -> Program:
-    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere)."""
+def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None,
+          gemv_prologues: bool | None = None) -> Program:
+    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere). ``gemv_prologues``
+    (default: on unless ``$LUM_GEMV_PROLOGUE`` is 0): decode GEMVs compute their input vectors
+    (:mod:`lum.builder.prologue`)."""
     choice = choice or {}
     cycle = check_acyclic(sat, choice)
     if cycle is not None:
@@ -527,4 +530,7 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
         lop = LOp(len(ops), "output", "Output", (Arg(src, sat.view(ld.args[1])),), tuple(hn.shape), hn.dtype,
                   {"name": hn.attrs["name"], "role": hn.attrs.get("role", "output")})
         ops.append(lop)
-    return Program(name or g.name, ops)
+    program = Program(name or g.name, ops)
+    if gemv_prologues is None:
+        gemv_prologues = prologue.gemv_prologues_enabled()
+    return prologue.fuse_gemv_prologues(program) if gemv_prologues else program

@@ -90,6 +90,11 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   ``numel(shape) == batch*m*n``. Defaults: ``batch`` 1, ``offset_*`` 0, ``stride_*`` 0 when batch is 1
   (a stride of 0 broadcasts that operand over the batch); ``ldc``, if given, must be ``n`` and
   ``stride_c`` ``m*n``. Any param may be an int or an Expr over dyn vars.
+  With ``params["expr"]`` (a fused prologue, LLIR version 3) A is computed, not read: A's buffer is that
+  Fused expression tree over the leaves ``args[:-1]`` (every leaf view of one shape D; row reductions
+  over D's last axis), laid out row-major over D, every node rounded and the root rounded to its own
+  dtype (A's dtype); the params address that buffer as they would address A's producer, and ``B =
+  args[-1]``. A decode GEMV recomputes its input's RMSNorm or gated activation this way, in each block.
 """
 
 from __future__ import annotations
@@ -109,8 +114,8 @@ KINDS = ("input", "output", "constant", "iota", "elementwise", "reduce", "gather
 GEMM_LAYOUTS = ("RmRm", "RmCm", "CmRm", "CmCm")
 GEMM_DEFAULTS = {"batch": 1, "stride_a": 0, "stride_b": 0, "offset_a": 0, "offset_b": 0}   # absent gemm params
 ROW_OPS = {"RowSum": "Sum", "RowMax": "Max"}     # row reductions in Fused trees (LLIR version 2)
-LLIR_VERSION = 2                                   # the newest version this code reads and writes
-LLIR_VERSIONS = (1, 2)                             # readable; a program is written at the lowest that holds it
+LLIR_VERSION = 3                                   # the newest version this code reads and writes
+LLIR_VERSIONS = (1, 2, 3)                           # readable; a program is written at the lowest that holds it
 
 
 @dataclass(frozen=True)
@@ -184,9 +189,11 @@ class Program:
 
     # ------------------------------------------------------------------ JSON
     def version(self) -> int:
-        """The lowest LLIR version that holds this program: 2 when a Fused tree has row reductions, a
-        scatter has a fused prologue or an attention op is there, else 1,
-        so a loader that reads only version 1 still opens every program that needs nothing newer."""
+        """The lowest LLIR version that holds this program: 3 when a gemm has a fused prologue; 2 when a
+        Fused tree has row reductions, a scatter has a fused prologue or an attention op is there; else 1,
+        so a loader that reads only an older version still opens every program that needs nothing newer."""
+        if any(o.kind == "gemm" and "expr" in o.params for o in self.ops):
+            return 3
         return 2 if any(o.kind == "attention" or ("expr" in o.params and (
             o.kind in ("scatter", "scatter_nocopy") or has_row_ops(o.params["expr"]))) for o in self.ops) else 1
 
@@ -262,7 +269,7 @@ def has_expr_params(op: LOp) -> bool:
     """Whether :func:`check_params` has something to check for ``op``; its args then are the expr's leaves
     (and, for a scatter, dest and idx around them) rather than a fixed arity."""
     return (op.kind == "elementwise" and op.op == "Fused") or op.kind == "attention" or \
-        (op.kind in ("reduce", "scatter", "scatter_nocopy") and "expr" in op.params)
+        (op.kind in ("reduce", "scatter", "scatter_nocopy", "gemm") and "expr" in op.params)
 
 
 def check_params(op: LOp, version: int, where: str) -> None:
@@ -277,6 +284,8 @@ def check_params(op: LOp, version: int, where: str) -> None:
         check_row_reduce(op, where)
     elif op.kind in ("scatter", "scatter_nocopy") and "expr" in op.params:
         check_scatter_prologue(op, version, where)
+    elif op.kind == "gemm" and "expr" in op.params:
+        check_gemm_prologue(op, version, where)
     elif op.kind == "attention":
         if version < 2:
             raise ValueError(f"{where} needs LLIR version 2")
@@ -293,6 +302,22 @@ def check_scatter_prologue(op: LOp, version: int, where: str) -> None:
     check_expr(op.params["expr"], len(op.args) - 2, None, where)
     if has_row_ops(op.params["expr"]) and len(op.shape) < 2:
         raise ValueError(f"{where}: row reductions in a scatter prologue need a dest of at least 2 dims")
+
+
+def check_gemm_prologue(op: LOp, version: int, where: str) -> None:
+    """A gemm's fused prologue: version 3, at least one leaf before B, leaves of one shape of at least one
+    dim (the domain D whose last axis row reductions reduce), a float root."""
+    if version < 3:
+        raise ValueError(f"{where}: a gemm prologue needs LLIR version 3")
+    if len(op.args) < 2:
+        raise ValueError(f"{where}: a gemm with a prologue takes (leaves…, B)")
+    expr = op.params["expr"]
+    check_expr(expr, len(op.args) - 1, None, where)
+    if not DType.parse(expr[1]).is_float:
+        raise ValueError(f"{where}: a gemm prologue must compute float values, not {expr[1]}")
+    dom = op.args[0].view.shape
+    if not dom or any(tuple(a.view.shape) != tuple(dom) for a in op.args[:-1]):
+        raise ValueError(f"{where}: a gemm prologue's leaves must share one view shape of at least one dim")
 
 
 def attention_dims(op: LOp) -> tuple[tuple[Expr, ...], Expr, Expr, Expr]:

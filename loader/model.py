@@ -94,7 +94,7 @@ class Package:
             table = ref.table.by_op()
             for op in prog.ops:
                 k = table.pop(op.id, None)
-                if op.kind in KERNEL_OP_KINDS or (op.kind == "gemm" and k is not None):
+                if op.kind in KERNEL_OP_KINDS or (op.kind == "gemm" and (k is not None or "expr" in op.params)):
                     if k is None:
                         raise PackageFormatError(f"group {i}: LLIR op {op.id} ({op.kind}) has no kernel in the "
                                                  "launch table")

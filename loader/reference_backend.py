@@ -488,20 +488,32 @@ class _Executor:
         if batch * m * n == 0 or k == 0:
             return np.zeros(shape, dtype=o.dtype.compute_np)
         a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
-        a = self._matrix(o, 0, batch, m, k, sa, (lda, 1) if a_rm else (1, lda), oa, "A")
-        b = self._matrix(o, 1, batch, k, n, sb, (ldb, 1) if b_rm else (1, ldb), ob, "B")
+        a_buf = None
+        if "expr" in p:                              # a fused prologue: A's buffer is the tree's values
+            leaves = [self.readc(o, j) for j in range(len(o.args) - 1)]
+            for j, x in enumerate(leaves[1:], 1):
+                self.check_shape(x.shape, leaves[0].shape, f"argument {j}'s view")
+            a_dt = DType.parse(p["expr"][1])
+            a_buf = (store_as(_eval_tree(p["expr"], leaves), a_dt).ravel(), a_dt)
+        a = self._matrix(o, 0, batch, m, k, sa, (lda, 1) if a_rm else (1, lda), oa, "A", a_buf)
+        b = self._matrix(o, len(o.args) - 1, batch, k, n, sb, (ldb, 1) if b_rm else (1, ldb), ob, "B")
         c = np.matmul(a, b)
         if c.shape[0] != batch:
             c = np.broadcast_to(c, (batch, m, n))
         return c.reshape(shape)
 
     def _matrix(self, o: LOp, j: int, batch: int, rows: int, cols: int, bstride: int,
-                strides: tuple[int, int], offset: int, name: str) -> np.ndarray:
-        """Operand ``name`` as a float64 [batch|1, rows, cols] array addressed in the raw buffer of args[j]."""
-        src = o.args[j].src
-        if src in self.consumed:
-            raise BackendError(f"reads the buffer of op {src} after op {self.consumed[src]} wrote into it in place")
-        buf = self.values[src]
+                strides: tuple[int, int], offset: int, name: str,
+                computed: tuple[np.ndarray, DType] | None = None) -> np.ndarray:
+        """Operand ``name`` as a float64 [batch|1, rows, cols] array addressed in the raw buffer of args[j]
+        (or in ``computed``: a prologue's flat values and their dtype)."""
+        if computed is not None:
+            buf, dt = computed
+        else:
+            src = o.args[j].src
+            if src in self.consumed:
+                raise BackendError(f"reads the buffer of op {src} after op {self.consumed[src]} wrote into it in place")
+            buf, dt = self.values[src], self.dtypes[src]
         nb = batch if bstride else 1
         last = offset + (nb - 1) * bstride + (rows - 1) * strides[0] + (cols - 1) * strides[1]
         if last >= buf.size:
@@ -510,7 +522,6 @@ class _Executor:
         x = np.lib.stride_tricks.as_strided(buf[offset:], shape=(nb, rows, cols),
                                             strides=(bstride * item, strides[0] * item, strides[1] * item),
                                             writeable=False)
-        dt = self.dtypes[src]
         return x.astype(np.float64 if dt.is_float or dt == DType.bool else np.int64)
 
     # ------------------------------------------------------------------ in place

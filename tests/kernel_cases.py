@@ -338,7 +338,54 @@ def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray]
                            ld=lambda x: x + 3, spad=5)
                 _gemm_case(b, rng, f"{tag}.broadcast", layout, (dt, dt, out), m, 40, 75, 2, sb=0, oa=8, ob=16,
                            ld=lambda x: (x + 15) // 8 * 8)
+    for m, k in ((1, 256), (3, 75), (1, 4104)):
+        for kind in ("rmsnorm", "gated"):
+            for out in results:
+                tag = f"gemv.prologue.{kind}.m{m}.k{k}" + ("" if out == dt else f".to_{out.value}")
+                _gemv_prologue_case(b, rng, tag, kind, dt, out, m, S + 35, k)
     return b.program(f"gemv.{dt.value}"), b.arrays, b
+
+
+def _gemv_prologue_case(b: _Builder, rng: np.random.Generator, case: str, kind: str, dt: DType, out: DType,
+                        m: int, n: Any, k: int) -> None:
+    """A gemv whose A is a fused prologue (LLIR version 3) over [m, k]: ``rmsnorm`` (x·rsqrt(Σx²/k + eps)·w,
+    x in f32, a row reduction per row of A) or ``gated`` (u / (1 + 2^(−g·log2 e)), g and u two views of
+    one buffer, no row reduction), rounded to ``dt``; B [n, k] in ``dt`` (RmCm), C in ``out``."""
+    two = 2 * m * k if kind == "gated" else m * k
+    xs = b.input(f"{case}.x0", two, DType.f32 if kind == "rmsnorm" else dt)
+    ws = b.input(f"{case}.x1", k, dt)
+    cs = b.input(f"{case}.x2", 2, DType.f32)
+    bs = b.input(f"{case}.x3", n * k, dt)
+    b.arrays[xs] = _rand(rng, b.inputs[-4][2], two)
+    b.arrays[ws] = _rand(rng, dt, k)
+    b.arrays[bs] = _rand(rng, dt, as_expr(n * k).evaluate(DYN))
+    dom = (m, k)
+
+    def const(j: int) -> ShapeTracker:
+        return ShapeTracker(tuple(map(as_expr, dom)), (as_expr(0), as_expr(0)), as_expr(j), None)
+
+    rows = ShapeTracker.contiguous(tuple(map(as_expr, dom)))
+    if kind == "rmsnorm":
+        b.arrays[cs] = np.array([1.0 / k, 1e-6], np.float32)
+        w = ShapeTracker.contiguous((as_expr(k),)).expand_dim(0, as_expr(m))
+        leaves = [(xs, rows), (ws, w), (cs, const(0)), (cs, const(1))]
+        inv = ["Recip", "f32", ["Sqrt", "f32", ["Add", "f32", ["Mul", "f32", ["RowSum", "f32", ["Mul", "f32", ["arg", 0],
+                                                                                              ["arg", 0]]],
+                                                              ["arg", 2]], ["arg", 3]]]]
+        expr = ["Cast", dt.value, ["Mul", "f32", ["Mul", "f32", ["arg", 0], inv], ["Cast", "f32", ["arg", 1]]]]
+    else:
+        b.arrays[cs] = np.array([1.0, -1.4426950408889634], np.float32)
+        up = ShapeTracker(rows.shape, rows.strides, as_expr(m * k), None)
+        leaves = [(xs, rows), (xs, up), (cs, const(0)), (cs, const(1))]
+        sig = ["Recip", "f32", ["Add", "f32", ["arg", 2], ["Exp2", "f32", ["Mul", "f32", ["Cast", "f32", ["arg", 0]],
+                                                                          ["arg", 3]]]]]
+        expr = ["Cast", dt.value, ["Mul", "f32", sig, ["Cast", "f32", ["arg", 1]]]]
+    params = {"layout": "RmCm", "m": as_expr(m), "n": as_expr(n), "k": as_expr(k), "lda": as_expr(k),
+              "ldb": as_expr(k), "ldc": as_expr(n), "batch": as_expr(1), "stride_a": as_expr(0),
+              "stride_b": as_expr(0), "stride_c": as_expr(m * n), "offset_a": as_expr(0), "offset_b": as_expr(0),
+              "expr": expr}
+    args = leaves + [(bs, ShapeTracker.contiguous((as_expr(n * k),)))]
+    b.op(case, "gemm", "Gemm", args, (1, m, n), out, params, output=f"{case}.y", case_kind="gemm", tol=TOL[out])
 
 
 REPLAY_P = (5, 6, 40)     # p values of one session, bound REPLAY_BOUND: 5 and 6 share every grid bucket

@@ -29,12 +29,12 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 
 @pytest.mark.slow
 def test_decode_benchmark_smoke(tmp_path):
-    d = _run(tmp_path, "--systems", "lum,hf-eager", "--lum-backend", "reference")
+    d = _run(tmp_path, "--systems", "lum,lum-noprologue,hf-eager", "--lum-backend", "reference")
     for key in ("commit", "gpu", "driver", "date", "copy_GBps", "rows"):
         assert key in d
     assert d["commit"] == "test" and d["copy_GBps"] > 0
     rows = {r["system"]: r for r in d["rows"]}
-    assert set(rows) == {"lum", "hf-eager"}
+    assert set(rows) == {"lum", "lum-noprologue", "hf-eager"}
     for r in rows.values():
         assert r["error"] is None, r["error"]
         assert r["model"] == "tiny-llama" and r["dtype"] == "f32"
@@ -44,6 +44,9 @@ def test_decode_benchmark_smoke(tmp_path):
     assert rows["lum"]["open_to_first_token_s"] > 0
     # the same weights and greedy decoding: lum's reference backend reproduces HF's tokens
     assert rows["lum"]["tokens_match_hf_eager"] == rows["lum"]["tokens_compared"] == 9
+    # a second package built with LUM_GEMV_PROLOGUE=0 (decode GEMVs read their inputs): the same tokens
+    assert rows["lum-noprologue"]["tokens_match_hf_eager"] == 9
+    assert d["timings_s"]["lum_build"] > 0 and d["timings_s"]["lum_build_lum_gemv_prologue0"] > 0
 
 
 @pytest.mark.slow

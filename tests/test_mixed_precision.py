@@ -33,9 +33,11 @@ def test_every_weight_gemm_is_mixed_and_no_weight_matrix_is_widened(bf16_package
             prog = pkg.programs[call.group]
             for op in prog.ops:
                 srcs = [prog.ops[a.src] for a in op.args]
-                if op.kind == "gemm" and srcs[1].kind == "input":   # a weight (or the tied embedding, an ext input)
+                if op.kind == "gemm" and srcs[-1].kind == "input":   # a weight (or the tied embedding, an ext input)
                     weight_gemms += 1
-                    assert [s.dtype for s in srcs] == [DType.bf16, DType.bf16] and op.dtype == DType.f32, op
+                    # A: its producer's buffer, or the root of a fused prologue (a decode GEMV's input)
+                    a_dt = DType.parse(op.params["expr"][1]) if "expr" in op.params else srcs[0].dtype
+                    assert [a_dt, srcs[-1].dtype] == [DType.bf16, DType.bf16] and op.dtype == DType.f32, op
                 if op.kind == "elementwise" and op.op == "Cast" and srcs[0].kind == "input" and op.dtype == DType.f32 \
                         and srcs[0].dtype == DType.bf16 \
                         and srcs[0].params.get("role") in ("weight", "ext") and len(srcs[0].shape) > 1:

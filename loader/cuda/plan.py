@@ -494,9 +494,11 @@ def _gemm_kernel_checks(where: str, op: LOp, cap: dict[int, int], dtypes: dict[i
     v = {name: as_expr(p.get(name, GEMM_DEFAULTS.get(name))) for name in GEMM_EXPRS}
     layout = p["layout"]
     checks = [(v["batch"] * v["m"] * v["n"] * op.dtype.itemsize, cap[op.id], f"{where}: output")]
-    for name, arg, rows, cols, ld, stride, off, rm in (
-            ("A", op.args[0].src, v["m"], v["k"], v["lda"], v["stride_a"], v["offset_a"], layout[:2] == "Rm"),
-            ("B", op.args[1].src, v["k"], v["n"], v["ldb"], v["stride_b"], v["offset_b"], layout[2:] == "Rm")):
+    operands = [("B", op.args[-1].src, v["k"], v["n"], v["ldb"], v["stride_b"], v["offset_b"], layout[2:] == "Rm")]
+    if "expr" not in p:                  # a fused prologue computes A inside the kernel: no buffer to check
+        operands.insert(0, ("A", op.args[0].src, v["m"], v["k"], v["lda"], v["stride_a"], v["offset_a"],
+                            layout[:2] == "Rm"))
+    for name, arg, rows, cols, ld, stride, off, rm in operands:
         s0, s1 = (ld, 1) if rm else (1, ld)
         last = off + (v["batch"] - 1) * stride + (rows - 1) * s0 + (cols - 1) * s1
         checks.append(((last + 1) * dtypes[arg].itemsize, cap[arg], f"{where}: operand {name}"))
