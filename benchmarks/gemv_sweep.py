@@ -9,6 +9,12 @@ timed as a CUDA graph of back-to-back launches over weight copies that together 
 median launch time) beside a device-to-device copy measured in the same run, the codegen default's
 rate and the best configuration's; the JSON record goes to ``<out>/gemv-sweep-<dtype>-<date>.json``.
 This is what codegen's default GEMV choice (``_Gen._gemv_group``) is calibrated against.
+
+``--mode prologue`` times GEMV prologues instead (builder/prologue.py): per decode shape, the pair a
+decode step runs without them (the one-row kernel that computes the GEMV's input, an RMSNorm of an f32
+row for the qkv / gate-up shapes, the gated activation of gate-up's output for down, then the GEMV)
+against one GEMV computing that input itself, over threads × group × grid cap × preload; the record is
+``gemv-prologue-sweep-<dtype>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,43 @@ SHAPES = {   # (n, k) of each decode projection, then the fused forms
 THREADS = (None, 128, 256, 512)   # None: codegen's default (_default_threads)
 GROUPS = (None, 32, 64, 128, 256)
 UNROLLS = (4, 8)
+PROLOGUE_SHAPES = {"gemma3-4b": {"qkv": ("norm", 4096, 2560), "gate+up": ("norm", 20480, 2560),
+                                 "down": ("gated", 2560, 10240)},
+                   "llama3-1b": {"qkv": ("norm", 3072, 2048), "gate+up": ("norm", 16384, 2048),
+                                 "down": ("gated", 2048, 8192)}}
+PROLOGUE_SPACE = {"threads": (256, 512, 1024), "group": (None, 32), "max_blocks": (132, 264, 528, 65536),
+                  "preload": (0, 4)}
+
+
+def prologue_ops(kind: str, n: int, k: int, dt):
+    """(producer, gemv, fused gemv) LLIR ops of one decode shape. Inputs: op 0 the row (x f32 [k], or
+    gate-up's f32 output [2k]), op 1 the norm weight, op 2 two f32 constants, op 3 the weight [n, k]."""
+    from lum.format.dtypes import DType
+    from lum.format.expr import as_expr
+    from lum.format.llir import Arg, LOp
+    from lum.format.shapetracker import ShapeTracker
+
+    row = ShapeTracker.contiguous((as_expr(1), as_expr(k)))
+    const = [ShapeTracker(row.shape, (as_expr(0), as_expr(0)), as_expr(j), None) for j in (0, 1)]
+    if kind == "norm":
+        leaves = (Arg(0, row), Arg(1, row), Arg(2, const[0]), Arg(2, const[1]))
+        inv = ["Recip", "f32", ["Sqrt", "f32", ["Add", "f32", ["Mul", "f32", ["RowSum", "f32", ["Mul", "f32", ["arg", 0],
+                                                                                              ["arg", 0]]],
+                                                              ["arg", 2]], ["arg", 3]]]]
+        expr = ["Cast", dt.value, ["Mul", "f32", ["Mul", "f32", ["arg", 0], inv], ["Cast", "f32", ["arg", 1]]]]
+    else:
+        up = ShapeTracker(row.shape, row.strides, as_expr(k), None)
+        leaves = (Arg(0, row), Arg(0, up), Arg(2, const[0]), Arg(2, const[1]))
+        sig = ["Recip", "f32", ["Add", "f32", ["arg", 2], ["Exp2", "f32", ["Mul", "f32", ["arg", 0], ["arg", 3]]]]]
+        expr = ["Cast", dt.value, ["Mul", "f32", ["Mul", "f32", sig, ["arg", 0]], ["arg", 1]]]
+    producer = LOp(4, "elementwise", "Fused", leaves, row.shape, dt, {"expr": expr})
+    params = {"layout": "RmCm", "m": as_expr(1), "n": as_expr(n), "k": as_expr(k), "lda": as_expr(k),
+              "ldb": as_expr(k)}
+    w = Arg(3, ShapeTracker.contiguous((as_expr(n * k),)))
+    gemv = LOp(5, "gemm", "Gemm", (Arg(4, ShapeTracker.contiguous((as_expr(k),))), w),
+               (as_expr(1), as_expr(1), as_expr(n)), DType.f32, params)
+    fused = LOp(5, "gemm", "Gemm", (*leaves, w), gemv.shape, DType.f32, {**params, "expr": expr})
+    return producer, gemv, fused
 
 
 def main(argv=None) -> int:
@@ -45,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="gemma3-4b,llama3-1b")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--mode", choices=("plain", "prologue"), default="plain",
+                    help="plain: gemv.cu's tuning space; prologue: GEMV prologues against their unfused pair")
     args = ap.parse_args(argv)
 
     from lum.builder import nvrtc
@@ -90,7 +135,66 @@ def main(argv=None) -> int:
         half = 1 << 29
         record["copy_GBps"] = round(2 * half / timed(lambda: cu.memcpy_dtod(big.ptr + half, big.ptr, half, stream), 10) / 1e9)
         log(f"{info.name}: copy {record['copy_GBps']} GB/s")
-        for model in args.shapes.split(","):
+        for model in args.shapes.split(",") if args.mode == "prologue" else ():
+            for proj, (kind, n, k) in PROLOGUE_SHAPES[model].items():
+                producer, gemv, fused = prologue_ops(kind, n, k, dt)
+                wbytes = n * k * dt.itemsize
+                copies = max(2, -(-(256 << 20) // wbytes))
+                ws = [buf(wbytes) for _ in range(copies)]
+                x, nw, c = buf(2 * k * 4), buf(k * dt.itemsize), buf(8)
+                a, y, dyn = buf(k * dt.itemsize), buf(n * 4), buf(8)
+                cu.memset(c.ptr, 0x3C, 8, stream)      # ~0.011: Σx²·c + c stays a normal float
+                reps = 4 * copies
+
+                def timed_graph(launches: list, what: str) -> float:
+                    """Seconds per rep of ``launches`` ((kernel source, packs per copy)), as one CUDA graph."""
+                    mods = [cu.Module(nvrtc.compile_cuda(src.source, info.sm).cubin, what) for src, _ in launches]
+                    fns = [m.function(src.launches[0].kernel) for m, (src, _) in zip(mods, launches)]
+
+                    def record(st):
+                        for i in range(reps):
+                            for fn, (src, packs) in zip(fns, launches):
+                                grid = tuple(g.evaluate({}) for g in src.grid)
+                                cu.launch_kernel(fn, grid, src.block, 0, st, packs[i % copies].address)
+
+                    graph = cu.Graph(stream, record)
+                    t = timed(lambda: graph.launch(stream), 7) / reps
+                    graph.close()
+                    for m in mods:
+                        m.close()
+                    return t
+
+                leaf_ptrs = [x.ptr, x.ptr if kind == "gated" else nw.ptr, c.ptr, c.ptr]
+                pk = generate(producer, [], arg_dtypes=[DType.f32, DType.f32 if kind == "gated" else dt,
+                                                        DType.f32, DType.f32])
+                gk = generate(gemv, [], arg_dtypes=[dt, dt])
+                t_pair = timed_graph([(pk, [ParamPack([a.ptr, *leaf_ptrs, dyn.ptr])] * copies),
+                                      (gk, [ParamPack([y.ptr, a.ptr, w.ptr, dyn.ptr]) for w in ws])], "pair")
+                results = []
+                fused_dts = [DType.f32, DType.f32 if kind == "gated" else dt, DType.f32, DType.f32, dt]
+                for threads, group, cap, pre in itertools.product(*PROLOGUE_SPACE.values()):
+                    try:
+                        fk = generate(fused, [], arg_dtypes=fused_dts, threads=threads, group=group,
+                                      max_blocks=cap, preload=pre)
+                    except CodegenError:
+                        continue
+                    t = timed_graph([(fk, [ParamPack([y.ptr, *leaf_ptrs, w.ptr, dyn.ptr]) for w in ws])], "fused")
+                    results.append({"threads": threads, "group": fk.tuning["group"], "max_blocks": cap,
+                                    "preload": fk.tuning["preload"], "grid": fk.grid[0].evaluate({}),
+                                    "us": round(t * 1e6, 2), "vs_pair": round(t / t_pair, 3)})
+                for b in ws:
+                    b.close()
+                    owned.remove(b)
+                best = min(results, key=lambda r: r["us"])
+                default = generate(fused, [], arg_dtypes=fused_dts).tuning
+                record["rows"].append({"model": model, "proj": proj, "kind": kind, "n": n, "k": k,
+                                       "pair_us": round(t_pair * 1e6, 2), "best": best,
+                                       "default": {key: default.get(key) for key in ("threads", "group", "preload")},
+                                       "all": results})
+                log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  norm+gemv {t_pair * 1e6:6.2f} us  fused best "
+                    f"{best['us']:6.2f} us ({best['vs_pair']:.3f}x: threads {best['threads']} group {best['group']} "
+                    f"grid {best['grid']} preload {best['preload']})")
+        for model in args.shapes.split(",") if args.mode == "plain" else ():
             for proj, (n, k) in SHAPES[model].items():
                 flat = ShapeTracker.contiguous((n * k,))
                 op = LOp(2, "gemm", "Gemm", (Arg(0, flat), Arg(1, flat)), (as_expr(1), as_expr(1), as_expr(n)), dt,
@@ -143,7 +247,8 @@ def main(argv=None) -> int:
             cu.call(drv.cuEventDestroy, e)
         stream.close()
         ctx.close()
-    out = Path(args.out) / f"gemv-sweep-{dt.value}-{_dt.date.today().isoformat()}.json"
+    stem = "gemv-sweep" if args.mode == "plain" else "gemv-prologue-sweep"
+    out = Path(args.out) / f"{stem}-{dt.value}-{_dt.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     log(f"wrote {out}")

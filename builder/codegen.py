@@ -54,7 +54,7 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 :attr:`KernelSource.tuning`): ``threads`` (block size; 256, or see ``_default_threads`` for gemv),
 ``ept`` (work items per thread per block tile), ``vec`` (elements per vector access, elementwise and
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
-threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
+threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap), ``preload`` (a prologue gemv's B vectors per thread loaded before computing A),
 ``index_bits``, ``acc``, ``math``. Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
 """
@@ -557,7 +557,8 @@ def _pow2ceil(x: int) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, max_blocks: int = 65536, index_bits: int | None = None,
-             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32") -> KernelSource | None:
+             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32",
+             preload: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -589,7 +590,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given)
+               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given, preload=preload)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -650,11 +651,12 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str,
-                 threads_given: bool = True):
+                 threads_given: bool = True, preload: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
+        self.preload = preload                     # gemv with a prologue: B vectors loaded before it
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
 
@@ -1550,7 +1552,12 @@ class _Gen:
         a_ext = p["offset_a"] + batch * p["stride_a"] + (m * p["lda"] + k if a_kc else k * p["lda"] + m)
         b_ext = p["offset_b"] + batch * p["stride_b"] + (n * p["ldb"] + k if b_kc else k * p["ldb"] + n)
         ctx.exprs.extend([a_ext, b_ext, batch * m * n + n + tile])
-        preload = min(PRELOAD_VECTORS, max(1, -(-k.value // (vec * group)))) if prologue and k.is_const else 0
+        preload = 0
+        if prologue and k.is_const:          # the first tile's B vectors per thread, at most PRELOAD_VECTORS
+            want = PRELOAD_VECTORS if self.preload is None else self.preload
+            if not 0 <= want <= 16:
+                raise CodegenError(f"preload must be in [0, 16], got {want}")
+            preload = min(want, -(-k.value // (vec * group)))
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
