@@ -13,7 +13,7 @@ This is what codegen's default GEMV choice (``_Gen._gemv_group``) is calibrated 
 ``--mode prologue`` times GEMV prologues instead (builder/prologue.py): per decode shape, the pair a
 decode step runs without them (the one-row kernel that computes the GEMV's input, an RMSNorm of an f32
 row for the qkv / gate-up shapes, the gated activation of gate-up's output for down, then the GEMV)
-against one GEMV computing that input itself, over threads × group × grid cap × preload; the record is
+against one GEMV computing that input itself, over threads × group × grid cap; the record is
 ``gemv-prologue-sweep-<dtype>-<date>.json``.
 """
 
@@ -47,8 +47,7 @@ PROLOGUE_SHAPES = {"gemma3-4b": {"qkv": ("norm", 4096, 2560), "gate+up": ("norm"
                                  "down": ("gated", 2560, 10240)},
                    "llama3-1b": {"qkv": ("norm", 3072, 2048), "gate+up": ("norm", 16384, 2048),
                                  "down": ("gated", 2048, 8192)}}
-PROLOGUE_SPACE = {"threads": (256, 512, 1024), "group": (None, 32), "max_blocks": (132, 264, 528, 65536),
-                  "preload": (0, 4)}
+PROLOGUE_SPACE = {"threads": (None, 256, 512), "group": (None, 64), "max_blocks": (132, 264, 65536)}
 
 
 def prologue_ops(kind: str, n: int, k: int, dt):
@@ -172,28 +171,27 @@ def main(argv=None) -> int:
                                       (gk, [ParamPack([y.ptr, a.ptr, w.ptr, dyn.ptr]) for w in ws])], "pair")
                 results = []
                 fused_dts = [DType.f32, DType.f32 if kind == "gated" else dt, DType.f32, DType.f32, dt]
-                for threads, group, cap, pre in itertools.product(*PROLOGUE_SPACE.values()):
+                for threads, group, cap in itertools.product(*PROLOGUE_SPACE.values()):
                     try:
-                        fk = generate(fused, [], arg_dtypes=fused_dts, threads=threads, group=group,
-                                      max_blocks=cap, preload=pre)
+                        fk = generate(fused, [], arg_dtypes=fused_dts, threads=threads, group=group, max_blocks=cap)
                     except CodegenError:
                         continue
                     t = timed_graph([(fk, [ParamPack([y.ptr, *leaf_ptrs, w.ptr, dyn.ptr]) for w in ws])], "fused")
-                    results.append({"threads": threads, "group": fk.tuning["group"], "max_blocks": cap,
-                                    "preload": fk.tuning["preload"], "grid": fk.grid[0].evaluate({}),
+                    results.append({"threads": fk.tuning["threads"], "group": fk.tuning["group"], "max_blocks": cap,
+                                    "default": threads is None and group is None and cap == 65536,
+                                    "grid": fk.grid[0].evaluate({}),
                                     "us": round(t * 1e6, 2), "vs_pair": round(t / t_pair, 3)})
                 for b in ws:
                     b.close()
                     owned.remove(b)
                 best = min(results, key=lambda r: r["us"])
-                default = generate(fused, [], arg_dtypes=fused_dts).tuning
+                default = next(r for r in results if r["default"])
                 record["rows"].append({"model": model, "proj": proj, "kind": kind, "n": n, "k": k,
-                                       "pair_us": round(t_pair * 1e6, 2), "best": best,
-                                       "default": {key: default.get(key) for key in ("threads", "group", "preload")},
+                                       "pair_us": round(t_pair * 1e6, 2), "best": best, "default": default,
                                        "all": results})
-                log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  norm+gemv {t_pair * 1e6:6.2f} us  fused best "
-                    f"{best['us']:6.2f} us ({best['vs_pair']:.3f}x: threads {best['threads']} group {best['group']} "
-                    f"grid {best['grid']} preload {best['preload']})")
+                log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  norm+gemv {t_pair * 1e6:6.2f} us  fused default "
+                    f"{default['us']:6.2f} us ({default['vs_pair']:.3f}x), best {best['us']:6.2f} us "
+                    f"({best['vs_pair']:.3f}x: threads {best['threads']} group {best['group']} grid {best['grid']})")
         for model in args.shapes.split(",") if args.mode == "plain" else ():
             for proj, (n, k) in SHAPES[model].items():
                 flat = ShapeTracker.contiguous((n * k,))

@@ -54,7 +54,7 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 :attr:`KernelSource.tuning`): ``threads`` (block size; 256, or see ``_default_threads`` for gemv),
 ``ept`` (work items per thread per block tile), ``vec`` (elements per vector access, elementwise and
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
-threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap), ``preload`` (a prologue gemv's B vectors per thread loaded before computing A),
+threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``. Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
 """
@@ -84,7 +84,6 @@ ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip",
 KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention", "gemm")
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
-PRELOAD_VECTORS = 4                              # B vectors per thread a prologue gemv loads before computing A
 RESIDENT_THREADS = 132 * 2048                    # threads resident at once on an H200 (132 SMs x 2,048)
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
@@ -537,8 +536,8 @@ def _default_threads(op: LOp) -> int:
     its q projection)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
-    if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks
-        return 512
+    if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
+        return 1024                                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         return 128 if cols.is_const and cols.value >= 8192 else 512
@@ -557,8 +556,7 @@ def _pow2ceil(x: int) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, max_blocks: int = 65536, index_bits: int | None = None,
-             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32",
-             preload: int | None = None) -> KernelSource | None:
+             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32") -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -590,7 +588,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given, preload=preload)
+               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -651,12 +649,11 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str,
-                 threads_given: bool = True, preload: int | None = None):
+                 threads_given: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
-        self.preload = preload                     # gemv with a prologue: B vectors loaded before it
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
 
@@ -1552,16 +1549,10 @@ class _Gen:
         a_ext = p["offset_a"] + batch * p["stride_a"] + (m * p["lda"] + k if a_kc else k * p["lda"] + m)
         b_ext = p["offset_b"] + batch * p["stride_b"] + (n * p["ldb"] + k if b_kc else k * p["ldb"] + n)
         ctx.exprs.extend([a_ext, b_ext, batch * m * n + n + tile])
-        preload = 0
-        if prologue and k.is_const:          # the first tile's B vectors per thread, at most PRELOAD_VECTORS
-            want = PRELOAD_VECTORS if self.preload is None else self.preload
-            if not 0 <= want <= 16:
-                raise CodegenError(f"preload must be in [0, 16], got {want}")
-            preload = min(want, -(-k.value // (vec * group)))
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "PRELOAD": preload,
+            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code,
             "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
             "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
@@ -1578,7 +1569,7 @@ class _Gen:
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, RESIDENT_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
-            tuning.update(prologue=True, preload=preload)
+            tuning["prologue"] = True
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
 
     def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str) -> str:
@@ -1600,7 +1591,7 @@ class _Gen:
         rp = sub._row_parts(sink="lum_as")
         return render(load_template("gemv_prologue.cuh"), {
             "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "ROWS": self.ctx.c(rp.rows),
-            "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final}).rstrip("\n")
+            "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
 
     def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool, dta: DType, dtb: DType) -> tuple[int, str]:
         """Elements per vector access of B (the widest of at most 16 bytes that no static offset, stride
@@ -1641,6 +1632,8 @@ class _Gen:
             return self.group
         n, k, batch = p["n"], p["k"], p["batch"]
         sized = n.is_const and batch.is_const
+        if "expr" in self.op.params:         # a prologue gemv: one warp per column (split-K across warps measured
+            return min(32, t)                # 1.1-1.7x slower there: each column tile then waits on shared memory)
         if b_kc:
             if not k.is_const:
                 return min(32, t)

@@ -1,18 +1,25 @@
 """GEMV prologues: a decode GEMV computes its input vector itself instead of reading a buffer.
 
 In a decode step the input of most weight GEMVs is a one-row kernel: the RMSNorm before the qkv and
-gate/up projections (with the residual add before it), the gated activation before the down
-projection, the final norm before the LM head. Each is a launch of its own on the critical path
-(≈ 2–4 µs with its gap on the H200) that reads a few KB and writes a vector the GEMV then reads. When
-the GEMV's kernel (``templates/gemv.cu``) computes that vector per block into shared memory, the
-launch is gone, and the block's first weight loads are issued before the vector is computed, so HBM
-keeps streaming meanwhile.
+gate/up projections (with the residual add before it), the final norm before the LM head, the gated
+activation before the down projection. Each is a launch of its own on the critical path that reads a
+few KB and writes a vector the GEMV then reads. When the GEMV's kernel (``templates/gemv.cu``)
+computes that vector per block into shared memory, the launch and its gap are gone; what it costs is
+the prologue in every block and a GEMV of few, large blocks (each block computes all of A once).
 
-:func:`fuse_gemv_prologues` rewrites a lowered program: an elementwise op (a Fused tree, row
-reductions included) whose every reader is a GEMV of lum's kernel reading it as A becomes those GEMVs'
-``params["expr"]`` (LLIR version 3, see :mod:`lum.format.llir`) and is dropped. Prefill GEMMs (a
-dynamic m, cuBLASLt) and A operands the kernel cannot compute (:func:`~lum.builder.codegen.gemv_prologue_fits`)
-are left alone. ``LUM_GEMV_PROLOGUE=0`` turns it off (to measure what it gives).
+Measured on the H200 (``benchmarks/gemv_sweep.py --mode prologue``, norm + GEMV pair against the fused
+GEMV, each in a CUDA graph): an RMSNorm fused into gemma3-4b's qkv GEMV takes 0.87× the pair's time,
+llama3-1b's qkv 0.93×, llama3-1b's gate-up (16,384 columns) 0.95×, but gemma3-4b's gate-up (20,480
+columns) 1.01×: past ~16K columns the few-block GEMV streams slower than the many-block one. The
+gated activation before down (2·k floats read per block, k = 8,192–10,240, no row reduction to save
+a round trip for) takes 1.04–1.23×. So only inputs with a row reduction (a norm) fuse, into GEMVs of
+at most :data:`PROLOGUE_MAX_COLS` columns.
+
+:func:`fuse_gemv_prologues` rewrites a lowered program: such an elementwise op whose every reader is
+a GEMV of lum's kernel reading it as A becomes those GEMVs' ``params["expr"]`` (LLIR version 3, see
+:mod:`lum.format.llir`) and is dropped. Prefill GEMMs (a dynamic m, cuBLASLt) and A operands the kernel
+cannot compute (:func:`~lum.builder.codegen.gemv_prologue_fits`) are left alone. ``LUM_GEMV_PROLOGUE=0``
+turns it off (to measure what it gives).
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ import os
 from lum.builder import costmodel
 from lum.builder.codegen import gemv_prologue_fits, gemv_rows
 from lum.format.expr import as_expr
-from lum.format.llir import ELEMENTWISE_ARITY, GEMM_DEFAULTS, Arg, LOp, Program
+from lum.format.llir import GEMM_DEFAULTS, Arg, LOp, Program, has_row_ops
 
-__all__ = ["ENV_GEMV_PROLOGUE", "gemv_prologues_enabled", "fuse_gemv_prologues"]
+__all__ = ["ENV_GEMV_PROLOGUE", "PROLOGUE_MAX_COLS", "gemv_prologues_enabled", "fuse_gemv_prologues"]
 
 ENV_GEMV_PROLOGUE = "LUM_GEMV_PROLOGUE"
+PROLOGUE_MAX_COLS = 16384      # the widest GEMV (batch · n) a prologue measured faster for (see above)
 
 
 def gemv_prologues_enabled() -> bool:
@@ -35,14 +43,12 @@ def gemv_prologues_enabled() -> bool:
 
 
 def _tree(op: LOp) -> list | None:
-    """The expression tree an elementwise op computes (its own for Fused), or None when it is not one."""
+    """The tree a GEMV may compute for this op: a Fused tree with a row reduction, else None."""
     if op.kind != "elementwise" or op.alias is not None or not op.dtype.is_float:
         return None
-    if op.op == "Fused":
+    if op.op == "Fused" and has_row_ops(op.params["expr"]):     # a norm: see the module docstring
         return op.params["expr"]
-    if op.op == "Contiguous" or op.op not in ELEMENTWISE_ARITY:
-        return None
-    return [op.op, op.dtype.value, *(["arg", k] for k in range(len(op.args)))]
+    return None
 
 
 def _takes(gemm: LOp, producer: LOp) -> bool:
@@ -52,7 +58,8 @@ def _takes(gemm: LOp, producer: LOp) -> bool:
     if gemm.args[1].src == producer.id:
         return False
     m = gemv_rows(gemm)
-    if m is None:
+    cols = as_expr(gemm.params.get("batch", 1)) * as_expr(gemm.params["n"])
+    if m is None or not cols.is_const or cols.value > PROLOGUE_MAX_COLS:
         return False
     p = {k: gemm.params.get(k, GEMM_DEFAULTS.get(k)) for k in ("k", "lda", "batch", "offset_a")}
     return gemv_prologue_fits(m, p, gemm.params["layout"], tuple(as_expr(d) for d in producer.shape)) is None

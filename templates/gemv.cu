@@ -16,9 +16,7 @@
 //!    slices' partial sums meet in shared memory, one output row at a time. Tiles are walked grid-stride.
 //! With a fused prologue (dot scheme only) A is not read from a buffer: every block first computes it
 //! into shared memory (PROLOGUE: all threads walk A's rows, a row kernel's phases included — the input's
-//! RMSNorm, a gated activation), then runs the dot product on it. Weights do not depend on the
-//! prologue, so before it each thread issues its first PRELOAD vector loads of B for its first column
-//! (kept raw in registers), and the HBM streams weights while the block computes A.
+//! RMSNorm), then runs the dot product on it.
 //! VEC_OK is the part of the alignment condition codegen could not decide (offsets, strides, leading
 //! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
 //! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
@@ -27,7 +25,7 @@
 //!
 //! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
-//!   (empty, or the code that fills lum_as), PRELOAD (B vectors per thread loaded before it, 0 without one);
+//!   (empty, or the code that fills lum_as);
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), A_KCONTIG B_KCONTIG (true |
 //!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
@@ -50,8 +48,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
-  constexpr int PRELOAD = {{PRELOAD}};
-  static_assert(PRELOAD == 0 || B_KCONTIG, "B is preloaded in the dot scheme only");
   __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
@@ -68,25 +64,10 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   auto lum_ca = [](a_t lum_x) -> float { return {{A_LOAD}}; };
   auto lum_cb = [](b_t lum_x) -> float { return {{B_LOAD}}; };
   auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
+{{PROLOGUE}}  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
+                          (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   const int lum_g = (int)threadIdx.x / GROUP;
   const int lum_lane = (int)threadIdx.x % GROUP;
-  typedef lum_vec<b_t, VEC> lum_bvec;
-  lum_bvec lum_pre[PRELOAD > 0 ? PRELOAD : 1];  // raw B vectors of this thread's first column
-  if (PRELOAD > 0 && VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t))) {
-    const idx_t lum_c = (idx_t)blockIdx.x * SPAN + lum_g;
-    if (lum_c < lum_batch * lum_n) {
-      const idx_t lum_b = lum_c / lum_n;
-      const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + (lum_c - lum_b * lum_n) * lum_ldb);
-#pragma unroll
-      for (int lum_p = 0; lum_p < PRELOAD; ++lum_p) {
-        const idx_t lum_q = ((idx_t)lum_lane + (idx_t)lum_p * GROUP) * VEC;
-        if (lum_q + VEC <= lum_k) lum_pre[lum_p] = *reinterpret_cast<const lum_bvec*>(lum_bp + lum_q);
-      }
-    }
-  }
-{{PROLOGUE}}
-  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
-                          (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
 
   if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
     const idx_t lum_cols = lum_batch * lum_n;
@@ -100,40 +81,25 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
       if (lum_c < lum_cols) {
         const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
         const a_t* lum_ap = {{A_PTR}} + (lum_oa + lum_b * lum_sa);
-        auto lum_fma = [&](idx_t lum_q, const float (&lum_bv)[VEC]) {  // acc[i] += A(i, q..q+VEC) . bv
-#pragma unroll
-          for (int i = 0; i < M; ++i) {
-            float lum_av[VEC];
-            if (A_KCONTIG) {
-              lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
-            } else {
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
-            }
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) lum_acc[i] += lum_av[e] * lum_bv[e];
-          }
-        };
         idx_t lum_kv = 0;  // k covered by whole vectors
         if (lum_vec_ok) {
           lum_kv = lum_k / VEC * VEC;
-          idx_t lum_q = (idx_t)lum_lane * VEC;
-          if (PRELOAD > 0 && lum_c0 == (idx_t)blockIdx.x * SPAN) {  // the column whose first vectors are here
-#pragma unroll
-            for (int lum_p = 0; lum_p < PRELOAD; ++lum_p, lum_q += (idx_t)GROUP * VEC) {
-              if (lum_q < lum_kv) {
-                float lum_bv[VEC];
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) lum_bv[e] = lum_cb(lum_pre[lum_p].v[e]);
-                lum_fma(lum_q, lum_bv);
-              }
-            }
-          }
 #pragma unroll {{UNROLL}}
-          for (; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
+          for (idx_t lum_q = (idx_t)lum_lane * VEC; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
             float lum_bv[VEC];
             lum_load_f32<VEC>(lum_bp + lum_q, lum_bv, lum_cb);
-            lum_fma(lum_q, lum_bv);
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+              float lum_av[VEC];
+              if (A_KCONTIG) {
+                lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
+              } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
+              }
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) lum_acc[i] += lum_av[e] * lum_bv[e];
+            }
           }
         }
         for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {
