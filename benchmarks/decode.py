@@ -20,7 +20,8 @@ What it does, in one run on one GPU:
    * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
      to measure what parallel graph branches give, side by side.
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
-     input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side.
+     input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
+     ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -58,11 +59,13 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "hf-eager", "hf-compile")
-CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "hf-eager": 150.0,
+SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "hf-eager", "hf-compile")
+CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                      # per worker (the limit wins)
-LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {}}  # their session options
-LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"}}    # systems whose package is built differently
+LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {},
+               "lum-noepilogue": {}}                                               # their session options
+LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
+                 "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}}
 BUILD_CAP_S = 240.0
 
 
@@ -367,8 +370,8 @@ def worker_hf_compile(spec: dict) -> dict:
                                   "static cache, manual greedy loop"}}
 
 
-WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "lum-noprologue": worker_lum, "hf-eager": worker_hf_eager,
-           "hf-compile": worker_hf_compile}
+WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "lum-noprologue": worker_lum, "lum-noepilogue": worker_lum,
+           "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
 
 
 def run_worker(system: str, spec: dict, workdir: Path, timeout: float) -> dict:

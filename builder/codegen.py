@@ -72,7 +72,8 @@ from typing import Any, Callable, Mapping, Sequence
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
-                             attention_dims, check_attention, check_row_reduce, check_scatter_prologue, has_row_ops)
+                             attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_parts,
+                             has_row_ops)
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -88,6 +89,7 @@ RESIDENT_THREADS = 132 * 2048                    # threads resident at once on a
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
+GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
 _GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
@@ -581,9 +583,9 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits not in (None, 32, 64):
         raise CodegenError(f"index_bits is None (auto), 32 or 64, got {index_bits!r}")
     dts = _arg_dtypes(op, arg_dtypes)
-    if op.kind == "gemm" and "expr" in op.params:      # a prologue gemm has no library fallback
-        if any(d not in GEMV_DTYPES for d in (dts[-1], op.dtype)):
-            raise CodegenError(f"a gemm prologue's B and output must be one of {[d.value for d in GEMV_DTYPES]}")
+    if op.kind == "gemm" and ("expr" in op.params or "epilogue" in op.params):   # no library fallback
+        if any(d not in GEMV_DTYPES for d in (dts[gemm_parts(op)[0]], op.dtype)):
+            raise CodegenError(f"a fused gemm's B and output must be one of {[d.value for d in GEMV_DTYPES]}")
     elif op.kind == "gemm" and any(d not in GEMV_DTYPES for d in (*dts, op.dtype)):
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
@@ -1524,20 +1526,30 @@ class _Gen:
         op, ctx = self.op, self.ctx
         m = gemv_rows(op)
         assert m is not None                     # generate() sends only these here
-        prologue = "expr" in op.params
-        if len(op.args) != 2 and not prologue:
+        prologue, epilogue = "expr" in op.params, "epilogue" in op.params
+        jb, _ = gemm_parts(op)                  # B's arg index: (A | prologue leaves…, B, epilogue leaves…)
+        if jb != 1 and not prologue:
             raise CodegenError("gemm takes (A, B)")
         p = {name: as_expr(op.params.get(name, GEMM_DEFAULTS.get(name)))
              for name in ("n", "k", "batch", "lda", "ldb", "stride_a", "stride_b", "offset_a", "offset_b")}
         layout = op.params["layout"]
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
-        dta, dtb = DType.f32 if prologue else self.dts[0], self.dts[-1]
-        code, a_ptr, b_ptr = "", "in0", "in1"
+        dta, dtb = DType.f32 if prologue else self.dts[0], self.dts[jb]
+        code, a_ptr, b_ptr = "", "in0", f"in{jb}"
         if prologue:                              # A computed per block into shared memory (lum_as)
-            code = self._gemv_prologue(m, p, layout)
-            a_ptr, b_ptr = "lum_as", f"in{len(op.args) - 1}"
+            code = self._gemv_prologue(m, p, layout, jb)
+            a_ptr = "lum_as"
             p.update(lda=p["k"], offset_a=as_expr(0), stride_a=as_expr(0))
         n, k, batch = p["n"], p["k"], p["batch"]
+        n_out, acc_cols, epi = n, [0], ""
+        if epilogue:                              # NACC product columns per output column, then the tree
+            if not b_kc:
+                raise CodegenError("a gemm epilogue needs B column-major (the dot scheme)")
+            n_out, acc_cols = as_expr(op.params["n_out"]), [int(c) for c in op.params["acc_cols"]]
+            if not 1 <= len(acc_cols) <= GEMV_MAX_ACC:
+                raise CodegenError(f"a gemm epilogue reads 1..{GEMV_MAX_ACC} product columns, got {len(acc_cols)}")
+            epi = self._gemv_epilogue(m, jb, n_out)
+            ctx.exprs.append(as_expr(max(acc_cols)) * p["ldb"] + n * p["ldb"])
         vec, vec_ok = self._gemv_vec(p, a_kc, b_kc, dta, dtb)
         group = self._gemv_group(p, b_kc, vec)
         unroll = 4 if self.unroll is None else self.unroll
@@ -1552,7 +1564,9 @@ class _Gen:
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code,
+            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
+            "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
+            "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
             "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
             "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
@@ -1560,11 +1574,13 @@ class _Gen:
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         if b_kc:
-            items, per_block, margin = batch * n, span, self.max_blocks * span
+            items, per_block, margin = batch * n_out, span, self.max_blocks * span
         else:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
                   "unroll": unroll, "cols": tile, "max_blocks": self.max_blocks}
+        if epilogue:
+            tuning["epilogue"] = len(acc_cols)
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, RESIDENT_THREADS // self.threads))
@@ -1572,7 +1588,39 @@ class _Gen:
             tuning["prologue"] = True
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
 
-    def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str) -> str:
+    def _gemv_epilogue(self, m: int, jb: int, n_out: Expr) -> str:
+        """The code (templates/gemv.cu's EPILOGUE) that stores output column ``lum_j`` of each of the ``m``
+        rows: the epilogue tree at that element, ``["acc", t]`` being ``lum_acc[t * M + i]`` rounded to
+        ``acc_dtype``, ``["arg", k]`` a load of ``in{jb + 1 + k}`` through its view."""
+        op, ctx = self.op, self.ctx
+        shape = self.out_shape()
+        acc_dt = DType.parse(op.params["acc_dtype"])
+        ind = " " * 10
+        lines = [f"{ind[:-2]}#pragma unroll", f"{ind[:-2]}for (int lum_ei = 0; lum_ei < M; ++lum_ei) {{",
+                 f"{ind}const idx_t lum_f = (lum_b * M + lum_ei) * lum_nout + lum_j;"]
+        lines += _unravel(ctx, "lum_f", shape, ind).rstrip("\n").split("\n")
+        idx = index_vars(len(shape))
+        names: dict[str, tuple[str, str]] = {}
+
+        def leaf(t: list, key: str) -> tuple[str, str] | None:
+            if t[0] == "acc":
+                return _load_conv(acc_dt, _store_conv("f", f"lum_acc[{int(t[1])} * M + lum_ei]", acc_dt)), "f"
+            if t[0] != "arg":
+                return None
+            if key not in names:
+                k = jb + 1 + t[1]
+                view = op.args[k].view
+                ctx.exprs.append(view.physical_index(idx))
+                names[key] = (f"lum_e{t[1]}", _kind(self.dts[k]))
+                lines.append(f"{ind}const {_KIND_C[names[key][1]]} lum_e{t[1]} = {self.load(k, view, idx)};")
+            return names[key]
+
+        x, kd = self._tree(op.params["epilogue"], {}, lines, ind, False, leaf)
+        lines += [f"{ind}out[lum_f] = {_store_conv(kd, x, op.dtype)};", f"{ind[:-2]}}}"]
+        ctx.exprs.append(as_expr(m) * n_out * as_expr(op.params.get("batch", 1)))
+        return "\n".join(ln for ln in lines if ln)
+
+    def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str, jb: int) -> str:
         """The code that computes a gemm's A (its fused prologue tree, ``params["expr"]``) into the shared
         array ``lum_as`` (templates/gemv_prologue.cuh); CodegenError where the kernel cannot (see
         :func:`gemv_prologue_fits`)."""
@@ -1582,11 +1630,11 @@ class _Gen:
         why = gemv_prologue_fits(m, p, layout, dom)
         if why:
             raise CodegenError(f"a gemm prologue {why}")
-        if any(tuple(a.view.shape) != dom for a in op.args[:-1]):
+        if any(tuple(a.view.shape) != dom for a in op.args[:jb]):
             raise CodegenError("a gemm prologue's leaves must share one view shape")
         a_dt = DType.parse(expr[1])
-        tree = LOp(0, "elementwise", "Fused", op.args[:-1], dom, a_dt, {"expr": expr})
-        sub = _Gen(tree, self.dts[:-1], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
+        tree = LOp(0, "elementwise", "Fused", op.args[:jb], dom, a_dt, {"expr": expr})
+        sub = _Gen(tree, self.dts[:jb], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
                    unroll=None, max_blocks=1, acc=self.acc, math=self.math)
         rp = sub._row_parts(sink="lum_as")
         return render(load_template("gemv_prologue.cuh"), {

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax, smin
-from lum.format.llir import LOp, Program, expr_nodes
+from lum.format.llir import LOp, Program, expr_nodes, gemm_parts
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["GpuSpec", "H200", "CPU_REFERENCE", "view_elements", "op_bytes", "op_flops", "estimate_op",
@@ -160,15 +160,17 @@ def op_bytes(op: LOp, program: Program | None = None) -> Expr:
         return rows + numel(op.args[1].view.shape) * op.dtype.itemsize
     if kind == "gemm":
         m, n, k, batch = _p(op, "m"), _p(op, "n"), _p(op, "k"), _p(op, "batch", 1)
-        last = len(op.args) - 1
+        jb, _ = gemm_parts(op)
         if "expr" in op.params:          # a fused prologue reads its leaves (once: every block's rereads hit L2)
             a = as_expr(0)
-            for j in range(last):
+            for j in range(jb):
                 a = a + read(j)
         else:
             a = _batch_reads(_p(op, "stride_a", 0), batch) * m * k * _arg_dtype(op, 0, program).itemsize
-        b = _batch_reads(_p(op, "stride_b", 0), batch) * k * n * _arg_dtype(op, last, program).itemsize
-        return a + b + batch * m * n * op.dtype.itemsize
+        b = _batch_reads(_p(op, "stride_b", 0), batch) * k * n * _arg_dtype(op, jb, program).itemsize
+        for j in range(jb + 1, len(op.args)):    # a fused epilogue's leaves
+            b = b + read(j)
+        return a + b + written
     raise ValueError(f"no cost model for LLIR op kind {kind!r}")
 
 
@@ -185,6 +187,8 @@ def op_flops(op: LOp) -> Expr:
         flops = 2 * _p(op, "batch", 1) * _p(op, "m") * _p(op, "n") * _p(op, "k")
         if "expr" in op.params:
             flops = flops + numel(op.args[0].view.shape) * expr_nodes(op.params["expr"])
+        if "epilogue" in op.params:
+            flops = flops + numel(op.shape) * expr_nodes(op.params["epilogue"])
         return flops
     if kind == "attention":     # q·k and p·v over every (row, key) pair
         q, k, v = (a.view.shape for a in op.args[:3])

@@ -33,7 +33,7 @@ import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from lum.builder import costmodel, prologue
+from lum.builder import costmodel, epilogue, prologue
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, cdiv, smax
@@ -482,7 +482,8 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
           gemv_prologues: bool | None = None) -> Program:
     """The LLIR program of a selection (``choice`` defaults to option 0 everywhere). ``gemv_prologues``
     (default: on unless ``$LUM_GEMV_PROLOGUE`` is 0): decode GEMVs compute their input vectors
-    (:mod:`lum.builder.prologue`)."""
+    (:mod:`lum.builder.prologue`); unless ``$LUM_GEMV_EPILOGUE`` is 0 the gate-up GEMV stores the gated
+    activation (:mod:`lum.builder.epilogue`)."""
     choice = choice or {}
     cycle = check_acyclic(sat, choice)
     if cycle is not None:
@@ -533,4 +534,8 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
     program = Program(name or g.name, ops)
     if gemv_prologues is None:
         gemv_prologues = prologue.gemv_prologues_enabled()
-    return prologue.fuse_gemv_prologues(program) if gemv_prologues else program
+    if gemv_prologues:
+        program = prologue.fuse_gemv_prologues(program)
+    if epilogue.gemv_epilogues_enabled():
+        program = epilogue.fuse_gemv_epilogues(program)
+    return program

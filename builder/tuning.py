@@ -56,6 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from lum.builder.hlir import Edge, Graph
+from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
@@ -625,7 +626,8 @@ class MeasuredCompiler:
         return {"dtype": self.spec.dtype.value, "target": o.target, "max_seq": int(self.spec.max_seq),
                 "dyn": dict(sorted(time_dyn.items())), "kernel_tuning": {k: self.fixed[k] for k in sorted(self.fixed)},
                 "tuning_space": [[k, list(v)] for k, v in self.tuning_decisions], "nvrtc": self._nvrtc(),
-                "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled()}
+                "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
+                "gemv_epilogues": gemv_epilogues_enabled()}
 
     def __call__(self, graph: Graph) -> Program:
         from lum.builder.costmodel import op_cost

@@ -94,7 +94,14 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   Fused expression tree over the leaves ``args[:-1]`` (every leaf view of one shape D; row reductions
   over D's last axis), laid out row-major over D, every node rounded and the root rounded to its own
   dtype (A's dtype); the params address that buffer as they would address A's producer, and ``B =
-  args[-1]``. A decode GEMV recomputes its input's RMSNorm or gated activation this way, in each block.
+  args[-1]``. A decode GEMV recomputes its input's RMSNorm this way, in each block.
+  With ``params["epilogue"]`` (a fused epilogue, LLIR version 3) the op's buffer is not C but that
+  Fused tree over C: its last ``params["epilogue_leaves"]`` (L) args are ordinary leaves (``["arg",
+  k]`` reads ``args[len(args) - L + k]``, a view of the op's shape), and ``["acc", t]`` reads ``C[b, i,
+  c + acc_cols[t]]`` rounded to ``params["acc_dtype"]`` at the output element whose row-major index over
+  the op's shape is ``(b·m + i)·n_out + c`` (``c < params["n_out"]``, every ``c + acc_cols[t] < n``); B
+  is then ``args[len(args) - L - 1]``. The gate-up GEMV stores gelu(gate)·up this way, one value per
+  pair of product columns ``c`` and ``c + n_out``.
 """
 
 from __future__ import annotations
@@ -189,10 +196,10 @@ class Program:
 
     # ------------------------------------------------------------------ JSON
     def version(self) -> int:
-        """The lowest LLIR version that holds this program: 3 when a gemm has a fused prologue; 2 when a
+        """The lowest LLIR version that holds this program: 3 when a gemm has a fused prologue or epilogue; 2 when a
         Fused tree has row reductions, a scatter has a fused prologue or an attention op is there; else 1,
         so a loader that reads only an older version still opens every program that needs nothing newer."""
-        if any(o.kind == "gemm" and "expr" in o.params for o in self.ops):
+        if any(o.kind == "gemm" and ("expr" in o.params or "epilogue" in o.params) for o in self.ops):
             return 3
         return 2 if any(o.kind == "attention" or ("expr" in o.params and (
             o.kind in ("scatter", "scatter_nocopy") or has_row_ops(o.params["expr"]))) for o in self.ops) else 1
@@ -225,14 +232,19 @@ class Program:
         return Program.from_json(json.loads(text))
 
 
-def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused op", rows: bool = True) -> None:
+def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused op", rows: bool = True,
+               accs: int = 0) -> None:
     """Raise ValueError unless ``expr`` is a valid Fused expression over ``nargs`` args whose root has
     ``dtype`` (any dtype when None: a reduce's prologue; see the module docstring); row reductions
-    only when ``rows`` (LLIR version 2)."""
+    only when ``rows`` (LLIR version 2); ``["acc", t]`` leaves with ``t < accs`` (a gemm epilogue)."""
 
     def walk(t: Any, path: str) -> None:
         if not isinstance(t, (list, tuple)) or not t:
             raise ValueError(f"{where}: expr node {path} is not a non-empty list: {t!r}")
+        if t[0] == "acc" and accs:
+            if len(t) != 2 or isinstance(t[1], bool) or not isinstance(t[1], int) or not 0 <= t[1] < accs:
+                raise ValueError(f"{where}: expr leaf {path} {t!r} must be ['acc', t] with 0 <= t < {accs}")
+            return
         if t[0] == "arg":
             if len(t) != 2 or isinstance(t[1], bool) or not isinstance(t[1], int) or not 0 <= t[1] < nargs:
                 raise ValueError(f"{where}: expr leaf {path} {t!r} must be ['arg', k] with 0 <= k < {nargs}")
@@ -252,7 +264,7 @@ def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused o
             walk(kid, f"{path}.{j}")
 
     walk(expr, "root")
-    if expr[0] == "arg":
+    if expr[0] in ("arg", "acc"):
         raise ValueError(f"{where}: the expr root must be an op node, not a leaf")
     if dtype is not None and DType.parse(expr[1]) != dtype:
         raise ValueError(f"{where}: the expr root has dtype {expr[1]}, the op {dtype}")
@@ -260,7 +272,7 @@ def check_expr(expr: Any, nargs: int, dtype: DType | None, where: str = "Fused o
 
 def has_row_ops(expr: Any) -> bool:
     """Whether a Fused expression tree holds a row reduction (RowSum / RowMax); False for a malformed one."""
-    if not isinstance(expr, (list, tuple)) or not expr or expr[0] == "arg":
+    if not isinstance(expr, (list, tuple)) or not expr or expr[0] in ("arg", "acc"):
         return False
     return (isinstance(expr[0], str) and expr[0] in ROW_OPS) or any(has_row_ops(k) for k in expr[2:])
 
@@ -269,7 +281,8 @@ def has_expr_params(op: LOp) -> bool:
     """Whether :func:`check_params` has something to check for ``op``; its args then are the expr's leaves
     (and, for a scatter, dest and idx around them) rather than a fixed arity."""
     return (op.kind == "elementwise" and op.op == "Fused") or op.kind == "attention" or \
-        (op.kind in ("reduce", "scatter", "scatter_nocopy", "gemm") and "expr" in op.params)
+        (op.kind in ("reduce", "scatter", "scatter_nocopy", "gemm") and "expr" in op.params) or \
+        (op.kind == "gemm" and "epilogue" in op.params)
 
 
 def check_params(op: LOp, version: int, where: str) -> None:
@@ -284,8 +297,8 @@ def check_params(op: LOp, version: int, where: str) -> None:
         check_row_reduce(op, where)
     elif op.kind in ("scatter", "scatter_nocopy") and "expr" in op.params:
         check_scatter_prologue(op, version, where)
-    elif op.kind == "gemm" and "expr" in op.params:
-        check_gemm_prologue(op, version, where)
+    elif op.kind == "gemm" and ("expr" in op.params or "epilogue" in op.params):
+        check_gemm_fusion(op, version, where)
     elif op.kind == "attention":
         if version < 2:
             raise ValueError(f"{where} needs LLIR version 2")
@@ -304,20 +317,44 @@ def check_scatter_prologue(op: LOp, version: int, where: str) -> None:
         raise ValueError(f"{where}: row reductions in a scatter prologue need a dest of at least 2 dims")
 
 
-def check_gemm_prologue(op: LOp, version: int, where: str) -> None:
-    """A gemm's fused prologue: version 3, at least one leaf before B, leaves of one shape of at least one
-    dim (the domain D whose last axis row reductions reduce), a float root."""
+def gemm_parts(op: LOp) -> tuple[int, int]:
+    """(index of B, number of epilogue leaves) of a gemm's args: ``(A | prologue leaves…, B, epilogue
+    leaves…)``."""
+    leaves = op.params.get("epilogue_leaves", 0) if "epilogue" in op.params else 0
+    return len(op.args) - 1 - leaves, leaves
+
+
+def check_gemm_fusion(op: LOp, version: int, where: str) -> None:
+    """A gemm's fused prologue and epilogue (version 3). Prologue: at least one leaf before B, leaves of one
+    shape of at least one dim (the domain D whose last axis row reductions reduce), a float root.
+    Epilogue: no row reductions, ``acc_cols`` of ints >= 0, a float ``acc_dtype``, ``n_out``, a root
+    of the op's dtype, leaves viewed in the op's shape."""
     if version < 3:
-        raise ValueError(f"{where}: a gemm prologue needs LLIR version 3")
-    if len(op.args) < 2:
-        raise ValueError(f"{where}: a gemm with a prologue takes (leaves…, B)")
-    expr = op.params["expr"]
-    check_expr(expr, len(op.args) - 1, None, where)
-    if not DType.parse(expr[1]).is_float:
-        raise ValueError(f"{where}: a gemm prologue must compute float values, not {expr[1]}")
-    dom = op.args[0].view.shape
-    if not dom or any(tuple(a.view.shape) != tuple(dom) for a in op.args[:-1]):
-        raise ValueError(f"{where}: a gemm prologue's leaves must share one view shape of at least one dim")
+        raise ValueError(f"{where}: a gemm prologue or epilogue needs LLIR version 3")
+    leaves = op.params.get("epilogue_leaves", 0) if "epilogue" in op.params else 0
+    if isinstance(leaves, bool) or not isinstance(leaves, int) or not 0 <= leaves <= len(op.args) - 2:
+        raise ValueError(f"{where}: epilogue_leaves must be an int in [0, {len(op.args) - 2}], got {leaves!r}")
+    b = len(op.args) - 1 - leaves
+    if "expr" in op.params:
+        expr = op.params["expr"]
+        check_expr(expr, b, None, where)
+        if not DType.parse(expr[1]).is_float:
+            raise ValueError(f"{where}: a gemm prologue must compute float values, not {expr[1]}")
+        dom = op.args[0].view.shape
+        if not dom or any(tuple(a.view.shape) != tuple(dom) for a in op.args[:b]):
+            raise ValueError(f"{where}: a gemm prologue's leaves must share one view shape of at least one dim")
+    elif b != 1:
+        raise ValueError(f"{where}: a gemm takes (A, B) before its epilogue leaves")
+    if "epilogue" in op.params:
+        cols, acc_dt = op.params.get("acc_cols"), op.params.get("acc_dtype")
+        if not isinstance(cols, list) or not cols or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                                                         for c in cols):
+            raise ValueError(f"{where}: acc_cols must be a non-empty list of ints >= 0, got {cols!r}")
+        if not isinstance(acc_dt, str) or not DType.parse(acc_dt).is_float or "n_out" not in op.params:
+            raise ValueError(f"{where}: a gemm epilogue needs a float acc_dtype and n_out")
+        check_expr(op.params["epilogue"], leaves, op.dtype, where, rows=False, accs=len(cols))
+        if any(tuple(a.view.shape) != tuple(op.shape) for a in op.args[b + 1:]):
+            raise ValueError(f"{where}: a gemm epilogue's leaves must be viewed in the op's shape")
 
 
 def attention_dims(op: LOp) -> tuple[tuple[Expr, ...], Expr, Expr, Expr]:
@@ -361,7 +398,7 @@ def check_row_reduce(op: LOp, where: str) -> None:
 
 def expr_nodes(expr: Any) -> int:
     """Op nodes (not leaves) of a Fused expression tree."""
-    return 0 if expr[0] == "arg" else 1 + sum(expr_nodes(k) for k in expr[2:])
+    return 0 if expr[0] in ("arg", "acc") else 1 + sum(expr_nodes(k) for k in expr[2:])
 
 
 # ---------------------------------------------------------------------- (de)serialisation

@@ -30,7 +30,7 @@ import numpy as np
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, UnboundVariableError
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_LAYOUTS, LLIR_VERSION, ROW_OPS, LOp, Program, attention_dims,
-                             check_params, has_expr_params)
+                             check_params, gemm_parts, has_expr_params)
 from lum.format.numerics import NumericsError, round_to, store_as, view_of
 from lum.format.shapetracker import ShapeTracker
 
@@ -50,12 +50,15 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def _eval_tree(t: list, args: list[np.ndarray]) -> np.ndarray:
+def _eval_tree(t: list, args: list[np.ndarray], accs: list[np.ndarray] | None = None) -> np.ndarray:
     """A Fused expression tree on compute-type args (each of the op's loop shape); every node rounds to its
-    dtype, as a store would. A row reduction reduces its child over the last axis and is read broadcast."""
+    dtype, as a store would. A row reduction reduces its child over the last axis and is read broadcast.
+    ``accs``: the values of a gemm epilogue's ``["acc", t]`` leaves."""
     if t[0] == "arg":
         return args[t[1]]
-    kids = [_eval_tree(k, args) for k in t[2:]]
+    if t[0] == "acc":
+        return accs[t[1]]
+    kids = [_eval_tree(k, args, accs) for k in t[2:]]
     if t[0] in ROW_OPS:
         return round_to(np.broadcast_to(_reduce_rows(t[0], kids[0]), kids[0].shape), DType.parse(t[1]))
     return round_to(_elementwise(t[0], kids), DType.parse(t[1]))
@@ -483,24 +486,39 @@ class _Executor:
         if "stride_c" in p and batch > 1 and self.ev(p["stride_c"], "gemm stride_c") != m * n:
             raise BackendError(f"gemm stride_c must equal m*n ({m * n}): C is row-major [batch, m, n]")
         shape = self.shape_of(o)
-        if int(np.prod(shape, dtype=np.int64)) != batch * m * n:
-            raise BackendError(f"gemm output shape {shape} does not hold batch*m*n = {batch}*{m}*{n}")
-        if batch * m * n == 0 or k == 0:
-            return np.zeros(shape, dtype=o.dtype.compute_np)
+        n_c = self.ev(p["n_out"], "gemm n_out") if "epilogue" in p else n   # the columns the buffer holds
+        if int(np.prod(shape, dtype=np.int64)) != batch * m * n_c:
+            raise BackendError(f"gemm output shape {shape} does not hold batch*m*n = {batch}*{m}*{n_c}")
         a_rm, b_rm = layout[:2] == "Rm", layout[2:] == "Rm"
-        a_buf = None
-        if "expr" in p:                              # a fused prologue: A's buffer is the tree's values
-            leaves = [self.readc(o, j) for j in range(len(o.args) - 1)]
-            for j, x in enumerate(leaves[1:], 1):
-                self.check_shape(x.shape, leaves[0].shape, f"argument {j}'s view")
-            a_dt = DType.parse(p["expr"][1])
-            a_buf = (store_as(_eval_tree(p["expr"], leaves), a_dt).ravel(), a_dt)
-        a = self._matrix(o, 0, batch, m, k, sa, (lda, 1) if a_rm else (1, lda), oa, "A", a_buf)
-        b = self._matrix(o, len(o.args) - 1, batch, k, n, sb, (ldb, 1) if b_rm else (1, ldb), ob, "B")
-        c = np.matmul(a, b)
-        if c.shape[0] != batch:
-            c = np.broadcast_to(c, (batch, m, n))
-        return c.reshape(shape)
+        jb, _ = gemm_parts(o)
+        if batch * m * n == 0 or k == 0:
+            c = np.zeros((batch, m, n))
+        else:
+            a_buf = None
+            if "expr" in p:                          # a fused prologue: A's buffer is the tree's values
+                leaves = [self.readc(o, j) for j in range(jb)]
+                for j, x in enumerate(leaves[1:], 1):
+                    self.check_shape(x.shape, leaves[0].shape, f"argument {j}'s view")
+                a_dt = DType.parse(p["expr"][1])
+                a_buf = (store_as(_eval_tree(p["expr"], leaves), a_dt).ravel(), a_dt)
+            a = self._matrix(o, 0, batch, m, k, sa, (lda, 1) if a_rm else (1, lda), oa, "A", a_buf)
+            b = self._matrix(o, jb, batch, k, n, sb, (ldb, 1) if b_rm else (1, ldb), ob, "B")
+            c = np.matmul(a, b)
+            if c.shape[0] != batch:
+                c = np.broadcast_to(c, (batch, m, n))
+        if "epilogue" not in p:
+            return c.reshape(shape)
+        # a fused epilogue: the tree over C's columns c + acc_cols[t] (rounded to acc_dtype) and its leaves
+        n_out = self.ev(p["n_out"], "gemm n_out")
+        cols = [int(x) for x in p["acc_cols"]]
+        if n_out < 0 or any(x + n_out > n for x in cols):
+            raise BackendError(f"gemm epilogue columns {cols} + n_out {n_out} exceed n = {n}")
+        cr = round_to(c, DType.parse(p["acc_dtype"]))
+        accs = [cr[:, :, x:x + n_out].reshape(shape) for x in cols]
+        leaves = [self.readc(o, j) for j in range(jb + 1, len(o.args))]
+        for j, x in enumerate(leaves):
+            self.check_shape(x.shape, shape, f"epilogue leaf {j}'s view")
+        return _eval_tree(p["epilogue"], leaves, accs)
 
     def _matrix(self, o: LOp, j: int, batch: int, rows: int, cols: int, bstride: int,
                 strides: tuple[int, int], offset: int, name: str,

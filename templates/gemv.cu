@@ -16,7 +16,9 @@
 //!    slices' partial sums meet in shared memory, one output row at a time. Tiles are walked grid-stride.
 //! With a fused prologue (dot scheme only) A is not read from a buffer: every block first computes it
 //! into shared memory (PROLOGUE: all threads walk A's rows, a row kernel's phases included — the input's
-//! RMSNorm), then runs the dot product on it.
+//! RMSNorm), then runs the dot product on it. With a fused epilogue (dot scheme only) a group computes
+//! NACC product columns j + ACC_COLS[t] at once (A read once for all) and EPILOGUE stores a function of
+//! them for output column j < N_OUT — gelu(gate)·up from the stacked gate/up weight.
 //! VEC_OK is the part of the alignment condition codegen could not decide (offsets, strides, leading
 //! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
 //! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
@@ -25,7 +27,8 @@
 //!
 //! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
-//!   (empty, or the code that fills lum_as);
+//!   (empty, or the code that fills lum_as); NACC ACC_COLS N_OUT HAS_EPILOGUE (1, 0, N, false without an
+//!   epilogue), EPILOGUE (empty, or the code that stores output column lum_j of every row from lum_acc);
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), A_KCONTIG B_KCONTIG (true |
 //!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
@@ -44,11 +47,15 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int SPAN = THREADS / GROUP;  // dot: columns per block tile; cols: threads along n
   constexpr int WARP_W = GROUP < 32 ? GROUP : 32;
   constexpr int A_PIECE = (int)(16 / sizeof(a_t)) < VEC ? (int)(16 / sizeof(a_t)) : VEC;  // A elements per access
+  constexpr int NACC = {{NACC}};                 // product columns per output column (dot scheme)
+  constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
+  constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
+  static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
   static_assert(M >= 1 && M <= 8, "M must be in [1, 8]");
   static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
-  __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
+  __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
   const idx_t lum_k = {{K}};
@@ -59,6 +66,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   const idx_t lum_sb = {{STRIDE_B}};
   const idx_t lum_oa = {{OFF_A}};
   const idx_t lum_ob = {{OFF_B}};
+  const idx_t lum_nout = {{N_OUT}};  // output columns (per batch and row)
   const idx_t lum_ars = A_KCONTIG ? lum_lda : (idx_t)1;  // A's stride along i, then along k
   const idx_t lum_aks = A_KCONTIG ? (idx_t)1 : lum_lda;
   auto lum_ca = [](a_t lum_x) -> float { return {{A_LOAD}}; };
@@ -70,14 +78,14 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   const int lum_lane = (int)threadIdx.x % GROUP;
 
   if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
-    const idx_t lum_cols = lum_batch * lum_n;
+    const idx_t lum_cols = lum_batch * lum_nout;
     for (idx_t lum_c0 = (idx_t)blockIdx.x * SPAN; lum_c0 < lum_cols; lum_c0 += (idx_t)gridDim.x * SPAN) {
       const idx_t lum_c = lum_c0 + lum_g;
-      const idx_t lum_b = lum_c < lum_cols ? lum_c / lum_n : (idx_t)0;
-      const idx_t lum_j = lum_c - lum_b * lum_n;
-      float lum_acc[M];
+      const idx_t lum_b = lum_c < lum_cols ? lum_c / lum_nout : (idx_t)0;
+      const idx_t lum_j = lum_c - lum_b * lum_nout;
+      float lum_acc[NACC * M];  // [t * M + i]: row i of product column j + ACC_COLS[t]
 #pragma unroll
-      for (int i = 0; i < M; ++i) lum_acc[i] = 0.0f;
+      for (int r = 0; r < NACC * M; ++r) lum_acc[r] = 0.0f;
       if (lum_c < lum_cols) {
         const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
         const a_t* lum_ap = {{A_PTR}} + (lum_oa + lum_b * lum_sa);
@@ -86,8 +94,9 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
           lum_kv = lum_k / VEC * VEC;
 #pragma unroll {{UNROLL}}
           for (idx_t lum_q = (idx_t)lum_lane * VEC; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
-            float lum_bv[VEC];
-            lum_load_f32<VEC>(lum_bp + lum_q, lum_bv, lum_cb);
+            float lum_bv[NACC][VEC];
+#pragma unroll
+            for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t], lum_cb);
 #pragma unroll
             for (int i = 0; i < M; ++i) {
               float lum_av[VEC];
@@ -98,36 +107,45 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
                 for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
               }
 #pragma unroll
-              for (int e = 0; e < VEC; ++e) lum_acc[i] += lum_av[e] * lum_bv[e];
+              for (int t = 0; t < NACC; ++t) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_bv[t][e];
+              }
             }
           }
         }
         for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {
-          const float lum_bs = lum_cb(lum_bp[lum_kk]);
 #pragma unroll
-          for (int i = 0; i < M; ++i) lum_acc[i] += lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]) * lum_bs;
+          for (int t = 0; t < NACC; ++t) {
+            const float lum_bs = lum_cb(lum_bp[ACC_COLS[t] * lum_ldb + lum_kk]);
+#pragma unroll
+            for (int i = 0; i < M; ++i) lum_acc[t * M + i] += lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]) * lum_bs;
+          }
         }
       }
 #pragma unroll
-      for (int i = 0; i < M; ++i) lum_acc[i] = lum_warp_reduce<LumSum, WARP_W>(lum_acc[i]);
+      for (int r = 0; r < NACC * M; ++r) lum_acc[r] = lum_warp_reduce<LumSum, WARP_W>(lum_acc[r]);
       if (GROUP > 32) {  // split-K across the warps of a group: combine through shared memory
         const int lum_warp = (int)threadIdx.x / 32;
         if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-          for (int i = 0; i < M; ++i) lum_part[lum_warp * M + i] = lum_acc[i];
+          for (int r = 0; r < NACC * M; ++r) lum_part[lum_warp * NACC * M + r] = lum_acc[r];
         }
         __syncthreads();
         if (lum_lane == 0) {
           for (int w = 1; w < GROUP / 32; ++w) {
 #pragma unroll
-            for (int i = 0; i < M; ++i) lum_acc[i] += lum_part[(lum_warp + w) * M + i];
+            for (int r = 0; r < NACC * M; ++r) lum_acc[r] += lum_part[(lum_warp + w) * NACC * M + r];
           }
         }
         __syncthreads();
       }
       if (lum_c < lum_cols && lum_lane == 0) {
+        if (!HAS_EPILOGUE) {
 #pragma unroll
-        for (int i = 0; i < M; ++i) lum_store((lum_b * M + i) * lum_n + lum_j, lum_acc[i]);
+          for (int i = 0; i < M; ++i) lum_store((lum_b * M + i) * lum_nout + lum_j, lum_acc[i]);
+        }
+{{EPILOGUE}}
       }
     }
   } else {  // ------------------------------------------------------------------------ cols

@@ -343,7 +343,51 @@ def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray]
             for out in results:
                 tag = f"gemv.prologue.{kind}.m{m}.k{k}" + ("" if out == dt else f".to_{out.value}")
                 _gemv_prologue_case(b, rng, tag, kind, dt, out, m, S + 35, k)
+    for kind in ("gated", "residual", "normed_gated"):
+        for n_out in (40, 4104):
+            _gemv_epilogue_case(b, rng, f"gemv.epilogue.{kind}.n{n_out}", kind, dt, n_out, 72)
     return b.program(f"gemv.{dt.value}"), b.arrays, b
+
+
+def _gemv_epilogue_case(b: _Builder, rng: np.random.Generator, case: str, kind: str, dt: DType, n_out: int,
+                        k: int) -> None:
+    """A gemv (m = 1, RmCm, B in ``dt``) with a fused epilogue (LLIR version 3) storing ``dt``: ``gated``
+    (C = x·Bᵀ over 2·n_out columns, out[c] = C[c] / (1 + 2^(−C[c]·log2 e)) · C[c + n_out]), ``residual``
+    (out[c] = r[c] + C[c], r an f32 leaf) and ``normed_gated`` (gated, A an RMSNorm prologue of x)."""
+    pairs = kind != "residual"
+    n = 2 * n_out if pairs else n_out
+    xs = b.input(f"{case}.x0", k, DType.f32 if kind == "normed_gated" else dt)
+    bs = b.input(f"{case}.x1", n * k, dt)
+    cs = b.input(f"{case}.x2", 4, DType.f32)
+    rs = b.input(f"{case}.x3", n_out, DType.f32)
+    b.arrays[xs] = _rand(rng, b.inputs[-4][2], k)
+    b.arrays[bs] = (_rand(rng, dt, n * k).astype(np.float64) / 8).astype(dt.np)     # keep 2^(−C) finite
+    b.arrays[cs] = np.array([1.0, -1.4426950408889634, 1.0 / k, 1e-6], np.float32)
+    b.arrays[rs] = _rand(rng, DType.f32, n_out)
+    out_shape = (as_expr(1), as_expr(n_out))
+    const = [ShapeTracker(out_shape, (as_expr(0), as_expr(0)), as_expr(j), None) for j in (0, 1)]
+    params = {"layout": "RmCm", "m": as_expr(1), "n": as_expr(n), "k": as_expr(k), "lda": as_expr(k),
+              "ldb": as_expr(k), "ldc": as_expr(n), "batch": as_expr(1), "acc_dtype": "f32",
+              "n_out": as_expr(n_out)}
+    if pairs:
+        sig = ["Recip", "f32", ["Add", "f32", ["arg", 0], ["Exp2", "f32", ["Mul", "f32", ["acc", 0], ["arg", 1]]]]]
+        params.update(epilogue=["Cast", dt.value, ["Mul", "f32", ["Mul", "f32", ["acc", 0], sig], ["acc", 1]]],
+                      acc_cols=[0, n_out], epilogue_leaves=2)
+        leaves = [(cs, const[0]), (cs, const[1])]
+    else:
+        params.update(epilogue=["Cast", dt.value, ["Add", "f32", ["arg", 0], ["acc", 0]]], acc_cols=[0],
+                      epilogue_leaves=1)
+        leaves = [(rs, ShapeTracker.contiguous(out_shape))]
+    head = [(xs, ShapeTracker.contiguous((as_expr(k),)))]
+    if kind == "normed_gated":
+        row = ShapeTracker.contiguous((as_expr(1), as_expr(k)))
+        c = [ShapeTracker(row.shape, (as_expr(0), as_expr(0)), as_expr(j), None) for j in (2, 3)]
+        head = [(xs, row), (cs, c[0]), (cs, c[1])]
+        params["expr"] = ["Cast", dt.value, ["Mul", "f32", ["arg", 0], ["Recip", "f32", ["Sqrt", "f32", [
+            "Add", "f32", ["Mul", "f32", ["RowSum", "f32", ["Mul", "f32", ["arg", 0], ["arg", 0]]], ["arg", 1]],
+            ["arg", 2]]]]]]
+    args = head + [(bs, ShapeTracker.contiguous((as_expr(n * k),)))] + leaves
+    b.op(case, "gemm", "Gemm", args, out_shape, dt, params, output=f"{case}.y", case_kind="gemm", tol=TOL[dt])
 
 
 def _gemv_prologue_case(b: _Builder, rng: np.random.Generator, case: str, kind: str, dt: DType, out: DType,

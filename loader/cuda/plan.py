@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 from lum.format.dtypes import DType
 from lum.format.errors import PackageFormatError
 from lum.format.expr import Expr, as_expr
-from lum.format.llir import GEMM_DEFAULTS, LOp
+from lum.format.llir import GEMM_DEFAULTS, LOp, gemm_parts
 from lum.format.shapetracker import ShapeTracker
 from lum.loader.cuda.branches import EVERYTHING, Schedule
 from lum.loader.cuda.branches import schedule as branch_schedule
@@ -493,8 +493,10 @@ def _gemm_kernel_checks(where: str, op: LOp, cap: dict[int, int], dtypes: dict[i
     p = op.params
     v = {name: as_expr(p.get(name, GEMM_DEFAULTS.get(name))) for name in GEMM_EXPRS}
     layout = p["layout"]
-    checks = [(v["batch"] * v["m"] * v["n"] * op.dtype.itemsize, cap[op.id], f"{where}: output")]
-    operands = [("B", op.args[-1].src, v["k"], v["n"], v["ldb"], v["stride_b"], v["offset_b"], layout[2:] == "Rm")]
+    jb, _ = gemm_parts(op)
+    n_c = as_expr(p["n_out"]) if "epilogue" in p else v["n"]          # the columns the output holds
+    checks = [(v["batch"] * v["m"] * n_c * op.dtype.itemsize, cap[op.id], f"{where}: output")]
+    operands = [("B", op.args[jb].src, v["k"], v["n"], v["ldb"], v["stride_b"], v["offset_b"], layout[2:] == "Rm")]
     if "expr" not in p:                  # a fused prologue computes A inside the kernel: no buffer to check
         operands.insert(0, ("A", op.args[0].src, v["m"], v["k"], v["lda"], v["stride_a"], v["offset_a"],
                             layout[:2] == "Rm"))
