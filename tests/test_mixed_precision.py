@@ -14,6 +14,7 @@ from lum.builder.models import load_spec  # noqa: E402
 from lum.builder.models.generate import ReferenceModel  # noqa: E402
 from lum.builder.package_builder import build_package  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
+from lum.format.llir import gemm_parts  # noqa: E402
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 
@@ -33,11 +34,14 @@ def test_every_weight_gemm_is_mixed_and_no_weight_matrix_is_widened(bf16_package
             prog = pkg.programs[call.group]
             for op in prog.ops:
                 srcs = [prog.ops[a.src] for a in op.args]
-                if op.kind == "gemm" and srcs[-1].kind == "input":   # a weight (or the tied embedding, an ext input)
+                jb = gemm_parts(op)[0] if op.kind == "gemm" else 0      # B (after a prologue's leaves)
+                if op.kind == "gemm" and srcs[jb].kind == "input":   # a weight (or the tied embedding, an ext input)
                     weight_gemms += 1
-                    # A: its producer's buffer, or the root of a fused prologue (a decode GEMV's input)
+                    # A: its producer's buffer, or the root of a fused prologue (a decode GEMV's input);
+                    # the product in f32 (what a fused epilogue reads: its own dtype is the reader's)
                     a_dt = DType.parse(op.params["expr"][1]) if "expr" in op.params else srcs[0].dtype
-                    assert [a_dt, srcs[-1].dtype] == [DType.bf16, DType.bf16] and op.dtype == DType.f32, op
+                    acc = DType.parse(op.params["acc_dtype"]) if "epilogue" in op.params else op.dtype
+                    assert [a_dt, srcs[jb].dtype] == [DType.bf16, DType.bf16] and acc == DType.f32, op
                 if op.kind == "elementwise" and op.op == "Cast" and srcs[0].kind == "input" and op.dtype == DType.f32 \
                         and srcs[0].dtype == DType.bf16 \
                         and srcs[0].params.get("role") in ("weight", "ext") and len(srcs[0].shape) > 1:
