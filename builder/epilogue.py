@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-from lum.builder import costmodel
 from lum.builder.codegen import GEMV_MAX_ACC, gemv_rows
+from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
 from lum.format.llir import Arg, LOp, Program, gemm_parts, has_row_ops
 from lum.format.shapetracker import numel
@@ -84,40 +84,21 @@ def fuse_gemv_epilogues(program: Program) -> Program:
     """``program`` with each elementwise op that only reads its GEMV's output columns (and other buffers)
     computed by that GEMV (a new Program; op ids renumbered). Returns ``program`` itself when nothing
     fuses."""
-    readers: dict[int, list[LOp]] = {}
-    for o in program.ops:
-        for a in o.args:
-            readers.setdefault(a.src, []).append(o)
-    merged: dict[int, tuple[LOp, list, list[int], list[Arg]]] = {}   # elementwise op id -> (gemm, epilogue)
+    users_of = readers(program)
+    replace: dict[int, LOp] = {}                # the reader's id -> the GEMV computing it
     dropped: set[int] = set()
     for g in program.ops:
-        users = {o.id: o for o in readers.get(g.id, [])}
+        users = {o.id: o for o in users_of.get(g.id, [])}
         if g.kind != "gemm" or len(users) != 1:
             continue
         (e,) = users.values()
         fused = _epilogue(e, g)
-        if fused is not None:
-            merged[e.id] = (g, *fused)
-            dropped.add(g.id)
-    if not merged:
-        return program
-    new_id: dict[int, int] = {}
-    ops: list[LOp] = []
-    for o in program.ops:
-        if o.id in dropped:
+        if fused is None:
             continue
-        new_id[o.id] = len(ops)
-        if o.id in merged:
-            g, tree, cols, leaves = merged[o.id]
-            jb, _ = gemm_parts(g)
-            params = {**g.params, "epilogue": tree, "epilogue_leaves": len(leaves), "acc_cols": cols,
-                      "acc_dtype": g.dtype.value, "n_out": numel(o.shape)}
-            args = (*g.args[:jb + 1], *leaves)
-            o = LOp(o.id, "gemm", "Gemm", args, o.shape, o.dtype, params)
-        ops.append(LOp(len(ops), o.kind, o.op, tuple(Arg(new_id[a.src], a.view) for a in o.args), o.shape, o.dtype,
-                       o.params, o.alias, o.bytes, o.flops))
-    out = Program(program.name, ops)
-    for o in out.ops:
-        if o.kind == "gemm" and "epilogue" in o.params:
-            o.bytes, o.flops = costmodel.op_bytes(o, out), costmodel.op_flops(o)
-    return out
+        tree, cols, leaves = fused
+        jb, _ = gemm_parts(g)
+        params = {**g.params, "epilogue": tree, "epilogue_leaves": len(leaves), "acc_cols": cols,
+                  "acc_dtype": g.dtype.value, "n_out": numel(e.shape)}
+        replace[e.id] = LOp(e.id, "gemm", "Gemm", (*g.args[:jb + 1], *leaves), e.shape, e.dtype, params)
+        dropped.add(g.id)
+    return rewritten(program, dropped, replace) if replace else program

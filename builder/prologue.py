@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import os
 
-from lum.builder import costmodel
 from lum.builder.codegen import gemv_prologue_fits, gemv_rows
+from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
-from lum.format.llir import GEMM_DEFAULTS, Arg, LOp, Program, has_row_ops
+from lum.format.llir import GEMM_DEFAULTS, LOp, Program, has_row_ops
 
 __all__ = ["ENV_GEMV_PROLOGUE", "PROLOGUE_MAX_COLS", "gemv_prologues_enabled", "fuse_gemv_prologues"]
 
@@ -68,31 +68,18 @@ def _takes(gemm: LOp, producer: LOp) -> bool:
 def fuse_gemv_prologues(program: Program) -> Program:
     """``program`` with each GEMV input that only GEMVs read computed in those GEMVs (a new Program;
     op ids renumbered). Returns ``program`` itself when nothing fuses."""
-    readers: dict[int, list[LOp]] = {}
-    for o in program.ops:
-        for a in o.args:
-            readers.setdefault(a.src, []).append(o)
+    users_of = readers(program)
     fused: dict[int, LOp] = {}                  # producer id -> the op (its tree goes into its readers)
     for o in program.ops:
-        users = readers.get(o.id, [])
+        users = users_of.get(o.id, [])
         if users and _tree(o) is not None and all(_takes(u, o) for u in users):
             fused[o.id] = o
     if not fused:
         return program
-    new_id: dict[int, int] = {}
-    ops: list[LOp] = []
+    replace = {}
     for o in program.ops:
-        if o.id in fused:
-            continue
-        new_id[o.id] = len(ops)
-        args, params = o.args, o.params
         if o.kind == "gemm" and o.args[0].src in fused:
             f = fused[o.args[0].src]
-            args, params = (*f.args, o.args[1]), {**o.params, "expr": _tree(f)}
-        ops.append(LOp(len(ops), o.kind, o.op, tuple(Arg(new_id[a.src], a.view) for a in args), o.shape, o.dtype,
-                       params, o.alias, o.bytes, o.flops))
-    out = Program(program.name, ops)
-    for o in out.ops:
-        if o.kind == "gemm" and "expr" in o.params:
-            o.bytes, o.flops = costmodel.op_bytes(o, out), costmodel.op_flops(o)
-    return out
+            replace[o.id] = LOp(o.id, o.kind, o.op, (*f.args, o.args[1]), o.shape, o.dtype,
+                                {**o.params, "expr": _tree(f)}, o.alias)
+    return rewritten(program, set(fused), replace)
