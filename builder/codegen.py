@@ -85,7 +85,6 @@ ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip",
 KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention", "gemm")
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
-RESIDENT_THREADS = 132 * 2048                    # threads resident at once on an H200 (132 SMs x 2,048)
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
@@ -1583,7 +1582,7 @@ class _Gen:
             tuning["epilogue"] = len(acc_cols)
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
-            cap = max(1, min(self.max_blocks, RESIDENT_THREADS // self.threads))
+            cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
