@@ -35,7 +35,8 @@ set_log_tag("profile-decode")
 
 
 def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
-    """Kernel name -> its op (kind, op, shape, dtype) and the bytes it moves per launch at ``dyn``."""
+    """Kernel name -> its op (kind, op, shape, dtype) and the bytes it moves per launch at ``dyn``; a GEMV
+    with a fused prologue / epilogue is op ``Gemm+prologue`` / ``Gemm+epilogue`` / both."""
     out: dict[str, dict] = {}
     for call in pkg.entry(entry).calls:
         table = pkg.manifest.groups[call.group].table
@@ -45,8 +46,10 @@ def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
         by_id = {o.id: o for o in prog.ops}
         for k in table.ops:
             op = by_id[k.op]
+            fused = [name for name, key in (("prologue", "expr"), ("epilogue", "epilogue"))
+                     if op.kind == "gemm" and key in op.params]           # a GEMV computing its input / reader
             info = out.setdefault(k.name, {
-                "kind": op.kind, "op": op.op, "dtype": op.dtype.value,
+                "kind": op.kind, "op": "+".join([op.op, *fused]), "dtype": op.dtype.value,
                 "shape": [str(d) for d in op.shape], "bytes": int(op.bytes.evaluate(dyn)), "calls": 0})
             info["calls"] += 1
             for lc in k.launches:

@@ -91,10 +91,10 @@ Precise semantics (what :mod:`lum.loader.reference_backend` executes):
   (a stride of 0 broadcasts that operand over the batch); ``ldc``, if given, must be ``n`` and
   ``stride_c`` ``m*n``. Any param may be an int or an Expr over dyn vars.
   With ``params["expr"]`` (a fused prologue, LLIR version 3) A is computed, not read: A's buffer is that
-  Fused expression tree over the leaves ``args[:-1]`` (every leaf view of one shape D; row reductions
+  Fused expression tree over the leaves before B (``args[:-1]`` without an epilogue; every leaf view of one shape D; row reductions
   over D's last axis), laid out row-major over D, every node rounded and the root rounded to its own
-  dtype (A's dtype); the params address that buffer as they would address A's producer, and ``B =
-  args[-1]``. A decode GEMV recomputes its input's RMSNorm this way, in each block.
+  dtype (A's dtype); the params address that buffer as they would address A's producer, and B is the
+  arg after the leaves. A decode GEMV recomputes its input's RMSNorm this way, in each block.
   With ``params["epilogue"]`` (a fused epilogue, LLIR version 3) the op's buffer is not C but that
   Fused tree over C: its last ``params["epilogue_leaves"]`` (L) args are ordinary leaves (``["arg",
   k]`` reads ``args[len(args) - L + k]``, a view of the op's shape), and ``["acc", t]`` reads ``C[b, i,

@@ -32,3 +32,6 @@ def test_every_decode_kernel_maps_to_its_op(tmp_path):
     gemvs = [i for i in ops.values() if i["kind"] == "gemm"]
     # the stacked q/k/v and gate/up weights read by one GEMV each, plus o, down, q·k, p·v, lm head
     assert gemvs and max(i["bytes"] for i in gemvs) >= spec.config.vocab_size * spec.config.hidden_size * 2
+    # GEMVs computing their input (the norms) or their reader (gelu·up) are labelled as such
+    labels = {i["op"] for i in gemvs}
+    assert {"Gemm", "Gemm+prologue"} <= labels and any(x.endswith("+epilogue") for x in labels), labels
