@@ -182,10 +182,13 @@ def weight_bytes_of(model) -> int:
 
 
 def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str, timeout: float, log_path: Path,
-                  env: dict[str, str] | None = None):
-    """``lum build`` in a subprocess (``env``: extra environment variables for it); (seconds, error)."""
+                  env: dict[str, str] | None = None, budget: int = 0):
+    """``lum build`` in a subprocess (``env``: extra environment variables for it; ``budget``: measured-search
+    evaluations per group, 0 for the cost model); (seconds, error)."""
     cmd = [sys.executable, "-c", "import sys; from lum.loader.cli import main; main(sys.argv[1:])", "build",
            str(hf_dir), "-o", str(pkg), "--dtype", dtype, "--max-seq", str(max_seq), "--target", target]
+    if budget:
+        cmd += ["--budget", str(budget)]
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         try:

@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py --model gemma3-4b --dtype bf16 --steps 128 [--systems lum,hf-eager,hf-compile]
                                 [--out DIR] [--prompt-len 16] [--warmup 16] [--max-seq 512] [--time-limit 470]
-                                [--workdir DIR --keep] [--hf-dir DIR] [--pkg FILE]
+                                [--workdir DIR --keep] [--hf-dir DIR] [--pkg FILE] [--budget N]
 
 What it does, in one run on one GPU:
 
@@ -391,6 +391,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-seq", type=int, default=512, help="package max_seq and HF static cache length")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--budget", type=int, default=0, metavar="N",
+                    help="lum build --budget N: measured search of N candidates per group (kernel tuning "
+                         "per shape; needs the GPU, is slower to build); 0: the cost model")
     add_run_args(ap, 470.0, "reuse this package instead of building one")
     return ap.parse_args(argv)
 
@@ -410,6 +413,7 @@ def main(argv=None) -> int:
     max_seq = max(args.max_seq, need)
     result, out_path, workdir = new_record(
         "decode", args, {"model": args.model, "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
+                         "budget": args.budget,
                          "prompt_len": args.prompt_len, "max_seq": max_seq, "batch": 1, "greedy": True},
         copy_GBps=None)
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "tok_per_s": None, "weight_bytes": None,
@@ -478,7 +482,7 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             left = deadline - time.perf_counter()
             log(f"lum build{' with ' + ' '.join(f'{k}={v}' for k, v in env_key) if env_key else ''} → {pkg}")
             build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, min(BUILD_CAP_S, left - 30),
-                                         workdir / f"log-build{tag}.txt", env=dict(env_key))
+                                         workdir / f"log-build{tag}.txt", env=dict(env_key), budget=args.budget)
             if err:
                 for r in lum_rows:
                     r["error"] = err

@@ -29,10 +29,11 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 
 @pytest.mark.slow
 def test_decode_benchmark_smoke(tmp_path):
-    d = _run(tmp_path, "--systems", "lum,lum-noprologue,hf-eager", "--lum-backend", "reference")
+    d = _run(tmp_path, "--systems", "lum,lum-noprologue,hf-eager", "--lum-backend", "reference", "--budget", "2")
     for key in ("commit", "gpu", "driver", "date", "copy_GBps", "rows"):
         assert key in d
     assert d["commit"] == "test" and d["copy_GBps"] > 0
+    assert d["config"]["budget"] == 2          # passed to lum build (no GPU here: it notes the cost model)
     rows = {r["system"]: r for r in d["rows"]}
     assert set(rows) == {"lum", "lum-noprologue", "hf-eager"}
     for r in rows.values():
