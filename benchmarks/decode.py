@@ -66,6 +66,7 @@ LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprolog
                "lum-noepilogue": {}}                                               # their session options
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}}
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)
 BUILD_CAP_S = 240.0
 
 
@@ -390,7 +391,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=16, help="untimed decode steps before timing")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-seq", type=int, default=512, help="package max_seq and HF static cache length")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default: %(default)s; the others each build "
+                         "a package of their own)")
     ap.add_argument("--budget", type=int, default=0, metavar="N",
                     help="lum build --budget N: measured search of N candidates per group (kernel tuning "
                          "per shape; needs the GPU, is slower to build); 0: the cost model")
