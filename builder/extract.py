@@ -478,12 +478,11 @@ def _set_bytes_flops(lop: LOp, arg_dtypes: list[DType | None]) -> None:
     lop.bytes, lop.flops = costmodel.op_bytes(lop, stub), costmodel.op_flops(lop)
 
 
-def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None,
-          gemv_prologues: bool | None = None) -> Program:
-    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere). ``gemv_prologues``
-    (default: on unless ``$LUM_GEMV_PROLOGUE`` is 0): decode GEMVs compute their input vectors
-    (:mod:`lum.builder.prologue`); unless ``$LUM_GEMV_EPILOGUE`` is 0 the gate-up GEMV stores the gated
-    activation (:mod:`lum.builder.epilogue`)."""
+def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None) -> Program:
+    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere). Unless
+    ``$LUM_GEMV_PROLOGUE`` is 0, decode GEMVs compute their input norms (:mod:`lum.builder.prologue`);
+    unless ``$LUM_GEMV_EPILOGUE`` is 0, a GEMV stores its one elementwise reader's value, gate-up the
+    gated activation (:mod:`lum.builder.epilogue`)."""
     choice = choice or {}
     cycle = check_acyclic(sat, choice)
     if cycle is not None:
@@ -532,9 +531,7 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
                   {"name": hn.attrs["name"], "role": hn.attrs.get("role", "output")})
         ops.append(lop)
     program = Program(name or g.name, ops)
-    if gemv_prologues is None:
-        gemv_prologues = prologue.gemv_prologues_enabled()
-    if gemv_prologues:
+    if prologue.gemv_prologues_enabled():
         program = prologue.fuse_gemv_prologues(program)
     if epilogue.gemv_epilogues_enabled():
         program = epilogue.fuse_gemv_epilogues(program)
