@@ -72,8 +72,8 @@ from typing import Any, Callable, Mapping, Sequence
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
-                             attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_parts,
-                             has_row_ops)
+                             attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
+                             gemm_parts, has_row_ops)
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -582,7 +582,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits not in (None, 32, 64):
         raise CodegenError(f"index_bits is None (auto), 32 or 64, got {index_bits!r}")
     dts = _arg_dtypes(op, arg_dtypes)
-    if op.kind == "gemm" and ("expr" in op.params or "epilogue" in op.params):   # no library fallback
+    if gemm_fused(op):                                 # no library fallback
         if any(d not in GEMV_DTYPES for d in (dts[gemm_parts(op)[0]], op.dtype)):
             raise CodegenError(f"a fused gemm's B and output must be one of {[d.value for d in GEMV_DTYPES]}")
     elif op.kind == "gemm" and any(d not in GEMV_DTYPES for d in (*dts, op.dtype)):

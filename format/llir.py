@@ -199,7 +199,7 @@ class Program:
         """The lowest LLIR version that holds this program: 3 when a gemm has a fused prologue or epilogue; 2 when a
         Fused tree has row reductions, a scatter has a fused prologue or an attention op is there; else 1,
         so a loader that reads only an older version still opens every program that needs nothing newer."""
-        if any(o.kind == "gemm" and ("expr" in o.params or "epilogue" in o.params) for o in self.ops):
+        if any(gemm_fused(o) for o in self.ops):
             return 3
         return 2 if any(o.kind == "attention" or ("expr" in o.params and (
             o.kind in ("scatter", "scatter_nocopy") or has_row_ops(o.params["expr"]))) for o in self.ops) else 1
@@ -280,9 +280,8 @@ def has_row_ops(expr: Any) -> bool:
 def has_expr_params(op: LOp) -> bool:
     """Whether :func:`check_params` has something to check for ``op``; its args then are the expr's leaves
     (and, for a scatter, dest and idx around them) rather than a fixed arity."""
-    return (op.kind == "elementwise" and op.op == "Fused") or op.kind == "attention" or \
-        (op.kind in ("reduce", "scatter", "scatter_nocopy", "gemm") and "expr" in op.params) or \
-        (op.kind == "gemm" and "epilogue" in op.params)
+    return (op.kind == "elementwise" and op.op == "Fused") or op.kind == "attention" or gemm_fused(op) or \
+        (op.kind in ("reduce", "scatter", "scatter_nocopy") and "expr" in op.params)
 
 
 def check_params(op: LOp, version: int, where: str) -> None:
@@ -297,7 +296,7 @@ def check_params(op: LOp, version: int, where: str) -> None:
         check_row_reduce(op, where)
     elif op.kind in ("scatter", "scatter_nocopy") and "expr" in op.params:
         check_scatter_prologue(op, version, where)
-    elif op.kind == "gemm" and ("expr" in op.params or "epilogue" in op.params):
+    elif gemm_fused(op):
         check_gemm_fusion(op, version, where)
     elif op.kind == "attention":
         if version < 2:
@@ -315,6 +314,11 @@ def check_scatter_prologue(op: LOp, version: int, where: str) -> None:
     check_expr(op.params["expr"], len(op.args) - 2, None, where)
     if has_row_ops(op.params["expr"]) and len(op.shape) < 2:
         raise ValueError(f"{where}: row reductions in a scatter prologue need a dest of at least 2 dims")
+
+
+def gemm_fused(op: LOp) -> bool:
+    """A gemm with a fused prologue or epilogue (version 3): only lum's GEMV kernel runs it, never a library."""
+    return op.kind == "gemm" and ("expr" in op.params or "epilogue" in op.params)
 
 
 def gemm_parts(op: LOp) -> tuple[int, int]:

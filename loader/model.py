@@ -22,7 +22,7 @@ import numpy as np
 from lum.format.dtypes import DType
 from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import Expr
-from lum.format.llir import Program
+from lum.format.llir import Program, gemm_fused
 from lum.format.manifest import KERNEL_OP_KINDS, Entry, Manifest
 from lum.format.package import PackageReader, open_package
 from lum.format.shapetracker import numel
@@ -94,7 +94,7 @@ class Package:
             table = ref.table.by_op()
             for op in prog.ops:
                 k = table.pop(op.id, None)
-                if op.kind in KERNEL_OP_KINDS or (op.kind == "gemm" and (k is not None or "expr" in op.params)):
+                if op.kind in KERNEL_OP_KINDS or (op.kind == "gemm" and (k is not None or gemm_fused(op))):
                     if k is None:
                         raise PackageFormatError(f"group {i}: LLIR op {op.id} ({op.kind}) has no kernel in the "
                                                  "launch table")

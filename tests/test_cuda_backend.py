@@ -119,19 +119,22 @@ def test_manifest_rejects_bad_launch_tables(tiny_pkg, mutate, match):
         Manifest.from_json(_manifest_with(tiny_pkg, mutate), set(tiny_pkg.reader.names()))
 
 
-@needs_nvrtc
-def test_loader_checks_launch_table_against_llir(tiny_pkg, tmp_path):
+def _repacked(pkg, manifest: dict, path):
+    """``pkg``'s sections under another manifest, written to ``path``."""
     from lum.format.package import PackageWriter
 
+    w = PackageWriter()
+    for s in pkg.reader.sections:
+        if s.name != "manifest":
+            w.add_section(s.name, pkg.reader.section_bytes(s.name), codec=s.codec, kind=s.kind, required=s.required)
+    w.set_manifest(manifest)
+    return w.write(path)
+
+
+@needs_nvrtc
+def test_loader_checks_launch_table_against_llir(tiny_pkg, tmp_path):
     def rewrite(mutate, name):
-        d = _manifest_with(tiny_pkg, mutate)
-        w = PackageWriter()
-        for s in tiny_pkg.reader.sections:
-            if s.name != "manifest":
-                w.add_section(s.name, tiny_pkg.reader.section_bytes(s.name), codec=s.codec, kind=s.kind,
-                              required=s.required)
-        w.set_manifest(d)
-        return w.write(tmp_path / name)
+        return _repacked(tiny_pkg, _manifest_with(tiny_pkg, mutate), tmp_path / name)
 
     first = tiny_pkg.manifest.groups[1].table.ops[0].op
     bad = rewrite(lambda t, d: t["ops"].pop(0), "missing.lumpkg")
@@ -145,6 +148,22 @@ def test_loader_checks_launch_table_against_llir(tiny_pkg, tmp_path):
         lum.loader.open(bad)
     ok = rewrite(lambda t, d: None, "same.lumpkg")
     lum.loader.open(ok).close()
+
+
+@needs_nvrtc
+def test_a_fused_gemm_without_its_kernel_is_rejected(tiny_pkg, tmp_path):
+    """A gemm with a prologue or an epilogue has no library fallback: a launch table without its kernel is
+    a format error, as for any kernel op (a plain gemm may leave its table entry out: cuBLASLt)."""
+    from lum.format.llir import gemm_fused
+
+    fused = [(g, o) for g, prog in enumerate(tiny_pkg.programs) for o in prog.ops if gemm_fused(o)]
+    assert {"expr" in o.params for _, o in fused} == {True, False}       # prologue-only and epilogue GEMVs
+    for g, o in fused:
+        d = copy.deepcopy(tiny_pkg.manifest.to_json())
+        table = d["groups"][g]["kernels"]
+        table["ops"] = [k for k in table["ops"] if k["op"] != o.id]
+        with pytest.raises(PackageFormatError, match=f"op {o.id} .* has no kernel"):
+            lum.loader.open(_repacked(tiny_pkg, d, tmp_path / f"g{g}-{o.id}.lumpkg"))
 
 
 def test_launch_table_is_pure_and_follows_the_convention():
