@@ -476,9 +476,13 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             "lum_backend": args.lum_backend}
 
     # 3. the lum packages (one per build environment: the default one serves lum and lum-serial)
+    by_env: dict[tuple, list[str]] = {}        # build environment -> the lum systems its package serves
+    for s in LUM_OPTIONS:
+        if s in rows:
+            by_env.setdefault(tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())), []).append(s)
     pkgs = {}
-    for env_key in dict.fromkeys(tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())) for s in LUM_OPTIONS if s in rows):
-        lum_rows = [rows[s] for s in LUM_OPTIONS if s in rows and tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())) == env_key]
+    for env_key, names in by_env.items():
+        lum_rows = [rows[s] for s in names]
         tag = "".join(f"-{k.lower()}{v}" for k, v in env_key)
         pkg = Path(args.pkg) if args.pkg and not env_key else workdir / f"{args.model}-{args.dtype}{tag}.lumpkg"
         if not pkg.exists():
@@ -494,10 +498,9 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
                 result["timings_s"]["lum_build" + tag.replace("-", "_")] = round(build_s, 1)
                 lum_rows[0]["build_s"] = round(build_s, 1)
         if pkg.exists():
-            for s in LUM_OPTIONS:
-                if s in rows and rows[s] in lum_rows:
-                    pkgs[s] = str(pkg)
-                    rows[s]["package_bytes"] = pkg.stat().st_size
+            for s in names:
+                pkgs[s] = str(pkg)
+                rows[s]["package_bytes"] = pkg.stat().st_size
 
     # 4. the systems, each in its own process
     outputs = run_systems(rows, CAP_S, deadline, args.time_limit,
