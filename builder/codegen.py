@@ -136,6 +136,7 @@ class KernelSource:
     dyn_vars: tuple[str, ...]                    # the slot order of the dyn buffer
     dyn_slots: dict[str, int]                    # vars this kernel reads -> slot
     tuning: dict[str, Any] = field(default_factory=dict)
+    tails: tuple[int, ...] = ()                  # op ids its last block runs (builder/tail.py), in order
 
     @property
     def grid(self) -> tuple[Expr, Expr, Expr]:
@@ -161,6 +162,7 @@ class KernelSource:
             "params": [{"name": p.name, "role": p.role, "index": p.index,
                         "dtype": None if p.dtype is None else p.dtype.value} for p in self.params],
             "dyn_vars": list(self.dyn_vars), "dyn_slots": dict(self.dyn_slots), "tuning": dict(self.tuning),
+            **({"tails": list(self.tails)} if self.tails else {}),
         }
 
 

@@ -12,22 +12,26 @@ so rebuilding a model (or the test suite) re-runs NVRTC only for groups whose ke
 
 The launch table (schema in :mod:`lum.format.manifest`) is everything the loader needs to launch a
 kernel op without codegen: kernel names, grid expressions as text, block, dynamic shared memory,
-the parameter order (``out, in0 … in{n-1}, dyn`` — ``inK`` is the buffer of ``op.args[K]``), the
-dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the tuning parameters used.
+the parameter order (``out, in0 … in{n-1}, dyn`` — ``inK`` is the buffer of ``op.args[K]`` — then,
+for a kernel whose last block runs the ops after it (:mod:`lum.builder.tail`), ``out@T, in0@T …``
+per tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the
+tuning parameters used.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from lum.builder.codegen import KernelSource, generate_program, module_source
 from lum.format.llir import Program
 
-__all__ = ["KERNEL_TABLE_VERSION", "GroupKernels", "launch_table", "compile_group_kernels", "program_dyn_vars",
-           "default_max_dyn"]
+__all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table", "group_kernel_sources",
+           "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
 
 KERNEL_TABLE_VERSION = 1
+TAIL_TABLE_VERSION = 2            # a table with kernel tails (older loaders refuse it)
 
 
 @dataclass
@@ -70,6 +74,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
     """The JSON launch table of a program's kernel ops (pure: no NVRTC). Section names (``cubin``,
     ``ptx``) are left for the package builder to fill in."""
     ops = []
+    by_id = {op.id: op for op in program.ops}
     for op in program.ops:
         ks = sources.get(op.id)
         if ks is None:
@@ -78,18 +83,37 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             raise ValueError(f"op {op.id}: kernel compiled for dyn slots {list(ks.dyn_vars)}, not {list(dyn_vars)}")
         params = [p.name for p in ks.params]
         want = ["out"] + [f"in{k}" for k in range(len(op.args))] + ["dyn"]
+        for j, t in enumerate(ks.tails):
+            want += [f"t{j}_out"] + [f"t{j}_in{k}" for k in range(len(by_id[t].args))]
         if params != want:
             raise ValueError(f"op {op.id}: kernel parameters {params} do not follow the convention {want}")
-        ops.append({
+        entry = {
             "op": op.id, "kind": op.kind, "name": ks.name,
             "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
                           "shared_mem": int(lc.shared_mem)} for lc in ks.launches],
-            "params": params,
+            "params": [re.sub(r"^t(\d+)_(.*)$", lambda m: f"{m.group(2)}@{ks.tails[int(m.group(1))]}", p)
+                       for p in params],
             "dyn_slots": dict(ks.dyn_slots),
             "tuning": {k: v for k, v in sorted(ks.tuning.items())},
-        })
-    return {"version": KERNEL_TABLE_VERSION, "arch": arch, "dyn_vars": list(dyn_vars),
+        }
+        if ks.tails:
+            entry["tail"] = list(ks.tails)
+        ops.append(entry)
+    version = TAIL_TABLE_VERSION if any("tail" in o for o in ops) else KERNEL_TABLE_VERSION
+    return {"version": version, "arch": arch, "dyn_vars": list(dyn_vars),
             "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops}
+
+
+def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None,
+                         tuning: Mapping[str, Any] | None = None) -> dict[int, KernelSource]:
+    """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning``, then the
+    kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``)."""
+    from lum.builder.tail import fuse_tails, kernel_tails_enabled
+
+    gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, **dict(tuning or {}))
+    if kernel_tails_enabled():
+        gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning)
+    return {i: ks for i, ks in gen.items() if ks is not None}
 
 
 def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,
@@ -107,8 +131,7 @@ def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Se
         dyn_vars = program_dyn_vars([program])
     dyn_vars = list(dyn_vars)
     max_dyn = {k: int(v) for k, v in (max_dyn or {}).items() if k in dyn_vars}
-    gen = generate_program(program, dyn_vars, max_dyn=max_dyn or None, **dict(tuning or {}))
-    sources = {i: ks for i, ks in gen.items() if ks is not None}
+    sources = group_kernel_sources(program, dyn_vars, max_dyn, tuning)
     table = launch_table(program, sources, arch=arch, dyn_vars=dyn_vars, max_dyn=max_dyn)
     version = "%d.%d" % nvrtc.nvrtc_version()
     if not sources:

@@ -11,7 +11,7 @@ with one line, so a corrupt or hostile manifest never reaches the runtime.
 (``sm_<digits>`` with an optional ``a``/``f`` feature suffix) and, when kernels were compiled, the
 NVRTC version that compiled them (a driver older than its major version cannot load them).
 
-**Kernel tables** (``groups[k].kernels``, schema version 1). An empty object means the group's
+**Kernel tables** (``groups[k].kernels``, schema version 1, or 2 when a kernel has tails). An empty object means the group's
 kernels were not compiled (``BuildOptions.compile_kernels=False``); the CUDA backend then refuses
 the package and the reference backend runs it. Otherwise::
 
@@ -34,8 +34,12 @@ the package and the reference backend runs it. Otherwise::
 A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1); launches of one op
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
-``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Every op of a KERNEL_OP_KINDS kind has
-an entry; a ``gemm`` op has one when lum's own kernel runs it (a small static m, see
+``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Version 2 adds **kernel tails**
+(:mod:`lum.builder.tail`): an op entry with ``"tail": [14, 16]`` is a kernel whose last block also
+runs LLIR ops 14 and 16 (in that order, after the op itself), so they have no entry of their own; its
+``params`` go on with ``"out@14", "in0@14", …, "out@16", …``, the tails' buffers by the same rules. A
+tail op must follow its head in the program with no kernel op or library call between them. Every op
+of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs it (a small static m, see
 :func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call described by the LLIR
 alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build
 time (``lum.builder.gemm_algos``)::
@@ -63,6 +67,7 @@ from lum.format.expr import Expr, ExprParseError, parse
 SCHEMA = "lum.model"
 SCHEMA_VERSION = 1
 KERNEL_TABLE_VERSION = 1
+TAIL_TABLE_VERSION = 2              # adds kernel tails (an op entry's ``tail``)
 # kinds that are always kernels
 KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention")
 TABLE_OP_KINDS = KERNEL_OP_KINDS + ("gemm",)   # kinds a launch table may hold (a gemm: when not cuBLASLt)
@@ -74,6 +79,17 @@ GEMM_ALGO_DIMS = ("m", "n", "k", "batch")
 MAX_BLOCK_THREADS = 1024
 MAX_SHARED_MEM = 227 * 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
+
+
+def _kernel_params(params: tuple[str, ...], tail: tuple[int, ...]) -> tuple[str, ...]:
+    """The parameter list a kernel with these tails must have, its arities read from ``params``
+    (a malformed list gives one that differs from it)."""
+    n_in = params.index("dyn") - 1 if "dyn" in params else 0
+    want = ("out",) + tuple(f"in{k}" for k in range(n_in)) + ("dyn",)
+    for t in tail:
+        n_t = sum(1 for p in params if p.startswith("in") and p.partition("@")[2] == str(t))
+        want += (f"out@{t}",) + tuple(f"in{k}@{t}" for k in range(n_t))
+    return want
 
 
 @dataclass(frozen=True)
@@ -139,9 +155,19 @@ class KernelOp:
     kind: str
     name: str
     launches: tuple[KernelLaunch, ...]
-    params: tuple[str, ...]                  # "out", "in0" …, "dyn"
+    params: tuple[str, ...]                  # "out", "in0" …, "dyn", then "out@T", "in0@T" … per tail T
     dyn_slots: dict[str, int] = field(default_factory=dict, compare=False)
     tuning: dict[str, Any] = field(default_factory=dict, compare=False)
+    tail: tuple[int, ...] = ()               # LLIR ops its last block runs after it, in order (version 2)
+
+    def tail_arities(self) -> tuple[int, ...]:
+        """Buffers each tail op takes (its ``in@T`` parameters)."""
+        return tuple(sum(1 for p in self.params if p.startswith("in") and p.partition("@")[2] == str(t))
+                     for t in self.tail)
+
+    @property
+    def head_params(self) -> tuple[str, ...]:
+        return self.params[:self.params.index("dyn") + 1]
 
 
 @dataclass(frozen=True)
@@ -309,9 +335,10 @@ class _Parser:
             self.integer(t["cublaslt_version"], "target.cublaslt_version", 1)
 
     def kernel_table(self, d: dict, where: str, target: dict) -> KernelTable:
-        if d.get("version") != KERNEL_TABLE_VERSION:
-            raise self.fail(where + ".version", f"unsupported kernel table version {d.get('version')!r} "
-                                                f"(this loader reads {KERNEL_TABLE_VERSION})")
+        version = d.get("version")
+        if version not in (KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION):
+            raise self.fail(where + ".version", f"unsupported kernel table version {version!r} "
+                                                f"(this loader reads {KERNEL_TABLE_VERSION} and {TAIL_TABLE_VERSION})")
         arch = self.string(d.get("arch"), where + ".arch")
         if not SM_RE.fullmatch(arch):
             raise self.fail(where + ".arch", f"expected an architecture like 'sm_90', found {arch!r}")
@@ -329,6 +356,7 @@ class _Parser:
                 raise self.fail(where + ".max_dyn", f"bound for {k!r}, which is not in dyn_vars")
             max_dyn[k] = self.integer(v, f"{where}.max_dyn[{k!r}]")
         ops: list[KernelOp] = []
+        tails_seen: set[int] = set()
         for j, o in enumerate(self.lst(d.get("ops"), where + ".ops")):
             ow = f"{where}.ops[{j}]"
             o = self.obj(o, ow)
@@ -360,20 +388,37 @@ class _Parser:
                 name = self.ident(lc.get("kernel"), lw + ".kernel")
                 launches.append(KernelLaunch(name, grid, block, shared))  # type: ignore[arg-type]
             params = tuple(self.string(x, ow + ".params") for x in self.lst(o.get("params"), ow + ".params"))
-            n_in = len(params) - 2
-            if n_in < 0 or params != ("out",) + tuple(f"in{k}" for k in range(n_in)) + ("dyn",):
-                raise self.fail(ow + ".params", f"expected ['out', 'in0', …, 'dyn'], found {list(params)}")
+            tail = self.tail(o, ow, op_id, version, tails_seen)
+            if params != _kernel_params(params, tail):
+                raise self.fail(ow + ".params", "expected ['out', 'in0', …, 'dyn'] then ['out@T', 'in0@T', …] per "
+                                                f"tail op T, found {list(params)}"[:300])
             slots = {}
             for k, v in self.obj(o.get("dyn_slots", {}), ow + ".dyn_slots").items():
                 if k not in dyn_vars or v != dyn_vars.index(k):
                     raise self.fail(ow + ".dyn_slots", f"slot of {k!r} disagrees with dyn_vars {list(dyn_vars)}")
                 slots[k] = v
             ops.append(KernelOp(op_id, kind, self.string(o.get("name"), ow + ".name"), tuple(launches), params,
-                                slots, self.obj(o.get("tuning", {}), ow + ".tuning")))
+                                slots, self.obj(o.get("tuning", {}), ow + ".tuning"), tail))
+        clash = tails_seen & {k.op for k in ops}
+        if clash:
+            raise self.fail(where + ".ops", f"op {min(clash)} is both a kernel of its own and another's tail")
         if ops and cubin is None:
             raise self.fail(where + ".cubin", "the table has kernels but names no cubin section")
         gemms = self.gemm_algos(d["gemms"], where + ".gemms", target) if "gemms" in d else ()
         return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms)
+
+    def tail(self, o: dict, where: str, op_id: int, version: Any, seen: set[int]) -> tuple[int, ...]:
+        if "tail" not in o:
+            return ()
+        if version != TAIL_TABLE_VERSION:
+            raise self.fail(where + ".tail", f"kernel tails need table version {TAIL_TABLE_VERSION}")
+        ids = tuple(self.integer(x, where + ".tail") for x in self.lst(o["tail"], where + ".tail"))
+        if not ids or any(b <= a for a, b in zip((op_id,) + ids, ids)):
+            raise self.fail(where + ".tail", f"expected op ids after {op_id}, increasing, found {list(ids)}"[:200])
+        if seen & set(ids):
+            raise self.fail(where + ".tail", f"op {min(seen & set(ids))} is the tail of two kernels")
+        seen.update(ids)
+        return ids
 
     def gemm_algos(self, v: Any, where: str, target: dict) -> tuple[GemmAlgo, ...]:
         if "cublaslt_version" not in target:

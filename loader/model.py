@@ -92,19 +92,40 @@ class Package:
             if ref.table is None:
                 continue
             table = ref.table.by_op()
+            pending: list[int] = []            # the tails the last head has still to reach, in order
+            arity: dict[int, int] = {}
             for op in prog.ops:
                 k = table.pop(op.id, None)
+                if op.kind in ("input", "constant", "output"):
+                    if k is not None:
+                        raise PackageFormatError(f"group {i}: the launch table has a kernel for LLIR op {op.id}, "
+                                                 f"a {op.kind} op")
+                    continue
+                if pending:                    # a head's tails come next, before any other device work
+                    if op.id != pending[0] or k is not None or op.kind not in KERNEL_OP_KINDS:
+                        raise PackageFormatError(f"group {i}: LLIR op {pending[0]}, a kernel tail, must be the "
+                                                 f"kernel op right after its head (found op {op.id}, {op.kind})")
+                    if arity.pop(op.id) != len(op.args):
+                        raise PackageFormatError(f"group {i}: the launch table passes a wrong number of buffers "
+                                                 f"to tail op {op.id} ({op.kind}, {len(op.args)} arguments)")
+                    pending.pop(0)
+                    continue
                 if op.kind in KERNEL_OP_KINDS or (op.kind == "gemm" and (k is not None or gemm_fused(op))):
                     if k is None:
                         raise PackageFormatError(f"group {i}: LLIR op {op.id} ({op.kind}) has no kernel in the "
                                                  "launch table")
-                    if k.kind != op.kind or len(k.params) != len(op.args) + 2:
+                    if k.kind != op.kind or len(k.head_params) != len(op.args) + 2:
                         raise PackageFormatError(f"group {i}: the launch table's op {op.id} ({k.kind}, "
-                                                 f"{len(k.params) - 2} buffers) does not match the LLIR "
+                                                 f"{len(k.head_params) - 2} buffers) does not match the LLIR "
                                                  f"({op.kind}, {len(op.args)} arguments)")
+                    pending = list(k.tail)
+                    arity = dict(zip(k.tail, k.tail_arities()))
                 elif k is not None:
                     raise PackageFormatError(f"group {i}: the launch table has a kernel for LLIR op {op.id}, "
                                              f"a {op.kind} op")
+            if pending:
+                raise PackageFormatError(f"group {i}: the launch table names tail op {pending[0]}, which does not "
+                                         "follow its head")
             if table:
                 raise PackageFormatError(f"group {i}: the launch table names LLIR ops {sorted(table)[:5]} that "
                                          "do not exist")

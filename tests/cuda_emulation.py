@@ -49,6 +49,8 @@ static const std::function<void()>* lum_fn = nullptr;
 static unsigned lum_cur = 0;
 static void lum_yield() { swapcontext(&lum_ctx[lum_cur], &lum_sched); }
 static void __syncthreads() { lum_yield(); }
+static void __threadfence() {}   // blocks run one after another: every store is already visible
+static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
@@ -62,7 +64,7 @@ template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int
 }
 static void lum_entry() { (*lum_fn)(); lum_done[lum_cur] = 1; }
 static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std::function<void()>& fn) {
-  gridDim.x = grid; blockDim.x = block;
+  gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   if (!threaded) {   // no barriers or shuffles: the threads of a block can run one after another
     for (unsigned b = 0; b < grid; ++b)
       for (unsigned t = 0; t < block; ++t) { threadIdx.x = t; blockIdx.x = b; fn(); }
@@ -135,16 +137,16 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
 
 def package_kernel_sources(pkg: Any) -> list[KernelSource]:
     """Regenerate a package's kernels from its LLIR and launch tables (same sources, so same names)."""
-    from lum.builder.codegen import generate_program
+    from lum.builder.kernels import group_kernel_sources
 
     out = []
     for ref, prog in zip(pkg.manifest.groups, pkg.programs):
         t = ref.table
         if t is None or not t.ops:
             continue
-        gen = generate_program(prog, list(t.dyn_vars), max_dyn=dict(t.max_dyn) or None)   # default tuning
+        gen = group_kernel_sources(prog, list(t.dyn_vars), dict(t.max_dyn))   # default tuning
         for k in t.ops:
-            ks = gen[k.op]
+            ks = gen.get(k.op)
             if ks is None or [lc.kernel for lc in ks.launches] != [lc.kernel for lc in k.launches]:
                 raise RuntimeError(f"op {k.op}: regenerated kernel differs from the package's ({k.name})")
             out.append(ks)

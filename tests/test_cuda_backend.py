@@ -64,7 +64,9 @@ def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
         t = ref.table
         assert t is not None and t.arch == "sm_90" and t.dyn_vars == ("p", "s") and t.max_dyn == {"p": 32, "s": 32}
         kernel_ops = [o for o in prog.ops if o.kind in KERNEL_OP_KINDS or gemv_rows(o) is not None]
-        assert [k.op for k in t.ops] == [o.id for o in kernel_ops]
+        tails = {i for k in t.ops for i in k.tail}              # ops a kernel's last block runs (builder/tail.py)
+        assert sorted([k.op for k in t.ops] + sorted(tails)) == [o.id for o in kernel_ops]
+        by_id = {o.id: o for o in prog.ops}
         gemm_kernels += sum(o.kind == "gemm" for o in kernel_ops)
         if kernel_ops:
             cub, ptx = sections[t.cubin], sections[t.ptx]
@@ -77,8 +79,11 @@ def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
                 for lc in kop.launches:
                     assert f".entry {lc.kernel}(" in text     # every launch names an entry of the module
                     assert all(g.vars() <= {"p", "s"} for g in lc.grid)
-        for kop, op in zip(t.ops, kernel_ops):
+        for kop in t.ops:
+            op = by_id[kop.op]
             want = ("out",) + tuple(f"in{i}" for i in range(len(op.args))) + ("dyn",)
+            for j in kop.tail:
+                want += (f"out@{j}",) + tuple(f"in{i}@{j}" for i in range(len(by_id[j].args)))
             assert kop.kind == op.kind and kop.params == want
             assert len(kop.launches) == (2 if op.kind == "scatter" else 1)
     assert gemm_kernels > 0                               # decode's gemms (m = 1) are lum's own kernels
@@ -99,7 +104,7 @@ def _manifest_with(tiny_pkg, mutate) -> dict:
 
 @needs_nvrtc
 @pytest.mark.parametrize("mutate,match", [
-    (lambda t, d: t.update(version=2), "kernel table version"),
+    (lambda t, d: t.update(version=3), "kernel table version"),
     (lambda t, d: t.update(arch="sm_80"), "targets"),
     (lambda t, d: t["ops"][0]["launches"][0].update(kernel="bad name;"), "C identifier"),
     (lambda t, d: t["ops"][0]["launches"][0].update(grid=["q + 1", "1", "1"]), "not in dyn_vars"),
@@ -140,7 +145,11 @@ def test_loader_checks_launch_table_against_llir(tiny_pkg, tmp_path):
     bad = rewrite(lambda t, d: t["ops"].pop(0), "missing.lumpkg")
     with pytest.raises(PackageFormatError, match=f"op {first} .* has no kernel"):
         lum.loader.open(bad)
-    bad = rewrite(lambda t, d: t["ops"][0]["params"].insert(-1, f"in{len(t['ops'][0]['params']) - 2}"), "arity.lumpkg")
+    def one_more_in(t, d):
+        params = t["ops"][0]["params"]
+        params.insert(params.index("dyn"), f"in{params.index('dyn') - 1}")
+
+    bad = rewrite(one_more_in, "arity.lumpkg")
     with pytest.raises(PackageFormatError, match="does not match the LLIR"):
         lum.loader.open(bad)
     bad = rewrite(lambda t, d: t["ops"][0].update(kind="gemm"), "kind.lumpkg")   # a table may name gemms, but
@@ -290,14 +299,27 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
     lo, hi = layout.arena, layout.arena + ap.size
     state = {v: (p, p + layout.state_bytes[v]) for v, p in layout.state.items()}
     nocopy = 0
+    kops = {lc.kernel: (g, kop) for g, ref in enumerate(pkg.manifest.groups) if ref.table is not None
+            for kop in ref.table.ops for lc in kop.launches}
     for k in kernels:
-        out, *ins, dyn = k.params.values
-        assert dyn == layout.dyn[("p", "s")]
-        if "scatter_nocopy" in k.where:           # the KV-cache write lands in the state allocation
-            nocopy += 1
-            assert any(a <= out < b for a, b in state.values()) and out == ins[0]
-        else:
-            assert lo <= out < hi, k.where
+        g, kop = kops[k.function[1]]
+        kinds = {o.id: o.kind for o in pkg.programs[g].ops}
+        vals = list(k.params.values)
+        n_head = len(kop.head_params)
+        assert vals[n_head - 1] == layout.dyn[("p", "s")]
+        # the head's (out, ins…), then each tail's (out, ins…): a kernel's last block runs its tails
+        parts = [(kop.op, vals[:n_head - 1])]
+        pos = n_head
+        for t, n in zip(kop.tail, kop.tail_arities()):
+            parts.append((t, vals[pos:pos + 1 + n]))
+            pos += 1 + n
+        assert pos == len(vals)
+        for op_id, (out, *ins) in parts:
+            if kinds[op_id] == "scatter_nocopy":  # the KV-cache write lands in the state allocation
+                nocopy += 1
+                assert any(a <= out < b for a, b in state.values()) and out == ins[0]
+            else:
+                assert lo <= out < hi, k.where
         assert k.params.read_back() == k.params.values
     assert nocopy == 2 * len([c for c in pkg.entry("decode").calls if "k_cache" in " ".join(c.inputs)])
     # attention's gemms read p from the dyn buffer: nothing is volatile, every segment is a graph whose
@@ -411,14 +433,25 @@ def test_cuda_backend_refuses_a_package_without_kernels(tmp_path):
 # ============================================================================ graph branches
 @needs_nvrtc
 @pytest.mark.parametrize("entry", ["prefill", "decode"])
-def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry):
+@pytest.mark.parametrize("tails", [True, False])
+def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry, tails, tmp_path):
     """The streams a graph is captured from (loader/cuda/branches.py) order every pair of steps that
-    share bytes with a write, and still leave independent kernels side by side in decode."""
+    share bytes with a write, and still leave independent kernels side by side in decode (without kernel
+    tails: with them, tiny-llama's v-cache write, the kernel beside the k path, is the qkv GEMV's tail)."""
     from lum.loader.cuda.branches import EVERYTHING, conflicts, happens_before
 
+    pkg = tiny_pkg
+    if not tails:
+        from lum.builder.models import load_spec
+        from lum.builder.package_builder import build_package
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LUM_KERNEL_TAILS", "0")
+            pkg = lum.loader.open(build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path / "t.lumpkg"))
+        assert not any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)
     bounds = {"s": 16} if entry == "prefill" else {"p": 31}
-    layout, _ = _fake_layout(tiny_pkg, entry, bounds)
-    plan = build_entry_plan(tiny_pkg, entry, layout, lambda g, name: (g, name), bounds)
+    layout, _ = _fake_layout(pkg, entry, bounds)
+    plan = build_entry_plan(pkg, entry, layout, lambda g, name: (g, name), bounds)
     (seg,) = plan.segments
     sched = seg.schedule
     kernel = [type(st).__name__ == "KernelStep" for st in seg.steps]
@@ -437,9 +470,11 @@ def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry):
     for i, p in enumerate(sched.placements):
         first.setdefault(p.stream, p)
     assert all(p.waits for s, p in first.items() if s)
-    if entry == "decode":
+    if entry == "decode" and not tails:
         parallel = [(j, i) for i in range(n) for j in range(i) if j not in before[i]]
         assert sched.streams > 1 and parallel           # e.g. the v-cache write beside the k path
+    if not tails:
+        pkg.close()
 
 
 def test_graph_branches_schedule_small_cases():

@@ -391,6 +391,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
         cap: dict[int, int] = {}
         dtypes: dict[int, DType] = {}
         state_copies: list[CopyStep] = []
+        head: tuple | None = None            # (kernel op, params, reads, writes, where): a head awaiting tails
         for op, vname in zip(prog.inputs(), call.inputs):
             v = values[vname]
             if v.dtype != op.dtype:
@@ -438,23 +439,28 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                 plan.steps.append(gs)
                 continue
             kop = kops.get(op.id)
+            if head is not None and kop is None and op.id in head[0].tail:   # its buffers join the head's launch
+                head[1].extend([ptr[op.id]] + [ptr[a.src] for a in op.args])
+                head[2].extend(_reads(op, ptr, cap, readonly))
+                head[3].append((ptr[op.id], ptr[op.id] + cap[op.id]))
+                if op.id == head[0].tail[-1]:
+                    _kernel_steps(plan, head, function, call.group, max_dyn)
+                    head = None
+                continue
             if kop is None:
                 raise BackendUnavailableError(f"{where}: the package has no compiled kernel for this op "
                                               "(built without kernels?)")
-            if len(kop.params) != len(op.args) + 2:
-                raise PackageFormatError(f"{where}: the kernel takes {len(kop.params) - 2} buffers, the op has "
-                                         f"{len(op.args)} arguments")
+            if len(kop.head_params) != len(op.args) + 2:
+                raise PackageFormatError(f"{where}: the kernel takes {len(kop.head_params) - 2} buffers, the op "
+                                         f"has {len(op.args)} arguments")
             if op.kind == "gemm":
                 plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
-            params = ParamPack([ptr[op.id]] + [ptr[a.src] for a in op.args] + [dyn_ptr])
-            reads = tuple((ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args
-                          if ptr[a.src] not in readonly)     # weights are never written
-            writes = ((ptr[op.id], ptr[op.id] + cap[op.id]),)
-            for lc in kop.launches:
-                grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
-                plan.steps.append(KernelStep(f"{where} kernel {lc.kernel}", function(call.group, lc.kernel),
-                                             grid, lc.block, lc.shared_mem, params,  # type: ignore[arg-type]
-                                             reads, writes))
+            step = (kop, [ptr[op.id]] + [ptr[a.src] for a in op.args] + [dyn_ptr], _reads(op, ptr, cap, readonly),
+                    [(ptr[op.id], ptr[op.id] + cap[op.id])], where)
+            if kop.tail:
+                head = step                     # launched once its tails' buffers are known
+            else:
+                _kernel_steps(plan, step, function, call.group, max_dyn)
         plan.steps.extend(state_copies)
 
     for t in e.outputs:
@@ -469,6 +475,22 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     plan.size_checks = _dedupe_checks(plan.size_checks, max_dyn)
     plan.finish()
     return plan
+
+
+def _reads(op: LOp, ptr: dict[int, int], cap: dict[int, int], readonly: set[int]) -> list[tuple[int, int]]:
+    """[lo, hi) of the op's argument buffers that a run may write (weights are never written)."""
+    return [(ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args if ptr[a.src] not in readonly]
+
+
+def _kernel_steps(plan: EntryPlan, step: tuple, function: Callable[[int, str], Any], group: int,
+                  max_dyn: Mapping[str, int]) -> None:
+    """The kernel steps of one launch-table op (with its tails' buffers, when it has tails)."""
+    kop, values, reads, writes, where = step
+    params = ParamPack(values)
+    for lc in kop.launches:
+        grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
+        plan.steps.append(KernelStep(f"{where} kernel {lc.kernel}", function(group, lc.kernel), grid, lc.block,
+                                     lc.shared_mem, params, tuple(reads), tuple(writes)))  # type: ignore[arg-type]
 
 
 def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, int]) -> list[tuple[Expr, int, str]]:

@@ -1,0 +1,176 @@
+"""Kernel tails: the last block of a kernel runs the small kernel ops that follow it (``templates/tail.cu``).
+
+A decode step is a chain of launches, and many of them are tiny: the one-row RMSNorm and residual
+after the o and down projections, the q/k norms, RoPE and KV-cache writes after the qkv projection.
+Each is a launch on the critical path whose own work (a few KB through L2) is less than what a kernel
+boundary costs (the grid's drain, the next launch, its ramp). Here such ops run at the end of the
+kernel before them instead: every block of that kernel (the *head*) counts itself done, and the last
+one runs the consumers (the *tails*), in program order, as one block.
+
+:func:`fuse_tails` picks, in a group's program order, for each head its maximal run of following
+kernel ops that each
+
+* read the head's output or an earlier tail's (a consumer, not an independent op that a parallel
+  graph branch could run beside it);
+* follow it with no other kernel op or library call in between (inputs, constants and group outputs
+  do no device work), so moving their launch to the head's end reorders nothing;
+* have one launch and a grid of at most :data:`TAIL_MAX_BLOCKS` blocks at the package's dyn bounds
+  when generated with the head's block size (one block then does the work a few blocks did; an op of
+  more blocks, such as the attention combine over every head's rows, or whose grid follows an
+  unbounded dyn var, stays a kernel).
+
+The LLIR is unchanged (the reference backend and the buffer plan see the same ops); the launch table
+says which ops run in which head (``tail``, table version 2: see :mod:`lum.format.manifest`), and the
+loader passes the tails' buffers after the head's. ``LUM_KERNEL_TAILS=0`` turns it off (to measure what
+it gives).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, common_header, generate,
+                                 load_template, render)
+from lum.format.llir import LOp, Program
+
+__all__ = ["ENV_KERNEL_TAILS", "TAIL_MAX_BLOCKS", "TAIL_MAX_OPS", "TAIL_KINDS", "kernel_tails_enabled", "fuse_tails",
+           "fuse_kernels"]
+
+ENV_KERNEL_TAILS = "LUM_KERNEL_TAILS"
+TAIL_MAX_BLOCKS = 4       # a tail's grid with the head's block size, at most (its one block walks them)
+TAIL_MAX_OPS = 8          # tails per head, at most (they run one after another in one block)
+TAIL_KINDS = ("elementwise", "reduce", "scatter_nocopy", "scatter", "gather", "iota")
+_NO_WORK = ("input", "constant", "output")
+_ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(')
+
+
+def kernel_tails_enabled() -> bool:
+    """On unless ``$LUM_KERNEL_TAILS`` is ``0``."""
+    return os.environ.get(ENV_KERNEL_TAILS, "1") != "0"
+
+
+def _grid_blocks(ks: KernelSource, max_dyn: Mapping[str, int]) -> int | None:
+    """Blocks of the kernel's one launch at the dyn bounds; None when a var of its grid is unbounded."""
+    total = 1
+    for g in ks.grid:
+        if not g.vars() <= set(max_dyn):
+            return None
+        total *= int(g.evaluate(max_dyn))
+    return total
+
+
+def _as_tail(op: LOp, program: Program, head: KernelSource, dyn_vars: Sequence[str],
+             max_dyn: Mapping[str, int], tuning: Mapping[str, Any]) -> KernelSource | None:
+    """The op's kernel generated with the head's block size, when it may run as one of its tails."""
+    if op.kind not in TAIL_KINDS:
+        return None
+    dts = [program.ops[a.src].dtype for a in op.args]
+    try:
+        ks = generate(op, dyn_vars, arg_dtypes=dts, **{**tuning, "threads": head.block[0]},
+                      max_dyn=dict(max_dyn) or None)
+    except CodegenError:
+        return None
+    if ks is None or len(ks.launches) != 1 or ks.block != head.block:
+        return None
+    blocks = _grid_blocks(ks, max_dyn)
+    return ks if blocks is not None and blocks <= TAIL_MAX_BLOCKS else None
+
+
+def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
+               max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
+               ) -> dict[int, KernelSource | None]:
+    """``sources`` (op id -> kernel, as :func:`~lum.builder.codegen.generate_program` gives them) with each
+    head's kernel replaced by its fused kernel (:attr:`KernelSource.tails` names the ops it runs) and its
+    tails' entries dropped. See the module docstring for which ops become tails."""
+    max_dyn = dict(max_dyn or {})
+    tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn")}
+    out: dict[int, KernelSource | None] = dict(sources)
+    head: KernelSource | None = None
+    head_id = -1
+    chain: list[tuple[LOp, KernelSource]] = []
+    produced: set[int] = set()
+
+    def close() -> None:
+        if head is not None and chain:
+            out[head_id] = fuse_kernels(head, chain)
+            for op, _ in chain:
+                out.pop(op.id, None)
+
+    for op in program.ops:
+        if op.kind in _NO_WORK:
+            continue
+        ks = sources.get(op.id)
+        if head is not None and ks is not None and len(chain) < TAIL_MAX_OPS \
+                and any(a.src in produced for a in op.args):
+            tail = _as_tail(op, program, head, dyn_vars, max_dyn, tuning)
+            if tail is not None:
+                chain.append((op, tail))
+                produced.add(op.id)
+                continue
+        close()
+        head, head_id, chain, produced = None, -1, [], set()
+        if ks is not None and len(ks.launches) == 1:
+            head, head_id, produced = ks, op.id, {op.id}
+    close()
+    return out
+
+
+def _device_function(ks: KernelSource, name: str, one_block: bool) -> str:
+    """The kernel's body as ``__device__`` function ``name``; ``one_block``: as a grid of one block
+    (blockIdx.x 0, gridDim.x 1) whose pointers carry no ``__restrict__`` (the head wrote what it reads
+    in this same launch, so the read-only cache path must not be used)."""
+    if _ENTRY_RE.findall(ks.body) != [ks.launches[0].kernel]:
+        raise CodegenError(f"kernel {ks.name}: a tail needs a body of exactly one kernel")
+    body = _ENTRY_RE.sub(f"__device__ __forceinline__ void {name}(", ks.body, count=1)
+    if one_block:
+        body = re.sub(r"\bblockIdx\.x\b", "0u", body)
+        body = re.sub(r"\bgridDim\.x\b", "1u", body)
+        if re.search(r"\b(blockIdx|gridDim)\b", body):
+            raise CodegenError(f"kernel {ks.name}: a tail body may use blockIdx.x and gridDim.x only")
+        body = body.replace("__restrict__ ", "")
+    return body
+
+
+def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]]) -> KernelSource:
+    """One kernel: ``head``'s launch whose last block runs each tail's kernel (``templates/tail.cu``).
+    Parameters: the head's (``out, in0…, dyn``), then per tail ``t<j>_out, t<j>_in0…`` (its dyn is the
+    head's)."""
+    if len(head.launches) != 1:
+        raise CodegenError(f"kernel {head.name}: a head needs exactly one launch")
+    params: list[Param] = list(head.params)
+    funcs = [_device_function(head, f"{_ENTRY}_head", False)]
+    calls = []
+    slots = dict(head.dyn_slots)
+    for j, (op, ks) in enumerate(tails):
+        if ks.block != head.block or tuple(ks.dyn_vars) != tuple(head.dyn_vars):
+            raise CodegenError(f"op {op.id}: a tail needs the head's block size and dyn slots")
+        funcs.append(_device_function(ks, f"{_ENTRY}_t{j}", True))
+        names = []
+        for p in ks.params:
+            if p.role == "dyn":
+                names.append("dyn")
+                continue
+            c_name = f"t{j}_{p.name}"
+            decl = p.ctype.replace("__restrict__ ", "").rsplit(" ", 1)[0]
+            params.append(Param(c_name, p.role, p.index, p.dtype, f"{decl} {c_name}"))
+            names.append(c_name)
+        calls.append(f"  {_ENTRY}_t{j}({', '.join(names)});")
+        slots.update(ks.dyn_slots)
+    head_args = ", ".join(p.name for p in head.params)
+    body = render(load_template("tail.cu"), {
+        "KERNEL": _ENTRY, "THREADS": head.block[0], "PARAMS": ", ".join(p.ctype for p in params),
+        "FUNCTIONS": "\n".join(funcs), "HEAD_CALL": f"{_ENTRY}_head({head_args});",
+        "TAIL_CALLS": "\n  __syncthreads();\n".join(calls)})
+    digest = hashlib.sha256(f"tail/{head.kind}/{head.op}\n{body}".encode()).hexdigest()[:16]
+    name = f"lum_{head.kind}_{(head.op or head.kind).lower()}_tail_{digest}"
+    body = body.replace(_ENTRY, name)
+    tail_ids = tuple(op.id for op, _ in tails)
+    return replace(head, name=name, source=common_header() + "\n" + body, body=body,
+                   launches=(Launch(name, head.grid, head.block, 0),), params=tuple(params),
+                   dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
+                   tuning={**head.tuning, "tail": [{"op": op.id, **ks.tuning} for op, ks in tails]},
+                   tails=tail_ids)

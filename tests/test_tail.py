@@ -1,0 +1,273 @@
+"""Kernel tails (builder/tail.py): a kernel's last block runs the small kernel ops that read its output.
+
+Checked here: which ops become tails on the decode layers of tiny and real models (the qkv GEMV runs
+the q/k norms, RoPE and KV-cache writes; gemma's o and down GEMVs run their one-row norms), and which
+stay kernels of their own on programs built for it (an op not reading the head, a grid of more than
+TAIL_MAX_BLOCKS blocks or one that follows an unbounded dyn var, a library call in between, the cap
+on tails per head); the fused kernels compile with NVRTC; the launch table's form and its checks in
+the manifest parser and the loader. Their numbers are checked by the emulated driver (whole tiny
+models against the reference backend, tests/test_cuda_emulated.py) and on the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+pytest.importorskip("egglog")
+
+from lum.builder import tail  # noqa: E402
+from lum.builder.compile import compile_graph, compile_group  # noqa: E402
+from lum.builder.kernels import (TAIL_TABLE_VERSION, default_max_dyn, group_kernel_sources, launch_table,  # noqa: E402
+                                 program_dyn_vars)
+from lum.format.dtypes import DType  # noqa: E402
+from lum.format.errors import PackageFormatError  # noqa: E402
+from lum.format.expr import Var, as_expr  # noqa: E402
+from lum.format.llir import Arg, LOp, Program  # noqa: E402
+from lum.format.manifest import Manifest  # noqa: E402
+from lum.format.shapetracker import ShapeTracker  # noqa: E402
+from tests.test_prologue import _groups  # noqa: E402
+
+
+def _layer_kernels(model: str, monkeypatch=None) -> tuple[Program, dict]:
+    """The decode layer group's program (the one with attention) and its kernels, tails applied."""
+    for cg in _groups(model, "decode"):
+        prog = compile_group(cg)[0]
+        if any(o.kind == "attention" for o in prog.ops):
+            dv = program_dyn_vars([prog])
+            return prog, group_kernel_sources(prog, dv, default_max_dyn(dv, 64))
+    raise AssertionError("no attention group")
+
+
+def _tails(prog: Program, sources: dict) -> dict[int, list[LOp]]:
+    by_id = {o.id: o for o in prog.ops}
+    return {i: [by_id[t] for t in ks.tails] for i, ks in sources.items() if ks.tails}
+
+
+def _head(prog: Program, tails: dict, pred) -> list[LOp]:
+    by_id = {o.id: o for o in prog.ops}
+    heads = [i for i in tails if pred(by_id[i])]
+    assert len(heads) == 1, heads
+    return tails[heads[0]]
+
+
+def test_qkv_gemv_runs_rope_and_cache_writes_llama():
+    prog, sources = _layer_kernels("tiny-llama")
+    tails = _tails(prog, sources)
+    qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
+    assert sorted(o.kind for o in qkv) == ["elementwise", "scatter_nocopy", "scatter_nocopy"]
+    covered = {t.id for ts in tails.values() for t in ts}
+    assert len(sources) == len(prog.kernels()) - len(covered)
+    assert all(o.kind != "gemm" for ts in tails.values() for o in ts)        # a GEMV is never a tail
+
+
+def test_gemma_layer_tails():
+    """qkv: k norm, k RoPE + cache write, v write, q norm, q RoPE; down: the residual's one-row norm (the
+    post-attention one is gate-up's prologue in the tiny model: its gate-up is narrow)."""
+    prog, sources = _layer_kernels("tiny-gemma3")
+    tails = _tails(prog, sources)
+    qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
+    assert sorted(o.kind for o in qkv) == ["elementwise"] * 3 + ["scatter_nocopy"] * 2
+    gemv_rows = [ts for i, ts in tails.items()
+                 if prog.ops[i].kind == "gemm" and "expr" not in prog.ops[i].params]
+    assert len(gemv_rows) == 1 and all(len(ts) == 1 and ts[0].kind == "elementwise" for ts in gemv_rows)
+
+
+@pytest.mark.parametrize("model,per_layer", [("gemma3-4b", 6), ("llama3-1b", 6)])
+def test_real_decode_layers_launch_six_kernels(model, per_layer):
+    """gemma3-4b: 13 kernel ops a layer in 6 launches; llama3-1b: 9 in 6. The attention combine stays a
+    kernel (its rows need more than TAIL_MAX_BLOCKS blocks)."""
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    cgs = compile_graph(build_entry(named_config(model), "decode", 4096, DType.bf16))
+    layer = max(cgs, key=lambda cg: len(cg.group))
+    dv = program_dyn_vars([cg.program for cg in cgs])
+    sources = group_kernel_sources(layer.program, dv, default_max_dyn(dv, 4096))
+    assert len(sources) == per_layer
+    by_id = {o.id: o for o in layer.program.ops}
+    combine = [o for o in layer.program.ops if o.kind == "reduce" and by_id[o.args[0].src].kind == "attention"]
+    assert combine and all(o.id in sources for o in combine)
+
+
+def test_tails_off(monkeypatch):
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "0")
+    prog, sources = _layer_kernels("tiny-gemma3")
+    assert len(sources) == len(prog.kernels()) and not any(ks.tails for ks in sources.values())
+
+
+# ---------------------------------------------------------------------------- near misses, by hand
+def _inp(i: int, n, name: str) -> LOp:
+    return LOp(i, "input", "Input", (), (as_expr(n),), DType.f32, {"name": name, "role": "input"})
+
+
+def _ew(i: int, op: str, srcs, n) -> LOp:
+    shape = (as_expr(n),)
+    return LOp(i, "elementwise", op, tuple(Arg(s, ShapeTracker.contiguous(shape)) for s in srcs), shape, DType.f32)
+
+
+def _sum(i: int, src: int, n) -> LOp:
+    return LOp(i, "reduce", "Sum", (Arg(src, ShapeTracker.contiguous((as_expr(1), as_expr(n)))),), (as_expr(1),),
+               DType.f32, {"axis": 1})
+
+
+def _program(body: list[LOp]) -> Program:
+    outs = [LOp(len(body) + j, "output", "Output", (Arg(o.id, ShapeTracker.contiguous(o.shape)),), o.shape, o.dtype,
+                {"name": f"y{j}", "role": "output"}) for j, o in enumerate(b for b in body if b.kind != "input")]
+    return Program("t", body + outs)
+
+
+def _fused(prog: Program, max_dyn=None) -> dict[int, tuple[int, ...]]:
+    dv = sorted(prog.dyn_vars())
+    return {i: ks.tails for i, ks in group_kernel_sources(prog, dv, max_dyn or {}).items()}
+
+
+BIG = 1 << 16
+
+
+def test_a_reader_of_the_head_becomes_its_tail():
+    prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG), _ew(3, "Sqrt", [2], 1)])
+    assert _fused(prog) == {1: (2, 3)}          # the sum reads the head, the sqrt reads the sum
+
+
+def test_near_misses_stay_kernels():
+    # an op that reads neither the head nor its tails (a parallel branch may run it beside the head)
+    prog = _program([_inp(0, BIG, "x"), _inp(1, 8, "y"), _ew(2, "Exp2", [0], BIG), _ew(3, "Exp2", [1], 8)])
+    assert _fused(prog) == {2: (), 3: ()}
+    # a reader of many blocks
+    prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _ew(2, "Sqrt", [1], BIG)])
+    assert _fused(prog) == {1: (), 2: ()}
+    # a reader whose grid follows a dyn var without a bound
+    s = Var("s")
+    prog = _program([_inp(0, BIG, "x"), _inp(1, s, "y"), _ew(2, "Exp2", [0], BIG),
+                     LOp(3, "elementwise", "Add", (Arg(2, ShapeTracker((s,), (as_expr(0),), as_expr(0), None)),
+                                                  Arg(1, ShapeTracker.contiguous((s,)))), (s,), DType.f32)])
+    assert _fused(prog) == {2: (), 3: ()}
+    assert _fused(prog, {"s": 64}) == {2: (3,)}        # bounded small: a tail
+    # at most TAIL_MAX_OPS tails per head
+    chain = [_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG)]
+    chain += [_ew(3 + j, "Sqrt", [2 + j], 1) for j in range(tail.TAIL_MAX_OPS + 2)]
+    got = _fused(_program(chain))
+    assert got[1] == tuple(range(2, 2 + tail.TAIL_MAX_OPS)) and len(got) == 2
+
+
+def test_a_library_call_between_breaks_the_chain():
+    s = Var("s")
+    k = 16
+    ops = [_inp(0, BIG, "x"), LOp(1, "input", "Input", (), (s * k,), DType.f32, {"name": "a", "role": "input"}),
+           _inp(2, k * k, "w"), _ew(3, "Exp2", [0], BIG)]
+    params = {"layout": "RmCm", "m": s, "n": as_expr(k), "k": as_expr(k), "lda": as_expr(k), "ldb": as_expr(k),
+              "ldc": as_expr(k), "batch": as_expr(1)}
+    ops.append(LOp(4, "gemm", "Gemm", (Arg(1, ShapeTracker.contiguous((s * k,))),
+                                       Arg(2, ShapeTracker.contiguous((as_expr(k * k),)))),
+                   (as_expr(1), s, as_expr(k)), DType.f32, params))         # m = s: a cuBLASLt call
+    ops.append(_sum(5, 3, BIG))
+    assert _fused(_program(ops), {"s": 8}) == {3: (), 5: ()}
+
+
+def test_fused_kernels_compile_with_nvrtc():
+    pytest.importorskip("lum.builder.nvrtc")
+    from lum.builder.kernels import compile_group_kernels
+
+    prog, sources = _layer_kernels("tiny-gemma3")
+    dv = program_dyn_vars([prog])
+    gk = compile_group_kernels(prog, arch="sm_90", dyn_vars=dv, max_dyn=default_max_dyn(dv, 64), ptx=True)
+    assert gk.table["version"] == TAIL_TABLE_VERSION and gk.cubin[:4] == b"\x7fELF"
+    for entry in gk.table["ops"]:
+        for t in entry.get("tail", ()):
+            assert f"out@{t}" in entry["params"]
+        assert f".entry {entry['launches'][0]['kernel']}(" in gk.ptx
+
+
+def test_launch_table_names_the_tails_buffers():
+    prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG), _ew(3, "Sqrt", [2], 1)])
+    sources = group_kernel_sources(prog, [], {})
+    t = launch_table(prog, sources, arch="sm_90", dyn_vars=[])
+    assert t["version"] == TAIL_TABLE_VERSION and [o["op"] for o in t["ops"]] == [1]
+    assert t["ops"][0]["tail"] == [2, 3]
+    assert t["ops"][0]["params"] == ["out", "in0", "dyn", "out@2", "in0@2", "out@3", "in0@3"]
+    assert [d["op"] for d in t["ops"][0]["tuning"]["tail"]] == [2, 3]
+
+
+# ---------------------------------------------------------------------------- format checks
+@pytest.fixture(scope="module")
+def tail_pkg(tmp_path_factory):
+    pytest.importorskip("lum.builder.nvrtc")
+    import lum.loader
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    path = build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path_factory.mktemp("tp") / "t.lumpkg")
+    pkg = lum.loader.open(path)
+    yield pkg
+    pkg.close()
+
+
+def _layer_table(d: dict) -> dict:
+    return next(g["kernels"] for g in d["groups"] if any("tail" in o for o in g["kernels"].get("ops", ())))
+
+
+def _head_entry(t: dict) -> dict:
+    return next(o for o in t["ops"] if "tail" in o)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda t: t.update(version=1), "need table version 2"),
+    (lambda t: _head_entry(t).update(tail=[]), "increasing"),
+    (lambda t: _head_entry(t).update(tail=list(reversed(_head_entry(t)["tail"]))), "increasing"),
+    (lambda t: _head_entry(t)["params"].remove(f"out@{_head_entry(t)['tail'][0]}"), "per tail op"),
+    (lambda t: _head_entry(t)["params"].append("in9@1"), "per tail op"),
+])
+def test_manifest_checks_tails(tail_pkg, mutate, match):
+    d = copy.deepcopy(tail_pkg.manifest.to_json())
+    mutate(_layer_table(d))
+    with pytest.raises(PackageFormatError, match=match):
+        Manifest.from_json(d, set(tail_pkg.reader.names()))
+
+
+def test_manifest_rejects_an_op_that_is_a_tail_and_a_kernel(tail_pkg):
+    d = copy.deepcopy(tail_pkg.manifest.to_json())
+    t = _layer_table(d)
+    head = _head_entry(t)
+    t["ops"].append({**copy.deepcopy(head), "op": head["tail"][0], "tail": [head["tail"][0] + 1000]})
+    t["ops"].sort(key=lambda o: o["op"])
+    with pytest.raises(PackageFormatError, match="tail"):
+        Manifest.from_json(d, set(tail_pkg.reader.names()))
+
+
+def test_loader_checks_tails_against_the_llir(tail_pkg, tmp_path):
+    import lum.loader
+    from tests.test_cuda_backend import _repacked
+
+    def reopen(mutate, name):
+        d = copy.deepcopy(tail_pkg.manifest.to_json())
+        mutate(_layer_table(d))
+        return lum.loader.open(_repacked(tail_pkg, d, tmp_path / name))
+
+    def drop_last_tail(t):              # its op then has no kernel at all
+        h = _head_entry(t)
+        last = h["tail"].pop()
+        h["params"] = [p for p in h["params"] if not p.endswith(f"@{last}")]
+
+    with pytest.raises(PackageFormatError, match="has no kernel"):
+        reopen(drop_last_tail, "dropped.lumpkg")
+
+    def wrong_arity(t):                 # one buffer more for the first tail than its op has arguments
+        h = _head_entry(t)
+        first = h["tail"][0]
+        ins = [p for p in h["params"] if p.startswith("in") and p.partition("@")[2] == str(first)]
+        h["params"].insert(h["params"].index(ins[-1]) + 1, f"in{len(ins)}@{first}")
+
+    with pytest.raises(PackageFormatError, match="wrong number of buffers"):
+        reopen(wrong_arity, "arity.lumpkg")
+
+    def skip_one(t):                    # name a later op as the first tail: the real one is left without a kernel
+        h = _head_entry(t)
+        first = h["tail"][0]
+        h["tail"] = h["tail"][1:]
+        h["params"] = [p for p in h["params"] if not p.endswith(f"@{first}")]
+
+    with pytest.raises(PackageFormatError, match="right after its head"):
+        reopen(skip_one, "skip.lumpkg")
+    reopen(lambda t: None, "same.lumpkg").close()
