@@ -37,8 +37,8 @@ from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Par
                                  load_template, render)
 from lum.format.llir import LOp, Program
 
-__all__ = ["ENV_KERNEL_TAILS", "TAIL_MAX_BLOCKS", "TAIL_MAX_OPS", "TAIL_KINDS", "kernel_tails_enabled", "fuse_tails",
-           "fuse_kernels"]
+__all__ = ["ENV_KERNEL_TAILS", "TAIL_POLICIES", "TAIL_MAX_BLOCKS", "TAIL_MAX_OPS", "TAIL_KINDS", "kernel_tails_policy",
+           "kernel_tails_enabled", "fuse_tails", "fuse_kernels"]
 
 ENV_KERNEL_TAILS = "LUM_KERNEL_TAILS"
 TAIL_MAX_BLOCKS = 4       # a tail's grid with the head's block size, at most (its one block walks them)
@@ -48,9 +48,22 @@ _NO_WORK = ("input", "constant", "output")
 _ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(')
 
 
+TAIL_POLICIES = ("chain", "all", "0")
+
+
+def kernel_tails_policy() -> str:
+    """``$LUM_KERNEL_TAILS``: ``chain`` (default: each tail reads the op just before it, so ops that only
+    read the head stay kernels a parallel graph branch can run beside the chain), ``all`` (any op reading
+    the head or a tail), ``0`` (no tails)."""
+    v = os.environ.get(ENV_KERNEL_TAILS, "chain")
+    if v not in TAIL_POLICIES:
+        raise ValueError(f"${ENV_KERNEL_TAILS} must be one of {list(TAIL_POLICIES)}, got {v!r}")
+    return v
+
+
 def kernel_tails_enabled() -> bool:
     """On unless ``$LUM_KERNEL_TAILS`` is ``0``."""
-    return os.environ.get(ENV_KERNEL_TAILS, "1") != "0"
+    return kernel_tails_policy() != "0"
 
 
 def _grid_blocks(ks: KernelSource, max_dyn: Mapping[str, int]) -> int | None:
@@ -87,6 +100,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     head's kernel replaced by its fused kernel (:attr:`KernelSource.tails` names the ops it runs) and its
     tails' entries dropped. See the module docstring for which ops become tails."""
     max_dyn = dict(max_dyn or {})
+    chain_only = kernel_tails_policy() == "chain"
     tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn")}
     out: dict[int, KernelSource | None] = dict(sources)
     head: KernelSource | None = None
@@ -109,7 +123,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
             tail = _as_tail(op, program, head, dyn_vars, max_dyn, tuning)
             if tail is not None:
                 chain.append((op, tail))
-                produced.add(op.id)
+                produced = {op.id} if chain_only else produced | {op.id}
                 continue
         close()
         head, head_id, chain, produced = None, -1, [], set()

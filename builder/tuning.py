@@ -58,7 +58,7 @@ import numpy as np
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled
-from lum.builder.tail import kernel_tails_enabled
+from lum.builder.tail import kernel_tails_policy
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
 from lum.format.atomic import atomic_write_bytes
@@ -628,7 +628,7 @@ class MeasuredCompiler:
                 "dyn": dict(sorted(time_dyn.items())), "kernel_tuning": {k: self.fixed[k] for k in sorted(self.fixed)},
                 "tuning_space": [[k, list(v)] for k, v in self.tuning_decisions], "nvrtc": self._nvrtc(),
                 "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
-                "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_enabled()}
+                "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy()}
 
     def __call__(self, graph: Graph) -> Program:
         from lum.builder.costmodel import op_cost
