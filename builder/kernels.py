@@ -105,15 +105,30 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
 
 
 def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None,
-                         tuning: Mapping[str, Any] | None = None) -> dict[int, KernelSource]:
+                         tuning: Mapping[str, Any] | None = None, *, arch: str = "sm_90",
+                         cache_dir: Any = None) -> dict[int, KernelSource]:
     """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning``, then the
-    kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``)."""
+    kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``), each
+    keeping the register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
     gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, **dict(tuning or {}))
     if kernel_tails_enabled():
-        gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning)
+        gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
+                         registers=lambda heads: _registers(heads, arch, cache_dir))
     return {i: ks for i, ks in gen.items() if ks is not None}
+
+
+def _registers(kernels: list[KernelSource], arch: str, cache_dir: Any) -> dict[str, int]:
+    """Registers per thread of each kernel compiled alone (``ptxas -v``); empty without NVRTC."""
+    from lum.builder import nvrtc
+
+    try:
+        res = nvrtc.compile_cuda(module_source(kernels), arch, name="heads.cu", ptx=False,
+                                 extra_options=["--ptxas-options=-v"], cache_dir=cache_dir)
+    except nvrtc.NvrtcNotFound:
+        return {}
+    return nvrtc.ptxas_registers(res.log)
 
 
 def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,
@@ -131,7 +146,7 @@ def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Se
         dyn_vars = program_dyn_vars([program])
     dyn_vars = list(dyn_vars)
     max_dyn = {k: int(v) for k, v in (max_dyn or {}).items() if k in dyn_vars}
-    sources = group_kernel_sources(program, dyn_vars, max_dyn, tuning)
+    sources = group_kernel_sources(program, dyn_vars, max_dyn, tuning, arch=arch, cache_dir=cache_dir)
     table = launch_table(program, sources, arch=arch, dyn_vars=dyn_vars, max_dyn=max_dyn)
     version = "%d.%d" % nvrtc.nvrtc_version()
     if not sources:

@@ -27,6 +27,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -358,3 +359,24 @@ def compile_cuda(source: str, arch: str | int = "sm_90", *, name: str = "lum_ker
         except OSError:
             pass  # a read-only or full cache never fails a build
     return res
+
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_registers(log: str) -> dict[str, int]:
+    """Registers per thread of each kernel, from the log of a compile with ``--ptxas-options=-v``."""
+    out: dict[str, int] = {}
+    entry = None
+    for line in log.splitlines():
+        m = _PTXAS_ENTRY.search(line)
+        if m:
+            entry = m.group(1)
+            continue
+        m = _PTXAS_REGS.search(line)
+        if m and entry is not None:
+            out[entry] = int(m.group(1))
+            entry = None
+    return out

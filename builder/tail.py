@@ -31,14 +31,14 @@ import hashlib
 import os
 import re
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, common_header, generate,
                                  load_template, render)
 from lum.format.llir import LOp, Program
 
 __all__ = ["ENV_KERNEL_TAILS", "TAIL_POLICIES", "TAIL_MAX_BLOCKS", "TAIL_MAX_OPS", "TAIL_KINDS", "kernel_tails_policy",
-           "kernel_tails_enabled", "fuse_tails", "fuse_kernels"]
+           "kernel_tails_enabled", "fuse_tails", "fuse_kernels", "min_blocks"]
 
 ENV_KERNEL_TAILS = "LUM_KERNEL_TAILS"
 TAIL_MAX_BLOCKS = 4       # a tail's grid with the head's block size, at most (its one block walks them)
@@ -94,11 +94,14 @@ def _as_tail(op: LOp, program: Program, head: KernelSource, dyn_vars: Sequence[s
 
 
 def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
-               max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
+               max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
+               registers: Callable[[list[KernelSource]], Mapping[str, int]] | None = None
                ) -> dict[int, KernelSource | None]:
     """``sources`` (op id -> kernel, as :func:`~lum.builder.codegen.generate_program` gives them) with each
     head's kernel replaced by its fused kernel (:attr:`KernelSource.tails` names the ops it runs) and its
-    tails' entries dropped. See the module docstring for which ops become tails."""
+    tails' entries dropped. See the module docstring for which ops become tails. ``registers``: the
+    registers per thread of the heads' own kernels (by name; NVRTC's ``ptxas -v``), so that each fused
+    kernel keeps its head's occupancy; without it a head's register count is not capped."""
     max_dyn = dict(max_dyn or {})
     chain_only = kernel_tails_policy() == "chain"
     tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn")}
@@ -108,11 +111,11 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     chain: list[tuple[LOp, KernelSource]] = []
     produced: set[int] = set()
 
+    chains: list[tuple[int, KernelSource, list[tuple[LOp, KernelSource]]]] = []
+
     def close() -> None:
         if head is not None and chain:
-            out[head_id] = fuse_kernels(head, chain)
-            for op, _ in chain:
-                out.pop(op.id, None)
+            chains.append((head_id, head, chain))
 
     for op in program.ops:
         if op.kind in _NO_WORK:
@@ -130,7 +133,20 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
         if ks is not None and len(ks.launches) == 1:
             head, head_id, produced = ks, op.id, {op.id}
     close()
+    regs = registers([h for _, h, _ in chains]) if registers is not None and chains else {}
+    for head_id, head, chain in chains:
+        blocks = min_blocks(head.block[0], regs[head.name]) if head.name in regs else 1
+        out[head_id] = fuse_kernels(head, chain, blocks)
+        for op, _ in chain:
+            out.pop(op.id, None)
     return out
+
+
+def min_blocks(threads: int, registers: int) -> int:
+    """Resident blocks per SM of a kernel of ``threads`` threads using ``registers`` each (H100 / H200:
+    65,536 registers, 2,048 threads, 32 blocks an SM; registers are allocated in multiples of 8)."""
+    regs = max(8, -(-int(registers) // 8) * 8)
+    return max(1, min(32, 2048 // threads, 65536 // (regs * threads)))
 
 
 def _device_function(ks: KernelSource, name: str, one_block: bool) -> str:
@@ -139,7 +155,8 @@ def _device_function(ks: KernelSource, name: str, one_block: bool) -> str:
     in this same launch, so the read-only cache path must not be used)."""
     if _ENTRY_RE.findall(ks.body) != [ks.launches[0].kernel]:
         raise CodegenError(f"kernel {ks.name}: a tail needs a body of exactly one kernel")
-    body = _ENTRY_RE.sub(f"__device__ __forceinline__ void {name}(", ks.body, count=1)
+    inline = "__noinline__" if one_block else "__forceinline__"
+    body = _ENTRY_RE.sub(f"__device__ {inline} void {name}(", ks.body, count=1)
     if one_block:
         body = re.sub(r"\bblockIdx\.x\b", "0u", body)
         body = re.sub(r"\bgridDim\.x\b", "1u", body)
@@ -149,10 +166,10 @@ def _device_function(ks: KernelSource, name: str, one_block: bool) -> str:
     return body
 
 
-def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]]) -> KernelSource:
+def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]], blocks: int = 1) -> KernelSource:
     """One kernel: ``head``'s launch whose last block runs each tail's kernel (``templates/tail.cu``).
     Parameters: the head's (``out, in0…, dyn``), then per tail ``t<j>_out, t<j>_in0…`` (its dyn is the
-    head's)."""
+    head's). ``blocks``: the resident blocks per SM the head has alone (:func:`min_blocks`), kept."""
     if len(head.launches) != 1:
         raise CodegenError(f"kernel {head.name}: a head needs exactly one launch")
     params: list[Param] = list(head.params)
@@ -176,7 +193,8 @@ def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]]) 
         slots.update(ks.dyn_slots)
     head_args = ", ".join(p.name for p in head.params)
     body = render(load_template("tail.cu"), {
-        "KERNEL": _ENTRY, "THREADS": head.block[0], "PARAMS": ", ".join(p.ctype for p in params),
+        "KERNEL": _ENTRY, "THREADS": head.block[0], "MIN_BLOCKS": int(blocks),
+        "PARAMS": ", ".join(p.ctype for p in params),
         "FUNCTIONS": "\n".join(funcs), "HEAD_CALL": f"{_ENTRY}_head({head_args});",
         "TAIL_CALLS": "\n  __syncthreads();\n".join(calls)})
     digest = hashlib.sha256(f"tail/{head.kind}/{head.op}\n{body}".encode()).hexdigest()[:16]

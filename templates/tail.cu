@@ -12,13 +12,17 @@
 //! replay) starts from zero; launches of one kernel never overlap (each reads what the one before it
 //! wrote, through the layer's residual stream), so one counter per kernel suffices.
 //!
-//! Placeholders: KERNEL THREADS PARAMS (the head's parameters, then each tail's out and in buffers);
+//! Registers: the head keeps the count it has alone (MIN_BLOCKS resident blocks per SM, what that count
+//! allows), so its occupancy and its memory stream do not change; the tails are not inlined, so the
+//! spills their larger bodies need under that cap stay in the one block that runs them.
+//!
+//! Placeholders: KERNEL THREADS MIN_BLOCKS PARAMS (the head's parameters, then each tail's out and in buffers);
 //!   FUNCTIONS (the head's and the tails' bodies as device functions); HEAD_CALL (the head's call);
 //!   TAIL_CALLS (the tails' calls, a __syncthreads between two).
 {{FUNCTIONS}}
 __device__ unsigned int {{KERNEL}}_count;  // blocks of the running launch that finished the head
 
-extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
+extern "C" __global__ void __launch_bounds__({{THREADS}}, {{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   {{HEAD_CALL}}
   __shared__ unsigned int lum_tail_last;
   __syncthreads();

@@ -101,7 +101,8 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
+#define __noinline__
 #define __shared__ static
 """
 

@@ -52,31 +52,70 @@ def _head(prog: Program, tails: dict, pred) -> list[LOp]:
     return tails[heads[0]]
 
 
-def test_qkv_gemv_runs_rope_and_cache_writes_llama():
+def test_qkv_gemv_runs_the_k_path_llama():
+    """Default policy (chain): the qkv GEMV's last block runs the k RoPE + cache write; the v write and
+    the q RoPE read only the GEMV's output, so they stay kernels beside it (parallel graph branches)."""
     prog, sources = _layer_kernels("tiny-llama")
     tails = _tails(prog, sources)
     qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
-    assert sorted(o.kind for o in qkv) == ["elementwise", "scatter_nocopy", "scatter_nocopy"]
+    assert [o.kind for o in qkv] == ["scatter_nocopy"]
     covered = {t.id for ts in tails.values() for t in ts}
     assert len(sources) == len(prog.kernels()) - len(covered)
     assert all(o.kind != "gemm" for ts in tails.values() for o in ts)        # a GEMV is never a tail
 
 
+def test_all_policy_takes_every_reader(monkeypatch):
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "all")
+    prog, sources = _layer_kernels("tiny-llama")
+    qkv = _head(prog, _tails(prog, sources), lambda o: o.kind == "gemm" and "expr" in o.params)
+    assert sorted(o.kind for o in qkv) == ["elementwise", "scatter_nocopy", "scatter_nocopy"]
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "some")
+    with pytest.raises(ValueError, match="LUM_KERNEL_TAILS"):
+        _layer_kernels("tiny-llama")
+
+
 def test_gemma_layer_tails():
-    """qkv: k norm, k RoPE + cache write, v write, q norm, q RoPE; down: the residual's one-row norm (the
-    post-attention one is gate-up's prologue in the tiny model: its gate-up is narrow)."""
+    """qkv: the k norm, then the k RoPE + cache write; q norm: q RoPE; down: the residual's one-row norm
+    (the post-attention one is gate-up's prologue in the tiny model: its gate-up is narrow)."""
     prog, sources = _layer_kernels("tiny-gemma3")
     tails = _tails(prog, sources)
+    by_id = {o.id: o for o in prog.ops}
     qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
-    assert sorted(o.kind for o in qkv) == ["elementwise"] * 3 + ["scatter_nocopy"] * 2
+    assert [o.kind for o in qkv] == ["elementwise", "scatter_nocopy"]
+    assert by_id[qkv[1].id].args[7].src == qkv[0].id                      # RoPE reads the normed k
+    q_norm = _head(prog, tails, lambda o: o.kind == "elementwise")
+    assert [o.kind for o in q_norm] == ["elementwise"]
     gemv_rows = [ts for i, ts in tails.items()
                  if prog.ops[i].kind == "gemm" and "expr" not in prog.ops[i].params]
     assert len(gemv_rows) == 1 and all(len(ts) == 1 and ts[0].kind == "elementwise" for ts in gemv_rows)
 
 
-@pytest.mark.parametrize("model,per_layer", [("gemma3-4b", 6), ("llama3-1b", 6)])
-def test_real_decode_layers_launch_six_kernels(model, per_layer):
-    """gemma3-4b: 13 kernel ops a layer in 6 launches; llama3-1b: 9 in 6. The attention combine stays a
+def test_a_head_keeps_its_registers():
+    """The fused kernel's launch bounds keep the head's resident blocks (what its own register count
+    allows); the tails are not inlined into it."""
+    pytest.importorskip("lum.builder.nvrtc")
+    from lum.builder import nvrtc
+    from lum.builder.codegen import generate_program, module_source
+
+    prog, sources = _layer_kernels("tiny-gemma3")
+    dv = program_dyn_vars([prog])
+    plain = generate_program(prog, dv, max_dyn=default_max_dyn(dv, 64))
+    fused = [(i, ks) for i, ks in sources.items() if ks.tails]
+    alone = nvrtc.ptxas_registers(nvrtc.compile_cuda(module_source([plain[i] for i, _ in fused]), ptx=False,
+                                                     extra_options=["--ptxas-options=-v"]).log)
+    together = nvrtc.ptxas_registers(nvrtc.compile_cuda(module_source([ks for _, ks in fused]), ptx=False,
+                                                        extra_options=["--ptxas-options=-v"]).log)
+    for i, ks in fused:
+        t = ks.block[0]
+        want = tail.min_blocks(t, alone[plain[i].name])
+        assert f"__launch_bounds__({t}, {want})" in ks.body and "__noinline__" in ks.body
+        assert tail.min_blocks(t, together[ks.name]) >= want
+    assert tail.min_blocks(256, 32) == 8 and tail.min_blocks(512, 38) == 3 and tail.min_blocks(1024, 200) == 1
+
+
+@pytest.mark.parametrize("model,per_layer", [("gemma3-4b", 8), ("llama3-1b", 8)])
+def test_real_decode_layers_launch_fewer_kernels(model, per_layer):
+    """gemma3-4b: 13 kernel ops a layer in 8 launches; llama3-1b: 9 in 8. The attention combine stays a
     kernel (its rows need more than TAIL_MAX_BLOCKS blocks)."""
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
@@ -126,9 +165,14 @@ def _fused(prog: Program, max_dyn=None) -> dict[int, tuple[int, ...]]:
 BIG = 1 << 16
 
 
-def test_a_reader_of_the_head_becomes_its_tail():
+def test_a_reader_of_the_head_becomes_its_tail(monkeypatch):
     prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG), _ew(3, "Sqrt", [2], 1)])
     assert _fused(prog) == {1: (2, 3)}          # the sum reads the head, the sqrt reads the sum
+    # chain (default): a second reader of the head only is a kernel of its own; "all" takes it too
+    prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG), _sum(3, 1, BIG)])
+    assert _fused(prog) == {1: (2,), 3: ()}
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "all")
+    assert _fused(prog) == {1: (2, 3)}
 
 
 def test_near_misses_stay_kernels():
