@@ -3,9 +3,9 @@
 //! GEMV or the RoPE and KV-cache writes after the qkv projection, each a launch of its own otherwise.
 //!
 //! Every block runs the head's kernel body (a device function here, blockIdx and gridDim its own), then
-//! counts itself done: its threads' stores are ordered before the count by __syncthreads and a fence
-//! (the pattern of a grid barrier's arrival). The block that counts last knows every other block's
-//! stores are visible, fences, and runs each tail's body in order as a grid of one block (the tails
+//! counts itself done: its threads' stores are ordered before the count by __syncthreads and the
+//! count's release (the pattern of a grid barrier's arrival). The block that counts last acquires every
+//! other block's stores and runs each tail's body in order as a grid of one block (the tails
 //! were generated with the head's block size and read blockIdx 0, gridDim 1; they loop grid-stride, so
 //! one block does all their work). A __syncthreads between tails makes one tail's stores visible to the
 //! next. The last block resets the counter, so the next launch of this kernel (a later layer, a graph
@@ -19,6 +19,22 @@
 //! Placeholders: KERNEL THREADS MIN_BLOCKS PARAMS (the head's parameters, then each tail's out and in buffers);
 //!   FUNCTIONS (the head's and the tails' bodies as device functions); HEAD_CALL (the head's call);
 //!   TAIL_CALLS (the tails' calls, a __syncthreads between two).
+#ifndef LUM_COUNT_DONE
+#define LUM_COUNT_DONE
+// One block's arrival: an acquire-release add at GPU scope, so the stores this block's threads made
+// before the __syncthreads are visible to whichever block counts last, and the last one sees all of
+// them (no separate fences: a fence.sc is the slow way to the same order).
+__device__ __forceinline__ unsigned int lum_count_done(unsigned int* lum_c) {
+#if defined(__CUDA_ARCH__)
+  unsigned int lum_old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(lum_old) : "l"(lum_c) : "memory");
+  return lum_old;
+#else
+  __threadfence();
+  return atomicAdd(lum_c, 1u);
+#endif
+}
+#endif
 {{FUNCTIONS}}
 __device__ unsigned int {{KERNEL}}_count;  // blocks of the running launch that finished the head
 
@@ -27,13 +43,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}, {{MIN_BLOCKS}}) {{KERN
   __shared__ unsigned int lum_tail_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     const unsigned int lum_blocks = gridDim.x * gridDim.y * gridDim.z;
-    lum_tail_last = atomicAdd(&{{KERNEL}}_count, 1u) == lum_blocks - 1u ? 1u : 0u;
+    lum_tail_last = lum_count_done(&{{KERNEL}}_count) == lum_blocks - 1u ? 1u : 0u;
   }
   __syncthreads();
   if (lum_tail_last == 0u) return;
-  __threadfence();
 {{TAIL_CALLS}}
   if (threadIdx.x == 0) {{KERNEL}}_count = 0u;
 }
