@@ -21,9 +21,9 @@ What it does, in one run on one GPU:
      to measure what parallel graph branches give, side by side.
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
-     ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-notail`` with
-     ``LUM_KERNEL_TAILS=0`` (every kernel op its own launch; builder/tail.py), ``lum-alltails`` with
-     ``LUM_KERNEL_TAILS=all`` (tails that read only the head too, not only chains).
+     ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-tails`` with
+     ``LUM_KERNEL_TAILS=chain`` (a kernel's last block runs the small ops after it; builder/tail.py),
+     ``lum-alltails`` with ``LUM_KERNEL_TAILS=all``.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -61,15 +61,15 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "lum-notail", "lum-alltails", "hf-eager",
+SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "lum-tails", "lum-alltails", "hf-eager",
            "hf-compile")
-CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0, "lum-notail": 120.0,
+CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0, "lum-tails": 120.0,
          "lum-alltails": 120.0, "hf-eager": 150.0, "hf-compile": 330.0}          # per worker (the limit wins)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {},
-               "lum-noepilogue": {}, "lum-notail": {}, "lum-alltails": {}}      # their session options
+               "lum-noepilogue": {}, "lum-tails": {}, "lum-alltails": {}}      # their session options
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"},
-                 "lum-notail": {"LUM_KERNEL_TAILS": "0"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"}}
+                 "lum-tails": {"LUM_KERNEL_TAILS": "chain"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"}}
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)
 BUILD_CAP_S = 240.0
 
@@ -376,7 +376,7 @@ def worker_hf_compile(spec: dict) -> dict:
 
 
 WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "lum-noprologue": worker_lum, "lum-noepilogue": worker_lum,
-           "lum-notail": worker_lum, "lum-alltails": worker_lum,
+           "lum-tails": worker_lum, "lum-alltails": worker_lum,
            "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
 
 

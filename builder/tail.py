@@ -21,8 +21,16 @@ kernel ops that each
 
 The LLIR is unchanged (the reference backend and the buffer plan see the same ops); the launch table
 says which ops run in which head (``tail``, table version 2: see :mod:`lum.format.manifest`), and the
-loader passes the tails' buffers after the head's. ``LUM_KERNEL_TAILS=0`` turns it off (to measure what
-it gives).
+loader passes the tails' buffers after the head's.
+
+**Off by default: measured slower.** On the H200 (``benchmarks/decode.py``, systems ``lum-tails`` and
+``lum-alltails`` beside ``lum`` in one run), gemma3-4b bf16 decode went from 340 tok/s without tails to
+292–299 with them (8 and 6 launches a layer instead of 13), llama3-1b from 1,006 to 965–988, whether the
+tails were inlined (the GEMVs' registers then rose, e.g. o 38 → 82), kept to the head's register count
+(``__launch_bounds__`` with the head's resident blocks, tails not inlined), or counted with one
+acquire-release atomic instead of SC fences. Where the ~4 µs a fused kernel loses goes is not measured
+yet (a per-kernel profile of ``LUM_KERNEL_TAILS=chain``: see benchmarks/NOTES.md). ``LUM_KERNEL_TAILS``
+(:func:`kernel_tails_policy`) turns them on.
 """
 
 from __future__ import annotations
@@ -48,14 +56,14 @@ _NO_WORK = ("input", "constant", "output")
 _ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(')
 
 
-TAIL_POLICIES = ("chain", "all", "0")
+TAIL_POLICIES = ("0", "chain", "all")
 
 
 def kernel_tails_policy() -> str:
-    """``$LUM_KERNEL_TAILS``: ``chain`` (default: each tail reads the op just before it, so ops that only
-    read the head stay kernels a parallel graph branch can run beside the chain), ``all`` (any op reading
-    the head or a tail), ``0`` (no tails)."""
-    v = os.environ.get(ENV_KERNEL_TAILS, "chain")
+    """``$LUM_KERNEL_TAILS``: ``0`` (default: no tails; they measured slower, see the module docstring),
+    ``chain`` (each tail reads the op just before it, so ops that only read the head stay kernels a
+    parallel graph branch can run beside the chain), ``all`` (any op reading the head or a tail)."""
+    v = os.environ.get(ENV_KERNEL_TAILS, "0")
     if v not in TAIL_POLICIES:
         raise ValueError(f"${ENV_KERNEL_TAILS} must be one of {list(TAIL_POLICIES)}, got {v!r}")
     return v

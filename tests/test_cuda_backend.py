@@ -437,18 +437,20 @@ def test_cuda_backend_refuses_a_package_without_kernels(tmp_path):
 def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry, tails, tmp_path):
     """The streams a graph is captured from (loader/cuda/branches.py) order every pair of steps that
     share bytes with a write, and still leave independent kernels side by side in decode (without kernel
-    tails: with them, tiny-llama's v-cache write, the kernel beside the k path, is the qkv GEMV's tail)."""
+    tails, the default: with all of them, tiny-llama's v-cache write, the kernel beside the k path, is the
+    qkv GEMV's tail)."""
     from lum.loader.cuda.branches import EVERYTHING, conflicts, happens_before
 
     pkg = tiny_pkg
-    if not tails:
+    assert not any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)      # off by default
+    if tails:
         from lum.builder.models import load_spec
         from lum.builder.package_builder import build_package
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LUM_KERNEL_TAILS", "0")
+            mp.setenv("LUM_KERNEL_TAILS", "all")
             pkg = lum.loader.open(build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path / "t.lumpkg"))
-        assert not any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)
+        assert any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)
     bounds = {"s": 16} if entry == "prefill" else {"p": 31}
     layout, _ = _fake_layout(pkg, entry, bounds)
     plan = build_entry_plan(pkg, entry, layout, lambda g, name: (g, name), bounds)
@@ -473,7 +475,7 @@ def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry, tails, tmp_p
     if entry == "decode" and not tails:
         parallel = [(j, i) for i in range(n) for j in range(i) if j not in before[i]]
         assert sched.streams > 1 and parallel           # e.g. the v-cache write beside the k path
-    if not tails:
+    if tails:
         pkg.close()
 
 
