@@ -55,7 +55,8 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 ``ept`` (work items per thread per block tile), ``vec`` (elements per vector access, elementwise and
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
 threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
-``index_bits``, ``acc``, ``math``. Gemv's defaults size ``group`` from the static n and k (see
+``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
+read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
 """
 
@@ -559,7 +560,8 @@ def _pow2ceil(x: int) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, max_blocks: int = 65536, index_bits: int | None = None,
-             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32") -> KernelSource | None:
+             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32",
+             row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -591,7 +593,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given)
+               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -652,10 +654,11 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str,
-                 threads_given: bool = True):
+                 threads_given: bool = True, row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
+        self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
@@ -1147,7 +1150,7 @@ class _Gen:
             guards[k] = f"lum_v{k}" if valid else None
         # a static row of at most ROW_REGS elements per lane is loaded once, into registers; every phase then
         # reads registers (one round of memory latency per row instead of one per phase)
-        regs = -(-n.value // group) if n.is_const and -(-n.value // group) <= ROW_REGS else 0
+        regs = -(-n.value // group) if self.row_regs and n.is_const and -(-n.value // group) <= ROW_REGS else 0
         if regs:
             loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
                     f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;", f"{ind}  if (lum_c < lum_n) {{"]

@@ -91,8 +91,8 @@ def _as_tail(op: LOp, program: Program, head: KernelSource, dyn_vars: Sequence[s
         return None
     dts = [program.ops[a.src].dtype for a in op.args]
     try:
-        ks = generate(op, dyn_vars, arg_dtypes=dts, **{**tuning, "threads": head.block[0]},
-                      max_dyn=dict(max_dyn) or None)
+        ks = generate(op, dyn_vars, arg_dtypes=dts, **{**tuning, "threads": head.block[0], "row_regs": False},
+                      max_dyn=dict(max_dyn) or None)     # no register rows: within the head's registers
     except CodegenError:
         return None
     if ks is None or len(ks.launches) != 1 or ks.block != head.block:
@@ -112,7 +112,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     kernel keeps its head's occupancy; without it a head's register count is not capped."""
     max_dyn = dict(max_dyn or {})
     chain_only = kernel_tails_policy() == "chain"
-    tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn")}
+    tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn", "row_regs")}
     out: dict[int, KernelSource | None] = dict(sources)
     head: KernelSource | None = None
     head_id = -1
