@@ -22,8 +22,8 @@ What it does, in one run on one GPU:
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-tails`` with
-     ``LUM_KERNEL_TAILS=chain`` (a kernel's last block runs the small ops after it; builder/tail.py),
-     ``lum-alltails`` with ``LUM_KERNEL_TAILS=all``.
+     ``LUM_KERNEL_TAILS=exclusive`` (a kernel's last block runs the small ops after it that nothing else
+     could run beside; builder/tail.py), ``lum-alltails`` with ``LUM_KERNEL_TAILS=all``.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -69,7 +69,7 @@ LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprolog
                "lum-noepilogue": {}, "lum-tails": {}, "lum-alltails": {}}      # their session options
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"},
-                 "lum-tails": {"LUM_KERNEL_TAILS": "chain"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"}}
+                 "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"}}
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)
 BUILD_CAP_S = 240.0
 

@@ -56,13 +56,14 @@ _NO_WORK = ("input", "constant", "output")
 _ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(')
 
 
-TAIL_POLICIES = ("0", "chain", "all")
+TAIL_POLICIES = ("0", "exclusive", "chain", "all")
 
 
 def kernel_tails_policy() -> str:
     """``$LUM_KERNEL_TAILS``: ``0`` (default: no tails; they measured slower, see the module docstring),
-    ``chain`` (each tail reads the op just before it, so ops that only read the head stay kernels a
-    parallel graph branch can run beside the chain), ``all`` (any op reading the head or a tail)."""
+    ``exclusive`` (an op becomes a tail only when every other kernel reading the head or its tails comes
+    after it, so no op a parallel graph branch would run beside it is delayed), ``chain`` (each tail
+    reads the op just before it), ``all`` (any op reading the head or a tail)."""
     v = os.environ.get(ENV_KERNEL_TAILS, "0")
     if v not in TAIL_POLICIES:
         raise ValueError(f"${ENV_KERNEL_TAILS} must be one of {list(TAIL_POLICIES)}, got {v!r}")
@@ -111,7 +112,9 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     registers per thread of the heads' own kernels (by name; NVRTC's ``ptxas -v``), so that each fused
     kernel keeps its head's occupancy; without it a head's register count is not capped."""
     max_dyn = dict(max_dyn or {})
-    chain_only = kernel_tails_policy() == "chain"
+    policy = kernel_tails_policy()
+    chain_only = policy == "chain"
+    after = _descendants(program) if policy == "exclusive" else {}
     tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn", "row_regs")}
     out: dict[int, KernelSource | None] = dict(sources)
     head: KernelSource | None = None
@@ -130,7 +133,8 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
             continue
         ks = sources.get(op.id)
         if head is not None and ks is not None and len(chain) < TAIL_MAX_OPS \
-                and any(a.src in produced for a in op.args):
+                and any(a.src in produced for a in op.args) \
+                and (policy != "exclusive" or _exclusive(program, op, produced, after)):
             tail = _as_tail(op, program, head, dyn_vars, max_dyn, tuning)
             if tail is not None:
                 chain.append((op, tail))
@@ -155,6 +159,23 @@ def min_blocks(threads: int, registers: int) -> int:
     65,536 registers, 2,048 threads, 32 blocks an SM; registers are allocated in multiples of 8)."""
     regs = max(8, -(-int(registers) // 8) * 8)
     return max(1, min(32, 2048 // threads, 65536 // (regs * threads)))
+
+
+def _descendants(program: Program) -> dict[int, set[int]]:
+    """Op id -> the ids of every op that reads it, directly or through others."""
+    out: dict[int, set[int]] = {o.id: set() for o in program.ops}
+    for o in reversed(program.ops):
+        for a in o.args:
+            out[a.src] |= {o.id} | out[o.id]
+    return out
+
+
+def _exclusive(program: Program, op: LOp, chain: set[int], after: Mapping[int, set[int]]) -> bool:
+    """Whether every other kernel op reading the chain's values comes after ``op`` (reads it, maybe
+    through others): then running ``op`` in the head's last block delays nothing that could run beside it."""
+    return all(o.id in after[op.id] for o in program.ops
+               if o.id != op.id and o.id not in chain and o.kind not in _NO_WORK
+               and any(a.src in chain for a in o.args))
 
 
 def _device_function(ks: KernelSource, name: str, one_block: bool) -> str:

@@ -130,6 +130,29 @@ def test_a_head_keeps_its_registers():
     assert tail.min_blocks(256, 32) == 8 and tail.min_blocks(512, 38) == 3 and tail.min_blocks(1024, 200) == 1
 
 
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-llama"])
+def test_exclusive_policy_delays_no_parallel_branch(model, monkeypatch):
+    """``exclusive``: a tail only where every other kernel reading the head (or its tails) comes after
+    it. The qkv GEMV then keeps no tail (the v write and the q path read it beside the k path); gemma's
+    k norm runs the k RoPE + cache write, its q norm the q RoPE, its down GEMV the residual norm."""
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "exclusive")
+    prog, sources = _layer_kernels(model)
+    tails = _tails(prog, sources)
+    by_id = {o.id: o for o in prog.ops}
+    assert not any(by_id[i].kind == "gemm" and "expr" in by_id[i].params for i in tails)
+    after = tail._descendants(prog)
+    for h, ts in tails.items():
+        chain = {h} | {t.id for t in ts}
+        for o in prog.kernels():
+            if o.id not in chain and any(a.src in chain for a in o.args):
+                assert all(o.id in after[t.id] for t in ts), (h, o.id)
+    if model == "tiny-gemma3":
+        assert sorted((by_id[h].kind, [t.kind for t in ts]) for h, ts in tails.items()) == [
+            ("elementwise", ["elementwise"]), ("elementwise", ["scatter_nocopy"]), ("gemm", ["elementwise"])]
+    else:
+        assert tails == {}
+
+
 @pytest.mark.parametrize("model,per_layer", [("gemma3-4b", 8), ("llama3-1b", 8)])
 def test_real_decode_layers_launch_fewer_kernels(model, per_layer):
     """gemma3-4b: 13 kernel ops a layer in 8 launches; llama3-1b: 9 in 8. The attention combine stays a
@@ -336,7 +359,7 @@ def test_loader_checks_tails_against_the_llir(tail_pkg, tmp_path):
     reopen(lambda t: None, "same.lumpkg").close()
 
 
-@pytest.mark.parametrize("model,policy", [("tiny-llama", "chain"), ("tiny-gemma3", "all")])
+@pytest.mark.parametrize("model,policy", [("tiny-llama", "chain"), ("tiny-gemma3", "all"), ("tiny-gemma3", "exclusive")])
 def test_tiny_models_with_tails_match_the_reference_on_the_emulated_driver(model, policy, tmp_path, monkeypatch):
     """Prefill and decode logits of a package built with tails, on the fake driver with lum's kernels
     compiled for the host (each fused kernel's blocks counted, its last block running the tails)."""
