@@ -10,27 +10,31 @@ one runs the consumers (the *tails*), in program order, as one block.
 :func:`fuse_tails` picks, in a group's program order, for each head its maximal run of following
 kernel ops that each
 
-* read the head's output or an earlier tail's (a consumer, not an independent op that a parallel
-  graph branch could run beside it);
+* read the head's output or an earlier tail's;
 * follow it with no other kernel op or library call in between (inputs, constants and group outputs
   do no device work), so moving their launch to the head's end reorders nothing;
 * have one launch and a grid of at most :data:`TAIL_MAX_BLOCKS` blocks at the package's dyn bounds
-  when generated with the head's block size (one block then does the work a few blocks did; an op of
-  more blocks, such as the attention combine over every head's rows, or whose grid follows an
-  unbounded dyn var, stays a kernel).
+  when generated with the head's block size and without register rows (one block then does the work
+  a few blocks did within the head's registers; an op of more blocks, such as the attention combine
+  over every head's rows, or whose grid follows an unbounded dyn var, stays a kernel);
+* under the ``exclusive`` policy, come before every other kernel reading the head or its tails, so
+  that no op a parallel graph branch ran beside it waits for it (the v-cache write and the q path
+  beside the k path after the qkv GEMV).
 
 The LLIR is unchanged (the reference backend and the buffer plan see the same ops); the launch table
 says which ops run in which head (``tail``, table version 2: see :mod:`lum.format.manifest`), and the
-loader passes the tails' buffers after the head's.
+loader passes the tails' buffers after the head's. Each fused kernel keeps its head's register count
+(``__launch_bounds__`` with the blocks per SM the head gets alone; the tails are not inlined).
 
-**Off by default: measured slower.** On the H200 (``benchmarks/decode.py``, systems ``lum-tails`` and
-``lum-alltails`` beside ``lum`` in one run), gemma3-4b bf16 decode went from 340 tok/s without tails to
-292–299 with them (8 and 6 launches a layer instead of 13), llama3-1b from 1,006 to 965–988, whether the
-tails were inlined (the GEMVs' registers then rose, e.g. o 38 → 82), kept to the head's register count
-(``__launch_bounds__`` with the head's resident blocks, tails not inlined), or counted with one
-acquire-release atomic instead of SC fences. Where the ~4 µs a fused kernel loses goes is not measured
-yet (a per-kernel profile of ``LUM_KERNEL_TAILS=chain``: see benchmarks/NOTES.md). ``LUM_KERNEL_TAILS``
-(:func:`kernel_tails_policy`) turns them on.
+**Off by default: measured slower.** On the H200 (``benchmarks/decode.py``, a package with tails beside
+one without in the same run), gemma3-4b bf16 decode ran 292–299 tok/s with tails against 340–341
+without, llama3-1b 965–988 against 1,006, in three forms: tails inlined (the GEMVs' registers rose,
+o 38 → 82, and their resident blocks fell); kept to the head's registers (the tails' row kernels
+then spilled up to 300 bytes a thread); with one acquire-release count instead of SC fences. Those
+runs took tails that read only the head as well (the ``all`` policy, and a "chain" policy since
+removed), which runs ops after the qkv GEMV's tails that had run beside them; ``exclusive`` and tails
+without register rows are what the next measurement compares (``decode.py --systems
+lum,lum-tails``, benchmarks/NOTES.md). ``LUM_KERNEL_TAILS`` (:func:`kernel_tails_policy`) turns them on.
 """
 
 from __future__ import annotations
@@ -56,14 +60,14 @@ _NO_WORK = ("input", "constant", "output")
 _ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(')
 
 
-TAIL_POLICIES = ("0", "exclusive", "chain", "all")
+TAIL_POLICIES = ("0", "exclusive", "all")
 
 
 def kernel_tails_policy() -> str:
     """``$LUM_KERNEL_TAILS``: ``0`` (default: no tails; they measured slower, see the module docstring),
     ``exclusive`` (an op becomes a tail only when every other kernel reading the head or its tails comes
-    after it, so no op a parallel graph branch would run beside it is delayed), ``chain`` (each tail
-    reads the op just before it), ``all`` (any op reading the head or a tail)."""
+    after it, so no op a parallel graph branch would run beside it is delayed), ``all`` (any op reading
+    the head or a tail)."""
     v = os.environ.get(ENV_KERNEL_TAILS, "0")
     if v not in TAIL_POLICIES:
         raise ValueError(f"${ENV_KERNEL_TAILS} must be one of {list(TAIL_POLICIES)}, got {v!r}")
@@ -113,7 +117,6 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     kernel keeps its head's occupancy; without it a head's register count is not capped."""
     max_dyn = dict(max_dyn or {})
     policy = kernel_tails_policy()
-    chain_only = policy == "chain"
     after = _descendants(program) if policy == "exclusive" else {}
     tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn", "row_regs")}
     out: dict[int, KernelSource | None] = dict(sources)
@@ -138,7 +141,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
             tail = _as_tail(op, program, head, dyn_vars, max_dyn, tuning)
             if tail is not None:
                 chain.append((op, tail))
-                produced = {op.id} if chain_only else produced | {op.id}
+                produced.add(op.id)
                 continue
         close()
         head, head_id, chain, produced = None, -1, [], set()

@@ -33,9 +33,9 @@ from tests.test_prologue import _groups  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _chain_tails(monkeypatch):
+def _all_tails(monkeypatch):
     """Tails are off by default (measured slower, builder/tail.py); these tests turn them on."""
-    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "chain")
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "all")
 
 
 def test_off_by_default(monkeypatch):
@@ -67,39 +67,30 @@ def _head(prog: Program, tails: dict, pred) -> list[LOp]:
     return tails[heads[0]]
 
 
-def test_qkv_gemv_runs_the_k_path_llama():
-    """Default policy (chain): the qkv GEMV's last block runs the k RoPE + cache write; the v write and
-    the q RoPE read only the GEMV's output, so they stay kernels beside it (parallel graph branches)."""
+def test_qkv_gemv_runs_rope_and_cache_writes_llama():
+    """``all``: the qkv GEMV's last block runs the k RoPE + cache write, the v write and the q RoPE."""
     prog, sources = _layer_kernels("tiny-llama")
     tails = _tails(prog, sources)
     qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
-    assert [o.kind for o in qkv] == ["scatter_nocopy"]
+    assert sorted(o.kind for o in qkv) == ["elementwise", "scatter_nocopy", "scatter_nocopy"]
     covered = {t.id for ts in tails.values() for t in ts}
     assert len(sources) == len(prog.kernels()) - len(covered)
     assert all(o.kind != "gemm" for ts in tails.values() for o in ts)        # a GEMV is never a tail
 
 
-def test_all_policy_takes_every_reader(monkeypatch):
-    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "all")
-    prog, sources = _layer_kernels("tiny-llama")
-    qkv = _head(prog, _tails(prog, sources), lambda o: o.kind == "gemm" and "expr" in o.params)
-    assert sorted(o.kind for o in qkv) == ["elementwise", "scatter_nocopy", "scatter_nocopy"]
+def test_bad_policy_is_refused(monkeypatch):
     monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "some")
     with pytest.raises(ValueError, match="LUM_KERNEL_TAILS"):
         _layer_kernels("tiny-llama")
 
 
 def test_gemma_layer_tails():
-    """qkv: the k norm, then the k RoPE + cache write; q norm: q RoPE; down: the residual's one-row norm
-    (the post-attention one is gate-up's prologue in the tiny model: its gate-up is narrow)."""
+    """``all``: qkv runs the k norm, k RoPE + cache write, v write, q norm and q RoPE; down the residual's
+    one-row norm (the post-attention one is gate-up's prologue in the tiny model: its gate-up is narrow)."""
     prog, sources = _layer_kernels("tiny-gemma3")
     tails = _tails(prog, sources)
-    by_id = {o.id: o for o in prog.ops}
     qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
-    assert [o.kind for o in qkv] == ["elementwise", "scatter_nocopy"]
-    assert by_id[qkv[1].id].args[7].src == qkv[0].id                      # RoPE reads the normed k
-    q_norm = _head(prog, tails, lambda o: o.kind == "elementwise")
-    assert [o.kind for o in q_norm] == ["elementwise"]
+    assert sorted(o.kind for o in qkv) == ["elementwise"] * 3 + ["scatter_nocopy"] * 2
     gemv_rows = [ts for i, ts in tails.items()
                  if prog.ops[i].kind == "gemm" and "expr" not in prog.ops[i].params]
     assert len(gemv_rows) == 1 and all(len(ts) == 1 and ts[0].kind == "elementwise" for ts in gemv_rows)
@@ -153,10 +144,13 @@ def test_exclusive_policy_delays_no_parallel_branch(model, monkeypatch):
         assert tails == {}
 
 
-@pytest.mark.parametrize("model,per_layer", [("gemma3-4b", 8), ("llama3-1b", 8)])
-def test_real_decode_layers_launch_fewer_kernels(model, per_layer):
-    """gemma3-4b: 13 kernel ops a layer in 8 launches; llama3-1b: 9 in 8. The attention combine stays a
-    kernel (its rows need more than TAIL_MAX_BLOCKS blocks)."""
+@pytest.mark.parametrize("model,policy,per_layer", [("gemma3-4b", "all", 6), ("gemma3-4b", "exclusive", 9),
+                                                    ("llama3-1b", "all", 6), ("llama3-1b", "exclusive", 9)])
+def test_real_decode_layers_launch_fewer_kernels(model, policy, per_layer, monkeypatch):
+    """gemma3-4b: 13 kernel ops a layer in 6 launches (all) or 9 (exclusive); llama3-1b: 9 in 6 or 9 (its
+    qkv GEMV's readers run beside each other). The attention combine stays a kernel (its rows need more
+    than TAIL_MAX_BLOCKS blocks)."""
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, policy)
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
 
@@ -208,9 +202,11 @@ BIG = 1 << 16
 def test_a_reader_of_the_head_becomes_its_tail(monkeypatch):
     prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG), _ew(3, "Sqrt", [2], 1)])
     assert _fused(prog) == {1: (2, 3)}          # the sum reads the head, the sqrt reads the sum
-    # chain (default): a second reader of the head only is a kernel of its own; "all" takes it too
+    monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "exclusive")
+    assert _fused(prog) == {1: (2, 3)}          # nothing else reads them
+    # two readers of the head: "all" takes both; "exclusive" neither (each could run beside the other)
     prog = _program([_inp(0, BIG, "x"), _ew(1, "Exp2", [0], BIG), _sum(2, 1, BIG), _sum(3, 1, BIG)])
-    assert _fused(prog) == {1: (2,), 3: ()}
+    assert _fused(prog) == {1: (), 2: (), 3: ()}
     monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "all")
     assert _fused(prog) == {1: (2, 3)}
 
@@ -283,7 +279,7 @@ def tail_pkg(tmp_path_factory):
     from lum.builder.package_builder import build_package
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(tail.ENV_KERNEL_TAILS, "chain")
+        mp.setenv(tail.ENV_KERNEL_TAILS, "all")
         path = build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path_factory.mktemp("tp") / "t.lumpkg")
     pkg = lum.loader.open(path)
     yield pkg
@@ -359,7 +355,7 @@ def test_loader_checks_tails_against_the_llir(tail_pkg, tmp_path):
     reopen(lambda t: None, "same.lumpkg").close()
 
 
-@pytest.mark.parametrize("model,policy", [("tiny-llama", "chain"), ("tiny-gemma3", "all"), ("tiny-gemma3", "exclusive")])
+@pytest.mark.parametrize("model,policy", [("tiny-llama", "all"), ("tiny-gemma3", "all"), ("tiny-gemma3", "exclusive")])
 def test_tiny_models_with_tails_match_the_reference_on_the_emulated_driver(model, policy, tmp_path, monkeypatch):
     """Prefill and decode logits of a package built with tails, on the fake driver with lum's kernels
     compiled for the host (each fused kernel's blocks counted, its last block running the tails)."""
