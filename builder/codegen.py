@@ -79,7 +79,8 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
-           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits"]
+           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits", "split_gemv_tuning",
+           "gemv_kernel_ops"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -610,16 +611,42 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning)
 
 
+_GEMV_KEY = re.compile(r"gemv(\d+)\.(\w+)")
+
+
+def split_gemv_tuning(tuning: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """``tuning`` as (the parameters of every kernel, rank -> the parameters of the rank-th GEMV kernel in
+    program order): a key ``gemv<i>.<name>`` (the measured search's per-shape choice) sets ``name`` for
+    GEMV ``i`` only, over the group-wide value."""
+    common: dict[str, Any] = {}
+    per: dict[int, dict[str, Any]] = {}
+    for k, v in tuning.items():
+        m = _GEMV_KEY.fullmatch(k)
+        if m:
+            per.setdefault(int(m.group(1)), {})[m.group(2)] = v
+        else:
+            common[k] = v
+    return common, per
+
+
+def gemv_kernel_ops(program: Program) -> list[LOp]:
+    """The program's gemm ops that lum's GEMV kernel runs, in program order (the ranks of ``gemv<i>.``)."""
+    return [o for o in program.ops if o.kind == "gemm" and gemv_rows(o) is not None]
+
+
 def generate_program(program: Program, dyn_vars: Sequence[str] | None = None,
                      **tuning: Any) -> dict[int, KernelSource | None]:
     """:func:`generate` for every op of a program, with arg dtypes taken from the producers.
-    ``dyn_vars`` defaults to every dyn var the program mentions, sorted."""
+    ``dyn_vars`` defaults to every dyn var the program mentions, sorted. ``tuning``: keyword arguments of
+    :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the i-th GEMV (:func:`split_gemv_tuning`)."""
     if dyn_vars is None:
         dyn_vars = sorted(program.dyn_vars())
+    common, per = split_gemv_tuning(tuning)
+    rank = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
         dts = [program.ops[a.src].dtype for a in o.args]
-        out[o.id] = generate(o, dyn_vars, arg_dtypes=dts, **tuning)
+        out[o.id] = generate(o, dyn_vars, arg_dtypes=dts, **{**common, **per.get(rank.get(o.id, -1), {})})
     return out
 
 

@@ -46,7 +46,7 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, common_header, generate,
-                                 load_template, render)
+                                 load_template, render, split_gemv_tuning)
 from lum.format.llir import LOp, Program
 
 __all__ = ["ENV_KERNEL_TAILS", "TAIL_POLICIES", "TAIL_MAX_BLOCKS", "TAIL_MAX_OPS", "TAIL_KINDS", "kernel_tails_policy",
@@ -118,7 +118,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     max_dyn = dict(max_dyn or {})
     policy = kernel_tails_policy()
     after = _descendants(program) if policy == "exclusive" else {}
-    tuning = {k: v for k, v in (tuning or {}).items() if k not in ("threads", "max_dyn", "row_regs")}
+    tuning = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k not in ("threads", "max_dyn", "row_regs")}
     out: dict[int, KernelSource | None] = dict(sources)
     head: KernelSource | None = None
     head_id = -1

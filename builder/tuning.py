@@ -1,6 +1,7 @@
 """Extraction by measurement (DESIGN.md step 6): per group, a genetic search over the e-graph's
-decision points and the kernel templates' tuning parameters, every candidate timed on the GPU,
-results kept in a persistent tuning database.
+decision points and the kernel templates' tuning parameters (group-wide ones, :data:`TUNING_DECISIONS`,
+and the block size and split of each decode GEMV, :data:`GEMV_TUNING_DECISIONS`), every candidate
+timed on the GPU, results kept in a persistent tuning database.
 
 * :class:`TuningDB` — one JSON file per key in ``platformdirs.user_cache_dir("lum")/tuning`` (or
   ``$LUM_CACHE_DIR/tuning``). The key is a sha256 over the group's structural hash, the GPU name,
@@ -55,6 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from lum.builder.codegen import gemv_kernel_ops
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled
@@ -67,7 +69,7 @@ from lum.format.expr import as_expr
 from lum.format.llir import Program
 from lum.format.shapetracker import ShapeTracker
 
-__all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "CHECK_FLOPS", "cache_dir", "TuningDB",
+__all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECISIONS", "CHECK_FLOPS", "cache_dir", "TuningDB",
            "DeviceIdentity", "device_identity", "gpu_unavailable_reason", "GroupInfo", "GpuTimer",
            "MeasuredCompiler", "measured_compiler", "tolerance", "compare_outputs", "random_array"]
 
@@ -88,6 +90,15 @@ TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("group", (None, 64, 128)),
     ("unroll", (None, 8)),
 )
+# ... and per decode GEMV (lum's kernel, in program order: ``gemv<i>.<name>``, see
+# codegen.split_gemv_tuning), for as many as the cost model's program of the group has: the best block
+# size and split differ by shape (benchmarks/gemv_sweep.py: gemma3-4b's down projection 10% faster with
+# 128 threads, llama3-1b's 13% slower), which one group-wide value cannot choose.
+GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("threads", (None, 128, 256, 512, 1024)),
+    ("group", (None, 32, 64, 128)),
+)
+MAX_TUNED_GEMVS = 8
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -622,11 +633,19 @@ class MeasuredCompiler:
         except Exception:  # noqa: BLE001 - no NVRTC: the kernels could not be built anyway
             return "none"
 
-    def key_options(self, time_dyn: Mapping[str, int]) -> dict[str, Any]:
+    def group_tuning_decisions(self, n_gemv: int) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """The template decisions of a group whose program has ``n_gemv`` GEMV kernels."""
+        per = tuple((f"gemv{i}.{k}", v) for i in range(min(n_gemv, MAX_TUNED_GEMVS))
+                    for k, v in GEMV_TUNING_DECISIONS if f"gemv{i}.{k}" not in self.fixed)
+        return self.tuning_decisions + per
+
+    def key_options(self, time_dyn: Mapping[str, int],
+                    decisions: Sequence[tuple[str, tuple[Any, ...]]] | None = None) -> dict[str, Any]:
         o = self.options
+        decisions = self.tuning_decisions if decisions is None else decisions
         return {"dtype": self.spec.dtype.value, "target": o.target, "max_seq": int(self.spec.max_seq),
                 "dyn": dict(sorted(time_dyn.items())), "kernel_tuning": {k: self.fixed[k] for k in sorted(self.fixed)},
-                "tuning_space": [[k, list(v)] for k, v in self.tuning_decisions], "nvrtc": self._nvrtc(),
+                "tuning_space": [[k, list(v)] for k, v in decisions], "nvrtc": self._nvrtc(),
                 "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
                 "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy()}
 
@@ -640,13 +659,15 @@ class MeasuredCompiler:
             info = GroupInfo(_standalone_hash(graph), graph)
         sat = saturate(graph)
         points = decision_points(sat)
+        cost_choice = choose_by_cost(sat, lambda op: op_cost(op, self.typical))
+        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(lower(sat, cost_choice, name=graph.name))))
         decisions = [Decision(name, labels) for name, labels in points]
-        decisions += [Decision(f"tune:{k}", tuple("default" if x is None else str(x) for x in v))
-                      for k, v in self.tuning_decisions]
+        decisions += [Decision(f"tune:{k}", tuple("default" if x is None else str(x) for x in v)) for k, v in tuned]
         space = SearchSpace(decisions)
         described = [[d.name, list(d.options)] for d in space.decisions]
         time_dyn = {v: self.typical[v] for v in sorted(graph.dyn_vars) if v in self.typical}
-        key = self.db.key(info.hash, self.device.gpu, self.device.driver, LUM_VERSION, self.key_options(time_dyn))
+        key = self.db.key(info.hash, self.device.gpu, self.device.driver, LUM_VERSION,
+                          self.key_options(time_dyn, tuned))
         rec = self.db.get(key)
         if rec is not None and not self._usable(rec, space, described):
             rec = None
@@ -654,9 +675,8 @@ class MeasuredCompiler:
             self.stats["hits"] += 1
         else:
             self.stats["misses"] += 1
-            cost_choice = choose_by_cost(sat, lambda op: op_cost(op, self.typical))
-            seed = choice_to_genome(sat, cost_choice) + (0,) * len(self.tuning_decisions)
-            rec = self._measure(info, sat, space, described, time_dyn, seed)
+            seed = choice_to_genome(sat, cost_choice) + (0,) * len(tuned)
+            rec = self._measure(info, sat, space, described, time_dyn, seed, tuned)
             self.db.put(key, rec)
             rec = self.db.get(key) or json.loads(json.dumps({**rec, "version": DB_VERSION, "key": key}))
         genome = tuple(rec["genome"])
@@ -681,7 +701,8 @@ class MeasuredCompiler:
         return True
 
     def _measure(self, info: GroupInfo, sat: Any, space: SearchSpace, described: list,
-                 time_dyn: dict[str, int], seed_genome: tuple[int, ...]) -> dict:
+                 time_dyn: dict[str, int], seed_genome: tuple[int, ...],
+                 tuned: tuple[tuple[str, tuple[Any, ...]], ...]) -> dict:
         from lum.builder.extract import lower
 
         check_dyn = dict(time_dyn)
@@ -691,7 +712,7 @@ class MeasuredCompiler:
                 check_dyn = {k: min(v, CHECK_DYN_MAX) for k, v in time_dyn.items()}
         except Exception:  # noqa: BLE001 - no estimate: check at the small map
             check_dyn = {k: min(v, CHECK_DYN_MAX) for k, v in time_dyn.items()}
-        setup = TimerSetup(info, sat, space, self.tuning_decisions, time_dyn, check_dyn, int(self.spec.max_seq),
+        setup = TimerSetup(info, sat, space, tuned, time_dyn, check_dyn, int(self.spec.max_seq),
                            self.options.target, self.fixed, getattr(self.options, "nvrtc_cache", None),
                            self.repeats, self.warmup)
         budget = int(self.options.budget)
@@ -723,7 +744,7 @@ class MeasuredCompiler:
         else:
             genome, best, chosen_by = result.best_genome, result.best_time, "measured"
         return {"group": info.hash, "entry": info.entry, "decisions": described, "genome": list(genome),
-                "genome_hash": genome_hash(genome), "tuning": _tuning_of(self.tuning_decisions, genome[len(sat.decisions):]),
+                "genome_hash": genome_hash(genome), "tuning": _tuning_of(tuned, genome[len(sat.decisions):]),
                 "time": best, "chosen_by": chosen_by, "budget": budget, "seed_genome": list(seed_genome),
                 "time_dyn": time_dyn, "check_dyn": check_dyn, "repeats": self.repeats,
                 "gpu": self.device.gpu, "driver": self.device.driver, "lum": LUM_VERSION, "trials": trials,

@@ -156,15 +156,23 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
     FakeTimer.calls = []
     comp, _ = _build(spec, tmp_path / "a.lumpkg")
     dyn = typical_dyn(spec)
-    n_tune = len(T.TUNING_DECISIONS)
+    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.extract import lower
+
     firsts = {}
     for h, g in FakeTimer.calls:
         firsts.setdefault(h, g)
     assert len(firsts) == 6
+    per_gemv = 0
     for info in T.model_groups(spec).values():
         sat = saturate(info.graph)
-        want = choice_to_genome(sat, choose_by_cost(sat, lambda op: op_cost(op, dyn))) + (0,) * n_tune
-        assert firsts[info.hash] == want
+        choice = choose_by_cost(sat, lambda op: op_cost(op, dyn))
+        # the group-wide template decisions, then the per-GEMV ones of the cost model's program
+        n_gemv = len(gemv_kernel_ops(lower(sat, choice)))
+        per_gemv += n_gemv
+        n_tune = len(T.TUNING_DECISIONS) + len(T.GEMV_TUNING_DECISIONS) * n_gemv
+        assert firsts[info.hash] == choice_to_genome(sat, choice) + (0,) * n_tune
+    assert per_gemv > 0                           # decode groups have GEMVs to tune per shape
     for rec in comp.records:
         assert rec["seed_genome"] == list(firsts[rec["group"]])
         assert rec["trials"][0]["genome"] == rec["seed_genome"]
@@ -277,3 +285,51 @@ def test_cli_budget_without_gpu_prints_one_note(tmp_path, monkeypatch, capsys):
     assert (info.value.code or 0) == 0, err
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert notes == ["note: --budget ignored: no usable GPU (test); extracting with the cost model"]
+
+
+# ---------------------------------------------------------------- per-GEMV template decisions
+class GemvTimer(FakeTimer):
+    """Faster by half with 128-thread blocks for the first GEMV of a group (a little slower for every other
+    gene off its default), so the search's per-GEMV choice is visible in the package."""
+
+    def __call__(self, genome):
+        FakeTimer.calls.append((self.setup.info.hash, tuple(genome)))
+        _, tuning = self.setup.decode(genome)
+        return (1e-3 if tuning.get("gemv0.threads") == 128 else 2e-3) + 1e-6 * sum(1 for g in genome if g)
+
+
+def test_the_search_picks_threads_per_gemv_and_the_package_has_them(spec, cache, tmp_path):
+    import lum.loader
+    from lum.builder.codegen import gemv_kernel_ops
+
+    comp, path = _build(spec, tmp_path / "g.lumpkg", budget=64, factory=GemvTimer)
+    tuned = [rec for rec in comp.records if any(name.startswith("tune:gemv0.") for name, _ in rec["decisions"])]
+    assert tuned
+    with lum.loader.open(path) as pkg:
+        for rec in tuned:
+            assert rec["tuning"].get("gemv0.threads") == 128, rec["tuning"]
+            k = next(i for i, ref in enumerate(pkg.manifest.groups) if ref.hash == rec["group"])
+            gemvs = gemv_kernel_ops(pkg.programs[k])
+            blocks = {kop.op: kop.launches[0].block[0] for kop in pkg.manifest.groups[k].table.ops}
+            assert blocks[gemvs[0].id] == 128                       # the first GEMV: the chosen block size
+            for i, g in enumerate(gemvs[1:], 1):                    # the others: their own choice or default
+                want = rec["tuning"].get(f"gemv{i}.threads", rec["tuning"].get("threads"))
+                assert want is None or blocks[g.id] == want
+
+
+def test_generate_program_applies_gemv_keys_by_rank():
+    from lum.builder.codegen import generate_program, gemv_kernel_ops, split_gemv_tuning
+    from lum.builder.compile import compile_group
+    from tests.test_prologue import _groups
+
+    assert split_gemv_tuning({"threads": 256, "gemv2.group": 64, "gemv0.threads": 128}) == (
+        {"threads": 256}, {2: {"group": 64}, 0: {"threads": 128}})
+    prog = next(p for p in (compile_group(cg)[0] for cg in _groups("tiny-llama", "decode"))
+                if len(gemv_kernel_ops(p)) >= 2)
+    gemvs = gemv_kernel_ops(prog)
+    base = generate_program(prog, sorted(prog.dyn_vars()))
+    got = generate_program(prog, sorted(prog.dyn_vars()), **{"gemv1.threads": 128, "gemv1.group": 32})
+    assert got[gemvs[1].id].block[0] == 128 and got[gemvs[1].id].tuning["group"] == 32
+    for o in prog.ops:                               # every other kernel is what the defaults give
+        if o.id != gemvs[1].id and base[o.id] is not None:
+            assert got[o.id].name == base[o.id].name
