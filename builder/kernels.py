@@ -26,12 +26,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lum.builder.codegen import KernelSource, generate_program, module_source
 from lum.format.llir import Program
+from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION   # a table with tails: 2
 
 __all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table", "group_kernel_sources",
            "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
 
-KERNEL_TABLE_VERSION = 1
-TAIL_TABLE_VERSION = 2            # a table with kernel tails (older loaders refuse it)
 
 
 @dataclass

@@ -361,7 +361,6 @@ def compile_cuda(source: str, arch: str | int = "sm_90", *, name: str = "lum_ker
     return res
 
 
-
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 

@@ -118,7 +118,8 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
     max_dyn = dict(max_dyn or {})
     policy = kernel_tails_policy()
     after = _descendants(program) if policy == "exclusive" else {}
-    tuning = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k not in ("threads", "max_dyn", "row_regs")}
+    tuning = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items()
+              if k not in ("threads", "max_dyn", "row_regs")}     # the tails' own: the head's block, no register rows
     out: dict[int, KernelSource | None] = dict(sources)
     head: KernelSource | None = None
     head_id = -1

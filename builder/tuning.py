@@ -69,8 +69,8 @@ from lum.format.expr import as_expr
 from lum.format.llir import Program
 from lum.format.shapetracker import ShapeTracker
 
-__all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECISIONS", "CHECK_FLOPS", "cache_dir", "TuningDB",
-           "DeviceIdentity", "device_identity", "gpu_unavailable_reason", "GroupInfo", "GpuTimer",
+__all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECISIONS", "CHECK_FLOPS", "cache_dir",
+           "TuningDB", "DeviceIdentity", "device_identity", "gpu_unavailable_reason", "GroupInfo", "GpuTimer",
            "MeasuredCompiler", "measured_compiler", "tolerance", "compare_outputs", "random_array"]
 
 DB_VERSION = 1

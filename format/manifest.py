@@ -11,9 +11,9 @@ with one line, so a corrupt or hostile manifest never reaches the runtime.
 (``sm_<digits>`` with an optional ``a``/``f`` feature suffix) and, when kernels were compiled, the
 NVRTC version that compiled them (a driver older than its major version cannot load them).
 
-**Kernel tables** (``groups[k].kernels``, schema version 1, or 2 when a kernel has tails). An empty object means the group's
-kernels were not compiled (``BuildOptions.compile_kernels=False``); the CUDA backend then refuses
-the package and the reference backend runs it. Otherwise::
+**Kernel tables** (``groups[k].kernels``, schema version 1, or 2 when a kernel has tails). An empty
+object means the group's kernels were not compiled (``BuildOptions.compile_kernels=False``); the CUDA
+backend then refuses the package and the reference backend runs it. Otherwise::
 
     {"version": 1,
      "arch": "sm_90",                 # == target.sm
@@ -39,9 +39,9 @@ in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args
 runs LLIR ops 14 and 16 (in that order, after the op itself), so they have no entry of their own; its
 ``params`` go on with ``"out@14", "in0@14", …, "out@16", …``, the tails' buffers by the same rules. A
 tail op must follow its head in the program with no kernel op or library call between them. Every op
-of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs it (a small static m, see
-:func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call described by the LLIR
-alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build
+of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs
+it (a small static m, see :func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call
+described by the LLIR alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build
 time (``lum.builder.gemm_algos``)::
 
      "gemms": [{"op": 7,                            # LLIR id of a gemm op

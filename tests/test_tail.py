@@ -280,7 +280,8 @@ def tail_pkg(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(tail.ENV_KERNEL_TAILS, "all")
-        path = build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path_factory.mktemp("tp") / "t.lumpkg")
+        path = build_package(load_spec(random_name="tiny-llama", max_seq=32),
+                             tmp_path_factory.mktemp("tp") / "t.lumpkg")
     pkg = lum.loader.open(path)
     yield pkg
     pkg.close()

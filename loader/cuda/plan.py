@@ -478,7 +478,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
 
 
 def _reads(op: LOp, ptr: dict[int, int], cap: dict[int, int], readonly: set[int]) -> list[tuple[int, int]]:
-    """[lo, hi) of the op's argument buffers that a run may write (weights are never written)."""
+    """[lo, hi) of the op's argument buffers, less the weights (never written, so they order nothing)."""
     return [(ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args if ptr[a.src] not in readonly]
 
 
