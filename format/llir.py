@@ -338,7 +338,7 @@ def check_gemm_fusion(op: LOp, version: int, where: str) -> None:
     leaves = op.params.get("epilogue_leaves", 0) if "epilogue" in op.params else 0
     if isinstance(leaves, bool) or not isinstance(leaves, int) or not 0 <= leaves <= len(op.args) - 2:
         raise ValueError(f"{where}: epilogue_leaves must be an int in [0, {len(op.args) - 2}], got {leaves!r}")
-    b = len(op.args) - 1 - leaves
+    b, _ = gemm_parts(op)
     if "expr" in op.params:
         expr = op.params["expr"]
         check_expr(expr, b, None, where)

@@ -391,7 +391,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
         cap: dict[int, int] = {}
         dtypes: dict[int, DType] = {}
         state_copies: list[CopyStep] = []
-        head: tuple | None = None            # (kernel op, params, reads, writes, where): a head awaiting tails
+        head: _Launch | None = None          # a kernel op with tails, awaiting its tails' buffers
         for op, vname in zip(prog.inputs(), call.inputs):
             v = values[vname]
             if v.dtype != op.dtype:
@@ -439,11 +439,9 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                 plan.steps.append(gs)
                 continue
             kop = kops.get(op.id)
-            if head is not None and kop is None and op.id in head[0].tail:   # its buffers join the head's launch
-                head[1].extend([ptr[op.id]] + [ptr[a.src] for a in op.args])
-                head[2].extend(_reads(op, ptr, cap, readonly))
-                head[3].append((ptr[op.id], ptr[op.id] + cap[op.id]))
-                if op.id == head[0].tail[-1]:
+            if head is not None and kop is None and op.id in head.kop.tail:   # its buffers join the head's launch
+                head.add(op, ptr, cap, readonly)
+                if op.id == head.kop.tail[-1]:
                     _kernel_steps(plan, head, function, call.group, max_dyn)
                     head = None
                 continue
@@ -455,8 +453,9 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                                          f"has {len(op.args)} arguments")
             if op.kind == "gemm":
                 plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
-            step = (kop, [ptr[op.id]] + [ptr[a.src] for a in op.args] + [dyn_ptr], _reads(op, ptr, cap, readonly),
-                    [(ptr[op.id], ptr[op.id] + cap[op.id])], where)
+            step = _Launch(kop, where, [], [], [])
+            step.add(op, ptr, cap, readonly)
+            step.values.append(dyn_ptr)                # the head's buffers, then dyn, then each tail's
             if kop.tail:
                 head = step                     # launched once its tails' buffers are known
             else:
@@ -477,20 +476,33 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     return plan
 
 
-def _reads(op: LOp, ptr: dict[int, int], cap: dict[int, int], readonly: set[int]) -> list[tuple[int, int]]:
-    """[lo, hi) of the op's argument buffers, less the weights (never written, so they order nothing)."""
-    return [(ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args if ptr[a.src] not in readonly]
+@dataclass
+class _Launch:
+    """One launch-table op's kernel parameters (and, for a kernel with tails, its tails' after them) and the
+    device bytes they read and write (for branches.schedule)."""
+
+    kop: Any
+    where: str
+    values: list[int]
+    reads: list[tuple[int, int]]
+    writes: list[tuple[int, int]]
+
+    def add(self, op: LOp, ptr: dict[int, int], cap: dict[int, int], readonly: set[int]) -> None:
+        """``op``'s buffers: its output, then its arguments (weights are never written: they order nothing)."""
+        self.values += [ptr[op.id]] + [ptr[a.src] for a in op.args]
+        self.reads += [(ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args if ptr[a.src] not in readonly]
+        self.writes.append((ptr[op.id], ptr[op.id] + cap[op.id]))
 
 
-def _kernel_steps(plan: EntryPlan, step: tuple, function: Callable[[int, str], Any], group: int,
+def _kernel_steps(plan: EntryPlan, launch: _Launch, function: Callable[[int, str], Any], group: int,
                   max_dyn: Mapping[str, int]) -> None:
     """The kernel steps of one launch-table op (with its tails' buffers, when it has tails)."""
-    kop, values, reads, writes, where = step
-    params = ParamPack(values)
-    for lc in kop.launches:
+    params = ParamPack(launch.values)
+    for lc in launch.kop.launches:
         grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
-        plan.steps.append(KernelStep(f"{where} kernel {lc.kernel}", function(group, lc.kernel), grid, lc.block,
-                                     lc.shared_mem, params, tuple(reads), tuple(writes)))  # type: ignore[arg-type]
+        plan.steps.append(KernelStep(f"{launch.where} kernel {lc.kernel}", function(group, lc.kernel), grid,
+                                     lc.block, lc.shared_mem, params, tuple(launch.reads),  # type: ignore[arg-type]
+                                     tuple(launch.writes)))
 
 
 def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, int]) -> list[tuple[Expr, int, str]]:
