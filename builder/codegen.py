@@ -54,7 +54,9 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 :attr:`KernelSource.tuning`): ``threads`` (block size; 256, or see ``_default_threads`` for gemv),
 ``ept`` (work items per thread per block tile), ``vec`` (elements per vector access, elementwise and
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
-threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4), ``max_blocks`` (grid cap),
+threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4),
+``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
+the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -63,6 +65,7 @@ read it each phase, for fewer registers). Gemv's defaults size ``group`` from th
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -80,7 +83,7 @@ from lum.format.shapetracker import ShapeTracker, numel
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
-           "split_gemv_tuning", "gemv_kernel_ops"]
+           "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -91,7 +94,10 @@ ROW_REGS = 8                                     # row kernels keep a static row
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
-_GEMV_FILL_THREADS = 132 * 2048                  # resident threads of an H100/H200 (132 SMs x 2048)
+GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
+ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
+_SMS = 132                                       # SMs of an H100 / H200
+_GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
              DType.i64: "long long", DType.bool: "lum_bool"}
@@ -553,6 +559,18 @@ def _pow2_floor(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
+def gemv_inflight_default() -> int:
+    """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
+    raw = os.environ.get(ENV_GEMV_INFLIGHT, "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CodegenError(f"${ENV_GEMV_INFLIGHT} must be an integer in [0, {GEMV_MAX_INFLIGHT}], got {raw!r}") from None
+    if not 0 <= value <= GEMV_MAX_INFLIGHT:
+        raise CodegenError(f"${ENV_GEMV_INFLIGHT} must be an integer in [0, {GEMV_MAX_INFLIGHT}], got {raw!r}")
+    return value
+
+
 def _pow2ceil(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -560,9 +578,9 @@ def _pow2ceil(x: int) -> int:
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
-             unroll: int | None = None, max_blocks: int = 65536, index_bits: int | None = None,
-             max_dyn: Mapping[str, int] | None = None, acc: str = "f32", math: str = "f32",
-             row_regs: bool = True) -> KernelSource | None:
+             unroll: int | None = None, inflight: int | None = None, max_blocks: int = 65536,
+             index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
+             math: str = "f32", row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -594,7 +612,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
+               inflight=gemv_inflight_default() if inflight is None else inflight, max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -680,10 +698,11 @@ class _RowParts:
 
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
-                 group: int | None, unroll: int | None, max_blocks: int, acc: str, math: str,
+                 group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  threads_given: bool = True, row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
+        self.inflight = inflight
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
@@ -1586,6 +1605,7 @@ class _Gen:
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
+        inflight = self._gemv_inflight(k, group, vec) if b_kc else 0
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1593,8 +1613,9 @@ class _Gen:
         b_ext = p["offset_b"] + batch * p["stride_b"] + (n * p["ldb"] + k if b_kc else k * p["ldb"] + n)
         ctx.exprs.extend([a_ext, b_ext, batch * m * n + n + tile])
         src = render(load_template("gemv.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
+            "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": "@MIN_BLOCKS@", "IDX_T": "@IDX_T@",
+            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
+            "INFLIGHT": inflight, "A_EARLY": "@A_EARLY@",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
@@ -1609,7 +1630,7 @@ class _Gen:
         else:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
-                  "unroll": unroll, "cols": tile, "max_blocks": self.max_blocks}
+                  "unroll": unroll, "inflight": inflight, "cols": tile, "max_blocks": self.max_blocks}
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
         grid = self.grid(items, per_block)
@@ -1617,7 +1638,21 @@ class _Gen:
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
+        min_blocks = self._gemv_min_blocks(inflight, grid[0])
+        # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
+        # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
+        a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
+        src = src.replace("@MIN_BLOCKS@", min_blocks).replace("@A_EARLY@", "true" if a_early else "false")
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
+
+    def _gemv_min_blocks(self, inflight: int, blocks: Expr) -> str:
+        """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead (``, b``; else empty):
+        the blocks an SM must hold for a static grid to run in one wave, so that the registers the loads
+        ahead take never split the grid into a second wave (none when it cannot be one wave anyway)."""
+        if not inflight or not blocks.is_const:
+            return ""
+        per_sm = -(-blocks.value // _SMS)
+        return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads else ""
 
     def _gemv_epilogue(self, m: int, jb: int, n_out: Expr) -> str:
         """The code (templates/gemv.cu's EPILOGUE) that stores output column ``lum_j`` of each of the ``m``
@@ -1666,7 +1701,7 @@ class _Gen:
         a_dt = DType.parse(expr[1])
         tree = LOp(0, "elementwise", "Fused", op.args[:jb], dom, a_dt, {"expr": expr})
         sub = _Gen(tree, self.dts[:jb], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
-                   unroll=None, max_blocks=1, acc=self.acc, math=self.math)
+                   unroll=None, inflight=0, max_blocks=1, acc=self.acc, math=self.math)
         rp = sub._row_parts(sink="lum_as")
         return render(load_template("gemv_prologue.cuh"), {
             "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "ROWS": self.ctx.c(rp.rows),
@@ -1697,6 +1732,15 @@ class _Gen:
             else:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
+
+    def _gemv_inflight(self, k: Expr, group: int, vec: int) -> int:
+        """Vector loads a lane issues ahead (dot scheme): the ``inflight`` asked for, down to the vectors a
+        lane has when k is static (no registers for loads that never happen)."""
+        if not 0 <= self.inflight <= GEMV_MAX_INFLIGHT:
+            raise CodegenError(f"inflight must be in [0, {GEMV_MAX_INFLIGHT}], got {self.inflight}")
+        if self.inflight and k.is_const:
+            return max(1, min(self.inflight, -(-k.value // (vec * group))))
+        return self.inflight
 
     def _gemv_group(self, p: dict[str, Expr], b_kc: bool, vec: int) -> int:
         """Threads reducing one output (``group``). Default, dot scheme: two warps when k has at least

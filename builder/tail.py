@@ -57,7 +57,7 @@ TAIL_MAX_BLOCKS = 4       # a tail's grid with the head's block size, at most (i
 TAIL_MAX_OPS = 8          # tails per head, at most (they run one after another in one block)
 TAIL_KINDS = ("elementwise", "reduce", "scatter_nocopy", "scatter", "gather", "iota")
 _NO_WORK = ("input", "constant", "output")
-_ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(')
+_ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+(?:, \d+)?\) (\w+)\(')
 
 
 TAIL_POLICIES = ("0", "exclusive", "all")

@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.codegen import gemv_kernel_ops
+from lum.builder.codegen import gemv_inflight_default, gemv_kernel_ops
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled
@@ -97,6 +97,7 @@ TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
 GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("threads", (None, 128, 256, 512, 1024)),
     ("group", (None, 32, 64, 128)),
+    ("inflight", (None, 4, 8)),     # vector loads a lane issues ahead (None: $LUM_GEMV_INFLIGHT, else 0)
 )
 MAX_TUNED_GEMVS = 8
 
@@ -647,7 +648,8 @@ class MeasuredCompiler:
                 "dyn": dict(sorted(time_dyn.items())), "kernel_tuning": {k: self.fixed[k] for k in sorted(self.fixed)},
                 "tuning_space": [[k, list(v)] for k, v in decisions], "nvrtc": self._nvrtc(),
                 "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
-                "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy()}
+                "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy(),
+                "gemv_inflight": gemv_inflight_default()}
 
     def __call__(self, graph: Graph) -> Program:
         from lum.builder.costmodel import op_cost

@@ -215,6 +215,20 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
     for (int e = 0; e < P; ++e) out[q * P + e] = cvt(v.v[e]);
   }
 }
+
+// Load N consecutive elements of T at p as stored, in the accesses of lum_load_f32 (same alignment):
+// converted only where used, so a caller can issue several such loads before it waits on any.
+template <int N, typename T>
+LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
+  constexpr int P = (int)(16 / sizeof(T)) < N ? (int)(16 / sizeof(T)) : N;  // elements per access
+  static_assert(N % P == 0, "N must be a multiple of the access width");
+#pragma unroll
+  for (int q = 0; q < N / P; ++q) {
+    const lum_vec<T, P> v = *reinterpret_cast<const lum_vec<T, P>*>(p + q * P);
+#pragma unroll
+    for (int e = 0; e < P; ++e) out[q * P + e] = v.v[e];
+  }
+}
 #endif  // CUDA
 
 #endif  // LUM_COMMON_CUH

@@ -8,8 +8,10 @@
 //! Two schemes, picked by B's majorness:
 //!  * dot (B_KCONTIG: x @ W^T with W [n, k] row-major — every Linear layer in decode): GROUP threads own
 //!    one column j of the flattened (batch, n) range and walk its k in VEC-element (16-byte) vector
-//!    loads of B (and of A when A is row-major), UNROLL loads in flight, each thread keeping M partial
-//!    sums; the group combines them with warp shuffles and, for GROUP > 32 (split-K across warps),
+//!    loads of B (and of A when A is row-major), each thread keeping M partial sums. With INFLIGHT > 0 a
+//!    lane issues INFLIGHT vector loads of B (A_EARLY: of A too) before it uses any, so that many are in
+//!    flight whatever the compiler schedules (left to it, the UNROLL-times unrolled loop of 0 keeps
+//!    about two: ptxas interleaves each load with the previous vector's multiply-adds); the group combines them with warp shuffles and, for GROUP > 32 (split-K across warps),
 //!    through shared memory. A block tile is THREADS / GROUP columns, walked grid-stride.
 //!  * cols (B row-major, n contiguous — probs @ V): a thread owns VEC consecutive columns (one vector
 //!    load of B per k), THREADS / GROUP threads span a tile of columns and GROUP k-slices split k; the
@@ -25,16 +27,17 @@
 //! are uniform per block (shuffles, __syncthreads), so any grid >= 1 is correct; n, k or batch = 0 are
 //! fine (k = 0 writes zeros).
 //!
-//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS;
+//! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
 //!   (empty, or the code that fills lum_as); NACC ACC_COLS N_OUT HAS_EPILOGUE (1, 0, N, false without an
 //!   epilogue), EPILOGUE (empty, or the code that stores output column lum_j of every row from lum_acc);
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
-//!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), A_KCONTIG B_KCONTIG (true |
+//!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
+//!   lane issues ahead; 0: the unrolled loop), A_EARLY (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true |
 //!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
 //!   storage value of the float `lum_v`), N K BATCH LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions
 //!   of the dyn vars), VEC_OK (C bool expression).
-extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
+extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{A_T}} a_t;
   typedef {{B_T}} b_t;
@@ -50,6 +53,10 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int NACC = {{NACC}};                 // product columns per output column (dot scheme)
   constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
+  constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
+  constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
+  constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
+  static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
   static_assert(M >= 1 && M <= 8, "M must be in [1, 8]");
   static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
@@ -90,7 +97,51 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
         const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
         const a_t* lum_ap = {{A_PTR}} + (lum_oa + lum_b * lum_sa);
         idx_t lum_kv = 0;  // k covered by whole vectors
-        if (lum_vec_ok) {
+        if (lum_vec_ok && INFLIGHT > 0) {  // INFLIGHT vectors of B (and of A when A_EARLY) per lane, loaded
+          lum_kv = lum_k / VEC * VEC;        // before any is used, then accumulated in the order of k
+          const idx_t lum_step = (idx_t)GROUP * VEC;
+          for (idx_t lum_q0 = (idx_t)lum_lane * VEC; lum_q0 < lum_kv; lum_q0 += lum_step * U) {
+            b_t lum_braw[U][NACC][VEC];
+            a_t lum_araw[A_EARLY ? U : 1][VEC];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              if (lum_q0 + u * lum_step < lum_kv) {
+#pragma unroll
+                for (int t = 0; t < NACC; ++t) lum_load_raw<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + u * lum_step, lum_braw[u][t]);
+              }
+            }
+            if (A_EARLY) {
+#pragma unroll
+              for (int u = 0; u < U; ++u) {
+                if (lum_q0 + u * lum_step < lum_kv) lum_load_raw<VEC>(lum_ap + lum_q0 + u * lum_step, lum_araw[A_EARLY ? u : 0]);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              const idx_t lum_q = lum_q0 + u * lum_step;
+              if (lum_q < lum_kv) {
+#pragma unroll
+                for (int i = 0; i < M; ++i) {
+                  float lum_av[VEC];
+                  if (A_EARLY) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_araw[A_EARLY ? u : 0][e]);
+                  } else if (A_KCONTIG) {
+                    lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
+                  } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
+                  }
+#pragma unroll
+                  for (int t = 0; t < NACC; ++t) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_cb(lum_braw[u][t][e]);
+                  }
+                }
+              }
+            }
+          }
+        } else if (lum_vec_ok) {
           lum_kv = lum_k / VEC * VEC;
 #pragma unroll {{UNROLL}}
           for (idx_t lum_q = (idx_t)lum_lane * VEC; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {

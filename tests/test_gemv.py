@@ -116,6 +116,14 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
         out.append((layout + ".split", gemm_op(layout, 5, 6, 3000), [BF16, BF16], {}, {"group": 256}))
         out.append((layout + ".small_block", gemm_op(layout, 1, 70, 90), [BF16, BF16], {}, {"threads": 32, "unroll": 1}))
         out.append((layout + ".k0", gemm_op(layout, 3, 17, P, lda=17, ldb=17), [F32, F32], {"p": 0}, {}))  # zeros
+        # loads issued ahead: partial batches and a k tail (static k), dynamic k, several rows of A
+        out.append((layout + ".inflight3", gemm_op(layout, 1, 40, 300), [BF16, BF16], {}, {"inflight": 3}))
+        out.append((layout + ".inflight_dynk", gemm_op(layout, 1, 24, P + 2, lda=P + 2, ldb=P + 2), [F32, F32],
+                    {"p": 97}, {"inflight": 4, "group": 8}))
+        out.append((layout + ".inflight_rows", gemm_op(layout, 3, 33, 200, BF16), [BF16, BF16], {},
+                    {"inflight": 2}))
+        out.append((layout + ".inflight_k0", gemm_op(layout, 1, 17, P, lda=17, ldb=17), [F32, F32], {"p": 0},
+                    {"inflight": 4}))
         out.append((layout + ".n0", gemm_op(layout, 3, P, 17, lda=17, ldb=17, batch=2), [F32, F32], {"p": 0}, {}))
     return out
 
@@ -208,6 +216,50 @@ def test_host_kernel_edge_cases(host_lib):
         op, ks = next(c[1] for c in CASES if c[0] == name), kernels[name]
         got, _ = _run(lib, ks, op, [F32, F32], {"p": 0}, 2)                # k = 0 writes zeros
         assert got.shape == (1, 3, 17) and (got == 0).all()
+
+
+def test_loads_ahead_sum_in_the_same_order(host_lib, tmp_path):
+    """Issuing a lane's loads ahead changes when they happen, not the order of the sums: bit-equal results."""
+    lib, kernels = host_lib
+    for layout in GEMM_LAYOUTS:
+        op = next(c[1] for c in CASES if c[0] == layout + ".inflight3")
+        plain = generate(op, ["p"], arg_dtypes=[BF16, BF16])
+        ahead = kernels[layout + ".inflight3"]
+        if layout[2:] == "Cm":                   # the dot scheme takes it; the cols scheme has no such loop
+            assert ahead.tuning["inflight"] == 3 and plain.tuning["inflight"] == 0
+            assert ahead.tuning["group"] == plain.tuning["group"] and ahead.body != plain.body
+        else:
+            assert ahead.tuning["inflight"] == 0
+    op = next(c[1] for c in CASES if c[0] == "RmCm.inflight3")
+    other = ctypes.CDLL(str(emu.kernel_library([generate(op, ["p"], arg_dtypes=[BF16, BF16])],
+                                                 tmp_path)))
+    for grid in (1, 2, 5):
+        got, _ = _run(lib, kernels["RmCm.inflight3"], op, [BF16, BF16], {}, grid, seed=grid)
+        want, _ = _run(other, generate(op, ["p"], arg_dtypes=[BF16, BF16]), op, [BF16, BF16], {}, grid, seed=grid)
+        assert np.array_equal(got, want)
+
+
+def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
+    """``inflight`` is capped by the vectors a lane has; a static grid of one wave bounds the registers
+    (``__launch_bounds__`` with the blocks an SM must hold) and then keeps A's loads where they are used;
+    ``$LUM_GEMV_INFLIGHT`` sets the default and a bad value is a one-line error."""
+    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)                  # gemma3-4b's o: 320 blocks of 512
+    gate_up = gemm_op("RmCm", 1, 20480, 2560, BF16)                # many waves: no bound
+    ks = generate(o_proj, [], arg_dtypes=[BF16, BF16], inflight=8)
+    assert ks.tuning["inflight"] == 4                              # 2048 / 8 / 64 vectors a lane
+    assert "__launch_bounds__(512, 3)" in ks.body and "constexpr bool A_EARLY = false;" in ks.body
+    ks = generate(gate_up, [], arg_dtypes=[BF16, BF16], inflight=4)
+    assert "__launch_bounds__(128)" in ks.body and "constexpr bool A_EARLY = true;" in ks.body
+    assert generate(gate_up, [], arg_dtypes=[BF16, BF16]).tuning["inflight"] == 0
+    monkeypatch.setenv("LUM_GEMV_INFLIGHT", "4")
+    assert generate(gate_up, [], arg_dtypes=[BF16, BF16]).tuning["inflight"] == 4
+    for bad in ("four", "17", "-1"):
+        monkeypatch.setenv("LUM_GEMV_INFLIGHT", bad)
+        with pytest.raises(CodegenError, match="LUM_GEMV_INFLIGHT must be an integer"):
+            generate(gate_up, [], arg_dtypes=[BF16, BF16])
+    monkeypatch.delenv("LUM_GEMV_INFLIGHT")
+    with pytest.raises(CodegenError, match="inflight must be in"):
+        generate(gate_up, [], arg_dtypes=[BF16, BF16], inflight=17)
 
 
 def test_bf16_rounding_of_the_float_sum(host_lib):
