@@ -365,6 +365,24 @@ _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_spills(log: str) -> dict[str, int]:
+    """Spilled bytes (stores + loads) per thread of each kernel that spills, from a ``ptxas -v`` log."""
+    out: dict[str, int] = {}
+    entry = None
+    for line in log.splitlines():
+        m = _PTXAS_ENTRY.search(line)
+        if m:
+            entry = m.group(1)
+            continue
+        m = _PTXAS_SPILLS.search(line)
+        if m and entry is not None and int(m.group(1)) + int(m.group(2)):
+            out[entry] = int(m.group(1)) + int(m.group(2))
+    return out
+
+
 def ptxas_registers(log: str) -> dict[str, int]:
     """Registers per thread of each kernel, from the log of a compile with ``--ptxas-options=-v``."""
     out: dict[str, int] = {}

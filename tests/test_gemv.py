@@ -270,3 +270,40 @@ def test_bf16_rounding_of_the_float_sum(host_lib):
     got, want = _run(lib, ks, op, [BF16, BF16], {"p": 20}, 4, seed=3)
     rounded = want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
     assert np.abs(got - rounded).max() <= np.abs(rounded).max() * 2.0 ** -7
+
+
+
+def test_loads_ahead_that_would_spill_are_halved(monkeypatch):
+    """A group's GEMVs whose loads ahead spill (``ptxas -v`` through NVRTC) are rebuilt with half as many
+    until they do not (here: a fake compile that reports a spill for more than one load ahead)."""
+    import re
+    from types import SimpleNamespace
+
+    from lum.builder import kernels, nvrtc
+    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.compile import compile_group
+    from tests.test_prologue import _groups
+
+    prog = next(p for p in (compile_group(cg)[0] for cg in _groups("tiny-llama", "decode"))
+                if len(gemv_kernel_ops(p)) >= 2)
+    dyn_vars = sorted(prog.dyn_vars())
+    compiled: list[dict[str, int]] = []
+
+    def fake_compile(source, arch, **kw):
+        found = dict(re.findall(r"__launch_bounds__\([^)]*\) (\w+)\(.*?constexpr int INFLIGHT = (\d+);", source, re.S))
+        compiled.append({k: int(v) for k, v in found.items()})
+        log = "".join(f"ptxas info    : Compiling entry function '{k}' for 'sm_90'\n"
+                      f"ptxas         .     0 bytes stack frame, {64 if int(v) > 1 else 0} bytes spill stores, "
+                      f"{64 if int(v) > 1 else 0} bytes spill loads\n" for k, v in found.items())
+        return SimpleNamespace(log=log)
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", fake_compile)
+    tuning = {"inflight": 8, **{f"gemv{i}.group": 1 for i in range(len(gemv_kernel_ops(prog)))}}  # long lanes
+    got = kernels.group_kernel_sources(prog, dyn_vars, tuning=tuning, cache_dir=False)
+    firsts = [got[o.id].tuning["inflight"] for o in gemv_kernel_ops(prog)]
+    assert firsts and all(v == 1 for v in firsts), firsts
+    assert [max(c.values()) for c in compiled][0] > 1 and max(compiled[-1].values()) == 1
+    compiled.clear()
+    monkeypatch.setattr(nvrtc, "compile_cuda", lambda source, arch, **kw: SimpleNamespace(log=""))
+    got = kernels.group_kernel_sources(prog, dyn_vars, tuning=tuning, cache_dir=False)
+    assert all(got[o.id].tuning["inflight"] > 1 for o in gemv_kernel_ops(prog))     # no spill: kept
