@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from lum.format.atomic import atomic_write_bytes
 
@@ -368,8 +368,8 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def ptxas_spills(log: str) -> dict[str, int]:
-    """Spilled bytes (stores + loads) per thread of each kernel that spills, from a ``ptxas -v`` log."""
+def _ptxas_per_entry(log: str, pattern: re.Pattern, value: Callable[[re.Match], int]) -> dict[str, int]:
+    """``value`` of the first line matching ``pattern`` after each kernel's line in a ``ptxas -v`` log."""
     out: dict[str, int] = {}
     entry = None
     for line in log.splitlines():
@@ -377,23 +377,19 @@ def ptxas_spills(log: str) -> dict[str, int]:
         if m:
             entry = m.group(1)
             continue
-        m = _PTXAS_SPILLS.search(line)
-        if m and entry is not None and int(m.group(1)) + int(m.group(2)):
-            out[entry] = int(m.group(1)) + int(m.group(2))
+        m = pattern.search(line)
+        if m and entry is not None:
+            out[entry] = value(m)
+            entry = None
     return out
+
+
+def ptxas_spills(log: str) -> dict[str, int]:
+    """Spilled bytes (stores + loads) per thread of each kernel that spills, from a ``ptxas -v`` log."""
+    found = _ptxas_per_entry(log, _PTXAS_SPILLS, lambda m: int(m.group(1)) + int(m.group(2)))
+    return {k: v for k, v in found.items() if v}
 
 
 def ptxas_registers(log: str) -> dict[str, int]:
     """Registers per thread of each kernel, from the log of a compile with ``--ptxas-options=-v``."""
-    out: dict[str, int] = {}
-    entry = None
-    for line in log.splitlines():
-        m = _PTXAS_ENTRY.search(line)
-        if m:
-            entry = m.group(1)
-            continue
-        m = _PTXAS_REGS.search(line)
-        if m and entry is not None:
-            out[entry] = int(m.group(1))
-            entry = None
-    return out
+    return _ptxas_per_entry(log, _PTXAS_REGS, lambda m: int(m.group(1)))

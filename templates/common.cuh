@@ -202,22 +202,9 @@ LUM_D bool lum_aligned(const void* p, unsigned bytes) {
   return ((unsigned long long)p & (unsigned long long)(bytes - 1u)) == 0ull;
 }
 
-// Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
-// bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
-template <int N, typename T, typename Cvt>
-LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
-  constexpr int P = (int)(16 / sizeof(T)) < N ? (int)(16 / sizeof(T)) : N;  // elements per access
-  static_assert(N % P == 0, "N must be a multiple of the access width");
-#pragma unroll
-  for (int q = 0; q < N / P; ++q) {
-    const lum_vec<T, P> v = *reinterpret_cast<const lum_vec<T, P>*>(p + q * P);
-#pragma unroll
-    for (int e = 0; e < P; ++e) out[q * P + e] = cvt(v.v[e]);
-  }
-}
-
-// Load N consecutive elements of T at p as stored, in the accesses of lum_load_f32 (same alignment):
-// converted only where used, so a caller can issue several such loads before it waits on any.
+// Load N consecutive elements of T at p as stored, in accesses of at most 16 bytes (p aligned to
+// min(16, N * sizeof(T)) bytes). Converted only where used, a caller can issue several such loads
+// before it waits on any.
 template <int N, typename T>
 LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   constexpr int P = (int)(16 / sizeof(T)) < N ? (int)(16 / sizeof(T)) : N;  // elements per access
@@ -228,6 +215,16 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
 #pragma unroll
     for (int e = 0; e < P; ++e) out[q * P + e] = v.v[e];
   }
+}
+
+// Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
+// bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
+template <int N, typename T, typename Cvt>
+LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
+  T raw[N];
+  lum_load_raw<N>(p, raw);
+#pragma unroll
+  for (int e = 0; e < N; ++e) out[e] = cvt(raw[e]);
 }
 #endif  // CUDA
 

@@ -81,6 +81,14 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
 {{PROLOGUE}}  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
                           (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
+  auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)
+    if (A_KCONTIG) {
+      lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
+    }
+  };
   const int lum_g = (int)threadIdx.x / GROUP;
   const int lum_lane = (int)threadIdx.x % GROUP;
 
@@ -126,11 +134,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                   if (A_EARLY) {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_araw[A_EARLY ? u : 0][e]);
-                  } else if (A_KCONTIG) {
-                    lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
                   } else {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
+                    lum_a_vec(lum_ap, i, lum_q, lum_av);
                   }
 #pragma unroll
                   for (int t = 0; t < NACC; ++t) {
@@ -151,12 +156,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 #pragma unroll
             for (int i = 0; i < M; ++i) {
               float lum_av[VEC];
-              if (A_KCONTIG) {
-                lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
-              } else {
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
-              }
+              lum_a_vec(lum_ap, i, lum_q, lum_av);
 #pragma unroll
               for (int t = 0; t < NACC; ++t) {
 #pragma unroll
