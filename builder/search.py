@@ -6,8 +6,9 @@ with one option index per decision. A :class:`Timer` turns a genome into seconds
 compile, run on random inputs, check against the reference, time with CUDA events — or raises
 :class:`CandidateRejected` when the candidate fails (compile error, wrong result, NaN).
 
-:func:`search` evaluates the seed genomes (e.g. the cost model's choice), then random genomes up to
-``initial``, then generations of mutations (and crossovers) of the best few, never timing a genome
+:func:`search` evaluates the seed genomes (e.g. the cost model's choice), then (``sweep``) every change
+of one swept decision from the first seed and the genome that takes each swept decision's best option,
+then random genomes up to ``initial``, then generations of mutations (and crossovers) of the best few, never timing a genome
 twice (genomes are identified by :func:`genome_hash`, a sha256 of their text, stable across processes
 so a tuning database can key on it), until ``budget`` timer calls or the whole space is evaluated.
 All randomness comes from ``random.Random(seed)``: the same space, timer results and seed give the
@@ -223,14 +224,39 @@ class _Search:
         return tuple(x if self.rng.random() < 0.5 else y for x, y in zip(a, b))
 
 
+def _sweep(s: _Search, base: Genome, decisions: Sequence[int]) -> None:
+    """Time every one-decision change of ``base`` along ``decisions``, then ``base`` with each decision
+    at the option that timed fastest (where it beat ``base``)."""
+    times = {t.genome: t.time for t in s.trials if t.ok}
+    best = list(base)
+    for k in decisions:
+        if not 0 <= k < len(base):
+            raise ValueError(f"sweep decision {k} is not in a space of {len(base)} decisions")
+        fastest = times.get(base)
+        for x in range(s.space.sizes[k]):
+            if x == base[k]:
+                continue
+            timed = len(s.trials)
+            s.evaluate(base[:k] + (x,) + base[k + 1:])
+            t = s.trials[-1].time if len(s.trials) > timed else None      # None: rejected, or not timed
+            if t is not None and (fastest is None or t < fastest):
+                fastest, best[k] = t, x
+    s.evaluate(tuple(best))
+
+
 def search(space: SearchSpace, timer: Timer, budget: int, seed: int = 0, initial: int = 8,
            mutation_rate: float | None = None, progress: Callable[[SearchProgress], None] | None = None,
            seed_genomes: Iterable[Sequence[int]] = (), elite: int = 4, population: int | None = None,
-           crossover_rate: float = 0.25) -> SearchResult:
+           crossover_rate: float = 0.25, sweep: Sequence[int] = ()) -> SearchResult:
     """Search ``space`` for the genome with the lowest ``timer`` time, within ``budget`` timer calls.
 
     * ``seed_genomes`` are timed first (e.g. the cost model's pick, or the previous best), then random
       genomes until ``initial`` have been timed.
+    * ``sweep`` (decision indices; needs a seed): right after the seeds, each other option of each swept
+      decision is timed on the first seed, one change at a time, then the seed with every swept decision
+      at its fastest option. Where decisions act nearly independently (one kernel's block size and
+      another's split), that finds the best combination in ``1 + sum(options - 1)`` timings, where random
+      draws in a space of their product would rarely meet it.
     * Each later generation makes ``population`` (default ``initial``) children: a parent drawn from
       the ``elite`` fastest so far (faster ones more often), optionally crossed with a second one
       (``crossover_rate``), then mutated: each decision changes with probability ``mutation_rate``
@@ -256,6 +282,8 @@ def search(space: SearchSpace, timer: Timer, budget: int, seed: int = 0, initial
     s = _Search(space, timer, budget, random.Random(seed), progress)
     for g in seeds:
         s.evaluate(g)
+    if sweep and seeds:
+        _sweep(s, seeds[0], sweep)
     while not s.done and len(s.trials) < initial:
         g = s.fresh()
         if g is None:

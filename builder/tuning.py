@@ -730,7 +730,11 @@ class MeasuredCompiler:
         t0 = time.perf_counter()
         timer = self.timer_factory(setup)
         try:
-            result = search(space, timer, budget, seed=SEARCH_SEED, seed_genomes=[seed_genome], progress=on_trial)
+            # the template decisions (each kernel's block size, split, loads ahead) first, one at a time
+            # around the cost model's pick: they act nearly independently of each other
+            templates = range(len(space) - len(tuned), len(space))
+            result = search(space, timer, budget, seed=SEARCH_SEED, seed_genomes=[seed_genome], progress=on_trial,
+                            sweep=templates)
         finally:
             close = getattr(timer, "close", None)
             if close is not None:

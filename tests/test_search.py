@@ -145,6 +145,40 @@ def test_seed_genomes_go_first_and_count():
         search(SearchSpace.from_sizes(sizes), cost, budget=5, seed_genomes=[(0, 0)])
 
 
+def test_sweep_finds_a_separable_optimum_in_one_pass_around_the_seed():
+    """Swept decisions: every one-decision change of the seed, then the seed with each at its best option —
+    for a separable cost that is the optimum after 1 + sum(n - 1) + 1 timings; the others stay at the seed."""
+    sizes = [5, 4, 3, 6, 2, 7]                       # 5,040 genomes; decisions 2..5 swept
+    cost, best = separable(sizes, seed=7)
+    seed = (best[0], best[1], 0, 0, 0, 0)
+    sweep = [2, 3, 4, 5]
+    n = 1 + sum(sizes[k] - 1 for k in sweep) + 1
+    timer = Counting(cost)
+    res = search(SearchSpace.from_sizes(sizes), timer, budget=n, seed_genomes=[seed], sweep=sweep)
+    assert res.best_genome == best and len(timer.calls) == n
+    assert timer.calls[0] == seed and timer.calls[-1] == best
+    assert all(sum(a != b for a, b in zip(g, seed)) == 1 for g in timer.calls[1:-1])   # one change each
+    assert {k for g in timer.calls[1:-1] for k in range(6) if g[k] != seed[k]} == set(sweep)
+
+
+def test_sweep_skips_rejected_options_and_needs_a_seed():
+    sizes = [4, 4]
+    cost, best = separable(sizes, seed=2)
+
+    def timer(g):
+        if g[0] == best[0] and g != (best[0], 0):     # the best option of decision 0 is rejected off decision 1's 0
+            raise CandidateRejected("no")
+        return cost(g)
+
+    res = search(SearchSpace.from_sizes(sizes), timer, budget=9, seed_genomes=[(0, 0)], sweep=[0, 1], initial=1)
+    assert res.best_genome is not None and all(t.ok or t.reason == "no" for t in res.evaluated)
+    timer2 = Counting(cost)
+    search(SearchSpace.from_sizes(sizes), timer2, budget=3, sweep=[0, 1], initial=3)   # no seed: no sweep
+    assert len(timer2.calls) == 3
+    with pytest.raises(ValueError, match="sweep decision 2"):
+        search(SearchSpace.from_sizes(sizes), cost, budget=9, seed_genomes=[(0, 0)], sweep=[2])
+
+
 def test_progress_callback():
     events: list[SearchProgress] = []
     res = search(SearchSpace.from_sizes([3, 4]), lambda g: 10.0 - g[0] - g[1], budget=9, progress=events.append)

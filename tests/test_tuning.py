@@ -302,7 +302,7 @@ def test_the_search_picks_threads_per_gemv_and_the_package_has_them(spec, cache,
     import lum.loader
     from lum.builder.codegen import gemv_kernel_ops
 
-    comp, path = _build(spec, tmp_path / "g.lumpkg", budget=128, factory=GemvTimer)
+    comp, path = _build(spec, tmp_path / "g.lumpkg", budget=64, factory=GemvTimer)
     tuned = [rec for rec in comp.records if any(name.startswith("tune:gemv0.") for name, _ in rec["decisions"])]
     assert tuned
     with lum.loader.open(path) as pkg:
