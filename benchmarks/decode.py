@@ -21,7 +21,8 @@ What it does, in one run on one GPU:
      to measure what parallel graph branches give, side by side.
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
-     ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-tails`` with
+     ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
+     ``LUM_ROW_READS=0`` (gemma's q / k norms stay kernels of their own; builder/row_reads.py), ``lum-tails`` with
      ``LUM_KERNEL_TAILS=exclusive`` (a kernel's last block runs the small ops after it that nothing else
      could run beside; builder/tail.py), ``lum-alltails`` with ``LUM_KERNEL_TAILS=all``, ``lum-inflight`` /
      ``lum-inflight8`` with ``LUM_GEMV_INFLIGHT=4`` / ``8`` (each GEMV lane issues that many weight loads
@@ -63,16 +64,17 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "lum-tails", "lum-alltails", "lum-inflight",
-           "lum-inflight8", "hf-eager", "hf-compile")
-CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0, "lum-tails": 120.0,
+SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "lum-norowreads", "lum-tails", "lum-alltails",
+           "lum-inflight", "lum-inflight8", "hf-eager", "hf-compile")
+CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0,
+         "lum-norowreads": 120.0, "lum-tails": 120.0,
          "lum-alltails": 120.0, "lum-inflight": 120.0, "lum-inflight8": 120.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {},
-               "lum-noepilogue": {}, "lum-tails": {}, "lum-alltails": {}, "lum-inflight": {},
+               "lum-noepilogue": {}, "lum-norowreads": {}, "lum-tails": {}, "lum-alltails": {}, "lum-inflight": {},
                "lum-inflight8": {}}                                             # their session options
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
-                 "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"},
+                 "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}, "lum-norowreads": {"LUM_ROW_READS": "0"},
                  "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"}}
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)

@@ -33,7 +33,7 @@ import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from lum.builder import costmodel, epilogue, prologue
+from lum.builder import costmodel, epilogue, prologue, row_reads
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, cdiv, smax
@@ -531,6 +531,8 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
                   {"name": hn.attrs["name"], "role": hn.attrs.get("role", "output")})
         ops.append(lop)
     program = Program(name or g.name, ops)
+    if row_reads.row_reads_enabled():
+        program = row_reads.inline_row_reads(program)
     if prologue.gemv_prologues_enabled():
         program = prologue.fuse_gemv_prologues(program)
     if epilogue.gemv_epilogues_enabled():

@@ -60,6 +60,7 @@ from lum.builder.codegen import gemv_inflight_default, gemv_kernel_ops
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled
+from lum.builder.row_reads import row_reads_enabled
 from lum.builder.tail import kernel_tails_policy
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
@@ -649,7 +650,7 @@ class MeasuredCompiler:
                 "tuning_space": [[k, list(v)] for k, v in decisions], "nvrtc": self._nvrtc(),
                 "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
                 "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy(),
-                "gemv_inflight": gemv_inflight_default()}
+                "gemv_inflight": gemv_inflight_default(), "row_reads": row_reads_enabled()}
 
     def __call__(self, graph: Graph) -> Program:
         from lum.builder.costmodel import op_cost

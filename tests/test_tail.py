@@ -85,12 +85,13 @@ def test_bad_policy_is_refused(monkeypatch):
 
 
 def test_gemma_layer_tails():
-    """``all``: qkv runs the k norm, k RoPE + cache write, v write, q norm and q RoPE; down the residual's
-    one-row norm (the post-attention one is gate-up's prologue in the tiny model: its gate-up is narrow)."""
+    """``all``: qkv runs the k RoPE + cache write, the v write and the q RoPE (each with its head norm
+    inside: builder/row_reads.py); down the residual's one-row norm (the post-attention one is gate-up's
+    prologue in the tiny model: its gate-up is narrow)."""
     prog, sources = _layer_kernels("tiny-gemma3")
     tails = _tails(prog, sources)
     qkv = _head(prog, tails, lambda o: o.kind == "gemm" and "expr" in o.params)
-    assert sorted(o.kind for o in qkv) == ["elementwise"] * 3 + ["scatter_nocopy"] * 2
+    assert sorted(o.kind for o in qkv) == ["elementwise"] + ["scatter_nocopy"] * 2
     gemv_rows = [ts for i, ts in tails.items()
                  if prog.ops[i].kind == "gemm" and "expr" not in prog.ops[i].params]
     assert len(gemv_rows) == 1 and all(len(ts) == 1 and ts[0].kind == "elementwise" for ts in gemv_rows)
@@ -125,7 +126,7 @@ def test_a_head_keeps_its_registers():
 def test_exclusive_policy_delays_no_parallel_branch(model, monkeypatch):
     """``exclusive``: a tail only where every other kernel reading the head (or its tails) comes after
     it. The qkv GEMV then keeps no tail (the v write and the q path read it beside the k path); gemma's
-    k norm runs the k RoPE + cache write, its q norm the q RoPE, its down GEMV the residual norm."""
+    down GEMV runs the residual norm (its head norms are inside RoPE: builder/row_reads.py)."""
     monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "exclusive")
     prog, sources = _layer_kernels(model)
     tails = _tails(prog, sources)
@@ -138,8 +139,7 @@ def test_exclusive_policy_delays_no_parallel_branch(model, monkeypatch):
             if o.id not in chain and any(a.src in chain for a in o.args):
                 assert all(o.id in after[t.id] for t in ts), (h, o.id)
     if model == "tiny-gemma3":
-        assert sorted((by_id[h].kind, [t.kind for t in ts]) for h, ts in tails.items()) == [
-            ("elementwise", ["elementwise"]), ("elementwise", ["scatter_nocopy"]), ("gemm", ["elementwise"])]
+        assert sorted((by_id[h].kind, [t.kind for t in ts]) for h, ts in tails.items()) == [("gemm", ["elementwise"])]
     else:
         assert tails == {}
 
@@ -147,7 +147,7 @@ def test_exclusive_policy_delays_no_parallel_branch(model, monkeypatch):
 @pytest.mark.parametrize("model,policy,per_layer", [("gemma3-4b", "all", 6), ("gemma3-4b", "exclusive", 9),
                                                     ("llama3-1b", "all", 6), ("llama3-1b", "exclusive", 9)])
 def test_real_decode_layers_launch_fewer_kernels(model, policy, per_layer, monkeypatch):
-    """gemma3-4b: 13 kernel ops a layer in 6 launches (all) or 9 (exclusive); llama3-1b: 9 in 6 or 9 (its
+    """gemma3-4b: 11 kernel ops a layer in 6 launches (all) or 9 (exclusive); llama3-1b: 9 in 6 or 9 (its
     qkv GEMV's readers run beside each other). The attention combine stays a kernel (its rows need more
     than TAIL_MAX_BLOCKS blocks)."""
     monkeypatch.setenv(tail.ENV_KERNEL_TAILS, policy)
