@@ -26,7 +26,9 @@ What it does, in one run on one GPU:
      ``LUM_KERNEL_TAILS=exclusive`` (a kernel's last block runs the small ops after it that nothing else
      could run beside; builder/tail.py), ``lum-alltails`` with ``LUM_KERNEL_TAILS=all``, ``lum-inflight`` /
      ``lum-inflight8`` with ``LUM_GEMV_INFLIGHT=4`` / ``8`` (each GEMV lane issues that many weight loads
-     before it uses any; templates/gemv.cu).
+     before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
+     (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
+     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -65,18 +67,21 @@ from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
 SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "lum-norowreads", "lum-tails", "lum-alltails",
-           "lum-inflight", "lum-inflight8", "hf-eager", "hf-compile")
+           "lum-inflight", "lum-inflight8", "lum-wideprologue", "lum-next", "hf-eager", "hf-compile")
 CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0,
          "lum-norowreads": 120.0, "lum-tails": 120.0,
-         "lum-alltails": 120.0, "lum-inflight": 120.0, "lum-inflight8": 120.0, "hf-eager": 150.0,
+         "lum-alltails": 120.0, "lum-inflight": 120.0, "lum-inflight8": 120.0, "lum-wideprologue": 120.0,
+         "lum-next": 120.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)
-LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {},
+LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {},     # their session options
                "lum-noepilogue": {}, "lum-norowreads": {}, "lum-tails": {}, "lum-alltails": {}, "lum-inflight": {},
-               "lum-inflight8": {}}                                             # their session options
+               "lum-inflight8": {}, "lum-wideprologue": {}, "lum-next": {}}
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}, "lum-norowreads": {"LUM_ROW_READS": "0"},
                  "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
-                 "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"}}
+                 "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
+                 "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
+                 "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)
 BUILD_CAP_S = 240.0
 

@@ -13,7 +13,7 @@ llama3-1b's qkv 0.93×, llama3-1b's gate-up (16,384 columns) 0.95×, but gemma3-
 columns) 1.01×: past ~16K columns the few-block GEMV streams slower than the many-block one. The
 gated activation before down (2·k floats read per block, k = 8,192–10,240, no row reduction to save
 a round trip for) takes 1.04–1.23×. So only inputs with a row reduction (a norm) fuse, into GEMVs of
-at most :data:`PROLOGUE_MAX_COLS` columns.
+at most :data:`PROLOGUE_MAX_COLS` columns (``$LUM_GEMV_PROLOGUE_MAX_COLS`` to measure others).
 
 :func:`fuse_gemv_prologues` rewrites a lowered program: such an elementwise op whose every reader is
 a GEMV of lum's kernel reading it as A becomes those GEMVs' ``params["expr"]`` (LLIR version 3, see
@@ -31,15 +31,28 @@ from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
 from lum.format.llir import GEMM_DEFAULTS, LOp, Program, has_row_ops
 
-__all__ = ["ENV_GEMV_PROLOGUE", "PROLOGUE_MAX_COLS", "gemv_prologues_enabled", "fuse_gemv_prologues"]
+__all__ = ["ENV_GEMV_PROLOGUE", "ENV_PROLOGUE_MAX_COLS", "PROLOGUE_MAX_COLS", "gemv_prologues_enabled",
+           "prologue_max_cols", "fuse_gemv_prologues"]
 
 ENV_GEMV_PROLOGUE = "LUM_GEMV_PROLOGUE"
 PROLOGUE_MAX_COLS = 16384      # the widest GEMV (batch · n) a prologue measured faster for (see above)
+ENV_PROLOGUE_MAX_COLS = "LUM_GEMV_PROLOGUE_MAX_COLS"
 
 
 def gemv_prologues_enabled() -> bool:
     """On unless ``$LUM_GEMV_PROLOGUE`` is ``0``."""
     return os.environ.get(ENV_GEMV_PROLOGUE, "1") != "0"
+
+
+def prologue_max_cols() -> int:
+    """``$LUM_GEMV_PROLOGUE_MAX_COLS``, else :data:`PROLOGUE_MAX_COLS`: to measure wider prologue GEMVs
+    (gemma3-4b's gate-up, 20,480 columns) as their loads change."""
+    raw = os.environ.get(ENV_PROLOGUE_MAX_COLS)
+    if raw is None:
+        return PROLOGUE_MAX_COLS
+    if not raw.isdigit():
+        raise ValueError(f"${ENV_PROLOGUE_MAX_COLS} must be a non-negative integer, got {raw!r}")
+    return int(raw)
 
 
 def _tree(op: LOp) -> list | None:
@@ -59,7 +72,7 @@ def _takes(gemm: LOp, producer: LOp) -> bool:
         return False
     m = gemv_rows(gemm)
     cols = as_expr(gemm.params.get("batch", 1)) * as_expr(gemm.params["n"])
-    if m is None or not cols.is_const or cols.value > PROLOGUE_MAX_COLS:
+    if m is None or not cols.is_const or cols.value > prologue_max_cols():
         return False
     p = {k: gemm.params.get(k, GEMM_DEFAULTS.get(k)) for k in ("k", "lda", "batch", "offset_a")}
     return gemv_prologue_fits(m, p, gemm.params["layout"], tuple(as_expr(d) for d in producer.shape)) is None

@@ -124,6 +124,17 @@ def test_inputs_that_another_op_reads_or_the_kernel_cannot_compute_stay(case):
     assert prologue.fuse_gemv_prologues(prog) is prog
 
 
+def test_the_column_limit_follows_the_environment(monkeypatch):
+    wide = _norm_then_gemv(n=prologue.PROLOGUE_MAX_COLS + 8, k=8)
+    assert prologue.fuse_gemv_prologues(wide) is wide
+    monkeypatch.setenv(prologue.ENV_PROLOGUE_MAX_COLS, str(2 * prologue.PROLOGUE_MAX_COLS))
+    assert prologue.prologue_max_cols() == 2 * prologue.PROLOGUE_MAX_COLS
+    assert [o.kind for o in prologue.fuse_gemv_prologues(wide).ops] == ["input", "input", "gemm", "output"]
+    monkeypatch.setenv(prologue.ENV_PROLOGUE_MAX_COLS, "wide")
+    with pytest.raises(ValueError, match="LUM_GEMV_PROLOGUE_MAX_COLS"):
+        prologue.prologue_max_cols()
+
+
 def test_a_fused_input_runs_and_renumbers():
     prog = _norm_then_gemv()
     out = prologue.fuse_gemv_prologues(prog)
