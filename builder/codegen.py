@@ -612,7 +612,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               inflight=gemv_inflight_default() if inflight is None else inflight, max_blocks=max_blocks, acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
+               inflight=gemv_inflight_default() if inflight is None else inflight, max_blocks=max_blocks,
+               acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64

@@ -107,12 +107,12 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                          tuning: Mapping[str, Any] | None = None, *, arch: str = "sm_90",
                          cache_dir: Any = None) -> dict[int, KernelSource]:
     """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` (less the
-    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), then the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``), each
-    keeping the register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
+    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), then the kernel tails
+    (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``), each keeping the
+    register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
-    tuning = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir)
-    gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, **tuning)
+    tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir)
     if kernel_tails_enabled():
         gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
                          registers=lambda heads: _registers(heads, arch, cache_dir))
@@ -120,32 +120,32 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 
 
 def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-                                tuning: dict[str, Any], arch: str, cache_dir: Any) -> dict[str, Any]:
-    """``tuning`` with ``gemv<i>.inflight`` halved (down to 0, the plain loop) for every decode GEMV whose
-    loads issued ahead would spill (``ptxas -v`` of those GEMVs through NVRTC): a spill costs more than
-    the loads in flight gain, and how many registers they take is ptxas's to say, not a formula's.
-    Unchanged without NVRTC."""
+                                tuning: dict[str, Any], arch: str, cache_dir: Any
+                                ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
+    """(``tuning``, the program's kernels with it), ``gemv<i>.inflight`` halved (down to 0, the plain
+    loop) for every decode GEMV whose loads issued ahead would spill (``ptxas -v`` of those GEMVs
+    through NVRTC): a spill costs more than the loads in flight gain, and how many registers they take
+    is ptxas's to say, not a formula's. Unchanged without NVRTC."""
     from lum.builder import nvrtc
 
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
-    for _ in range(8):
+    while True:                  # ends: each round halves a positive inflight of some GEMV
         gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, **tuning)
         ahead = {ks.name: (ranks[i], ks.tuning["inflight"]) for i, ks in gen.items()
                  if i in ranks and ks is not None and ks.tuning.get("inflight")}
         if not ahead:
-            return tuning
+            return tuning, gen
         try:
             res = nvrtc.compile_cuda(module_source([gen[i] for i in ranks if gen[i] is not None
                                                     and gen[i].name in ahead]),
                                      arch, name="gemvs.cu", ptx=False, extra_options=["--ptxas-options=-v"],
                                      cache_dir=cache_dir)
         except nvrtc.NvrtcNotFound:
-            return tuning
+            return tuning, gen
         spilled = [ahead[name] for name in nvrtc.ptxas_spills(res.log) if name in ahead]
         if not spilled:
-            return tuning
+            return tuning, gen
         tuning = {**tuning, **{f"gemv{rank}.inflight": inflight // 2 for rank, inflight in spilled}}
-    return tuning
 
 
 def _registers(kernels: list[KernelSource], arch: str, cache_dir: Any) -> dict[str, int]:

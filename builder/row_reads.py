@@ -180,9 +180,9 @@ def _inline(reader: _Reader, producer: LOp, tree: list, view: ShapeTracker, guar
     return ["Where", producer.dtype.value, ["Cast", "bool", g], out, g]
 
 
-def _guard(program: Program) -> LOp | None:
-    """A scalar float constant of the program that is not 0 (the masked reads' guard)."""
-    for o in program.ops:
+def _guard(program: Program, before: int) -> LOp | None:
+    """A scalar float constant of the program, not 0, ahead of op ``before`` (the masked reads' guard)."""
+    for o in program.ops[:before]:
         if (o.kind == "constant" and not o.shape and o.dtype.is_float and "value" in o.params
                 and isinstance(o.params["value"], (int, float)) and o.params["value"] != 0):
             return o
@@ -192,7 +192,6 @@ def _guard(program: Program) -> LOp | None:
 def inline_row_reads(program: Program) -> Program:
     """``program`` with each row kernel that only row kernels read within its rows recomputed in them
     (a new Program, op ids renumbered); ``program`` itself when nothing changes."""
-    guard = _guard(program)
     users_of = readers(program)
     drop: set[int] = set()
     replace: dict[int, LOp] = {}
@@ -205,7 +204,7 @@ def inline_row_reads(program: Program) -> Program:
             continue                                  # read as a scatter's dest or index: a buffer
         new: dict[int, LOp] = {}
         for u in {u.id: u for u in users}.values():
-            r = _Reader(u, p.id)
+            r, guard = _Reader(u, p.id), _guard(program, u.id)
             subs: dict[int, list] = {}
             for k in _leaves(u):
                 if u.args[k].src == p.id:
