@@ -13,9 +13,10 @@ through views that take, for its row r and column j, P's row r at column j + off
 P's in some order — the heads-major read of a prefill's [s, heads, d] — unit dims aside; off = 0
 without a mask, else a mask on the last axis only that keeps j + off inside the row), P's tree is
 substituted at each read: its leaves re-read through the same dims, shift and mask, except inside
-its row reductions, which read the unshifted row (a row's sum is the same at every column of it). A masked read is wrapped in ``Where(guard, tree, guard)`` with
-``guard`` a nonzero scalar constant read through the mask, so a padded element is exactly 0 as the
-buffer read gave (the tree there could be 0·∞). Leaves equal to the reader's own args are shared,
+its row reductions, which read the unshifted row (a row's sum is the same at every column of it).
+A masked read is wrapped in ``Where(guard, tree, guard)`` with ``guard`` a nonzero scalar constant
+read through the mask, so a padded element is exactly 0 as the buffer read gave (the tree there
+could be 0·∞). Leaves equal to the reader's own args are shared,
 so the row reductions it already had are computed once (codegen dedupes equal row phases). P is
 dropped. Exact with respect to the reference: every node rounds as before. ``LUM_ROW_READS=0``
 turns it off.
