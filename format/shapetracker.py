@@ -129,9 +129,12 @@ class ShapeTracker:
         return ShapeTracker(tuple(dims), tuple(strides), offset, mask)
 
     def pad(self, axis: int, before: ExprLike, after: ExprLike) -> ShapeTracker:
-        """Add ``before``/``after`` zero elements around ``axis``."""
+        """Add ``before``/``after`` zero elements around ``axis`` (none: the view itself, unmasked, so a
+        reshape after it stays a view)."""
         axis = self._norm_axis(axis)
         before, after = as_expr(before), as_expr(after)
+        if before == as_expr(0) and after == as_expr(0):
+            return self
         mask = list(self._mask())
         lo, hi = mask[axis]
         mask[axis] = (lo + before, hi + before)

@@ -435,6 +435,13 @@ def test_contiguous_and_key():
     assert c.substitute({"s": 3}) == ShapeTracker.contiguous((2, 3, 4))
 
 
+def test_padding_by_nothing_is_the_view_itself():
+    v = ShapeTracker(tuple(as_expr(d) for d in (4, 6)), tuple(as_expr(d) for d in (6, 1)), as_expr(0), None)
+    assert v.pad(1, 0, 0) is v and v.pad(0, 0, 0).mask is None
+    assert v.pad(1, 0, 0).reshape((as_expr(24),)) == ShapeTracker.contiguous((as_expr(24),))
+    assert v.pad(1, 0, 1).mask is not None
+
+
 def test_broadcast_of_padding_stays_padding():
     # a unit dim that is entirely padding must stay padding when broadcast
     t = ShapeTracker.contiguous((3, 1)).pad(1, 1, 0).slice(1, 0, 1)  # (3, 1), all padding
