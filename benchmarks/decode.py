@@ -66,22 +66,17 @@ from _common import (TORCH_DTYPES, _graph_count, _hf_load, _one_line,  # noqa: E
 from _common import run_worker as _run_worker  # noqa: E402
 
 set_log_tag("decode-bench")
-SYSTEMS = ("lum", "lum-serial", "lum-noprologue", "lum-noepilogue", "lum-norowreads", "lum-tails", "lum-alltails",
-           "lum-inflight", "lum-inflight8", "lum-wideprologue", "lum-next", "hf-eager", "hf-compile")
-CAP_S = {"lum": 200.0, "lum-serial": 120.0, "lum-noprologue": 120.0, "lum-noepilogue": 120.0,
-         "lum-norowreads": 120.0, "lum-tails": 120.0,
-         "lum-alltails": 120.0, "lum-inflight": 120.0, "lum-inflight8": 120.0, "lum-wideprologue": 120.0,
-         "lum-next": 120.0, "hf-eager": 150.0,
-         "hf-compile": 330.0}                                                   # per worker (the limit wins)
-LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False}, "lum-noprologue": {},     # their session options
-               "lum-noepilogue": {}, "lum-norowreads": {}, "lum-tails": {}, "lum-alltails": {}, "lum-inflight": {},
-               "lum-inflight8": {}, "lum-wideprologue": {}, "lum-next": {}}
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}, "lum-norowreads": {"LUM_ROW_READS": "0"},
                  "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
+LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
+               **{s: {} for s in LUM_BUILD_ENV}}
+SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
+CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
+         "hf-compile": 330.0}                                                   # per worker (the limit wins)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)
 BUILD_CAP_S = 240.0
 
@@ -387,9 +382,7 @@ def worker_hf_compile(spec: dict) -> dict:
                                   "static cache, manual greedy loop"}}
 
 
-WORKERS = {"lum": worker_lum, "lum-serial": worker_lum, "lum-noprologue": worker_lum, "lum-noepilogue": worker_lum,
-           "lum-tails": worker_lum, "lum-alltails": worker_lum,
-           "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
+WORKERS = {**{s: worker_lum for s in LUM_OPTIONS}, "hf-eager": worker_hf_eager, "hf-compile": worker_hf_compile}
 
 
 def run_worker(system: str, spec: dict, workdir: Path, timeout: float) -> dict:

@@ -55,3 +55,13 @@ def test_decode_benchmark_records_an_unavailable_backend(tmp_path):
     d = _run(tmp_path, "--systems", "lum", "--lum-backend", "no-such-backend")
     (row,) = d["rows"]
     assert row["tok_per_s"] is None and "no-such-backend" in row["error"]
+
+
+def test_every_system_has_a_worker_and_a_time_cap(monkeypatch):
+    """A system named on --systems runs in a worker of its own: each has one, a cap, and (lum's) options."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import decode
+
+    assert set(decode.WORKERS) == set(decode.CAP_S) == set(decode.SYSTEMS)
+    assert set(decode.LUM_BUILD_ENV) < set(decode.LUM_OPTIONS) < set(decode.SYSTEMS)
+    assert set(decode.DEFAULT_SYSTEMS) == set(decode.SYSTEMS) - set(decode.LUM_BUILD_ENV)
