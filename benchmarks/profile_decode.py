@@ -52,7 +52,8 @@ def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
             fused += [f"tail({','.join(by_id[t].op for t in k.tail)})"] if k.tail else []   # its last block's ops
             info = out.setdefault(k.name, {
                 "kind": op.kind, "op": "+".join([op.op, *fused]), "dtype": op.dtype.value,
-                "shape": [str(d) for d in op.shape], "bytes": sum(int(by_id[i].bytes.evaluate(dyn)) for i in (k.op, *k.tail)), "calls": 0})
+                "shape": [str(d) for d in op.shape], "calls": 0,
+                "bytes": sum(int(by_id[i].bytes.evaluate(dyn)) for i in (k.op, *k.tail))})
             info["calls"] += 1
             for lc in k.launches:
                 out.setdefault(lc.kernel, info)

@@ -562,13 +562,9 @@ def _pow2_floor(x: int) -> int:
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
     raw = os.environ.get(ENV_GEMV_INFLIGHT, "0")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise CodegenError(f"${ENV_GEMV_INFLIGHT} must be an integer in [0, {GEMV_MAX_INFLIGHT}], got {raw!r}") from None
-    if not 0 <= value <= GEMV_MAX_INFLIGHT:
+    if not raw.isdigit() or int(raw) > GEMV_MAX_INFLIGHT:
         raise CodegenError(f"${ENV_GEMV_INFLIGHT} must be an integer in [0, {GEMV_MAX_INFLIGHT}], got {raw!r}")
-    return value
+    return int(raw)
 
 
 def _pow2ceil(x: int) -> int:
@@ -1613,19 +1609,6 @@ class _Gen:
         a_ext = p["offset_a"] + batch * p["stride_a"] + (m * p["lda"] + k if a_kc else k * p["lda"] + m)
         b_ext = p["offset_b"] + batch * p["stride_b"] + (n * p["ldb"] + k if b_kc else k * p["ldb"] + n)
         ctx.exprs.extend([a_ext, b_ext, batch * m * n + n + tile])
-        src = render(load_template("gemv.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": "@MIN_BLOCKS@", "IDX_T": "@IDX_T@",
-            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "INFLIGHT": inflight, "A_EARLY": "@A_EARLY@",
-            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
-            "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
-            "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
-            "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
-            "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
-            "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
-            "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
-            "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
-            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         if b_kc:
             items, per_block, margin = batch * n_out, span, self.max_blocks * span
         else:
@@ -1643,7 +1626,19 @@ class _Gen:
         # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
-        src = src.replace("@MIN_BLOCKS@", min_blocks).replace("@A_EARLY@", "true" if a_early else "false")
+        src = render(load_template("gemv.cu"), {
+            "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
+            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
+            "INFLIGHT": inflight, "A_EARLY": "true" if a_early else "false",
+            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
+            "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
+            "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
+            "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
+            "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
+            "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
+            "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
+            "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
+            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
 
     def _gemv_min_blocks(self, inflight: int, blocks: Expr) -> str:

@@ -32,7 +32,6 @@ __all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch
            "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
 
 
-
 @dataclass
 class GroupKernels:
     """One group's compiled kernels. ``cubin`` and ``ptx`` are None when the group has no kernel op
@@ -135,29 +134,32 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
                  if i in ranks and ks is not None and ks.tuning.get("inflight")}
         if not ahead:
             return tuning, gen
-        try:
-            res = nvrtc.compile_cuda(module_source([gen[i] for i in ranks if gen[i] is not None
-                                                    and gen[i].name in ahead]),
-                                     arch, name="gemvs.cu", ptx=False, extra_options=["--ptxas-options=-v"],
-                                     cache_dir=cache_dir)
-        except nvrtc.NvrtcNotFound:
+        log = _ptxas_log([gen[i] for i in ranks if gen[i] is not None and gen[i].name in ahead], arch, cache_dir)
+        if log is None:
             return tuning, gen
-        spilled = [ahead[name] for name in nvrtc.ptxas_spills(res.log) if name in ahead]
+        spilled = [ahead[name] for name in nvrtc.ptxas_spills(log) if name in ahead]
         if not spilled:
             return tuning, gen
         tuning = {**tuning, **{f"gemv{rank}.inflight": inflight // 2 for rank, inflight in spilled}}
+
+
+def _ptxas_log(kernels: list[KernelSource], arch: str, cache_dir: Any) -> str | None:
+    """The ``ptxas -v`` log of these kernels compiled as one module for ``arch``; None without NVRTC."""
+    from lum.builder import nvrtc
+
+    try:
+        return nvrtc.compile_cuda(module_source(kernels), arch, name="ptxas.cu", ptx=False,
+                                  extra_options=["--ptxas-options=-v"], cache_dir=cache_dir).log
+    except nvrtc.NvrtcNotFound:
+        return None
 
 
 def _registers(kernels: list[KernelSource], arch: str, cache_dir: Any) -> dict[str, int]:
     """Registers per thread of each kernel compiled alone (``ptxas -v``); empty without NVRTC."""
     from lum.builder import nvrtc
 
-    try:
-        res = nvrtc.compile_cuda(module_source(kernels), arch, name="heads.cu", ptx=False,
-                                 extra_options=["--ptxas-options=-v"], cache_dir=cache_dir)
-    except nvrtc.NvrtcNotFound:
-        return {}
-    return nvrtc.ptxas_registers(res.log)
+    log = _ptxas_log(kernels, arch, cache_dir)
+    return {} if log is None else nvrtc.ptxas_registers(log)
 
 
 def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,

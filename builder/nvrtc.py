@@ -363,8 +363,6 @@ def compile_cuda(source: str, arch: str | int = "sm_90", *, name: str = "lum_ker
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
-
-
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 

@@ -665,7 +665,8 @@ class MeasuredCompiler:
         sat = saturate(graph)
         points = decision_points(sat)
         cost_choice = choose_by_cost(sat, lambda op: op_cost(op, self.typical))
-        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(lower(sat, cost_choice, name=graph.name))))
+        cost_program = lower(sat, cost_choice, name=graph.name)
+        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(cost_program)))
         decisions = [Decision(name, labels) for name, labels in points]
         decisions += [Decision(f"tune:{k}", tuple("default" if x is None else str(x) for x in v)) for k, v in tuned]
         space = SearchSpace(decisions)
@@ -681,7 +682,7 @@ class MeasuredCompiler:
         else:
             self.stats["misses"] += 1
             seed = choice_to_genome(sat, cost_choice) + (0,) * len(tuned)
-            rec = self._measure(info, sat, space, described, time_dyn, seed, tuned)
+            rec = self._measure(info, sat, space, described, time_dyn, seed, tuned, cost_program)
             self.db.put(key, rec)
             rec = self.db.get(key) or json.loads(json.dumps({**rec, "version": DB_VERSION, "key": key}))
         genome = tuple(rec["genome"])
@@ -707,13 +708,11 @@ class MeasuredCompiler:
 
     def _measure(self, info: GroupInfo, sat: Any, space: SearchSpace, described: list,
                  time_dyn: dict[str, int], seed_genome: tuple[int, ...],
-                 tuned: tuple[tuple[str, tuple[Any, ...]], ...]) -> dict:
-        from lum.builder.extract import lower
-
+                 tuned: tuple[tuple[str, tuple[Any, ...]], ...], seed_program: Program) -> dict:
+        """Search the group (``seed_program``: the seed genome's program, lowered already) and its record."""
         check_dyn = dict(time_dyn)
         try:
-            flops = lower(sat, dict(zip(sat.decisions, seed_genome)), name=info.graph.name).total_flops()
-            if as_expr(flops).evaluate(time_dyn) > CHECK_FLOPS:
+            if as_expr(seed_program.total_flops()).evaluate(time_dyn) > CHECK_FLOPS:
                 check_dyn = {k: min(v, CHECK_DYN_MAX) for k, v in time_dyn.items()}
         except Exception:  # noqa: BLE001 - no estimate: check at the small map
             check_dyn = {k: min(v, CHECK_DYN_MAX) for k, v in time_dyn.items()}

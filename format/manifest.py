@@ -81,14 +81,18 @@ MAX_SHARED_MEM = 227 * 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
+def _tail_inputs(params: tuple[str, ...], t: int) -> int:
+    """How many ``in<k>@<t>`` parameters (tail op ``t``'s buffers) ``params`` holds."""
+    return sum(1 for p in params if p.startswith("in") and p.partition("@")[2] == str(t))
+
+
 def _kernel_params(params: tuple[str, ...], tail: tuple[int, ...]) -> tuple[str, ...]:
     """The parameter list a kernel with these tails must have, its arities read from ``params``
     (a malformed list gives one that differs from it)."""
     n_in = params.index("dyn") - 1 if "dyn" in params else 0
     want = ("out",) + tuple(f"in{k}" for k in range(n_in)) + ("dyn",)
     for t in tail:
-        n_t = sum(1 for p in params if p.startswith("in") and p.partition("@")[2] == str(t))
-        want += (f"out@{t}",) + tuple(f"in{k}@{t}" for k in range(n_t))
+        want += (f"out@{t}",) + tuple(f"in{k}@{t}" for k in range(_tail_inputs(params, t)))
     return want
 
 
@@ -162,8 +166,7 @@ class KernelOp:
 
     def tail_arities(self) -> tuple[int, ...]:
         """Buffers each tail op takes (its ``in@T`` parameters)."""
-        return tuple(sum(1 for p in self.params if p.startswith("in") and p.partition("@")[2] == str(t))
-                     for t in self.tail)
+        return tuple(_tail_inputs(self.params, t) for t in self.tail)
 
     @property
     def head_params(self) -> tuple[str, ...]:
