@@ -151,10 +151,11 @@ def _substitute(tree: Any, fn) -> Any:
     return [tree[0], tree[1], *(_substitute(t, fn) for t in tree[2:])]
 
 
-def _inline(reader: _Reader, producer: LOp, tree: list, view: ShapeTracker, guard: LOp) -> list | None:
-    """``producer``'s tree read through ``view`` in ``reader``'s domain, over the reader's new leaves."""
+def _inline(reader: _Reader, producer: LOp, tree: list, view: ShapeTracker, guard: LOp | None) -> list | None:
+    """``producer``'s tree read through ``view`` in ``reader``'s domain, over the reader's new leaves; None
+    when it cannot be (a masked read needs a ``guard`` constant)."""
     rows = _row_map(view, producer)
-    if rows is None:
+    if rows is None or (rows.mask is not None and guard is None):
         return None
     shape = tuple(view.shape)
     failed = False
@@ -209,8 +210,7 @@ def inline_row_reads(program: Program) -> Program:
             subs: dict[int, list] = {}
             for k in _leaves(u):
                 if u.args[k].src == p.id:
-                    t = _inline(r, p, tree, u.args[k].view, guard) if guard is not None or \
-                        u.args[k].view.mask is None else None
+                    t = _inline(r, p, tree, u.args[k].view, guard)
                     if t is None:
                         break
                     subs[k - r.first] = t
