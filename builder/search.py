@@ -227,12 +227,12 @@ class _Search:
 def _sweep(s: _Search, base: Genome, decisions: Sequence[int]) -> None:
     """Time every one-decision change of ``base`` along ``decisions``, then ``base`` with each decision
     at the option that timed fastest (where it beat ``base``)."""
-    times = {t.genome: t.time for t in s.trials if t.ok}
+    base_time = next((t.time for t in s.trials if t.genome == base and t.ok), None)
     best = list(base)
     for k in decisions:
         if not 0 <= k < len(base):
             raise ValueError(f"sweep decision {k} is not in a space of {len(base)} decisions")
-        fastest = times.get(base)
+        fastest = base_time
         for x in range(s.space.sizes[k]):
             if x == base[k]:
                 continue

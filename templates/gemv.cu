@@ -11,7 +11,8 @@
 //!    loads of B (and of A when A is row-major), each thread keeping M partial sums. With INFLIGHT > 0 a
 //!    lane issues INFLIGHT vector loads of B (A_EARLY: of A too) before it uses any, so that many are in
 //!    flight whatever the compiler schedules (left to it, the UNROLL-times unrolled loop of 0 keeps
-//!    about two: ptxas interleaves each load with the previous vector's multiply-adds); the group combines them with warp shuffles and, for GROUP > 32 (split-K across warps),
+//!    about two: ptxas interleaves each load with the previous vector's multiply-adds); the group
+//!    combines them with warp shuffles and, for GROUP > 32 (split-K across warps),
 //!    through shared memory. A block tile is THREADS / GROUP columns, walked grid-stride.
 //!  * cols (B row-major, n contiguous — probs @ V): a thread owns VEC consecutive columns (one vector
 //!    load of B per k), THREADS / GROUP threads span a tile of columns and GROUP k-slices split k; the
