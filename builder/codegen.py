@@ -666,7 +666,8 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None,
 
 
 def module_source(kernels: Sequence[KernelSource]) -> str:
-    """One NVRTC module holding several kernels (common.cuh once; identical kernels once)."""
+    """One NVRTC module holding several kernels (common.cuh once; identical kernels once), and the L2
+    prefetch entry the loader launches before a weight's GEMV (``lum.format.manifest.L2_PREFETCH_ENTRY``)."""
     seen: set[str] = set()
     parts = [common_header()]
     for k in kernels:
@@ -674,6 +675,7 @@ def module_source(kernels: Sequence[KernelSource]) -> str:
             continue
         seen.add(k.name)
         parts.append(k.body)
+    parts.append(render(load_template("l2_prefetch.cu"), {}))
     return "\n".join(parts)
 
 

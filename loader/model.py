@@ -333,7 +333,8 @@ class Session:
     default True), ``graph_cache`` (graphs kept per entry, LRU, default 1024), ``upload_method``
     (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure),
     ``graph_branches`` (capture independent kernels on parallel streams, default True;
-    ``LUM_CUDA_BRANCHES=0``).
+    ``LUM_CUDA_BRANCHES=0``), ``l2_prefetch`` (with branches: warm L2 with each weight GEMV's first bytes
+    while the small kernels before it run, default True; ``LUM_CUDA_PREFETCH=0``).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):
