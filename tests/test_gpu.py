@@ -266,6 +266,28 @@ def test_tiny_model_logits_match_reference_backend(tiny_model, cublaslt):
         assert compare(got_d, want_d, 1e-4) is None, compare(got_d, want_d, 1e-4)
 
 
+def test_l2_prefetch_changes_no_result(tiny_model, cublaslt, monkeypatch):
+    """The L2 prefetch steps (loader/cuda/prefetch.py; tiny weights made eligible) run in the branched
+    decode graph and change no bit of the logits or the tokens."""
+    from lum.loader.cuda import prefetch
+
+    monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 1024)
+    _, _, path = tiny_model
+    pkg = lum.loader.open(path)
+    ids = np.asarray(PROMPT, np.int32)
+    got = {}
+    for on in (True, False):
+        with pkg.session(backend="cuda", l2_prefetch=on) as sess:
+            hints = sum(getattr(st, "hint", False) for st in sess.runner.plans["decode"].steps)
+            assert (hints > 0) == on, hints
+            sess.run("prefill", {"tokens": ids}, {"s": len(ids)})
+            logits = sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+            sess.reset()
+            got[on] = (logits, sess.generate(PROMPT, 12))
+    assert np.isfinite(got[True][0]).all() and np.array_equal(got[True][0], got[False][0])
+    assert got[True][1] == got[False][1]
+
+
 # ============================================================================ (d) 10,000 decode steps
 def test_10k_decode_steps_keep_device_memory_flat(tiny_model, cublaslt):
     from lum.loader.cuda import driver as cu

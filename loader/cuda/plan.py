@@ -129,6 +129,7 @@ class KernelStep:
     writes: tuple[tuple[int, int], ...] = ()   # ... and of its output's (branches.schedule)
     weights: tuple[tuple[int, int], ...] = ()  # ... and of the weights it reads (prefetch.py; not in reads)
     prefetcher: Any = None                     # its group's L2 prefetch kernel, None if the package has none
+    hint: bool = False                         # an L2 prefetch: follows the step before it, precedes nothing
 
 
 @dataclass
@@ -254,8 +255,15 @@ class EntryPlan:
             return
         reads = [st.reads if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
         writes = [st.writes if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
+        hints: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            if isinstance(st, KernelStep) and st.hint:
+                j = i - 1
+                while j in hints:
+                    j -= 1
+                hints[i] = j
         self.segments = [Segment(0, list(self.steps), tuple(grid_ids), tuple(exact_ids),
-                                 branch_schedule(reads, writes))]
+                                 branch_schedule(reads, writes, hints=hints))]
 
     def _add_prefetches(self, budget: int, max_dyn: Mapping[str, int]) -> None:
         """Insert each prefetch step right after the step it follows (see :func:`plan_prefetches`)."""
@@ -266,7 +274,7 @@ class EntryPlan:
             grid = (self.grid(as_expr(prefetch_blocks(p.nbytes)), max_dyn), one, one)
             after.setdefault(p.after, []).append(KernelStep(
                 f"L2 prefetch of {p.nbytes} weight bytes for {target.where}", target.prefetcher, grid,
-                (PREFETCH_THREADS, 1, 1), 0, ParamPack([p.ptr, p.nbytes]), reads=self.steps[p.after].writes))
+                (PREFETCH_THREADS, 1, 1), 0, ParamPack([p.ptr, p.nbytes]), hint=True))
         self.steps = [s for i, st in enumerate(self.steps) for s in (st, *after.get(i, ()))]
 
     def volatile_exprs(self, st: Any) -> list[int]:

@@ -9,9 +9,10 @@ written) asks for the first bytes of the weight of the GEMV that ends the stretc
 L2 by the time it starts: gemma's o projection (10.5 MB) whole, the first part of gate-up and of the
 next layer's qkv.
 
-The step reads nothing that orders it but the stretch's first producer's output (so the schedule puts
-it after that GEMV, on its stream, beside the stretch's kernels) and writes nothing (no step waits for
-it). It needs a branched graph: on one stream it would sit on the critical path. Bytes per prefetch:
+The step follows the stretch's first producer (the GEMV before) and precedes nothing: the schedule
+puts every such step on a stream of its own (branches.py's ``hints``), beside the stretch's kernels,
+so no kernel waits behind one. It needs a branched graph: on one stream it would sit on the critical
+path. Bytes per prefetch:
 the weight's, at most ``budget`` (half of L2, so the stretch's own data and the GEMV's output stay) and
 at most :data:`BYTES_PER_STEP` for each step of the stretch (what the bus streams while one small kernel
 runs: ~2.5 µs at ~3.5 TB/s). A GEMV right after the previous one (gemma's down after gate-up) has no
