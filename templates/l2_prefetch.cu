@@ -11,7 +11,7 @@ extern "C" __global__ void __launch_bounds__(256) lum_l2_prefetch(const char* __
   const unsigned long long lum_t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
   const unsigned long long lum_step = (unsigned long long)gridDim.x * blockDim.x;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr unsigned long long CHUNK = 1ull << 16;
+  constexpr unsigned long long CHUNK = 1ull << 14;
   for (unsigned long long lum_off = lum_t * CHUNK; lum_off < nbytes; lum_off += lum_step * CHUNK) {
     const unsigned lum_size = (unsigned)((nbytes - lum_off < CHUNK ? nbytes - lum_off : CHUNK) & ~15ull);
     if (lum_size)
