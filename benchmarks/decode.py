@@ -18,8 +18,9 @@ What it does, in one run on one GPU:
      input is the previous step's ``next_token`` output, no wait between steps, as the torch.compile loop
      below) and with ``device_loop=False``; the row's rate is the best of these (all in ``details``).
    * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
-     to measure what parallel graph branches give, side by side; ``lum-noprefetch`` with ``l2_prefetch=False``
-     (no side branch warms L2 with a GEMV's weight before it; loader/cuda/prefetch.py).
+     to measure what parallel graph branches give, side by side; ``lum-prefetch`` with ``l2_prefetch=True``
+     (a side branch warms L2 with each GEMV's weight while the small kernels before it run;
+     loader/cuda/prefetch.py).
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
@@ -74,7 +75,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
-               "lum-noprefetch": {"l2_prefetch": False},
+               "lum-prefetch": {"l2_prefetch": True},
                **{s: {} for s in LUM_BUILD_ENV}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,

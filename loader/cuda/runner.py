@@ -21,8 +21,9 @@ per entry; an evicted graph is destroyed, so memory stays flat); see :mod:`lum.l
 the session warns once and runs eagerly. A graph is captured from several streams where the plan's
 kernels do not depend on each other (``graph_branches``, default on; ``LUM_CUDA_BRANCHES=0`` turns it
 off; :mod:`lum.loader.cuda.branches`), so such kernels run side by side; in such a graph a side branch
-warms L2 with a weight GEMV's first bytes while the small kernels before it run (``l2_prefetch``,
-default on; ``LUM_CUDA_PREFETCH=0`` turns it off; :mod:`lum.loader.cuda.prefetch`). ``graphs=False`` launches
+can warm L2 with a weight GEMV's first bytes while the small kernels before it run (``l2_prefetch``,
+off by default: measured within noise; ``LUM_CUDA_PREFETCH=1`` turns it on; :mod:`lum.loader.cuda.prefetch`).
+``graphs=False`` launches
 everything eagerly, on one stream;
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
 synchronizes after every step and names the failing op. Outputs come back to numpy through pinned
@@ -133,7 +134,7 @@ class CudaRunner:
             graph_branches = os.environ.get("LUM_CUDA_BRANCHES", "1") != "0"
         self.graph_branches = bool(graph_branches)
         if l2_prefetch is None:
-            l2_prefetch = os.environ.get("LUM_CUDA_PREFETCH", "1") != "0"
+            l2_prefetch = os.environ.get("LUM_CUDA_PREFETCH", "0") != "0"
         self.l2_prefetch = bool(l2_prefetch) and self.graphs and self.graph_branches   # needs side branches
         self.captures = 0
         self.bounds = session_bounds(pkg, dyn)
