@@ -56,7 +56,9 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
 threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4),
 ``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
-the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``max_blocks`` (grid cap),
+the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``prefetch`` (gemv, dot
+scheme: vectors of the weights a lane asks L2 for a tile ahead, capped by the vectors it has; default
+``$LUM_GEMV_PREFETCH``, else 0), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -83,7 +85,8 @@ from lum.format.shapetracker import ShapeTracker, numel
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
-           "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default"]
+           "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PREFETCH",
+           "gemv_prefetch_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -96,6 +99,8 @@ GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
+GEMV_MAX_PREFETCH = 64                           # weight vectors a gemv lane may ask L2 for, a tile ahead
+ENV_GEMV_PREFETCH = "LUM_GEMV_PREFETCH"
 _SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -559,12 +564,21 @@ def _pow2_floor(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
+def _env_count(name: str, hi: int) -> int:
+    raw = os.environ.get(name, "0")
+    if not raw.isdigit() or int(raw) > hi:
+        raise CodegenError(f"${name} must be an integer in [0, {hi}], got {raw!r}")
+    return int(raw)
+
+
+def gemv_prefetch_default() -> int:
+    """``$LUM_GEMV_PREFETCH`` (weight vectors a GEMV lane asks L2 for a tile ahead), else 0: none."""
+    return _env_count(ENV_GEMV_PREFETCH, GEMV_MAX_PREFETCH)
+
+
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
-    raw = os.environ.get(ENV_GEMV_INFLIGHT, "0")
-    if not raw.isdigit() or int(raw) > GEMV_MAX_INFLIGHT:
-        raise CodegenError(f"${ENV_GEMV_INFLIGHT} must be an integer in [0, {GEMV_MAX_INFLIGHT}], got {raw!r}")
-    return int(raw)
+    return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
 
 
 def _pow2ceil(x: int) -> int:
@@ -574,7 +588,8 @@ def _pow2ceil(x: int) -> int:
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
-             unroll: int | None = None, inflight: int | None = None, max_blocks: int = 65536,
+             unroll: int | None = None, inflight: int | None = None, prefetch: int | None = None,
+             max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
@@ -608,7 +623,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
         return None
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
-               inflight=gemv_inflight_default() if inflight is None else inflight, max_blocks=max_blocks,
+               inflight=gemv_inflight_default() if inflight is None else inflight,
+               prefetch=gemv_prefetch_default() if prefetch is None else prefetch, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
@@ -698,10 +714,12 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
+                 prefetch: int = 0,
                  threads_given: bool = True, row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
+        self.prefetch = prefetch
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
@@ -1616,6 +1634,7 @@ class _Gen:
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_inflight(k, group, vec) if b_kc else 0
+        prefetch = self._gemv_prefetch(k, group, vec) if b_kc else 0
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1627,7 +1646,8 @@ class _Gen:
         else:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
-                  "unroll": unroll, "inflight": inflight, "cols": tile, "max_blocks": self.max_blocks}
+                  "unroll": unroll, "inflight": inflight, "prefetch": prefetch, "cols": tile,
+                  "max_blocks": self.max_blocks}
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
         grid = self.grid(items, per_block)
@@ -1642,7 +1662,7 @@ class _Gen:
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "INFLIGHT": inflight, "A_EARLY": "true" if a_early else "false",
+            "INFLIGHT": inflight, "PREFETCH": prefetch, "A_EARLY": "true" if a_early else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
@@ -1741,6 +1761,15 @@ class _Gen:
             else:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
+
+    def _gemv_prefetch(self, k: Expr, group: int, vec: int) -> int:
+        """Weight vectors a lane asks L2 for a tile ahead (dot scheme): the ``prefetch`` asked for, down to
+        the vectors a lane has when k is static."""
+        if not 0 <= self.prefetch <= GEMV_MAX_PREFETCH:
+            raise CodegenError(f"prefetch must be in [0, {GEMV_MAX_PREFETCH}], got {self.prefetch}")
+        if self.prefetch and k.is_const:
+            return max(1, min(self.prefetch, -(-k.value // (vec * group))))
+        return self.prefetch
 
     def _gemv_inflight(self, k: Expr, group: int, vec: int) -> int:
         """Vector loads a lane issues ahead (dot scheme): the ``inflight`` asked for, down to the vectors a

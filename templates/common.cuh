@@ -217,6 +217,15 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   }
 }
 
+// Ask L2 for the line holding p (a hint: no register waits for it; nothing under host emulation).
+LUM_D void lum_prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#else
+  (void)p;
+#endif
+}
+
 // Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
 // bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
 template <int N, typename T, typename Cvt>

@@ -26,7 +26,10 @@
 //! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
 //! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
 //! are uniform per block (shuffles, __syncthreads), so any grid >= 1 is correct; n, k or batch = 0 are
-//! fine (k = 0 writes zeros).
+//! fine (k = 0 writes zeros). With PREFETCH > 0 a lane first asks L2 (prefetch hints, no registers held)
+//! for the first PREFETCH of its vectors of the block's first tile, so that they stream in while a
+//! prologue computes A and before the k loop asks for them one or two at a time, and each tile asks for
+//! the next tile's the same way: what the loop then loads comes from L2. Hints change no value.
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
@@ -34,7 +37,8 @@
 //!   epilogue), EPILOGUE (empty, or the code that stores output column lum_j of every row from lum_acc);
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
-//!   lane issues ahead; 0: the unrolled loop), A_EARLY (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true |
+//!   lane issues ahead; 0: the unrolled loop), PREFETCH (dot scheme: vectors of B a lane asks L2 for, of
+//!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), A_EARLY (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true |
 //!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
 //!   storage value of the float `lum_v`), N K BATCH LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions
 //!   of the dyn vars), VEC_OK (C bool expression).
@@ -56,6 +60,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
+  constexpr int PREFETCH = {{PREFETCH}};         // dot scheme: vectors of B a lane asks L2 for, a tile ahead
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
@@ -80,6 +85,21 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_ca = [](a_t lum_x) -> float { return {{A_LOAD}}; };
   auto lum_cb = [](b_t lum_x) -> float { return {{B_LOAD}}; };
   auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
+  auto lum_prefetch_tile = [&](idx_t lum_t0) {   // L2 hints for tile lum_t0's first PREFETCH vectors a lane
+    const idx_t lum_pc = lum_t0 + (idx_t)((int)threadIdx.x / GROUP);
+    if (PREFETCH == 0 || !B_KCONTIG || lum_pc >= lum_batch * lum_nout) return;
+    const idx_t lum_pb = lum_pc / lum_nout;
+    const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) {
+      const idx_t lum_q = (idx_t)((int)threadIdx.x % GROUP) * VEC + (idx_t)u * GROUP * VEC;
+      if (lum_q < lum_k) {
+#pragma unroll
+        for (int t = 0; t < NACC; ++t) lum_prefetch_l2(lum_pp + ACC_COLS[t] * lum_ldb + lum_q);
+      }
+    }
+  };
+  lum_prefetch_tile((idx_t)blockIdx.x * SPAN);
 {{PROLOGUE}}  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
                           (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)
@@ -96,6 +116,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
     const idx_t lum_cols = lum_batch * lum_nout;
     for (idx_t lum_c0 = (idx_t)blockIdx.x * SPAN; lum_c0 < lum_cols; lum_c0 += (idx_t)gridDim.x * SPAN) {
+      lum_prefetch_tile(lum_c0 + (idx_t)gridDim.x * SPAN);
       const idx_t lum_c = lum_c0 + lum_g;
       const idx_t lum_b = lum_c < lum_cols ? lum_c / lum_nout : (idx_t)0;
       const idx_t lum_j = lum_c - lum_b * lum_nout;

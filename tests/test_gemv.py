@@ -125,6 +125,12 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
         out.append((layout + ".inflight_k0", gemm_op(layout, 1, 17, P, lda=17, ldb=17), [F32, F32], {"p": 0},
                     {"inflight": 4}))
         out.append((layout + ".n0", gemm_op(layout, 3, P, 17, lda=17, ldb=17, batch=2), [F32, F32], {"p": 0}, {}))
+        # L2 prefetch hints a tile ahead: several tiles a block (grid-stride), batches, dynamic k, with loads ahead
+        out.append((layout + ".prefetch", gemm_op(layout, 2, 130, P + 40, BF16, batch=2, lda=P + 40, ldb=P + 40,
+                                                  sa=2 * (P + 40), sb=0), [BF16, BF16], {"p": 60},
+                    {"prefetch": 4, "threads": 64}))
+        out.append((layout + ".prefetch_ahead", gemm_op(layout, 1, 40, 300), [BF16, BF16], {},
+                    {"prefetch": 64, "inflight": 2}))
     return out
 
 
@@ -237,6 +243,36 @@ def test_loads_ahead_sum_in_the_same_order(host_lib, tmp_path):
         got, _ = _run(lib, kernels["RmCm.inflight3"], op, [BF16, BF16], {}, grid, seed=grid)
         want, _ = _run(other, generate(op, ["p"], arg_dtypes=[BF16, BF16]), op, [BF16, BF16], {}, grid, seed=grid)
         assert np.array_equal(got, want)
+
+
+def test_prefetch_hints_change_no_bit(host_lib, tmp_path):
+    """L2 prefetch hints (templates/gemv.cu PREFETCH) are in the dot scheme's source only and change no
+    result: bit-equal to the same kernel without them, for grids of one to several tiles a block; the
+    count is capped by the vectors a lane has, ``$LUM_GEMV_PREFETCH`` sets the default."""
+    lib, kernels = host_lib
+    for layout in GEMM_LAYOUTS:
+        op = next(c[1] for c in CASES if c[0] == layout + ".prefetch")
+        hinted = kernels[layout + ".prefetch"]
+        plain = generate(op, ["p"], arg_dtypes=[BF16, BF16], threads=64)
+        dot = layout[2:] == "Cm"
+        assert hinted.tuning["prefetch"] == (4 if dot else 0) and plain.tuning["prefetch"] == 0
+        assert (hinted.body != plain.body) == dot and "constexpr int PREFETCH = 0;" in plain.body
+        if dot:
+            other = ctypes.CDLL(str(emu.kernel_library([plain], tmp_path / layout)))
+            for grid in (1, 3, 40):
+                got, _ = _run(lib, hinted, op, [BF16, BF16], {"p": 60}, grid, seed=grid)
+                want, _ = _run(other, plain, op, [BF16, BF16], {"p": 60}, grid, seed=grid)
+                assert np.isfinite(got).all() and np.array_equal(got, want)
+    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
+    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], prefetch=64).tuning["prefetch"] == 4   # 2048/8/64
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_GEMV_PREFETCH", "8")
+        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["prefetch"] == 4
+        mp.setenv("LUM_GEMV_PREFETCH", "65")
+        with pytest.raises(CodegenError, match="LUM_GEMV_PREFETCH must be an integer"):
+            generate(o_proj, [], arg_dtypes=[BF16, BF16])
+    with pytest.raises(CodegenError, match="prefetch must be in"):
+        generate(o_proj, [], arg_dtypes=[BF16, BF16], prefetch=65)
 
 
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):

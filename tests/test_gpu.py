@@ -121,6 +121,19 @@ def test_gemv_loads_ahead_match_reference(dt, tmp_path_factory, monkeypatch):
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_gemv_l2_prefetch_hints_match_reference(dt, tmp_path_factory, monkeypatch):
+    """The gemv cases built with every GEMV lane asking L2 for its weight vectors a tile ahead
+    (``LUM_GEMV_PREFETCH``, templates/gemv.cu; off by default until measured), against the reference."""
+    monkeypatch.setenv("LUM_GEMV_PREFETCH", "64")
+    res = _compute_cases(gemv_cases, dt, tmp_path_factory)
+    if isinstance(res, BackendUnavailableError):
+        pytest.skip(f"CUDA backend unavailable: {res}")
+    got, want, tol = res
+    errors = {n: e for n in _CASES[("gemv_cases", dt)] if (e := compare(got[n], want[n], tol.get(n) or 1e-2))}
+    assert errors == {}, errors
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_graph_replay_follows_p(dt, tmp_path):
     """n = p + 1 (decode attention): one session, the arena NaN-poisoned before each run, p = 5 then 6
     (same grid buckets: the captured graph is replayed with the new p in the dyn buffer) then 40,
