@@ -107,24 +107,14 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
     _check(gemv_cases, dt, name, tmp_path_factory)
 
 
+@pytest.mark.parametrize("env", [("LUM_GEMV_INFLIGHT", "4"), ("LUM_GEMV_PREFETCH", "64")],
+                         ids=["loads-ahead", "l2-prefetch"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
-def test_gemv_loads_ahead_match_reference(dt, tmp_path_factory, monkeypatch):
-    """The same gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``,
-    templates/gemv.cu; off by default until measured), poisoned output arena, against the reference."""
-    monkeypatch.setenv("LUM_GEMV_INFLIGHT", "4")
-    res = _compute_cases(gemv_cases, dt, tmp_path_factory)
-    if isinstance(res, BackendUnavailableError):
-        pytest.skip(f"CUDA backend unavailable: {res}")
-    got, want, tol = res
-    errors = {n: e for n in _CASES[("gemv_cases", dt)] if (e := compare(got[n], want[n], tol.get(n) or 1e-2))}
-    assert errors == {}, errors
-
-
-@pytest.mark.parametrize("dt", DTYPES, ids=str)
-def test_gemv_l2_prefetch_hints_match_reference(dt, tmp_path_factory, monkeypatch):
-    """The gemv cases built with every GEMV lane asking L2 for its weight vectors a tile ahead
-    (``LUM_GEMV_PREFETCH``, templates/gemv.cu; off by default until measured), against the reference."""
-    monkeypatch.setenv("LUM_GEMV_PREFETCH", "64")
+def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
+    """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``) or
+    asking L2 for its weight vectors a tile ahead (``LUM_GEMV_PREFETCH``; templates/gemv.cu, both off by
+    default), poisoned output arena, against the reference."""
+    monkeypatch.setenv(*env)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)
     if isinstance(res, BackendUnavailableError):
         pytest.skip(f"CUDA backend unavailable: {res}")
