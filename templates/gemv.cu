@@ -38,10 +38,10 @@
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
 //!   lane issues ahead; 0: the unrolled loop), PREFETCH (dot scheme: vectors of B a lane asks L2 for, of
-//!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), A_EARLY (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true |
-//!   false), A_T B_T (storage types), A_LOAD B_LOAD (float value of storage `lum_x`), STORE (output
-//!   storage value of the float `lum_v`), N K BATCH LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions
-//!   of the dyn vars), VEC_OK (C bool expression).
+//!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), A_EARLY
+//!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
+//!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
+//!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{A_T}} a_t;

@@ -12,10 +12,9 @@ next layer's qkv.
 The step follows the stretch's first producer (the GEMV before) and precedes nothing: the schedule
 puts every such step on a stream of its own (branches.py's ``hints``), beside the stretch's kernels,
 so no kernel waits behind one. It needs a branched graph: on one stream it would sit on the critical
-path. Bytes per prefetch:
-the weight's, at most ``budget`` (half of L2, so the stretch's own data and the GEMV's output stay) and
-at most :data:`BYTES_PER_STEP` for each step of the stretch (what the bus streams while one small kernel
-runs: ~2.5 µs at ~3.5 TB/s). A GEMV right after the previous one (gemma's down after gate-up) has no
+path. Bytes per prefetch: the weight's, at most ``budget`` (half of L2, so the stretch's own data and the
+GEMV's output stay) and at most :data:`BYTES_PER_STEP` for each step of the stretch (what the bus
+streams while one small kernel runs: ~2.5 µs at ~3.5 TB/s). A GEMV right after the previous one (gemma's down after gate-up) has no
 stretch and gets none. Prefetches are hints: a result never depends on them.
 
 Off by default (``l2_prefetch=True`` or ``LUM_CUDA_PREFETCH=1`` turn it on): on the H200 it measured
@@ -40,7 +39,7 @@ THREADS = 32                     # per block: each thread issues one chunk; bloc
 
 @dataclass(frozen=True)
 class Prefetch:
-    after: int                   # index of the step it follows (the stretch's first producer)
+    after: int                   # index of the step it follows (the GEMV before the stretch)
     target: int                  # index of the step whose weight it warms
     ptr: int                     # first byte
     nbytes: int                  # a multiple of 16
