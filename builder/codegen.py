@@ -1632,8 +1632,8 @@ class _Gen:
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
-        inflight = self._gemv_inflight(k, group, vec) if b_kc else 0
-        prefetch = self._gemv_prefetch(k, group, vec) if b_kc else 0
+        inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
+        prefetch = self._gemv_vectors("prefetch", self.prefetch, GEMV_MAX_PREFETCH, k, group, vec) if b_kc else 0
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1761,23 +1761,16 @@ class _Gen:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
 
-    def _gemv_prefetch(self, k: Expr, group: int, vec: int) -> int:
-        """Weight vectors a lane asks L2 for a tile ahead (dot scheme): the ``prefetch`` asked for, down to
-        the vectors a lane has when k is static."""
-        if not 0 <= self.prefetch <= GEMV_MAX_PREFETCH:
-            raise CodegenError(f"prefetch must be in [0, {GEMV_MAX_PREFETCH}], got {self.prefetch}")
-        if self.prefetch and k.is_const:
-            return max(1, min(self.prefetch, -(-k.value // (vec * group))))
-        return self.prefetch
-
-    def _gemv_inflight(self, k: Expr, group: int, vec: int) -> int:
-        """Vector loads a lane issues ahead (dot scheme): the ``inflight`` asked for, down to the vectors a
-        lane has when k is static (no registers for loads that never happen)."""
-        if not 0 <= self.inflight <= GEMV_MAX_INFLIGHT:
-            raise CodegenError(f"inflight must be in [0, {GEMV_MAX_INFLIGHT}], got {self.inflight}")
-        if self.inflight and k.is_const:
-            return max(1, min(self.inflight, -(-k.value // (vec * group))))
-        return self.inflight
+    @staticmethod
+    def _gemv_vectors(name: str, asked: int, hi: int, k: Expr, group: int, vec: int) -> int:
+        """Weight vectors per lane for ``inflight`` (loads issued ahead) or ``prefetch`` (L2 hints a tile
+        ahead), dot scheme: ``asked``, in [0, ``hi``], down to the vectors a lane has when k is static (no
+        registers or hints for loads that never happen)."""
+        if not 0 <= asked <= hi:
+            raise CodegenError(f"{name} must be in [0, {hi}], got {asked}")
+        if asked and k.is_const:
+            return max(1, min(asked, -(-k.value // (vec * group))))
+        return asked
 
     def _gemv_group(self, p: dict[str, Expr], b_kc: bool, vec: int) -> int:
         """Threads reducing one output (``group``). Default, dot scheme: two warps when k has at least

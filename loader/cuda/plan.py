@@ -255,13 +255,7 @@ class EntryPlan:
             return
         reads = [st.reads if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
         writes = [st.writes if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
-        hints: dict[int, int] = {}
-        for i, st in enumerate(self.steps):
-            if isinstance(st, KernelStep) and st.hint:
-                j = i - 1
-                while j in hints:
-                    j -= 1
-                hints[i] = j
+        hints = {i: i - 1 for i, st in enumerate(self.steps) if isinstance(st, KernelStep) and st.hint}
         self.segments = [Segment(0, list(self.steps), tuple(grid_ids), tuple(exact_ids),
                                  branch_schedule(reads, writes, hints=hints))]
 
