@@ -342,3 +342,61 @@ def test_loads_ahead_that_would_spill_are_halved(monkeypatch):
     monkeypatch.setattr(nvrtc, "compile_cuda", lambda source, arch, **kw: SimpleNamespace(log=""))
     got = kernels.group_kernel_sources(prog, dyn_vars, tuning=tuning, cache_dir=False)
     assert all(got[o.id].tuning["inflight"] > 1 for o in gemv_kernel_ops(prog))     # no spill: kept
+
+
+# ============================================================================ streamed weights (gemv_stream.cu)
+STREAM_CASES = [("m1", gemm_op("RmCm", 1, 300, 264), [BF16, BF16]),               # 5 columns a warp at most
+                ("m3_f32", gemm_op("RmCm", 3, 70, 96, F32), [F32, F32]),
+                ("bf16_out", gemm_op("RmCm", 1, 129, 520, BF16, ldb=528, ob=16), [BF16, BF16]),
+                ("f32_x_bf16", gemm_op("RmCm", 2, 45, 40, F32, lda=48, oa=8), [F32, BF16])]
+
+
+def test_streamed_weights_sum_in_the_dot_order(tmp_path):
+    """A GEMV that streams its weights through shared memory (``stream``: bulk copies, emulated as copies)
+    computes the dot scheme's sums in the dot scheme's order: bit-equal to it with one warp a column, for
+    the planned grid and a larger one, with 1 and 3 slots a warp and a given block size; a misaligned
+    weight pointer falls back to scalar reads from global memory (close to the reference)."""
+    kernels = {}
+    for name, op, dts in STREAM_CASES:
+        kernels[name + ".dot"] = generate(op, [], arg_dtypes=dts, group=32)
+        for tun in ({"stream": 1}, {"stream": 3}, {"stream": 2, "threads": 64}):
+            kernels[f"{name}.{tun}"] = ks = generate(op, [], arg_dtypes=dts, **tun)
+            assert ks.tuning["scheme"] == "stream" and ks.tuning["stream"] <= tun["stream"]
+            assert "threads" not in tun or ks.block[0] == 64
+    lib = ctypes.CDLL(str(emu.kernel_library(kernels.values(), tmp_path)))
+    for name, op, dts in STREAM_CASES:
+        dot = kernels[name + ".dot"]
+        for key, ks in kernels.items():
+            if not key.startswith(name + ".{"):
+                continue
+            grid = ks.grid[0].evaluate({})
+            assert ks.tuning["cols"] * ks.block[0] // 32 * grid >= op.params["n"].evaluate({})
+            for g in (grid, grid + 3):
+                got, want = _run(lib, ks, op, dts, {}, g, seed=g)
+                ref, _ = _run(lib, dot, op, dts, {}, dot.grid[0].evaluate({}), seed=g)
+                _assert_close(got, want, op.dtype, key)
+                assert np.array_equal(got, ref), key
+            got, want = _run(lib, ks, op, dts, {}, grid, shift=2)
+            _assert_close(got, want, op.dtype, key + " misaligned weights")
+
+
+def test_gemvs_that_cannot_stream_keep_the_dot_scheme(monkeypatch):
+    """Streaming needs a static n and k, batch 1, A row-major, rows of 16-byte multiples and no loads
+    ahead or L2 hints; ``$LUM_GEMV_STREAM`` sets the default; out-of-range values are one-line errors."""
+    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
+    for op, tun in ((gemm_op("RmCm", 1, P + 1, 64), {}), (gemm_op("RmCm", 1, 40, 64, batch=2), {}),
+                    (gemm_op("RmCm", 1, 40, 60), {}), (gemm_op("RmCm", 1, 40, 64, ldb=68), {}),
+                    (gemm_op("CmCm", 1, 40, 64), {}), (gemm_op("RmRm", 1, 40, 64), {}),
+                    (o_proj, {"inflight": 2}), (o_proj, {"prefetch": 8})):
+        ks = generate(op, ["p"], arg_dtypes=[BF16, BF16], stream=2, **tun)
+        assert ks.tuning["scheme"] != "stream", op.params
+    assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["scheme"] == "dot"
+    monkeypatch.setenv("LUM_GEMV_STREAM", "2")
+    ks = generate(o_proj, [], arg_dtypes=[BF16, BF16])
+    assert ks.tuning["scheme"] == "stream" and ks.grid[0].evaluate({}) * ks.block[0] // 32 * ks.tuning["cols"] >= 2560
+    monkeypatch.setenv("LUM_GEMV_STREAM", "9")
+    with pytest.raises(CodegenError, match="LUM_GEMV_STREAM must be an integer"):
+        generate(o_proj, [], arg_dtypes=[BF16, BF16])
+    monkeypatch.delenv("LUM_GEMV_STREAM")
+    with pytest.raises(CodegenError, match="stream must be in"):
+        generate(o_proj, [], arg_dtypes=[BF16, BF16], stream=9)
