@@ -31,10 +31,7 @@ What it does, in one run on one GPU:
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
      both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-gemvprefetch`` with ``LUM_GEMV_PREFETCH=64``
-     (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu),
-     ``lum-stream`` / ``lum-nostream`` with ``LUM_GEMV_STREAM=2`` / ``0`` (decode GEMVs stream their weights
-     through shared memory by bulk copies, two columns in flight a warp, or keep the dot scheme;
-     templates/gemv_stream.cu).
+     (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -78,7 +75,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-gemvprefetch": {"LUM_GEMV_PREFETCH": "64"},
-                 "lum-stream": {"LUM_GEMV_STREAM": "2"}, "lum-nostream": {"LUM_GEMV_STREAM": "0"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True},

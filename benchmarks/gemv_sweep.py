@@ -52,7 +52,7 @@ PROLOGUE_SHAPES = {"gemma3-4b": {"qkv": ("norm", 4096, 2560), "gate+up": ("norm"
                    "llama3-1b": {"qkv": ("norm", 3072, 2048), "gate+up": ("norm", 16384, 2048),
                                  "down": ("gated", 2048, 8192)}}
 PROLOGUE_SPACE = {"threads": (None, 256, 512), "group": (None, 64), "max_blocks": (132, 264, 65536),
-                  "inflight": (0, 4), "prefetch": (0, 64), "stream": (0, 2)}
+                  "inflight": (0, 4), "prefetch": (0, 64)}
 
 
 def prologue_ops(kind: str, n: int, k: int, dt):
@@ -101,8 +101,6 @@ def main(argv=None) -> int:
                     % ",".join("default" if g is None else str(g) for g in GROUPS))
     ap.add_argument("--loads", default=None, help="plain: unroll:inflight[:prefetch] (default: %s)"
                     % ",".join(":".join(map(str, v)) for v in LOADS))
-    ap.add_argument("--stream", default="0", help="plain: weight columns a warp streams through shared memory "
-                    "(templates/gemv_stream.cu; 0: the dot scheme), comma-separated (default: 0)")
     args = ap.parse_args(argv)
 
     def choices(text, default, what):
@@ -121,10 +119,6 @@ def main(argv=None) -> int:
     except (ValueError, AssertionError):
         ap.error(f"--loads: comma-separated unroll:inflight[:prefetch], got {args.loads!r}")
     projs = None if args.projs is None else set(args.projs.split(","))
-    try:
-        stream_space = tuple(int(v) for v in args.stream.split(","))
-    except ValueError:
-        ap.error(f"--stream: comma-separated integers, got {args.stream!r}")
 
     from lum.builder import nvrtc
     from lum.builder.codegen import CodegenError, generate
@@ -206,20 +200,17 @@ def main(argv=None) -> int:
                                       (gk, [ParamPack([y.ptr, a.ptr, w.ptr, dyn.ptr]) for w in ws])], "pair")
                 results = []
                 fused_dts = [DType.f32, DType.f32 if kind == "gated" else dt, DType.f32, DType.f32, dt]
-                for threads, group, cap, inflight, prefetch, streamed in itertools.product(*PROLOGUE_SPACE.values()):
+                for threads, group, cap, inflight, prefetch in itertools.product(*PROLOGUE_SPACE.values()):
                     try:
                         fk = generate(fused, [], arg_dtypes=fused_dts, threads=threads, group=group, max_blocks=cap,
-                                      inflight=inflight, prefetch=prefetch, stream=streamed)
+                                      inflight=inflight, prefetch=prefetch)
                     except CodegenError:
                         continue
-                    if streamed and (fk.tuning["scheme"] != "stream" or group or cap != 65536):
-                        continue                       # streaming picks its own split and grid
                     t = timed_graph([(fk, [ParamPack([y.ptr, *leaf_ptrs, w.ptr, dyn.ptr]) for w in ws])], "fused")
                     results.append({"threads": fk.tuning["threads"], "group": fk.tuning["group"], "max_blocks": cap,
-                                    "inflight": fk.tuning.get("inflight", 0), "prefetch": fk.tuning.get("prefetch", 0),
-                                    "stream": fk.tuning.get("stream", 0),
+                                    "inflight": fk.tuning["inflight"], "prefetch": fk.tuning["prefetch"],
                                     "default": threads is None and group is None and cap == 65536 and not inflight
-                                    and not prefetch and not streamed,
+                                    and not prefetch,
                                     "grid": fk.grid[0].evaluate({}),
                                     "us": round(t * 1e6, 2), "vs_pair": round(t / t_pair, 3)})
                 for b in ws:
@@ -233,7 +224,7 @@ def main(argv=None) -> int:
                 log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  norm+gemv {t_pair * 1e6:6.2f} us  fused default "
                     f"{default['us']:6.2f} us ({default['vs_pair']:.3f}x), best {best['us']:6.2f} us "
                     f"({best['vs_pair']:.3f}x: threads {best['threads']} group {best['group']} grid {best['grid']} "
-                    f"inflight {best['inflight']} prefetch {best['prefetch']} stream {best['stream']})")
+                    f"inflight {best['inflight']} prefetch {best['prefetch']})")
         for model in args.shapes.split(",") if args.mode == "plain" else ():
             for proj, (n, k) in SHAPES[model].items():
                 if projs is not None and proj not in projs:
@@ -248,15 +239,13 @@ def main(argv=None) -> int:
                 x, y, dyn = buf(k * dt.itemsize), buf(n * 4), buf(8)
                 packs = [ParamPack([y.ptr, x.ptr, w.ptr, dyn.ptr]) for w in ws]
                 results = []
-                for threads, group, (unroll, inflight, prefetch), streamed in itertools.product(
-                        threads_space, groups_space, loads_space, stream_space):
+                for threads, group, (unroll, inflight, prefetch) in itertools.product(threads_space, groups_space,
+                                                                                      loads_space):
                     try:
                         ks = generate(op, [], arg_dtypes=[dt, dt], threads=threads, group=group, unroll=unroll,
-                                      inflight=inflight, prefetch=prefetch, stream=streamed)
+                                      inflight=inflight, prefetch=prefetch)
                     except CodegenError:
                         continue
-                    if streamed and (ks.tuning["scheme"] != "stream" or group is not None or unroll != 4):
-                        continue                       # streaming picks its own split and unroll
                     mod = cu.Module(nvrtc.compile_cuda(ks.source, info.sm).cubin, "gemv sweep")
                     fn = mod.function(ks.launches[0].kernel)
                     grid = tuple(g.evaluate({}) for g in ks.grid)
@@ -272,10 +261,9 @@ def main(argv=None) -> int:
                     mod.close()
                     gbps = (wbytes + (k + n) * dt.itemsize) / t / 1e9
                     results.append({"threads": threads, "group": group, "unroll": unroll, "inflight": inflight,
-                                    "prefetch": prefetch, "stream": streamed, "chosen_threads": ks.tuning["threads"],
-                                    "chosen_group": ks.tuning["group"], "chosen_inflight": ks.tuning.get("inflight", 0),
-                                    "chosen_prefetch": ks.tuning.get("prefetch", 0),
-                                    "chosen_stream": ks.tuning.get("stream", 0), "grid": grid[0],
+                                    "prefetch": prefetch, "chosen_threads": ks.tuning["threads"],
+                                    "chosen_group": ks.tuning["group"], "chosen_inflight": ks.tuning["inflight"],
+                                    "chosen_prefetch": ks.tuning["prefetch"],
                                     "us": round(t * 1e6, 2),
                                     "GBps": round(gbps)})
                 for b in ws:
@@ -283,9 +271,8 @@ def main(argv=None) -> int:
                     owned.remove(b)
                 best = max(results, key=lambda r: r["GBps"])
                 default = next((r for r in results if r["threads"] is None and r["group"] is None
-                                and r["unroll"] == 4 and r["inflight"] == 0 and r["prefetch"] == 0
-                                and r["stream"] == 0), None)
-                ahead = [r for r in results if r["inflight"] or r["prefetch"] or r["stream"]]
+                                and r["unroll"] == 4 and r["inflight"] == 0 and r["prefetch"] == 0), None)
+                ahead = [r for r in results if r["inflight"] or r["prefetch"]]
                 best_ahead = max(ahead, key=lambda r: r["GBps"]) if ahead else None
                 record["rows"].append({"model": model, "proj": proj, "n": n, "k": k, "best": best,
                                        "default": default, "best_inflight": best_ahead, "all": results})
@@ -293,7 +280,7 @@ def main(argv=None) -> int:
                 def show(r):
                     return (f"{r['GBps']:5d} GB/s ({r['us']:6.2f} us: threads {r['chosen_threads']} group "
                             f"{r['chosen_group']} unroll {r['unroll']} inflight {r['chosen_inflight']} prefetch "
-                            f"{r['chosen_prefetch']} stream {r['chosen_stream']} grid {r['grid']})")
+                            f"{r['chosen_prefetch']})")
                 log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  default {show(default) if default else '-'}  "
                     f"best {show(best)}  best ahead {show(best_ahead) if best_ahead else '-'}")
     finally:

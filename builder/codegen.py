@@ -58,9 +58,7 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 ``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
 the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``prefetch`` (gemv, dot
 scheme: vectors of the weights a lane asks L2 for a tile ahead, capped by the vectors it has; default
-``$LUM_GEMV_PREFETCH``, else 0), ``stream`` (gemv: weight columns a warp keeps in flight in shared memory,
-templates/gemv_stream.cu, where the GEMV qualifies (see ``_Gen._gemv_stream_plan``); 0: the dot scheme;
-default ``$LUM_GEMV_STREAM``, else 0), ``max_blocks`` (grid cap),
+``$LUM_GEMV_PREFETCH``, else 0), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -88,7 +86,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PREFETCH",
-           "gemv_prefetch_default", "ENV_GEMV_STREAM", "gemv_stream_default"]
+           "gemv_prefetch_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -102,11 +100,7 @@ GEMV_MAX_ACC = 4                                 # product columns a gemv epilog
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_MAX_PREFETCH = 64                           # weight vectors a gemv lane may ask L2 for, a tile ahead
-GEMV_MAX_STREAM = 8                              # weight columns a streaming gemv warp may keep in flight
-STREAM_SMEM_BYTES = 47 * 1024                    # a streaming gemv block's static shared memory, at most
-_SMEM_PER_SM = 227 * 1024                        # shared memory an H100 / H200 SM gives its blocks
 ENV_GEMV_PREFETCH = "LUM_GEMV_PREFETCH"
-ENV_GEMV_STREAM = "LUM_GEMV_STREAM"
 _SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -582,11 +576,6 @@ def gemv_prefetch_default() -> int:
     return _env_count(ENV_GEMV_PREFETCH, GEMV_MAX_PREFETCH)
 
 
-def gemv_stream_default() -> int:
-    """``$LUM_GEMV_STREAM`` (weight columns a streaming GEMV warp keeps in flight), else 0: the dot scheme."""
-    return _env_count(ENV_GEMV_STREAM, GEMV_MAX_STREAM)
-
-
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
     return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
@@ -600,7 +589,7 @@ def _pow2ceil(x: int) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, inflight: int | None = None, prefetch: int | None = None,
-             stream: int | None = None, max_blocks: int = 65536,
+             max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
@@ -635,8 +624,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
-               prefetch=gemv_prefetch_default() if prefetch is None else prefetch,
-               stream=gemv_stream_default() if stream is None else stream, max_blocks=max_blocks,
+               prefetch=gemv_prefetch_default() if prefetch is None else prefetch, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
@@ -709,17 +697,6 @@ def module_source(kernels: Sequence[KernelSource]) -> str:
 
 # ============================================================================ generators
 @dataclass(frozen=True)
-class _StreamPlan:
-    """A streaming GEMV's launch (templates/gemv_stream.cu): warps per block, weight columns each warp
-    keeps in flight, output columns per warp, blocks."""
-
-    warps: int
-    slots: int
-    cpw: int
-    blocks: int
-
-
-@dataclass(frozen=True)
 class _RowParts:
     """A row loop's generated pieces and shape (see :meth:`_Gen._row_parts`)."""
 
@@ -737,12 +714,11 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
-                 prefetch: int = 0, stream: int = 0, threads_given: bool = True, row_regs: bool = True):
+                 prefetch: int = 0, threads_given: bool = True, row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.prefetch = prefetch
-        self.stream = stream
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
@@ -1637,8 +1613,8 @@ class _Gen:
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
         dta, dtb = DType.f32 if prologue else self.dts[0], self.dts[jb]
         code, a_ptr, b_ptr = "", "in0", f"in{jb}"
-        p_given = dict(p)
         if prologue:                              # A computed per block into shared memory (lum_as)
+            code = self._gemv_prologue(m, p, layout, jb)
             a_ptr = "lum_as"
             p.update(lda=p["k"], offset_a=as_expr(0), stride_a=as_expr(0))
         n, k, batch = p["n"], p["k"], p["batch"]
@@ -1652,13 +1628,6 @@ class _Gen:
             epi = self._gemv_epilogue(m, jb, n_out)
             ctx.exprs.append(as_expr(max(acc_cols)) * p["ldb"] + n * p["ldb"])
         vec, vec_ok = self._gemv_vec(p, a_kc, b_kc, dta, dtb)
-        plan = self._gemv_stream_plan(m, p, a_kc, b_kc, dta, dtb, vec, vec_ok, acc_cols, n_out)
-        if plan is not None:
-            self.threads = 32 * plan.warps
-        if prologue:
-            code = self._gemv_prologue(m, p_given, layout, jb)
-        if plan is not None:
-            return self._gemv_stream(plan, m, p, code, a_ptr, b_ptr, dta, dtb, vec, acc_cols, n_out, epi)
         group = self._gemv_group(p, b_kc, vec)
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
@@ -1703,67 +1672,6 @@ class _Gen:
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
-
-    def _gemv_stream_plan(self, m: int, p: dict[str, Expr], a_kc: bool, b_kc: bool, dta: DType, dtb: DType,
-                          vec: int, vec_ok: str, acc_cols: list[int], n_out: Expr) -> "_StreamPlan | None":
-        """How templates/gemv_stream.cu runs this GEMV (``stream`` > 0 asked), or None where it cannot:
-        it needs the dot scheme with A row-major, batch 1, a static k and n, 16-byte vectors that need no
-        run-time check, W's rows 16-byte aligned, no loads ahead or L2 hints asked, and one column's
-        weights (NACC rows) in shared memory. Warps per block and slots per warp fill
-        :data:`STREAM_SMEM_BYTES` (beside a prologue's A); columns per warp are as many as it takes for
-        the whole grid to be resident at once (so each warp starts all its copies at launch)."""
-        if not self.stream or self.inflight or self.prefetch or not (a_kc and b_kc):
-            return None
-        if not 1 <= self.stream <= GEMV_MAX_STREAM:
-            raise CodegenError(f"stream must be in [0, {GEMV_MAX_STREAM}], got {self.stream}")
-        k, n, ldb, ob = p["k"], p["n"], p["ldb"], p["offset_b"]
-        isz = dtb.itemsize
-        static = all(e.is_const for e in (k, n, ldb, ob, n_out)) and p["batch"] == as_expr(1)
-        if not static or vec * isz != 16 or vec_ok != "true" or (k.value * isz) % 16:
-            return None
-        if (ldb.value * isz) % 16 or (ob.value * isz) % 16 or max(acc_cols) + n_out.value > n.value:
-            return None
-        slot = len(acc_cols) * k.value * isz
-        a_bytes = m * k.value * 4 + 1024 if "expr" in self.op.params else 0
-        room = STREAM_SMEM_BYTES - a_bytes - 512
-        slots = self.stream
-        warps = self.threads // 32 if self.threads_given else min(8, room // (slots * slot))
-        if warps > 1:                              # a power of two (a prologue's row phases reduce over the block)
-            warps = _pow2_floor(warps)
-        while slots > 1 and warps * slots * slot > room:
-            slots -= 1
-        if warps < 1 or warps * slots * slot > room:
-            return None
-        block_smem = warps * slots * slot + a_bytes + 16 * warps * slots
-        per_sm = max(1, min(32, 2048 // (32 * warps), _SMEM_PER_SM // (block_smem + 1024)))
-        cpw = max(-(-n_out.value // (_SMS * per_sm * warps)), -(-n_out.value // (self.max_blocks * warps)))
-        return _StreamPlan(warps=warps, slots=min(slots, cpw), cpw=cpw,
-                           blocks=-(-n_out.value // (cpw * warps)))
-
-    def _gemv_stream(self, plan: "_StreamPlan", m: int, p: dict[str, Expr], prologue: str, a_ptr: str, b_ptr: str,
-                     dta: DType, dtb: DType, vec: int, acc_cols: list[int], n_out: Expr, epi: str):
-        """The kernel of :meth:`k_gemm` for a GEMV that streams its weights (templates/gemv_stream.cu)."""
-        op, ctx = self.op, self.ctx
-        ctx.exprs.extend([p["offset_a"] + m * p["lda"] + p["k"], p["offset_b"] + p["n"] * p["ldb"] + p["k"],
-                          m * n_out + as_expr(plan.cpw * 32 * plan.warps)])
-        src = render(load_template("gemv_stream.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "M": m, "VEC": vec, "K": p["k"].value, "SLOTS": plan.slots,
-            "CPW": plan.cpw, "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": prologue, "NACC": len(acc_cols),
-            "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
-            "HAS_EPILOGUE": "true" if "epilogue" in op.params else "false", "EPILOGUE": epi,
-            "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
-            "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
-            "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]), "OFF_A": ctx.c(p["offset_a"]),
-            "OFF_B": ctx.c(p["offset_b"])})
-        tuning = {"scheme": "stream", "threads": self.threads, "group": 32, "vec": vec, "stream": plan.slots,
-                  "cols": plan.cpw, "max_blocks": self.max_blocks}
-        if "epilogue" in op.params:
-            tuning["epilogue"] = len(acc_cols)
-        if "expr" in op.params:
-            tuning["prologue"] = True
-        grid = (as_expr(plan.blocks), as_expr(1), as_expr(1))
-        return [src], [("", grid, (self.threads, 1, 1))], tuning, plan.blocks * 32 * plan.warps
 
     def _gemv_min_blocks(self, inflight: int, blocks: Expr) -> str:
         """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead (``, b``; else empty):

@@ -226,65 +226,6 @@ LUM_D void lum_prefetch_l2(const void* p) {
 #endif
 }
 
-// ------------------------------------------------------------------------------ bulk copies into shared memory
-// sm_90's copy engine (cp.async.bulk, global -> shared, completion counted in bytes on an mbarrier):
-// one thread asks for a whole contiguous range and no register waits for it. LUM_BULK_COPY is 0 on
-// older GPUs, where kernels read global memory directly instead; under host emulation the copy is a
-// memcpy, complete when it returns, and the barrier calls do nothing.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define LUM_BULK_COPY 1
-#else
-#define LUM_BULK_COPY 0
-#endif
-LUM_D unsigned lum_smem_addr(const void* p) {
-#if defined(__CUDA_ARCH__)
-  return (unsigned)__cvta_generic_to_shared(p);
-#else
-  (void)p; return 0u;
-#endif
-}
-// An mbarrier expecting one arrival per phase (the copier's expect_tx), then made visible to the copy engine.
-LUM_D void lum_mbar_init(unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(lum_smem_addr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#else
-  *bar = 0ull;
-#endif
-}
-// Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`; the
-// barrier's current phase completes when all the bytes announced by lum_mbar_expect arrive.
-LUM_D void lum_bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(lum_smem_addr(dst)), "l"(src), "r"(bytes), "r"(lum_smem_addr(bar)) : "memory");
-#elif defined(__CUDA_ARCH__)
-  (void)dst; (void)src; (void)bytes; (void)bar;   // unused before sm_90 (LUM_BULK_COPY 0)
-#else
-  (void)bar; std::memcpy(dst, src, bytes);
-#endif
-}
-// The one arrival of the barrier's phase, announcing the bytes its copies will bring.
-LUM_D void lum_mbar_expect(unsigned long long* bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(lum_smem_addr(bar)), "r"(bytes) : "memory");
-#else
-  (void)bar; (void)bytes;
-#endif
-}
-// Wait until the barrier's phase of parity `parity` (0 for its first use, then alternating) has completed.
-LUM_D void lum_mbar_wait(unsigned long long* bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(lum_smem_addr(bar)), "r"(parity) : "memory");
-  }
-#else
-  (void)bar; (void)parity;
-#endif
-}
-
 // Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
 // bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
 template <int N, typename T, typename Cvt>

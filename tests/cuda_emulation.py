@@ -50,7 +50,6 @@ static const std::function<void()>* lum_fn = nullptr;
 static unsigned lum_cur = 0;
 static void lum_yield() { swapcontext(&lum_ctx[lum_cur], &lum_sched); }
 static void __syncthreads() { lum_yield(); }
-static void __syncwarp(unsigned = 0xffffffffu) { lum_yield(); }
 static void __threadfence() {}   // blocks run one after another: every store is already visible
 static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {

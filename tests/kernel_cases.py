@@ -325,8 +325,8 @@ def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray]
     in ``dt`` and (16-bit ``dt``) in f32. Variants: ``plain`` (n = s + 35: vector loads, aligned at run
     time where n is a leading dim), ``batched`` (k = s + 19, odd leading dims and batch strides,
     offsets: scalar loads) and ``broadcast`` (B shared over the batch, leading dims and offsets
-    multiples of 8: vector loads, k = 75 leaves a scalar tail); ``static`` (n and k static: the shapes a
-    streaming GEMV takes, templates/gemv_stream.cu, under ``LUM_GEMV_STREAM``)."""
+    multiples of 8: vector loads, k = 75 leaves a scalar tail); ``static`` (n and k static, as every decode
+    projection: the grid and split come from the shape at build time)."""
     rng = np.random.default_rng(seed)
     b = _Builder()
     results = [dt] if dt == DType.f32 else [dt, DType.f32]
@@ -339,7 +339,7 @@ def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray]
                            ld=lambda x: x + 3, spad=5)
                 _gemm_case(b, rng, f"{tag}.broadcast", layout, (dt, dt, out), m, 40, 75, 2, sb=0, oa=8, ob=16,
                            ld=lambda x: (x + 15) // 8 * 8)
-    for out in results:        # a static n and k (W's rows 16-byte multiples): GEMVs that may stream their weights
+    for out in results:        # a static n and k, W's rows 16-byte multiples (the decode projections' form)
         to = "" if out == dt else f".to_{out.value}"
         for m in (1, 3):
             _gemm_case(b, rng, f"gemv.RmCm.m{m}.static{to}", "RmCm", (dt, dt, out), m, 300, 264, 1)

@@ -200,22 +200,6 @@ def test_gemv_all_dtypes_and_rows(cache_dir, layout):
     _compile_family(ks, cache_dir)
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_gemv_stream_compiles(cache_dir, arch):
-    """The streaming GEMV (templates/gemv_stream.cu: bulk copies on sm_90, global reads before it), plain,
-    with a prologue and with an epilogue, in every dtype the gemv cases take."""
-    from lum.builder.codegen import generate_program
-    from tests.kernel_cases import gemv_cases
-
-    for dt in (DType.f32, DType.bf16):
-        ks = [k for k in generate_program(gemv_cases(dt)[0], stream=2).values() if k is not None]
-        streamed = [k for k in ks if k.tuning["scheme"] == "stream"]
-        assert {bool(k.tuning.get("prologue")) for k in streamed} == {True, False}
-        assert any(k.tuning.get("epilogue") == 2 for k in streamed)
-        res = nvrtc.compile_cuda(module_source(streamed), arch, cache_dir=cache_dir)
-        assert res.cubin[:4] == b"\x7fELF" and ("cp.async.bulk" in res.ptx) == (arch == "sm_90")
-
-
 def test_single_kernel_source_compiles_alone(cache_dir):
     """KernelSource.source is a complete module by itself."""
     op, dts = elementwise_ops()[3]
