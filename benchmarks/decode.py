@@ -31,7 +31,9 @@ What it does, in one run on one GPU:
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
      both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-gemvprefetch`` with ``LUM_GEMV_PREFETCH=64``
-     (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu).
+     (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu), ``lum-staged``
+     with ``LUM_GEMV_STAGED=8`` (each GEMV lane keeps up to 8 weight vectors in flight as cp.async copies
+     into shared memory; templates/gemv.cu STAGED).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -74,7 +76,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
-                 "lum-gemvprefetch": {"LUM_GEMV_PREFETCH": "64"},
+                 "lum-gemvprefetch": {"LUM_GEMV_PREFETCH": "64"}, "lum-staged": {"LUM_GEMV_STAGED": "8"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True},

@@ -58,7 +58,9 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 ``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
 the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``prefetch`` (gemv, dot
 scheme: vectors of the weights a lane asks L2 for a tile ahead, capped by the vectors it has; default
-``$LUM_GEMV_PREFETCH``, else 0), ``max_blocks`` (grid cap),
+``$LUM_GEMV_PREFETCH``, else 0), ``staged`` (gemv, dot scheme: weight vectors a lane keeps in flight
+as cp.async copies into shared memory, capped by the vectors it has and by shared memory; default
+``$LUM_GEMV_STAGED``, else 0), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -86,7 +88,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PREFETCH",
-           "gemv_prefetch_default"]
+           "gemv_prefetch_default", "ENV_GEMV_STAGED", "gemv_staged_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -100,7 +102,10 @@ GEMV_MAX_ACC = 4                                 # product columns a gemv epilog
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_MAX_PREFETCH = 64                           # weight vectors a gemv lane may ask L2 for, a tile ahead
+GEMV_MAX_STAGED = 16                             # weight vectors a gemv lane may have in flight via shared memory
+STAGED_SMEM_BYTES = 46 * 1024                    # a gemv block's static shared memory with staged loads, at most
 ENV_GEMV_PREFETCH = "LUM_GEMV_PREFETCH"
+ENV_GEMV_STAGED = "LUM_GEMV_STAGED"
 _SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -576,6 +581,11 @@ def gemv_prefetch_default() -> int:
     return _env_count(ENV_GEMV_PREFETCH, GEMV_MAX_PREFETCH)
 
 
+def gemv_staged_default() -> int:
+    """``$LUM_GEMV_STAGED`` (weight vectors a GEMV lane keeps in flight through shared memory), else 0."""
+    return _env_count(ENV_GEMV_STAGED, GEMV_MAX_STAGED)
+
+
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
     return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
@@ -589,7 +599,7 @@ def _pow2ceil(x: int) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, inflight: int | None = None, prefetch: int | None = None,
-             max_blocks: int = 65536,
+             staged: int | None = None, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
@@ -624,7 +634,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
-               prefetch=gemv_prefetch_default() if prefetch is None else prefetch, max_blocks=max_blocks,
+               prefetch=gemv_prefetch_default() if prefetch is None else prefetch,
+               staged=gemv_staged_default() if staged is None else staged, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
@@ -714,11 +725,12 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
-                 prefetch: int = 0, threads_given: bool = True, row_regs: bool = True):
+                 prefetch: int = 0, staged: int = 0, threads_given: bool = True, row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.prefetch = prefetch
+        self.staged = staged
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
@@ -1634,6 +1646,7 @@ class _Gen:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         prefetch = self._gemv_vectors("prefetch", self.prefetch, GEMV_MAX_PREFETCH, k, group, vec) if b_kc else 0
+        staged = self._gemv_staged(m, k, group, vec, dtb, len(acc_cols), inflight) if b_kc else 0
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1645,7 +1658,7 @@ class _Gen:
         else:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
-                  "unroll": unroll, "inflight": inflight, "prefetch": prefetch, "cols": tile,
+                  "unroll": unroll, "inflight": inflight, "prefetch": prefetch, "staged": staged, "cols": tile,
                   "max_blocks": self.max_blocks}
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
@@ -1661,7 +1674,7 @@ class _Gen:
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "INFLIGHT": inflight, "PREFETCH": prefetch, "A_EARLY": "true" if a_early else "false",
+            "INFLIGHT": inflight, "PREFETCH": prefetch, "STAGED": staged, "A_EARLY": "true" if a_early else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
@@ -1760,6 +1773,17 @@ class _Gen:
             else:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
+
+    def _gemv_staged(self, m: int, k: Expr, group: int, vec: int, dtb: DType, nacc: int, inflight: int) -> int:
+        """Weight vectors a lane keeps in flight through shared memory (``staged``, dot scheme): the asked
+        count down to the vectors a lane has and to what :data:`STAGED_SMEM_BYTES` holds beside a
+        prologue's A (one 4-, 8- or 16-byte slot per vector and product column, for every thread); 0
+        with loads ahead in registers (``inflight``), which take the k loop instead."""
+        staged = self._gemv_vectors("staged", self.staged, GEMV_MAX_STAGED, k, group, vec)
+        if not staged or inflight or vec * dtb.itemsize < 4:
+            return 0
+        room = STAGED_SMEM_BYTES - (m * k.value * 4 if "expr" in self.op.params else 0)
+        return max(0, min(staged, room // (self.threads * nacc * vec * dtb.itemsize)))
 
     @staticmethod
     def _gemv_vectors(name: str, asked: int, hi: int, k: Expr, group: int, vec: int) -> int:

@@ -26,7 +26,10 @@
 //! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
 //! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
 //! are uniform per block (shuffles, __syncthreads), so any grid >= 1 is correct; n, k or batch = 0 are
-//! fine (k = 0 writes zeros). With PREFETCH > 0 a lane first asks L2 (prefetch hints, no registers held)
+//! fine (k = 0 writes zeros). With STAGED > 0 (dot scheme, no INFLIGHT) a lane keeps STAGED of its weight
+//! vectors in flight as asynchronous copies into its own shared-memory slots (cp.async: no register
+//! waits for them), refilling a slot as it takes the vector out, in the order of k: the same sums as
+//! the plain loop, with more loads in flight and the registers of one. With PREFETCH > 0 a lane first asks L2 (prefetch hints, no registers held)
 //! for the first PREFETCH of its vectors of the block's first tile, so that they stream in while a
 //! prologue computes A and before the k loop asks for them one or two at a time, and each tile asks for
 //! the next tile's the same way: what the loop then loads comes from L2. Hints change no value.
@@ -38,7 +41,8 @@
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
 //!   lane issues ahead; 0: the unrolled loop), PREFETCH (dot scheme: vectors of B a lane asks L2 for, of
-//!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), A_EARLY
+//!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), STAGED
+//!   (dot scheme: weight vectors a lane has in flight through shared memory; 0: none), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -61,6 +65,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
   constexpr int PREFETCH = {{PREFETCH}};         // dot scheme: vectors of B a lane asks L2 for, a tile ahead
+  constexpr int STAGED = {{STAGED}};             // dot scheme: vectors of B a lane has in flight via shared memory
+  constexpr int STAGE_BYTES = STAGED > 0 ? VEC * (int)sizeof(b_t) : 4;   // one cp.async (codegen: 4, 8 or 16)
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
@@ -69,6 +75,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
   __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
+  __shared__ lum_vec<b_t, VEC> lum_stage[STAGED > 0 ? THREADS * STAGED * NACC : 1];   // [thread][slot][t]
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
   const idx_t lum_k = {{K}};
@@ -165,6 +172,43 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                     for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_cb(lum_braw[u][t][e]);
                   }
                 }
+              }
+            }
+          }
+        } else if (lum_vec_ok && STAGED > 0) {  // STAGED vectors of B per lane in flight through shared memory
+          lum_kv = lum_k / VEC * VEC;
+          const idx_t lum_step = (idx_t)GROUP * VEC;
+          const idx_t lum_q0 = (idx_t)lum_lane * VEC;
+          const idx_t lum_nv = lum_q0 < lum_kv ? (lum_kv - lum_q0 + lum_step - 1) / lum_step : (idx_t)0;
+          lum_vec<b_t, VEC>* const lum_mine = lum_stage + (int)threadIdx.x * (STAGED > 0 ? STAGED : 1) * NACC;
+          auto lum_stage_in = [&](idx_t lum_v, int lum_s) {   // vector lum_v of each product column into slot lum_s
+#pragma unroll
+            for (int t = 0; t < NACC; ++t) {
+              lum_async_copy<STAGE_BYTES>(&lum_mine[lum_s * NACC + t], lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + lum_v * lum_step);
+            }
+          };
+#pragma unroll
+          for (int u = 0; u < STAGED; ++u) {
+            if (u < lum_nv) lum_stage_in(u, u);
+            lum_async_commit();                  // one group a vector, empty ones included: wait counts stay exact
+          }
+          for (idx_t lum_v = 0; lum_v < lum_nv; ++lum_v) {
+            lum_async_wait<(STAGED > 0 ? STAGED - 1 : 0)>();   // vector lum_v has landed
+            const int lum_s = (int)(lum_v % (STAGED > 0 ? STAGED : 1));
+            const idx_t lum_q = lum_q0 + lum_v * lum_step;
+            float lum_bv[NACC][VEC];
+#pragma unroll
+            for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine[lum_s * NACC + t].v, lum_bv[t], lum_cb);
+            if (lum_v + STAGED < lum_nv) lum_stage_in(lum_v + STAGED, lum_s);
+            lum_async_commit();
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+              float lum_av[VEC];
+              lum_a_vec(lum_ap, i, lum_q, lum_av);
+#pragma unroll
+              for (int t = 0; t < NACC; ++t) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_bv[t][e];
               }
             }
           }

@@ -131,6 +131,13 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
                     {"prefetch": 4, "threads": 64}))
         out.append((layout + ".prefetch_ahead", gemm_op(layout, 1, 40, 300), [BF16, BF16], {},
                     {"prefetch": 64, "inflight": 2}))
+        # weight vectors staged through shared memory (cp.async): dynamic k, several rows, 4-byte copies
+        out.append((layout + ".staged", gemm_op(layout, 2, 130, P + 40, BF16, batch=2, lda=P + 40, ldb=P + 40,
+                                                sa=2 * (P + 40), sb=0), [BF16, BF16], {"p": 64},
+                    {"staged": 3, "threads": 64}))
+        out.append((layout + ".staged_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"staged": 4}))
+        out.append((layout + ".staged_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16], {},
+                    {"staged": 2}))
     return out
 
 
@@ -273,6 +280,41 @@ def test_prefetch_hints_change_no_bit(host_lib, tmp_path):
             generate(o_proj, [], arg_dtypes=[BF16, BF16])
     with pytest.raises(CodegenError, match="prefetch must be in"):
         generate(o_proj, [], arg_dtypes=[BF16, BF16], prefetch=65)
+
+
+def test_staged_loads_change_no_bit(host_lib, tmp_path):
+    """Weight vectors staged through shared memory (templates/gemv.cu STAGED, cp.async; emulated as plain
+    copies) are taken in the order of k: bit-equal to the plain loop, for grids of one to several tiles a
+    block and 4-, 8- and 16-byte copies; the count is capped by the vectors a lane has and by shared
+    memory, 0 with loads ahead in registers; ``$LUM_GEMV_STAGED`` sets the default."""
+    lib, kernels = host_lib
+    for layout in GEMM_LAYOUTS:
+        for case, dyn, tun in ((".staged", {"p": 64}, {"threads": 64}), (".staged_f32", {}, {}),
+                               (".staged_vec2", {}, {})):
+            op = next(c[1] for c in CASES if c[0] == layout + case)
+            staged, dts = kernels[layout + case], [F32, F32] if case == ".staged_f32" else [BF16, BF16]
+            plain = generate(op, ["p"], arg_dtypes=dts, **tun)
+            dot = layout[2:] == "Cm"
+            assert (staged.tuning["staged"] > 0) == dot and plain.tuning["staged"] == 0
+            if dot:
+                other = ctypes.CDLL(str(emu.kernel_library([plain], tmp_path / (layout + case))))
+                for grid in (1, 3, 40):
+                    got, _ = _run(lib, staged, op, dts, dyn, grid, seed=grid)
+                    want, _ = _run(other, plain, op, dts, dyn, grid, seed=grid)
+                    assert np.isfinite(got).all() and np.array_equal(got, want), (layout, case, grid)
+    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)                   # 512 threads, 4 vectors a lane
+    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=8).tuning["staged"] == 4
+    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=8, inflight=2).tuning["staged"] == 0
+    down = gemm_op("RmCm", 1, 2560, 10240, BF16)                    # 20 vectors a lane: shared memory caps it
+    assert generate(down, [], arg_dtypes=[BF16, BF16], staged=16).tuning["staged"] == 46 * 1024 // (512 * 16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_GEMV_STAGED", "2")
+        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["staged"] == 2
+        mp.setenv("LUM_GEMV_STAGED", "17")
+        with pytest.raises(CodegenError, match="LUM_GEMV_STAGED must be an integer"):
+            generate(o_proj, [], arg_dtypes=[BF16, BF16])
+    with pytest.raises(CodegenError, match="staged must be in"):
+        generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=17)
 
 
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):

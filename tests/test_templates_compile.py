@@ -200,6 +200,21 @@ def test_gemv_all_dtypes_and_rows(cache_dir, layout):
     _compile_family(ks, cache_dir)
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
+def test_gemv_staged_loads_compile(cache_dir, arch):
+    """Weight vectors staged through shared memory (templates/gemv.cu STAGED): cp.async from sm_80, an
+    ordinary copy before it, in every gemv case (4-, 8- and 16-byte copies, prologues, epilogues)."""
+    from lum.builder.codegen import generate_program
+    from tests.kernel_cases import gemv_cases
+
+    for dt in (DType.f32, DType.bf16):
+        ks = [k for k in generate_program(gemv_cases(dt)[0], staged=8).values() if k is not None]
+        assert any(k.tuning.get("staged") and k.tuning.get("prologue") for k in ks)
+        assert any(k.tuning.get("staged") and k.tuning.get("epilogue") for k in ks)
+        res = nvrtc.compile_cuda(module_source(ks), arch, cache_dir=cache_dir)
+        assert res.cubin[:4] == b"\x7fELF" and ("cp.async.cg" in res.ptx) == (arch == "sm_90")
+
+
 def test_single_kernel_source_compiles_alone(cache_dir):
     """KernelSource.source is a complete module by itself."""
     op, dts = elementwise_ops()[3]
