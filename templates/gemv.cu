@@ -75,7 +75,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
   __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
-  __shared__ lum_vec<b_t, VEC> lum_stage[STAGED > 0 ? THREADS * STAGED * NACC : 1];   // [thread][slot][t]
+  __shared__ lum_vec<b_t, VEC> lum_stage[STAGED > 0 ? STAGED * NACC * THREADS : 1];   // [slot][t][thread]
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
   const idx_t lum_k = {{K}};
@@ -180,11 +180,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
           const idx_t lum_step = (idx_t)GROUP * VEC;
           const idx_t lum_q0 = (idx_t)lum_lane * VEC;
           const idx_t lum_nv = lum_q0 < lum_kv ? (lum_kv - lum_q0 + lum_step - 1) / lum_step : (idx_t)0;
-          lum_vec<b_t, VEC>* const lum_mine = lum_stage + (int)threadIdx.x * (STAGED > 0 ? STAGED : 1) * NACC;
+          lum_vec<b_t, VEC>* const lum_mine = lum_stage + (int)threadIdx.x;   // a warp's slots are contiguous
           auto lum_stage_in = [&](idx_t lum_v, int lum_s) {   // vector lum_v of each product column into slot lum_s
 #pragma unroll
             for (int t = 0; t < NACC; ++t) {
-              lum_async_copy<STAGE_BYTES>(&lum_mine[lum_s * NACC + t], lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + lum_v * lum_step);
+              lum_async_copy<STAGE_BYTES>(&lum_mine[(lum_s * NACC + t) * THREADS], lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + lum_v * lum_step);
             }
           };
 #pragma unroll
@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             const idx_t lum_q = lum_q0 + lum_v * lum_step;
             float lum_bv[NACC][VEC];
 #pragma unroll
-            for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine[lum_s * NACC + t].v, lum_bv[t], lum_cb);
+            for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine[(lum_s * NACC + t) * THREADS].v, lum_bv[t], lum_cb);
             if (lum_v + STAGED < lum_nv) lum_stage_in(lum_v + STAGED, lum_s);
             lum_async_commit();
 #pragma unroll
