@@ -41,6 +41,35 @@ def _one_line(exc: BaseException | str, n: int = 400) -> str:
 
 
 
+# ====================================================================== timing on the device
+class EventTimer:
+    """Median seconds of work enqueued on a CUDA stream, between two events (lum's driver module ``cu``);
+    one untimed call first. For the kernel benchmarks that drive the device themselves."""
+
+    def __init__(self, cu, stream):
+        self.cu, self.stream = cu, stream
+        flags = int(cu.drv.CUevent_flags.CU_EVENT_DEFAULT)
+        self.events = [cu.call(cu.drv.cuEventCreate, flags) for _ in range(2)]
+
+    def __call__(self, fn: Callable[[], None], reps: int) -> float:
+        cu, drv, (start, end) = self.cu, self.cu.drv, self.events
+        fn()
+        self.stream.synchronize()
+        times = []
+        for _ in range(reps):
+            cu.call(drv.cuEventRecord, start, self.stream.handle)
+            fn()
+            cu.call(drv.cuEventRecord, end, self.stream.handle)
+            cu.call(drv.cuEventSynchronize, end)
+            times.append(float(cu.call(drv.cuEventElapsedTime, start, end)) * 1e-3)
+        return sorted(times)[len(times) // 2]
+
+    def close(self) -> None:
+        for e in self.events:
+            self.cu.call(self.cu.drv.cuEventDestroy, e)
+        self.events = []
+
+
 # ====================================================================== environment
 def _commit() -> str:
     try:

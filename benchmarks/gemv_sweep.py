@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import EventTimer, _commit, _driver, log, set_log_tag  # noqa: E402
 
 set_log_tag("gemv-sweep")
 
@@ -134,21 +134,8 @@ def main(argv=None) -> int:
     info = cu.device_info(0)
     ctx = cu.Context(0)
     stream = cu.Stream()
-    drv = cu.drv
-    ev = [cu.call(drv.cuEventCreate, int(drv.CUevent_flags.CU_EVENT_DEFAULT)) for _ in range(2)]
+    timed = EventTimer(cu, stream)
     owned: list = []
-
-    def timed(fn, reps: int) -> float:
-        fn()
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            cu.call(drv.cuEventRecord, ev[0], stream.handle)
-            fn()
-            cu.call(drv.cuEventRecord, ev[1], stream.handle)
-            cu.call(drv.cuEventSynchronize, ev[1])
-            times.append(float(cu.call(drv.cuEventElapsedTime, ev[0], ev[1])) * 1e-3)
-        return sorted(times)[len(times) // 2]
 
     def buf(nbytes: int) -> cu.DeviceBuffer:
         b = cu.DeviceBuffer(nbytes, "gemv sweep")
@@ -290,8 +277,7 @@ def main(argv=None) -> int:
         stream.synchronize()
         for o in reversed(owned):
             o.close()
-        for e in ev:
-            cu.call(drv.cuEventDestroy, e)
+        timed.close()
         stream.close()
         ctx.close()
     stem = "gemv-sweep" if args.mode == "plain" else "gemv-prologue-sweep"

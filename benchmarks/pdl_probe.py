@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import EventTimer, _commit, _driver, log, set_log_tag  # noqa: E402
 
 set_log_tag("pdl-probe")
 
@@ -71,25 +71,13 @@ def main(argv=None) -> int:
     smem_max = max(r * k * 2 for _, n, k, _, r in GEMVS)
     cu.call(drv.cuFuncSetAttribute, f_gemv,
             drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_max)
-    ev = [cu.call(drv.cuEventCreate, int(drv.CUevent_flags.CU_EVENT_DEFAULT)) for _ in range(2)]
+    timed = EventTimer(cu, stream)
     owned: list = []
 
     def buf(nbytes: int) -> "cu.DeviceBuffer":
         b = cu.DeviceBuffer(nbytes, "pdl probe")
         owned.append(b)
         return b
-
-    def timed(fn, reps: int) -> float:
-        fn()
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            cu.call(drv.cuEventRecord, ev[0], stream.handle)
-            fn()
-            cu.call(drv.cuEventRecord, ev[1], stream.handle)
-            cu.call(drv.cuEventSynchronize, ev[1])
-            times.append(float(cu.call(drv.cuEventElapsedTime, ev[0], ev[1])) * 1e-3)
-        return sorted(times)[len(times) // 2]
 
     rng = np.random.default_rng(0)
     big = buf(1 << 30)

@@ -93,11 +93,13 @@ TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
 )
 # ... and per decode GEMV (lum's kernel, in program order: ``gemv<i>.<name>``, see
 # codegen.split_gemv_tuning), for as many as the cost model's program of the group has: the best block
-# size and split differ by shape (benchmarks/gemv_sweep.py: gemma3-4b's down projection 10% faster with
-# 128 threads, llama3-1b's 13% slower), which one group-wide value cannot choose.
+# size, split and unroll differ by shape (benchmarks/gemv_sweep.py at 893d4ba: gemma3-4b's down projection
+# 10% faster with 128 threads / split 64, llama3-1b's 8% with 1,024 / 128 / unroll 8, and each one's best
+# 11-13% slower on the other), which one group-wide value cannot choose.
 GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("threads", (None, 128, 256, 512, 1024)),
     ("group", (None, 32, 64, 128)),
+    ("unroll", (None, 8)),          # k-loop unroll (None: the group-wide value)
     ("inflight", (None, 4, 8)),     # vector loads a lane issues ahead (None: $LUM_GEMV_INFLIGHT, else 0)
     ("prefetch", (None, 8, 64)),    # weight vectors a lane asks L2 for a tile ahead (None: $LUM_GEMV_PREFETCH)
     ("max_blocks", (None, 132, 264)),   # grid cap: one or two blocks an SM (a prologue GEMV's blocks each

@@ -134,6 +134,18 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
         const a_t* lum_ap = {{A_PTR}} + (lum_oa + lum_b * lum_sa);
         idx_t lum_kv = 0;  // k covered by whole vectors
+        auto lum_fma = [&](idx_t lum_q, const float (&lum_bv)[NACC][VEC]) {   // += A(i, q .. q + VEC) · the vectors
+#pragma unroll
+          for (int i = 0; i < M; ++i) {
+            float lum_av[VEC];
+            lum_a_vec(lum_ap, i, lum_q, lum_av);
+#pragma unroll
+            for (int t = 0; t < NACC; ++t) {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_bv[t][e];
+            }
+          }
+        };
         if (lum_vec_ok && INFLIGHT > 0) {  // INFLIGHT vectors of B (and of A when A_EARLY) per lane, loaded
           lum_kv = lum_k / VEC * VEC;        // before any is used, then accumulated in the order of k
           const idx_t lum_step = (idx_t)GROUP * VEC;
@@ -201,16 +213,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine[(lum_s * NACC + t) * THREADS].v, lum_bv[t], lum_cb);
             if (lum_v + STAGED < lum_nv) lum_stage_in(lum_v + STAGED, lum_s);
             lum_async_commit();
-#pragma unroll
-            for (int i = 0; i < M; ++i) {
-              float lum_av[VEC];
-              lum_a_vec(lum_ap, i, lum_q, lum_av);
-#pragma unroll
-              for (int t = 0; t < NACC; ++t) {
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_bv[t][e];
-              }
-            }
+            lum_fma(lum_q, lum_bv);
           }
         } else if (lum_vec_ok) {
           lum_kv = lum_k / VEC * VEC;
@@ -219,16 +222,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             float lum_bv[NACC][VEC];
 #pragma unroll
             for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t], lum_cb);
-#pragma unroll
-            for (int i = 0; i < M; ++i) {
-              float lum_av[VEC];
-              lum_a_vec(lum_ap, i, lum_q, lum_av);
-#pragma unroll
-              for (int t = 0; t < NACC; ++t) {
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) lum_acc[t * M + i] += lum_av[e] * lum_bv[t][e];
-              }
-            }
+            lum_fma(lum_q, lum_bv);
           }
         }
         for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -68,7 +69,7 @@ typedef struct { Node *nodes; int n, cap; long magic; } Graph;
    wait for (cuStreamWaitEvent). A second stream joins a capture by waiting for an event recorded in it. */
 typedef struct { int capturing; Graph *graph; long magic; int last; int pending[MAX_DEPS]; int npending; } Stream;
 /* An event recorded during a capture remembers the recording stream's dependency set. */
-typedef struct { long magic; Graph *graph; int nodes[MAX_DEPS]; int n; } Event;
+typedef struct { long magic; Graph *graph; int nodes[MAX_DEPS]; int n; double t; } Event;
 typedef struct { long magic; } Module;
 typedef struct { run_fn fn; char name[256]; long magic; } Function;
 #define MAGIC_GRAPH 0x47524150L
@@ -313,6 +314,8 @@ CUresult cuEventRecord(void *p, void *q) {
   if (!e || e->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
   if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
   e->graph = NULL; e->n = 0;
+  struct timespec now; clock_gettime(CLOCK_MONOTONIC, &now);
+  e->t = now.tv_sec + 1e-9 * now.tv_nsec;   /* outside a capture the work before it has run already */
   if (s && s->capturing) {   /* remember what the stream's next node would wait for */
     e->graph = s->graph;
     add_dep(e->nodes, &e->n, s->last);
@@ -332,6 +335,11 @@ CUresult cuStreamWaitEvent(void *q, void *p, unsigned flags) {
   }
   for (int i = 0; i < e->n; ++i) add_dep(s->pending, &s->npending, e->nodes[i]);
   return OK;
+}
+CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
+  Event *x = a, *y = b;
+  if (!x || x->magic != MAGIC_EVENT || !y || y->magic != MAGIC_EVENT) return E_INVALID_HANDLE;
+  *ms = (float)((y->t - x->t) * 1e3); return OK;
 }
 CUresult cuEventSynchronize(void *e) {
   if (!e || ((Event *)e)->magic != MAGIC_EVENT) return E_INVALID_HANDLE;

@@ -65,3 +65,28 @@ def test_every_system_has_a_worker_and_a_time_cap(monkeypatch):
     assert set(decode.WORKERS) == set(decode.CAP_S) == set(decode.SYSTEMS)
     assert set(decode.LUM_BUILD_ENV) < set(decode.LUM_OPTIONS) < set(decode.SYSTEMS)
     assert set(decode.DEFAULT_SYSTEMS) == set(decode.SYSTEMS) - set(decode.LUM_BUILD_ENV)
+
+
+def test_event_timer_times_stream_work_on_the_fake_driver(tmp_path):
+    """benchmarks/_common.EventTimer (gemv_sweep.py, pdl_probe.py): one untimed call, then the median of
+    the timed ones between two CUDA events; its events are destroyed on close (fake driver)."""
+    from tests import cuda_emulation as emu
+
+    if emu.CC is None:
+        pytest.skip("no C compiler for the fake driver")
+    res = emu.run_emulated(r'''
+import sys, time
+sys.path.insert(0, "benchmarks")
+from _common import EventTimer
+from lum.loader.cuda import driver as cu
+ctx = cu.Context(0)
+stream = cu.Stream()
+timer = EventTimer(cu, stream)
+calls = []
+sec = timer(lambda: (calls.append(1), time.sleep(0.004)), 5)
+live = fake_stats()["live"][3]
+timer.close()
+print(json.dumps({"sec": sec, "calls": len(calls), "live": live, "after": fake_stats()["live"][3]}))
+''', driver_dir=emu.fake_driver(tmp_path / "driver"), kernels=None, cublaslt=None)
+    assert res["calls"] == 6 and 0.003 < res["sec"] < 0.5
+    assert res["live"] - res["after"] == 2
