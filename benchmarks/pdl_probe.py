@@ -147,7 +147,6 @@ def main(argv=None) -> int:
                         launch(f_norm, 1, 0, pack([acts[x].ptr, norm_w.ptr, acts[y].ptr, i32(2560), i32(mode)]),
                                bool(mode & 1))
                         x = y
-            record.last = x
         return record
 
     def snapshot() -> list[np.ndarray]:

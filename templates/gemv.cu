@@ -29,7 +29,8 @@
 //! fine (k = 0 writes zeros). With STAGED > 0 (dot scheme, no INFLIGHT) a lane keeps STAGED of its weight
 //! vectors in flight as asynchronous copies into its own shared-memory slots (cp.async: no register
 //! waits for them), refilling a slot as it takes the vector out, in the order of k: the same sums as
-//! the plain loop, with more loads in flight and the registers of one. With PREFETCH > 0 a lane first asks L2 (prefetch hints, no registers held)
+//! the plain loop, with more loads in flight and the registers of one. With PREFETCH > 0 a lane first
+//! asks L2 (prefetch hints, no registers held)
 //! for the first PREFETCH of its vectors of the block's first tile, so that they stream in while a
 //! prologue computes A and before the k loop asks for them one or two at a time, and each tile asks for
 //! the next tile's the same way: what the loop then loads comes from L2. Hints change no value.
