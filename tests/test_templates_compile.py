@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -213,6 +214,15 @@ def test_gemv_staged_loads_compile(cache_dir, arch):
         assert any(k.tuning.get("staged") and k.tuning.get("epilogue") for k in ks)
         res = nvrtc.compile_cuda(module_source(ks), arch, cache_dir=cache_dir)
         assert res.cubin[:4] == b"\x7fELF" and ("cp.async.cg" in res.ptx) == (arch == "sm_90")
+
+
+@pytest.mark.parametrize("probe", ["pdl_probe.cu", "phase_probe.cu"])
+def test_benchmark_probe_kernels_compile(cache_dir, probe):
+    """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py: common.cuh, then the probe)."""
+    root = Path(__file__).resolve().parent.parent
+    src = (root / "templates" / "common.cuh").read_text() + (root / "benchmarks" / probe).read_text()
+    res = nvrtc.compile_cuda(src, "sm_90", name=probe, cache_dir=cache_dir)
+    assert res.cubin[:4] == b"\x7fELF" and res.ptx.count(".entry") == 2
 
 
 def test_single_kernel_source_compiles_alone(cache_dir):

@@ -1,0 +1,155 @@
+"""What a grid-wide barrier costs against a kernel launch, for a stretch of small dependent kernels.
+
+    python benchmarks/phase_probe.py [--out DIR] [--stretches 34] [--phases 4] [--commit SHA]
+
+Between two GEMVs a decode layer runs a chain of small kernels (gemma3-4b: q norm + RoPE → attention →
+combine → residual norm), each a launch whose cost is mostly latency. The plan in benchmarks/NOTES.md
+runs such a stretch as one launch with grid-wide barriers between its phases. This probe measures that
+premise on the GPU (benchmarks/phase_probe.cu): ``--stretches`` stretches of ``--phases`` dependent
+RMSNorm phases (one block a row), in one CUDA graph, three ways:
+
+* ``launches``: each phase its own kernel launch (what lum does today);
+* ``phases``: one launch a stretch, as many blocks as rows, a barrier (an arrival counter in global
+  memory, zeroed once at the start of the graph) between phases;
+* ``phases-132``: the same with 132 blocks, one an SM (what a stretch that also holds a GEMV needs).
+
+For two shapes: 8 rows of 256 (gemma's q heads) and 1 row of 2,560 (a residual norm). Printed and saved
+(``<out>/phase-probe-<date>.json``): µs a stretch, µs a phase boundary, each mode against ``launches``
+and whether the outputs equal ``launches``' bit for bit (they must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import EventTimer, _commit, _driver, log, set_log_tag  # noqa: E402
+
+set_log_tag("phase-probe")
+
+SHAPES = ((8, 256), (1, 2560))      # (rows, n): one block a row
+SMS = 132
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--stretches", type=int, default=34)
+    ap.add_argument("--phases", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args(argv)
+    if args.stretches < 1 or not 2 <= args.phases <= 16:
+        ap.error("--stretches must be >= 1 and --phases in [2, 16]")
+
+    from lum.builder import nvrtc
+    from lum.loader.cuda import driver as cu
+    from lum.loader.cuda.plan import ParamPack
+
+    drv = cu.drv
+    info = cu.device_info(0)
+    ctx = cu.Context(0)  # noqa: F841  (kept current for the run)
+    stream = cu.Stream()
+    source = (HERE.parent / "templates" / "common.cuh").read_text() + (HERE / "phase_probe.cu").read_text()
+    mod = cu.Module(nvrtc.compile_cuda(source, info.sm, name="phase_probe.cu").cubin, "phase probe")
+    f_row, f_phases = mod.function("probe_row"), mod.function("probe_phases")
+    timed = EventTimer(cu, stream)
+    rng = np.random.default_rng(0)
+    owned: list = []
+    packs: list = []
+
+    def buf(nbytes: int) -> "cu.DeviceBuffer":
+        b = cu.DeviceBuffer(nbytes, "phase probe")
+        owned.append(b)
+        return b
+
+    def upload(arr: np.ndarray) -> "cu.DeviceBuffer":
+        b = buf(arr.nbytes)
+        cu.call(drv.cuMemcpyHtoD, b.ptr, arr.ctypes.data, arr.nbytes)
+        return b
+
+    def pack(values) -> int:
+        p = ParamPack(values)
+        packs.append(p)
+        return p.address
+
+    def i32(v: int) -> int:
+        return v & 0xFFFFFFFF
+
+    rows_out = []
+    s_count, phases = args.stretches, args.phases
+    for rows, n in SHAPES:
+        w = upload((1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+        bufs = [[buf(rows * n * 4) for _ in range(phases + 1)] for _ in range(s_count)]
+        tables = [upload(np.array([b.ptr for b in st], np.uint64)) for st in bufs]
+        counters = buf(4 * s_count)
+        start = rng.standard_normal((s_count, rows * n)).astype(np.float32)
+
+        def record(mode: str):
+            def rec(st) -> None:
+                cu.memset(counters.ptr, 0, 4 * s_count, st)
+                for s in range(s_count):
+                    if mode == "launches":
+                        for p in range(phases):
+                            cu.launch_kernel(f_row, (rows, 1, 1), (256, 1, 1), 0, st,
+                                             pack([bufs[s][p].ptr, w.ptr, bufs[s][p + 1].ptr, i32(rows), i32(n)]))
+                    else:
+                        grid = rows if mode == "phases" else SMS
+                        cu.launch_kernel(f_phases, (grid, 1, 1), (256, 1, 1), 0, st,
+                                         pack([tables[s].ptr, w.ptr, counters.ptr + 4 * s, i32(phases), i32(rows),
+                                               i32(n)]))
+            return rec
+
+        results, reference = {}, None
+        for mode in ("launches", "phases", "phases-132"):
+            for s in range(s_count):
+                cu.call(drv.cuMemcpyHtoD, bufs[s][0].ptr, start[s].ctypes.data, start[s].nbytes)
+                for b in bufs[s][1:]:
+                    cu.memset(b.ptr, 0xFF, rows * n * 4, stream)      # NaN: an unwritten output cannot pass
+            graph = cu.Graph(stream, record(mode))
+            graph.launch(stream)
+            stream.synchronize()
+            outs = []
+            for s in range(s_count):
+                h = np.empty(rows * n, np.float32)
+                cu.call(drv.cuMemcpyDtoH, h.ctypes.data, bufs[s][phases].ptr, h.nbytes)
+                outs.append(h)
+            if reference is None:
+                reference = outs
+            t = timed(lambda: graph.launch(stream), args.reps)
+            graph.close()
+            results[mode] = {"stretch_us": round(t / s_count * 1e6, 3),
+                             "per_phase_us": round(t / s_count / phases * 1e6, 3),
+                             "equal_to_launches": all(np.array_equal(a, b) for a, b in zip(outs, reference)),
+                             "finite": all(np.isfinite(a).all() for a in outs)}
+        base = results["launches"]["stretch_us"]
+        for mode, r in results.items():
+            r["vs_launches"] = round(r["stretch_us"] / base, 4)
+            log(f"rows {rows:2d} x {n:5d}  {mode:11s} {r['stretch_us']:8.2f} us a stretch of {phases} "
+                f"({r['per_phase_us']:.2f} a phase, {r['vs_launches']:.3f}x)  equal={r['equal_to_launches']} "
+                f"finite={r['finite']}")
+        rows_out.append({"rows": rows, "n": n, "modes": results})
+    timed.close()
+    record_json = {"benchmark": "phase-probe", "commit": args.commit or _commit(), "gpu": info.name,
+                   "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                   "stretches": s_count, "phases": phases, "rows": rows_out}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"phase-probe-{_dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps(record_json, indent=1) + "\n")
+    log(f"wrote {path}")
+    ok = all(r["equal_to_launches"] and r["finite"] for row in rows_out for r in row["modes"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
