@@ -70,6 +70,65 @@ class EventTimer:
         self.events = []
 
 
+class ProbeDevice:
+    """What a GPU probe (pdl_probe.py, phase_probe.py) holds: a context and a stream, its kernels
+    (templates/common.cuh, benchmarks/probe.cuh, then ``benchmarks/<cu_file>``, compiled by NVRTC for
+    this GPU), an :class:`EventTimer`, the buffers it allocated and the parameter arrays it packed (kept
+    alive while a graph refers to them)."""
+
+    def __init__(self, cu_file: str):
+        import numpy as np
+        from lum.builder import nvrtc
+        from lum.loader.cuda import driver as cu
+        from lum.loader.cuda.plan import ParamPack
+
+        self.np, self.cu, self.drv, self._pack = np, cu, cu.drv, ParamPack
+        self.info = cu.device_info(0)
+        self.ctx = cu.Context(0)
+        self.stream = cu.Stream()
+        source = "".join(p.read_text() for p in (HERE.parent / "templates" / "common.cuh", HERE / "probe.cuh",
+                                                 HERE / cu_file))
+        self.module = cu.Module(nvrtc.compile_cuda(source, self.info.sm, name=cu_file).cubin, cu_file)
+        self.timed = EventTimer(cu, self.stream)
+        self._buffers: list = []
+        self._packs: list = []
+
+    def buffer(self, nbytes: int):
+        b = self.cu.DeviceBuffer(nbytes, "probe")
+        self._buffers.append(b)
+        return b
+
+    def upload(self, arr):
+        b = self.buffer(arr.nbytes)
+        self.cu.call(self.drv.cuMemcpyHtoD, b.ptr, arr.ctypes.data, arr.nbytes)
+        return b
+
+    def write(self, buf, arr) -> None:
+        self.cu.call(self.drv.cuMemcpyHtoD, buf.ptr, arr.ctypes.data, arr.nbytes)
+
+    def read(self, buf, count: int, dtype: str = "float32"):
+        out = self.np.empty(count, dtype)
+        self.cu.call(self.drv.cuMemcpyDtoH, out.ctypes.data, buf.ptr, out.nbytes)
+        return out
+
+    def pack(self, values) -> int:
+        """The ``void**`` address of a launch's parameters: pointers and non-negative ints, 8 bytes each
+        (a kernel's int parameter reads the low 4)."""
+        p = self._pack(values)
+        self._packs.append(p)
+        return p.address
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.timed.close()
+        for b in reversed(self._buffers):
+            b.close()
+        self._buffers = []
+        self.module.close()
+        self.stream.close()
+        self.ctx.close()
+
+
 # ====================================================================== environment
 def _commit() -> str:
     try:

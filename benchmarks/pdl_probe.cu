@@ -1,5 +1,5 @@
-//! lum/benchmarks/pdl_probe.cu — the two kernels of benchmarks/pdl_probe.py (templates/common.cuh is
-//! pasted before this file). A decode layer's shape in miniature: weight GEMVs (bf16 W [n, k] row-major,
+//! lum/benchmarks/pdl_probe.cu — the two kernels of benchmarks/pdl_probe.py (templates/common.cuh and
+//! benchmarks/probe.cuh are pasted before this file). A decode layer's shape in miniature: weight GEMVs (bf16 W [n, k] row-major,
 //! f32 x, f32 y) separated by one-block row kernels (an RMSNorm), to measure what programmatic dependent
 //! launch gives when each kernel does its predecessor-independent work before it waits:
 //!   mode & 1  PDL: launch_dependents first, griddepcontrol.wait before reading what the stream wrote;
@@ -92,14 +92,7 @@ extern "C" __global__ void __launch_bounds__(256) probe_norm(const float* __rest
     if (!early) wv[i] = c < n ? w[c] : 0.0f;
     s += xv[i] * xv[i];
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
-  __syncthreads();
-  float t = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) t += part[i];
-  const float r = rsqrtf(t / (float)n + 1e-6f);
+  const float r = rsqrtf(probe_block_sum(s, part) / (float)n + 1e-6f);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int c = (int)threadIdx.x + i * 256;

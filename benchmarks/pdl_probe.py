@@ -25,7 +25,6 @@ sums in the same order).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import json
 import sys
@@ -37,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import EventTimer, _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import ProbeDevice, _commit, _driver, log, set_log_tag  # noqa: E402
 
 set_log_tag("pdl-probe")
 
@@ -57,61 +56,34 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
 
-    from lum.builder import nvrtc
-    from lum.loader.cuda import driver as cu
-    from lum.loader.cuda.plan import ParamPack
-
-    drv = cu.drv
-    info = cu.device_info(0)
-    ctx = cu.Context(0)  # noqa: F841  (kept current for the run)
-    stream = cu.Stream()
-    source = (HERE.parent / "templates" / "common.cuh").read_text() + (HERE / "pdl_probe.cu").read_text()
-    mod = cu.Module(nvrtc.compile_cuda(source, info.sm, name="pdl_probe.cu").cubin, "pdl probe")
-    f_gemv, f_norm = mod.function("probe_gemv"), mod.function("probe_norm")
+    dev = ProbeDevice("pdl_probe.cu")
+    cu, drv, stream, info, timed = dev.cu, dev.drv, dev.stream, dev.info, dev.timed
+    f_gemv, f_norm = dev.module.function("probe_gemv"), dev.module.function("probe_norm")
     smem_max = max(r * k * 2 for _, n, k, _, r in GEMVS)
     cu.call(drv.cuFuncSetAttribute, f_gemv,
             drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_max)
-    timed = EventTimer(cu, stream)
-    owned: list = []
-
-    def buf(nbytes: int) -> "cu.DeviceBuffer":
-        b = cu.DeviceBuffer(nbytes, "pdl probe")
-        owned.append(b)
-        return b
 
     rng = np.random.default_rng(0)
-    big = buf(1 << 30)
+    big = dev.buffer(1 << 30)
     half = 1 << 29
     copy_bps = 2 * half / timed(lambda: cu.memcpy_dtod(big.ptr + half, big.ptr, half, stream), 10)
     log(f"{info.name}: copy {copy_bps / 1e9:.0f} GB/s")
-
-    def upload(arr: np.ndarray) -> "cu.DeviceBuffer":
-        b = buf(arr.nbytes)
-        cu.call(drv.cuMemcpyHtoD, b.ptr, arr.ctypes.data, arr.nbytes)
-        return b
 
     # one random bf16 matrix per shape, copied to every layer's weight (random bits, finite values)
     weight_bytes = 0
     weights: dict[str, list] = {}
     for name, n, k, _, _ in GEMVS:
         w = (rng.standard_normal(n * k, dtype=np.float32) * 0.05).view(np.uint32) >> 16
-        src = upload(w.astype(np.uint16))
+        src = dev.upload(w.astype(np.uint16))
         weights[name] = []
         for _ in range(args.layers):
-            b = buf(n * k * 2)
+            b = dev.buffer(n * k * 2)
             cu.call(drv.cuMemcpyDtoD, b.ptr, src.ptr, n * k * 2)
             weights[name].append(b)
         weight_bytes += n * k * 2 * args.layers
     kmax = max(max(n, k) for _, n, k, _, _ in GEMVS)
-    acts = [upload(rng.standard_normal(kmax, dtype=np.float32)) for _ in range(8)]
-    norm_w = upload((1.0 + 0.1 * rng.standard_normal(2560)).astype(np.float32))
-
-    packs: list = []
-
-    def pack(values) -> int:
-        p = ParamPack(values)
-        packs.append(p)
-        return p.address
+    acts = [dev.upload(rng.standard_normal(kmax, dtype=np.float32)) for _ in range(8)]
+    norm_w = dev.upload((1.0 + 0.1 * rng.standard_normal(2560)).astype(np.float32))
 
     def launch(fn, grid: int, smem: int, params: int, pdl: bool) -> None:
         cfg = drv.CUlaunchConfig()
@@ -129,9 +101,6 @@ def main(argv=None) -> int:
             cfg.numAttrs = 0
         cu.call(drv.cuLaunchKernelEx, cfg, fn, params, 0)
 
-    def i32(v: int) -> int:
-        return v & 0xFFFFFFFF
-
     def record_stack(mode: int):
         def record(st) -> None:
             x = 0
@@ -139,23 +108,15 @@ def main(argv=None) -> int:
                 for name, n, k, blocks, rows in GEMVS:
                     y = (x + 1) % len(acts)
                     smem = rows * k * 2 if mode & 2 else 0
-                    launch(f_gemv, blocks, smem, pack([weights[name][layer].ptr, acts[x].ptr, acts[y].ptr,
-                                                       i32(n), i32(k), i32(mode), i32(rows)]), bool(mode & 1))
+                    launch(f_gemv, blocks, smem, dev.pack([weights[name][layer].ptr, acts[x].ptr, acts[y].ptr,
+                                                           n, k, mode, rows]), bool(mode & 1))
                     x = y
                     for _ in range(NORMS_AFTER[name]):
                         y = (x + 1) % len(acts)
-                        launch(f_norm, 1, 0, pack([acts[x].ptr, norm_w.ptr, acts[y].ptr, i32(2560), i32(mode)]),
+                        launch(f_norm, 1, 0, dev.pack([acts[x].ptr, norm_w.ptr, acts[y].ptr, 2560, mode]),
                                bool(mode & 1))
                         x = y
         return record
-
-    def snapshot() -> list[np.ndarray]:
-        out = []
-        for a in acts:
-            h = np.empty(kmax, np.float32)
-            cu.call(drv.cuMemcpyDtoH, h.ctypes.data, a.ptr, h.nbytes)
-            out.append(h)
-        return out
 
     init = [rng.standard_normal(kmax, dtype=np.float32) for _ in acts]
     rows = []
@@ -163,11 +124,11 @@ def main(argv=None) -> int:
     kernels = args.layers * sum(1 + NORMS_AFTER[g[0]] for g in GEMVS)
     for label, mode in MODES.items():
         for a, h in zip(acts, init):
-            cu.call(drv.cuMemcpyHtoD, a.ptr, h.ctypes.data, h.nbytes)
+            dev.write(a, h)
         graph = cu.Graph(stream, record_stack(mode))
         graph.launch(stream)
         stream.synchronize()
-        outs = snapshot()
+        outs = [dev.read(a, kmax) for a in acts]
         if reference is None:
             reference = outs
         equal = all(np.array_equal(a, b, equal_nan=False) for a, b in zip(outs, reference))
@@ -195,6 +156,7 @@ def main(argv=None) -> int:
     path = out / f"pdl-probe-{_dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     log(f"floor {floor_ms:.3f} ms; wrote {path}")
+    dev.close()
     return 0 if all(r["equal_to_plain"] and r["finite"] for r in rows) else 1
 
 

@@ -1,6 +1,6 @@
-//! lum/benchmarks/phase_probe.cu — the kernels of benchmarks/phase_probe.py (templates/common.cuh is pasted
-//! before this file). A stretch of small dependent kernels, as a decode layer runs between two GEMVs
-//! (q norm + RoPE → attention → combine → residual norm), done two ways:
+//! lum/benchmarks/phase_probe.cu — the kernels of benchmarks/phase_probe.py (templates/common.cuh and
+//! benchmarks/probe.cuh are pasted before this file). A stretch of small dependent kernels, as a decode
+//! layer runs between two GEMVs (q norm + RoPE → attention → combine → residual norm), done two ways:
 //!   probe_row:    one phase as its own launch: block b < rows normalises row b of x (RMSNorm of `n` floats,
 //!                 one block a row) into y;
 //!   probe_phases: every phase of the stretch in one launch of `gridDim.x` co-resident blocks, a grid-wide
@@ -19,20 +19,12 @@ __device__ __forceinline__ void probe_norm_row(const float* __restrict__ x, cons
     v[i] = c < n ? x[c] : 0.0f;
     s += v[i] * v[i];
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
-  __syncthreads();
-  float t = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) t += part[i];
-  const float r = rsqrtf(t / (float)n + 1e-6f);
+  const float r = rsqrtf(probe_block_sum(s, part) / (float)n + 1e-6f);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int c = (int)threadIdx.x + i * 256;
     if (c < n) y[c] = v[i] * r * w[c];
   }
-  __syncthreads();  // part[] is reused by the next row
 }
 
 extern "C" __global__ void __launch_bounds__(256) probe_row(const float* __restrict__ x, const float* __restrict__ w,

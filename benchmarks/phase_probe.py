@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import EventTimer, _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import ProbeDevice, _commit, _driver, log, set_log_tag  # noqa: E402
 
 set_log_tag("phase-probe")
 
@@ -51,47 +51,18 @@ def main(argv=None) -> int:
     if args.stretches < 1 or not 2 <= args.phases <= 16:
         ap.error("--stretches must be >= 1 and --phases in [2, 16]")
 
-    from lum.builder import nvrtc
-    from lum.loader.cuda import driver as cu
-    from lum.loader.cuda.plan import ParamPack
-
-    drv = cu.drv
-    info = cu.device_info(0)
-    ctx = cu.Context(0)  # noqa: F841  (kept current for the run)
-    stream = cu.Stream()
-    source = (HERE.parent / "templates" / "common.cuh").read_text() + (HERE / "phase_probe.cu").read_text()
-    mod = cu.Module(nvrtc.compile_cuda(source, info.sm, name="phase_probe.cu").cubin, "phase probe")
-    f_row, f_phases = mod.function("probe_row"), mod.function("probe_phases")
-    timed = EventTimer(cu, stream)
+    dev = ProbeDevice("phase_probe.cu")
+    cu, stream, info = dev.cu, dev.stream, dev.info
+    f_row, f_phases = dev.module.function("probe_row"), dev.module.function("probe_phases")
     rng = np.random.default_rng(0)
-    owned: list = []
-    packs: list = []
-
-    def buf(nbytes: int) -> "cu.DeviceBuffer":
-        b = cu.DeviceBuffer(nbytes, "phase probe")
-        owned.append(b)
-        return b
-
-    def upload(arr: np.ndarray) -> "cu.DeviceBuffer":
-        b = buf(arr.nbytes)
-        cu.call(drv.cuMemcpyHtoD, b.ptr, arr.ctypes.data, arr.nbytes)
-        return b
-
-    def pack(values) -> int:
-        p = ParamPack(values)
-        packs.append(p)
-        return p.address
-
-    def i32(v: int) -> int:
-        return v & 0xFFFFFFFF
 
     rows_out = []
     s_count, phases = args.stretches, args.phases
     for rows, n in SHAPES:
-        w = upload((1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-        bufs = [[buf(rows * n * 4) for _ in range(phases + 1)] for _ in range(s_count)]
-        tables = [upload(np.array([b.ptr for b in st], np.uint64)) for st in bufs]
-        counters = buf(4 * s_count)
+        w = dev.upload((1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+        bufs = [[dev.buffer(rows * n * 4) for _ in range(phases + 1)] for _ in range(s_count)]
+        tables = [dev.upload(np.array([b.ptr for b in st], np.uint64)) for st in bufs]
+        counters = dev.buffer(4 * s_count)
         start = rng.standard_normal((s_count, rows * n)).astype(np.float32)
 
         def record(mode: str):
@@ -101,31 +72,26 @@ def main(argv=None) -> int:
                     if mode == "launches":
                         for p in range(phases):
                             cu.launch_kernel(f_row, (rows, 1, 1), (256, 1, 1), 0, st,
-                                             pack([bufs[s][p].ptr, w.ptr, bufs[s][p + 1].ptr, i32(rows), i32(n)]))
+                                             dev.pack([bufs[s][p].ptr, w.ptr, bufs[s][p + 1].ptr, rows, n]))
                     else:
                         grid = rows if mode == "phases" else SMS
                         cu.launch_kernel(f_phases, (grid, 1, 1), (256, 1, 1), 0, st,
-                                         pack([tables[s].ptr, w.ptr, counters.ptr + 4 * s, i32(phases), i32(rows),
-                                               i32(n)]))
+                                         dev.pack([tables[s].ptr, w.ptr, counters.ptr + 4 * s, phases, rows, n]))
             return rec
 
         results, reference = {}, None
         for mode in ("launches", "phases", "phases-132"):
             for s in range(s_count):
-                cu.call(drv.cuMemcpyHtoD, bufs[s][0].ptr, start[s].ctypes.data, start[s].nbytes)
+                dev.write(bufs[s][0], start[s])
                 for b in bufs[s][1:]:
                     cu.memset(b.ptr, 0xFF, rows * n * 4, stream)      # NaN: an unwritten output cannot pass
             graph = cu.Graph(stream, record(mode))
             graph.launch(stream)
             stream.synchronize()
-            outs = []
-            for s in range(s_count):
-                h = np.empty(rows * n, np.float32)
-                cu.call(drv.cuMemcpyDtoH, h.ctypes.data, bufs[s][phases].ptr, h.nbytes)
-                outs.append(h)
+            outs = [dev.read(bufs[s][phases], rows * n) for s in range(s_count)]
             if reference is None:
                 reference = outs
-            t = timed(lambda: graph.launch(stream), args.reps)
+            t = dev.timed(lambda: graph.launch(stream), args.reps)
             graph.close()
             results[mode] = {"stretch_us": round(t / s_count * 1e6, 3),
                              "per_phase_us": round(t / s_count / phases * 1e6, 3),
@@ -138,7 +104,6 @@ def main(argv=None) -> int:
                 f"({r['per_phase_us']:.2f} a phase, {r['vs_launches']:.3f}x)  equal={r['equal_to_launches']} "
                 f"finite={r['finite']}")
         rows_out.append({"rows": rows, "n": n, "modes": results})
-    timed.close()
     record_json = {"benchmark": "phase-probe", "commit": args.commit or _commit(), "gpu": info.name,
                    "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    "stretches": s_count, "phases": phases, "rows": rows_out}
@@ -147,6 +112,7 @@ def main(argv=None) -> int:
     path = out / f"phase-probe-{_dt.date.today().isoformat()}.json"
     path.write_text(json.dumps(record_json, indent=1) + "\n")
     log(f"wrote {path}")
+    dev.close()
     ok = all(r["equal_to_launches"] and r["finite"] for row in rows_out for r in row["modes"].values())
     return 0 if ok else 1
 

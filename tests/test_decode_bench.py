@@ -90,3 +90,39 @@ print(json.dumps({"sec": sec, "calls": len(calls), "live": live, "after": fake_s
 ''', driver_dir=emu.fake_driver(tmp_path / "driver"), kernels=None, cublaslt=None)
     assert res["calls"] == 6 and 0.003 < res["sec"] < 0.5
     assert res["live"] - res["after"] == 2
+
+
+def test_probe_device_on_the_fake_driver(tmp_path):
+    """benchmarks/_common.ProbeDevice: reads a probe's sources and loads the module, owns its buffers
+    (upload, write, read back), packs launch parameters and frees everything on close (fake driver; NVRTC
+    stands in by a stub there, the probes' compile is test_templates_compile's)."""
+    from tests import cuda_emulation as emu
+
+    if emu.CC is None:
+        pytest.skip("no C compiler for the fake driver")
+    res = emu.run_emulated(r'''
+import sys
+sys.path.insert(0, "benchmarks")
+from lum.builder import nvrtc
+sources = []
+class _Compiled:
+    cubin = b"\x7fELF" + bytes(60)
+def _compile(source, arch, **kw):
+    sources.append(source)
+    return _Compiled()
+nvrtc.compile_cuda = _compile
+from _common import ProbeDevice
+dev = ProbeDevice("phase_probe.cu")
+assert "probe_block_sum" in sources[0] and "probe_phases" in sources[0] and "lum_f32_to_bf16" in sources[0]
+a = dev.upload(np.arange(6, dtype=np.float32))
+b = dev.buffer(24)
+dev.write(b, np.arange(6, dtype=np.float32)[::-1].copy())
+got = [dev.read(a, 6).tolist(), dev.read(b, 6).tolist()]
+addr = dev.pack([a.ptr, 3, 7])
+live = fake_stats()["live"]
+dev.close()
+print(json.dumps({"got": got, "addr": addr, "live": live, "after": fake_stats()["live"]}))
+''', driver_dir=emu.fake_driver(tmp_path / "driver"), kernels=None, cublaslt=None)
+    assert res["got"] == [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]] and res["addr"] != 0
+    assert all(after <= before for before, after in zip(res["live"], res["after"]))
+    assert sum(res["after"]) < sum(res["live"])

@@ -218,9 +218,10 @@ def test_gemv_staged_loads_compile(cache_dir, arch):
 
 @pytest.mark.parametrize("probe", ["pdl_probe.cu", "phase_probe.cu"])
 def test_benchmark_probe_kernels_compile(cache_dir, probe):
-    """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py: common.cuh, then the probe)."""
+    """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py: common.cuh, probe.cuh, the probe)."""
     root = Path(__file__).resolve().parent.parent
-    src = (root / "templates" / "common.cuh").read_text() + (root / "benchmarks" / probe).read_text()
+    src = "".join(p.read_text() for p in (root / "templates" / "common.cuh", root / "benchmarks" / "probe.cuh",
+                                          root / "benchmarks" / probe))
     res = nvrtc.compile_cuda(src, "sm_90", name=probe, cache_dir=cache_dir)
     assert res.cubin[:4] == b"\x7fELF" and res.ptx.count(".entry") == 2
 
