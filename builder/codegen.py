@@ -82,6 +82,7 @@ from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
                              attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
                              gemm_parts, has_row_ops)
+from lum.format.manifest import L2_PREFETCH_CHUNK
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -702,7 +703,7 @@ def module_source(kernels: Sequence[KernelSource]) -> str:
             continue
         seen.add(k.name)
         parts.append(k.body)
-    parts.append(render(load_template("l2_prefetch.cu"), {}))
+    parts.append(render(load_template("l2_prefetch.cu"), {"CHUNK": L2_PREFETCH_CHUNK}))
     return "\n".join(parts)
 
 

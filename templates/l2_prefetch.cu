@@ -5,13 +5,14 @@
 //! hints and returns: on sm_90+ each thread asks the TMA unit for whole CHUNK-byte ranges
 //! (cp.async.bulk.prefetch.L2), before that each thread prefetches 128-byte lines. No value is read or
 //! written, so it can neither fault on a hint's timing nor change a result. `p` must be 16-byte aligned
-//! (every lum buffer is 256-byte aligned); a tail below 16 bytes is left out. No placeholders: every
-//! group module holds it once, as entry `lum_l2_prefetch`.
+//! (every lum buffer is 256-byte aligned); a tail below 16 bytes is left out. Every group module holds
+//! it once, as entry `lum_l2_prefetch`. Placeholder: CHUNK (format.manifest.L2_PREFETCH_CHUNK, which
+//! the loader sizes its grids by).
 extern "C" __global__ void __launch_bounds__(256) lum_l2_prefetch(const char* __restrict__ p, unsigned long long nbytes) {
   const unsigned long long lum_t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
   const unsigned long long lum_step = (unsigned long long)gridDim.x * blockDim.x;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr unsigned long long CHUNK = 1ull << 14;
+  constexpr unsigned long long CHUNK = {{CHUNK}}ull;
   for (unsigned long long lum_off = lum_t * CHUNK; lum_off < nbytes; lum_off += lum_step * CHUNK) {
     const unsigned lum_size = (unsigned)((nbytes - lum_off < CHUNK ? nbytes - lum_off : CHUNK) & ~15ull);
     if (lum_size)

@@ -27,11 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from lum.format.manifest import L2_PREFETCH_CHUNK
+
 __all__ = ["Prefetch", "plan_prefetches", "MIN_WEIGHT_BYTES", "BYTES_PER_STEP", "CHUNK", "THREADS", "grid_blocks"]
 
 MIN_WEIGHT_BYTES = 4 << 20       # a kernel reading fewer weight bytes is not worth a launch
 BYTES_PER_STEP = 8 << 20         # streamed while one small kernel of the stretch runs
-CHUNK = 1 << 14                  # bytes per prefetch instruction (templates/l2_prefetch.cu's CHUNK)
+CHUNK = L2_PREFETCH_CHUNK        # bytes per prefetch instruction (the package's prefetch entry's)
 THREADS = 32                     # per block: each thread issues one chunk; blocks spread over SMs
 # An SM's bulk prefetches ran at ~0.2 TB/s (ad85663: 64 KB chunks, 2 MB a block, 10 µs a launch),
 # so 512 KB a block spreads 10 MB over 20 SMs.
