@@ -201,6 +201,16 @@ def _run(lib, ks, op: LOp, dts: list[DType], dyn: dict[str, int], grid: int, shi
     return got, gemm_reference(op.params, dyn, vals[0], vals[1])
 
 
+def _assert_same_bits(lib, ks, plain, op: LOp, dts: list[DType], dyn: dict[str, int], libdir, grids) -> None:
+    """``ks`` (in ``lib``) and ``plain`` (compiled into a library of its own under ``libdir``) give finite,
+    bit-equal results at each grid: a variant that changes when loads happen, not the sums."""
+    other = ctypes.CDLL(str(emu.kernel_library([plain], libdir)))
+    for grid in grids:
+        got, _ = _run(lib, ks, op, dts, dyn, grid, seed=grid)
+        want, _ = _run(other, plain, op, dts, dyn, grid, seed=grid)
+        assert np.isfinite(got).all() and np.array_equal(got, want), (ks.tuning, grid)
+
+
 def _assert_close(got: np.ndarray, want: np.ndarray, dt: DType, what: str) -> None:
     assert not np.isnan(got).any(), f"{what}: NaN in the result (an unwritten output?)"
     err = np.abs(got - want).max(initial=0.0) / max(np.abs(want).max(initial=0.0), 1e-30)
@@ -244,12 +254,8 @@ def test_loads_ahead_sum_in_the_same_order(host_lib, tmp_path):
         else:
             assert ahead.tuning["inflight"] == 0
     op = next(c[1] for c in CASES if c[0] == "RmCm.inflight3")
-    other = ctypes.CDLL(str(emu.kernel_library([generate(op, ["p"], arg_dtypes=[BF16, BF16])],
-                                                 tmp_path)))
-    for grid in (1, 2, 5):
-        got, _ = _run(lib, kernels["RmCm.inflight3"], op, [BF16, BF16], {}, grid, seed=grid)
-        want, _ = _run(other, generate(op, ["p"], arg_dtypes=[BF16, BF16]), op, [BF16, BF16], {}, grid, seed=grid)
-        assert np.array_equal(got, want)
+    _assert_same_bits(lib, kernels["RmCm.inflight3"], generate(op, ["p"], arg_dtypes=[BF16, BF16]), op,
+                      [BF16, BF16], {}, tmp_path, grids=(1, 2, 5))
 
 
 def test_prefetch_hints_change_no_bit(host_lib, tmp_path):
@@ -265,11 +271,7 @@ def test_prefetch_hints_change_no_bit(host_lib, tmp_path):
         assert hinted.tuning["prefetch"] == (4 if dot else 0) and plain.tuning["prefetch"] == 0
         assert (hinted.body != plain.body) == dot and "constexpr int PREFETCH = 0;" in plain.body
         if dot:
-            other = ctypes.CDLL(str(emu.kernel_library([plain], tmp_path / layout)))
-            for grid in (1, 3, 40):
-                got, _ = _run(lib, hinted, op, [BF16, BF16], {"p": 60}, grid, seed=grid)
-                want, _ = _run(other, plain, op, [BF16, BF16], {"p": 60}, grid, seed=grid)
-                assert np.isfinite(got).all() and np.array_equal(got, want)
+            _assert_same_bits(lib, hinted, plain, op, [BF16, BF16], {"p": 60}, tmp_path / layout, grids=(1, 3, 40))
     o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
     assert generate(o_proj, [], arg_dtypes=[BF16, BF16], prefetch=64).tuning["prefetch"] == 4   # 2048/8/64
     with pytest.MonkeyPatch.context() as mp:
@@ -297,11 +299,7 @@ def test_staged_loads_change_no_bit(host_lib, tmp_path):
             dot = layout[2:] == "Cm"
             assert (staged.tuning["staged"] > 0) == dot and plain.tuning["staged"] == 0
             if dot:
-                other = ctypes.CDLL(str(emu.kernel_library([plain], tmp_path / (layout + case))))
-                for grid in (1, 3, 40):
-                    got, _ = _run(lib, staged, op, dts, dyn, grid, seed=grid)
-                    want, _ = _run(other, plain, op, dts, dyn, grid, seed=grid)
-                    assert np.isfinite(got).all() and np.array_equal(got, want), (layout, case, grid)
+                _assert_same_bits(lib, staged, plain, op, dts, dyn, tmp_path / (layout + case), grids=(1, 3, 40))
     o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)                   # 512 threads, 4 vectors a lane
     assert generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=8).tuning["staged"] == 4
     assert generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=8, inflight=2).tuning["staged"] == 0
