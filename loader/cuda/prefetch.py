@@ -14,8 +14,9 @@ puts every such step on a stream of its own (branches.py's ``hints``), beside th
 so no kernel waits behind one. It needs a branched graph: on one stream it would sit on the critical
 path. Bytes per prefetch: the weight's, at most ``budget`` (half of L2, so the stretch's own data and the
 GEMV's output stay) and at most :data:`BYTES_PER_STEP` for each step of the stretch (what the bus
-streams while one small kernel runs: ~2.5 µs at ~3.5 TB/s). A GEMV right after the previous one (gemma's down after gate-up) has no
-stretch and gets none. Prefetches are hints: a result never depends on them.
+streams while one small kernel runs: ~2.5 µs at ~3.5 TB/s). A GEMV right after the previous one
+(gemma's down after gate-up) has no stretch and gets none. Prefetches are hints: a result never
+depends on them.
 
 Off by default (``l2_prefetch=True`` or ``LUM_CUDA_PREFETCH=1`` turn it on): on the H200 it measured
 within noise (gemma3-4b bf16 +0.6% / −0.3%, f32 −1.0%, llama3-1b −0.2% / −0.1%; ad85663 and 113b728,
