@@ -60,7 +60,9 @@ the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, el
 scheme: vectors of the weights a lane asks L2 for a tile ahead, capped by the vectors it has; default
 ``$LUM_GEMV_PREFETCH``, else 0), ``staged`` (gemv, dot scheme: weight vectors a lane keeps in flight
 as cp.async copies into shared memory, capped by the vectors it has and by shared memory; default
-``$LUM_GEMV_STAGED``, else 0), ``max_blocks`` (grid cap),
+``$LUM_GEMV_STAGED``, else 0), ``preload`` (gemv, dot scheme: 1 copies the first weight vectors of a
+block's first tile into shared memory before the kernel waits for its predecessor, as many as
+:data:`GEMV_PRELOAD_SM_BYTES` leaves room for; default ``$LUM_GEMV_PRELOAD``, else 0), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -89,7 +91,8 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PREFETCH",
-           "gemv_prefetch_default", "ENV_GEMV_STAGED", "gemv_staged_default"]
+           "gemv_prefetch_default", "ENV_GEMV_STAGED", "gemv_staged_default", "ENV_GEMV_PRELOAD",
+           "gemv_preload_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -105,6 +108,9 @@ ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_MAX_PREFETCH = 64                           # weight vectors a gemv lane may ask L2 for, a tile ahead
 GEMV_MAX_STAGED = 16                             # weight vectors a gemv lane may have in flight via shared memory
 STAGED_SMEM_BYTES = 46 * 1024                    # a gemv block's static shared memory with staged loads, at most
+GEMV_PRELOAD_SM_BYTES = 160 * 1024               # an SM's shared memory the preloads of its resident blocks may fill
+GEMV_PRELOAD_BLOCK_BYTES = 32 * 1024             # ... and one block's (static shared memory stays under 48 KB)
+ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PREFETCH = "LUM_GEMV_PREFETCH"
 ENV_GEMV_STAGED = "LUM_GEMV_STAGED"
 _SMS = 132                                       # SMs of an H100 / H200
@@ -156,6 +162,7 @@ class KernelSource:
     dyn_slots: dict[str, int]                    # vars this kernel reads -> slot
     tuning: dict[str, Any] = field(default_factory=dict)
     tails: tuple[int, ...] = ()                  # op ids its last block runs (builder/tail.py), in order
+    early: tuple[str, ...] = ()                  # parameters it reads before waiting for its predecessor (weights)
 
     @property
     def grid(self) -> tuple[Expr, Expr, Expr]:
@@ -331,10 +338,16 @@ class _Ctx:
 
         return all(ok(e) for e in self.exprs)
 
-    def dyn_loads(self) -> tuple[str, dict[str, int]]:
+    def dyn_loads(self, wait: bool = True) -> tuple[str, dict[str, int]]:
+        """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
+        then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
+        because the template waits itself once it has issued its preload (gemv.cu)."""
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        lines = [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
-        return ("\n".join(lines) if lines else "  (void)dyn;"), slots
+        lines = ["  lum_pdl_trigger();  // common.cuh: launch order"]
+        lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
+        lines += [] if slots else ["  (void)dyn;"]
+        lines += ["  lum_pdl_wait();"] if wait else []
+        return "\n".join(lines), slots
 
 
 def view_access(ctx: _Ctx, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
@@ -587,6 +600,11 @@ def gemv_staged_default() -> int:
     return _env_count(ENV_GEMV_STAGED, GEMV_MAX_STAGED)
 
 
+def gemv_preload_default() -> int:
+    """``$LUM_GEMV_PRELOAD`` (1: GEMVs copy their first weight vectors before waiting for their predecessor), else 0."""
+    return _env_count(ENV_GEMV_PRELOAD, 1)
+
+
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
     return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
@@ -600,7 +618,7 @@ def _pow2ceil(x: int) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, inflight: int | None = None, prefetch: int | None = None,
-             staged: int | None = None, max_blocks: int = 65536,
+             staged: int | None = None, preload: int | None = None, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
@@ -636,13 +654,14 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
                prefetch=gemv_prefetch_default() if prefetch is None else prefetch,
-               staged=gemv_staged_default() if staged is None else staged, max_blocks=max_blocks,
+               staged=gemv_staged_default() if staged is None else staged,
+               preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads()
+    dyn_loads, slots = ctx.dyn_loads(wait=op.kind != "gemm")     # gemv.cu waits itself, after its preload
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS@", dyn_loads)
     tuning = {**tuning, "index_bits": index_bits}
     digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
@@ -650,8 +669,10 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     body = body.replace(_ENTRY, name)
     launches = tuple(Launch(name + suffix, grid, block, 0) for suffix, grid, block in launches_raw)
     params = gen.params()
+    early = (f"in{gemm_parts(op)[0]}",) if op.kind == "gemm" and tuning.get("preload") else ()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
-                        launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning)
+                        launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
+                        early=early)
 
 
 _GEMV_KEY = re.compile(r"gemv(\d+)\.(\w+)")
@@ -726,12 +747,14 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
-                 prefetch: int = 0, staged: int = 0, threads_given: bool = True, row_regs: bool = True):
+                 prefetch: int = 0, staged: int = 0, preload: int = 0, threads_given: bool = True,
+                 row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.prefetch = prefetch
         self.staged = staged
+        self.preload = preload
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
@@ -1648,6 +1671,7 @@ class _Gen:
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         prefetch = self._gemv_vectors("prefetch", self.prefetch, GEMV_MAX_PREFETCH, k, group, vec) if b_kc else 0
         staged = self._gemv_staged(m, k, group, vec, dtb, len(acc_cols), inflight) if b_kc else 0
+        preload = self._gemv_preload(m, k, group, vec, dtb, len(acc_cols), inflight or staged) if b_kc else 0
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1659,7 +1683,7 @@ class _Gen:
         else:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
-                  "unroll": unroll, "inflight": inflight, "prefetch": prefetch, "staged": staged, "cols": tile,
+                  "unroll": unroll, "inflight": inflight, "prefetch": prefetch, "staged": staged, "preload": preload, "cols": tile,
                   "max_blocks": self.max_blocks}
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
@@ -1675,7 +1699,7 @@ class _Gen:
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "INFLIGHT": inflight, "PREFETCH": prefetch, "STAGED": staged, "A_EARLY": "true" if a_early else "false",
+            "INFLIGHT": inflight, "PREFETCH": prefetch, "STAGED": staged, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
@@ -1785,6 +1809,20 @@ class _Gen:
             return 0
         room = STAGED_SMEM_BYTES - (m * k.value * 4 if "expr" in self.op.params else 0)
         return max(0, min(staged, room // (self.threads * nacc * vec * dtb.itemsize)))
+
+    def _gemv_preload(self, m: int, k: Expr, group: int, vec: int, dtb: DType, nacc: int, other: int) -> int:
+        """Weight vectors a lane copies into shared memory before the wait (``preload`` 1, dot scheme, plain
+        loop): those of its first tile (static k), down to what one block's share of
+        :data:`GEMV_PRELOAD_SM_BYTES` (the SM's resident blocks, by threads) and
+        :data:`GEMV_PRELOAD_BLOCK_BYTES` beside a prologue's A hold; 0 beside loads ahead or staged loads."""
+        if self.preload not in (0, 1):
+            raise CodegenError(f"preload is 0 or 1, got {self.preload}")
+        if not self.preload or other or not k.is_const or vec * dtb.itemsize < 4:
+            return 0
+        a_bytes = m * k.value * 4 if "expr" in self.op.params else 0
+        room = min(GEMV_PRELOAD_SM_BYTES * self.threads // 2048, GEMV_PRELOAD_BLOCK_BYTES) - a_bytes
+        have = -(-k.value // (vec * group))
+        return max(0, min(have, room // (self.threads * nacc * vec * dtb.itemsize)))
 
     @staticmethod
     def _gemv_vectors(name: str, asked: int, hi: int, k: Expr, group: int, vec: int) -> int:

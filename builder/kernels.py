@@ -96,10 +96,20 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         }
         if ks.tails:
             entry["tail"] = list(ks.tails)
+        if ks.early:
+            entry["early"] = list(ks.early)
         ops.append(entry)
     version = TAIL_TABLE_VERSION if any("tail" in o for o in ops) else KERNEL_TABLE_VERSION
     return {"version": version, "arch": arch, "dyn_vars": list(dyn_vars),
-            "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops}
+            "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops,
+            "programmatic": all(_waits(ks) for ks in sources.values() if ks is not None)}
+
+
+def _waits(ks: KernelSource) -> bool:
+    """Every kernel entry of ``ks`` waits for its predecessor on the device (codegen's preamble, or gemv.cu's
+    own wait after its preload), so the loader may launch it with programmatic stream serialization."""
+    entries = ks.body.split('extern "C" __global__')[1:]
+    return bool(entries) and len(entries) == len(ks.launches) and all("lum_pdl_wait();" in e for e in entries)
 
 
 def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None,

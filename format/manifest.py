@@ -29,7 +29,9 @@ backend then refuses the package and the reference backend runs it. Otherwise::
                             "block": [256, 1, 1], "shared_mem": 0}],
               "params": ["out", "in0", "in1", "dyn"],             # out, one per op.args, dyn
               "dyn_slots": {"s": 1},  # the vars this kernel reads
-              "tuning": {…}}]}        # informational: the template parameters used
+              "tuning": {…},          # informational: the template parameters used
+              "early": ["in1"]}],     # optional: parameters read before the wait (see below)
+     "programmatic": true}            # optional (default false), see below
 
 A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1); launches of one op
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
@@ -56,6 +58,15 @@ built since the L2 prefetch; ``templates/l2_prefetch.cu``): a hint that warms L2
 weight GEMVs where it finds it (an older module simply has none). The parser checks everything above that a loader
 relies on (names, expressions and their vars, block limits, the parameter convention); the loader
 checks the table against the LLIR (every kernel op covered, kinds and arities equal).
+
+``programmatic: true`` says that every kernel of the table lets the next kernel of its stream launch
+early (``griddepcontrol.launch_dependents``) and waits on the device for the kernel before it
+(``griddepcontrol.wait``) before it touches global memory, with two exceptions: the dyn buffer (host
+copies fill it before a graph runs) and the buffers its op entry names in ``early`` (a GEMV's weights,
+which it starts copying into shared memory while its predecessor runs). A CUDA loader may then launch
+the table's kernels with programmatic stream serialization (sm_90+), each only where every ``early``
+buffer is one nothing in the package writes (a weight or a constant); tables without the flag (older
+builds) launch plainly.
 """
 
 from __future__ import annotations
@@ -169,6 +180,7 @@ class KernelOp:
     dyn_slots: dict[str, int] = field(default_factory=dict, compare=False)
     tuning: dict[str, Any] = field(default_factory=dict, compare=False)
     tail: tuple[int, ...] = ()               # LLIR ops its last block runs after it, in order (version 2)
+    early: tuple[str, ...] = ()              # its parameters read before it waits (programmatic tables)
 
     def tail_arities(self) -> tuple[int, ...]:
         """Buffers each tail op takes (its ``in@T`` parameters)."""
@@ -199,6 +211,7 @@ class KernelTable:
     max_dyn: dict[str, int]
     ops: tuple[KernelOp, ...]
     gemms: tuple[GemmAlgo, ...] = ()
+    programmatic: bool = False      # every kernel waits for its predecessor itself (see the module doc)
 
     def by_op(self) -> dict[int, KernelOp]:
         return {k.op: k for k in self.ops}
@@ -406,15 +419,21 @@ class _Parser:
                 if k not in dyn_vars or v != dyn_vars.index(k):
                     raise self.fail(ow + ".dyn_slots", f"slot of {k!r} disagrees with dyn_vars {list(dyn_vars)}")
                 slots[k] = v
+            early = tuple(self.string(x, ow + ".early") for x in self.lst(o.get("early", []), ow + ".early"))
+            if not set(early) <= set(params[:params.index("dyn")]) - {"out"}:
+                raise self.fail(ow + ".early", f"names {list(early)}, not input parameters of the kernel")
             ops.append(KernelOp(op_id, kind, self.string(o.get("name"), ow + ".name"), tuple(launches), params,
-                                slots, self.obj(o.get("tuning", {}), ow + ".tuning"), tail))
+                                slots, self.obj(o.get("tuning", {}), ow + ".tuning"), tail, early))
         clash = tails_seen & {k.op for k in ops}
         if clash:
             raise self.fail(where + ".ops", f"op {min(clash)} is both a kernel of its own and another's tail")
         if ops and cubin is None:
             raise self.fail(where + ".cubin", "the table has kernels but names no cubin section")
         gemms = self.gemm_algos(d["gemms"], where + ".gemms", target) if "gemms" in d else ()
-        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms)
+        programmatic = d.get("programmatic", False)
+        if not isinstance(programmatic, bool):
+            raise self.fail(where + ".programmatic", f"expected true or false, found {programmatic!r}")
+        return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms, programmatic)
 
     def tail(self, o: dict, where: str, op_id: int, version: Any, seen: set[int]) -> tuple[int, ...]:
         if "tail" not in o:

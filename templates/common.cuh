@@ -264,6 +264,25 @@ LUM_D void lum_async_wait() {   // every commit group but the newest N has lande
 #endif
 }
 
+// ------------------------------------------------------------------------------ launch order
+// Programmatic dependent launch (sm_90+). Every lum kernel begins with lum_pdl_trigger() (the next
+// kernel of the stream may be scheduled once every block of this one has run it) and calls
+// lum_pdl_wait() before its first access to global memory that an earlier kernel may have written or
+// may still read (it returns once the previous grid has completed and its writes are visible; that
+// grid waited for its own predecessor, so every earlier grid is covered). Between the two a kernel
+// reads only the dyn buffer (host copies fill it before a graph runs) and, where its launch table
+// says so (`early`), weights (a GEMV's preload). Launched plainly, both are no-ops in effect.
+LUM_D void lum_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+LUM_D void lum_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
 // bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
 template <int N, typename T, typename Cvt>

@@ -187,7 +187,8 @@ import numpy as np
 from lum.loader import cublaslt as _lt
 _FAKE = ctypes.CDLL("libcuda.so.1")
 _FAKE.fake_enqueue_host.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-for _n in ("fake_live", "fake_launches", "fake_graph_launches", "fake_captures", "fake_joins"):
+for _n in ("fake_live", "fake_launches", "fake_graph_launches", "fake_captures", "fake_joins",
+           "fake_programmatic_launches"):
     getattr(_FAKE, _n).restype = ctypes.c_long
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _PENDING = {}
@@ -213,7 +214,7 @@ _lt.CublasLt.load = classmethod(lambda cls, path=None: _orig_load(cls, os.enviro
 def fake_stats():
     return {"live": [_FAKE.fake_live(i) for i in range(7)], "launches": _FAKE.fake_launches(),
             "graph_launches": _FAKE.fake_graph_launches(), "captures": _FAKE.fake_captures(),
-            "joins": _FAKE.fake_joins(),
+            "joins": _FAKE.fake_joins(), "programmatic_launches": _FAKE.fake_programmatic_launches(),
             "bad_guards": _FAKE.fake_check_guards()}
 '''
 

@@ -383,6 +383,23 @@ CUresult cuLaunchKernel(void *func, unsigned gx, unsigned gy, unsigned gz, unsig
   return OK;
 }
 
+/* cuLaunchKernelEx: the CUlaunchConfig / CUlaunchAttribute layouts of cuda.h. The only attribute lum sets is
+   programmatic stream serialization (id 6); the emulated stream runs kernels in order either way. */
+typedef struct { int id; char pad[4]; union { char bytes[64]; int allowed; } value; } FakeLaunchAttribute;
+typedef struct {
+  unsigned gx, gy, gz, bx, by, bz, shmem; void *stream; FakeLaunchAttribute *attrs; unsigned nattrs;
+} FakeLaunchConfig;
+static long g_programmatic = 0;
+long fake_programmatic_launches(void) { return g_programmatic; }
+CUresult cuLaunchKernelEx(const FakeLaunchConfig *c, void *func, void **params, void **extra) {
+  if (!c || (c->nattrs && !c->attrs)) return E_INVALID_VALUE;
+  for (unsigned i = 0; i < c->nattrs; ++i) {
+    if (c->attrs[i].id != 6 || c->attrs[i].value.allowed != 1) return E_INVALID_VALUE;
+    ++g_programmatic;
+  }
+  return cuLaunchKernel(func, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shmem, c->stream, params, extra);
+}
+
 /* ---------------------------------------------------------------- graphs */
 CUresult cuStreamBeginCapture(void *p, int mode) {
   Stream *s = p; (void)mode;

@@ -138,6 +138,13 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
         out.append((layout + ".staged_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"staged": 4}))
         out.append((layout + ".staged_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16], {},
                     {"staged": 2}))
+        # first-tile weight vectors preloaded into shared memory (cp.async) before the wait: several tiles a
+        # block, batches sharing B, a k tail; f32; 4-byte copies
+        out.append((layout + ".preload", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=300, ldb=300, sa=600,
+                                                 sb=0), [BF16, BF16], {}, {"preload": 1, "threads": 64}))
+        out.append((layout + ".preload_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"preload": 1}))
+        out.append((layout + ".preload_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16],
+                    {}, {"preload": 1}))
     return out
 
 
@@ -313,6 +320,40 @@ def test_staged_loads_change_no_bit(host_lib, tmp_path):
             generate(o_proj, [], arg_dtypes=[BF16, BF16])
     with pytest.raises(CodegenError, match="staged must be in"):
         generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=17)
+
+
+def test_preload_changes_no_bit(host_lib, tmp_path):
+    """A GEMV lane's first weight vectors copied into shared memory before the wait (templates/gemv.cu
+    PRELOAD; cp.async, emulated as plain copies) are summed first, in the order of k: bit-equal to the
+    plain loop, for grids of one to several tiles a block and 4-, 8- and 16-byte copies. The kernel names
+    B as read early (its launch table's ``early``); the count is a lane's vectors of its first tile down
+    to the shared memory a block may fill, 0 beside loads ahead; ``$LUM_GEMV_PRELOAD`` sets the default."""
+    lib, kernels = host_lib
+    for layout in GEMM_LAYOUTS:
+        for case, dts, tun in ((".preload", [BF16, BF16], {"threads": 64}), (".preload_f32", [F32, F32], {}),
+                               (".preload_vec2", [BF16, BF16], {})):
+            op = next(c[1] for c in CASES if c[0] == layout + case)
+            pre, plain = kernels[layout + case], generate(op, ["p"], arg_dtypes=dts, **tun)
+            dot = layout[2:] == "Cm"
+            assert (pre.tuning["preload"] > 0) == dot and plain.tuning["preload"] == 0
+            assert pre.early == (("in1",) if dot else ()) and plain.early == ()
+            assert "lum_pdl_wait();" in pre.body and "lum_pdl_trigger();" in pre.body
+            if dot:
+                _assert_same_bits(lib, pre, plain, op, dts, {}, tmp_path / (layout + case), grids=(1, 3, 40))
+    shapes = {"o": (2560, 2048, 4), "qkv": (4096, 2560, 4), "gate_up": (20480, 2560, 5), "down": (2560, 10240, 4)}
+    for name, (n, k, want) in shapes.items():     # gemma3-4b: 512 threads (gate-up 128: 10 KB a block)
+        assert generate(gemm_op("RmCm", 1, n, k, BF16), [], arg_dtypes=[BF16, BF16], preload=1).tuning["preload"] \
+            == want, name
+    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
+    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=1, inflight=2).tuning["preload"] == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_GEMV_PRELOAD", "1")
+        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["preload"] == 4
+        mp.setenv("LUM_GEMV_PRELOAD", "2")
+        with pytest.raises(CodegenError, match="LUM_GEMV_PRELOAD must be an integer"):
+            generate(o_proj, [], arg_dtypes=[BF16, BF16])
+    with pytest.raises(CodegenError, match="preload is 0 or 1"):
+        generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=2)
 
 
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):

@@ -216,6 +216,24 @@ def test_gemv_staged_loads_compile(cache_dir, arch):
         assert res.cubin[:4] == b"\x7fELF" and ("cp.async.cg" in res.ptx) == (arch == "sm_90")
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
+def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
+    """Every gemv case with its first weight vectors preloaded (templates/gemv.cu PRELOAD: prologues and
+    epilogues included) and every kernel's launch-order preamble (common.cuh: griddepcontrol from sm_90,
+    nothing before it)."""
+    from lum.builder.codegen import generate_program
+    from tests.kernel_cases import gemv_cases, template_cases
+
+    for dt in (DType.f32, DType.bf16):
+        ks = [k for k in generate_program(gemv_cases(dt)[0], preload=1).values() if k is not None]
+        ks += [k for k in generate_program(template_cases(dt)[0]).values() if k is not None]
+        assert any(k.tuning.get("preload") and k.tuning.get("prologue") for k in ks)
+        assert any(k.tuning.get("preload") and k.tuning.get("epilogue") for k in ks)
+        res = nvrtc.compile_cuda(module_source(ks), arch, cache_dir=cache_dir)
+        assert res.cubin[:4] == b"\x7fELF" and ("griddepcontrol.wait" in res.ptx) == (arch == "sm_90")
+        assert ("griddepcontrol.launch_dependents" in res.ptx) == (arch == "sm_90")
+
+
 @pytest.mark.parametrize("probe", ["pdl_probe.cu", "phase_probe.cu"])
 def test_benchmark_probe_kernels_compile(cache_dir, probe):
     """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py: common.cuh, probe.cuh, the probe)."""

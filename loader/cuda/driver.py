@@ -334,7 +334,25 @@ def memset(dst: int, value: int, nbytes: int, stream: Stream) -> None:
 
 
 def launch_kernel(function: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                  stream: Stream, params_addr: int) -> None:
-    """``cuLaunchKernel`` with a pre-packed ``void**`` parameter array (see :class:`ParamPack`)."""
-    call(drv.cuLaunchKernel, function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
-         stream.handle, params_addr, 0)
+                  stream: Stream, params_addr: int, programmatic: bool = False) -> None:
+    """``cuLaunchKernel`` with a pre-packed ``void**`` parameter array (see :class:`ParamPack`).
+
+    ``programmatic``: ``cuLaunchKernelEx`` with programmatic stream serialization (sm_90+): the kernel may
+    be scheduled once every block of the kernel before it has run ``griddepcontrol.launch_dependents``,
+    and waits for that kernel itself (``lum_pdl_wait``, templates/common.cuh). Stream capture turns this
+    into a programmatic edge of the CUDA graph."""
+    if not programmatic:
+        call(drv.cuLaunchKernel, function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
+             stream.handle, params_addr, 0)
+        return
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = shared_mem
+    cfg.hStream = stream.handle
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    call(drv.cuLaunchKernelEx, cfg, function, params_addr, 0)

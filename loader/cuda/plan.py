@@ -130,6 +130,7 @@ class KernelStep:
     weights: tuple[tuple[int, int], ...] = ()  # ... and of the weights it reads (prefetch.py; not in reads)
     prefetcher: Any = None                     # its group's L2 prefetch kernel, None if the package has none
     hint: bool = False                         # an L2 prefetch: follows the step before it, precedes nothing
+    programmatic: bool = False                 # launched with programmatic stream serialization (it waits itself)
 
 
 @dataclass
@@ -288,7 +289,8 @@ class EntryPlan:
 
     def concrete(self, key: tuple, gemm_plan: Callable[[GemmSpec], Any], steps: Sequence[Any] | None = None,
                  owners: list[int] | None = None) -> list[tuple]:
-        """The device operations for ``key``: ``("kernel", function, grid, block, shared_mem, params)``,
+        """The device operations for ``key``: ``("kernel", function, grid, block, shared_mem, params,
+        programmatic)``,
         ``("gemm", plan, a, b, c)`` (a, b: the operands' buffer bases; the plan adds the offsets),
         ``("memset", ptr, nbytes)``, ``("copy", dst, src, nbytes)``, each
         with the step's description appended (for errors). ``gemm_plan`` makes (or fetches) the
@@ -299,7 +301,8 @@ class EntryPlan:
         for j, st in enumerate(self.steps if steps is None else steps):
             if isinstance(st, KernelStep):
                 g = tuple(grids[i] for i in st.grid)
-                ops.append(("kernel", st.function, g, st.block, st.shared_mem, st.params.address, st.where))
+                ops.append(("kernel", st.function, g, st.block, st.shared_mem, st.params.address, st.programmatic,
+                            st.where))
             elif isinstance(st, GemmStep):
                 ops.extend(_gemm_ops(st, exact, gemm_plan))
             else:
@@ -377,7 +380,8 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
                      max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None,
-                     prefetcher: Callable[[int], Any] | None = None, prefetch_bytes: int = 0) -> EntryPlan:
+                     prefetcher: Callable[[int], Any] | None = None, prefetch_bytes: int = 0,
+                     programmatic: bool = False) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
@@ -387,7 +391,9 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     any other; one without is a library call (:class:`GemmStep`). ``gemm_algos``: (group, op id) -> the
     package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner passes them only for the
     same cuBLASLt version). ``prefetcher(group)``: the group's L2 prefetch kernel, or None; with it and
-    ``prefetch_bytes`` > 0 the plan warms L2 with weights before their GEMVs (:mod:`lum.loader.cuda.prefetch`)."""
+    ``prefetch_bytes`` > 0 the plan warms L2 with weights before their GEMVs (:mod:`lum.loader.cuda.prefetch`).
+    ``programmatic``: kernels of tables marked programmatic launch with programmatic stream serialization
+    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest)."""
     e = pkg.entry(entry_name)
     m = pkg.manifest
     plan = EntryPlan(entry_name)
@@ -411,6 +417,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
         table = ref.table
         kops = table.by_op() if table is not None else {}
         dyn_ptr = layout.dyn[table.dyn_vars] if table is not None else 0
+        pdl = programmatic and table is not None and table.programmatic
         ptr: dict[int, int] = {}
         cap: dict[int, int] = {}
         dtypes: dict[int, DType] = {}
@@ -466,7 +473,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             if head is not None and kop is None and op.id in head.kop.tail:   # its buffers join the head's launch
                 head.add(op, ptr, cap, readonly)
                 if op.id == head.kop.tail[-1]:
-                    _kernel_steps(plan, head, function, call.group, max_dyn, prefetcher)
+                    _kernel_steps(plan, head, function, call.group, max_dyn, prefetcher, pdl)
                     head = None
                 continue
             if kop is None:
@@ -483,7 +490,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             if kop.tail:
                 head = step                     # launched once its tails' buffers are known
             else:
-                _kernel_steps(plan, step, function, call.group, max_dyn, prefetcher)
+                _kernel_steps(plan, step, function, call.group, max_dyn, prefetcher, pdl)
         plan.steps.extend(state_copies)
 
     for t in e.outputs:
@@ -522,15 +529,19 @@ class _Launch:
 
 
 def _kernel_steps(plan: EntryPlan, launch: _Launch, function: Callable[[int, str], Any], group: int,
-                  max_dyn: Mapping[str, int], prefetcher: Callable[[int], Any] | None) -> None:
-    """The kernel steps of one launch-table op (with its tails' buffers, when it has tails)."""
+                  max_dyn: Mapping[str, int], prefetcher: Callable[[int], Any] | None, pdl: bool) -> None:
+    """The kernel steps of one launch-table op (with its tails' buffers, when it has tails); ``pdl``: its
+    table is programmatic and the session launches such tables so."""
     params = ParamPack(launch.values)
     pf = prefetcher(group) if prefetcher is not None and launch.weights else None
+    early = {launch.values[launch.kop.params.index(p)] for p in launch.kop.early}
+    programmatic = pdl and all(any(lo == v for lo, _ in launch.weights) for v in early)
     for lc in launch.kop.launches:
         grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
         plan.steps.append(KernelStep(f"{launch.where} kernel {lc.kernel}", function(group, lc.kernel), grid,
                                      lc.block, lc.shared_mem, params, tuple(launch.reads),  # type: ignore[arg-type]
-                                     tuple(launch.writes), tuple(launch.weights), pf))
+                                     tuple(launch.writes), tuple(launch.weights), pf,
+                                     programmatic=programmatic))
 
 
 def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, int]) -> list[tuple[Expr, int, str]]:

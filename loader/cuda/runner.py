@@ -23,6 +23,10 @@ kernels do not depend on each other (``graph_branches``, default on; ``LUM_CUDA_
 off; :mod:`lum.loader.cuda.branches`), so such kernels run side by side; in such a graph a side branch
 can warm L2 with a weight GEMV's first bytes while the small kernels before it run (``l2_prefetch``,
 off by default: measured within noise; ``LUM_CUDA_PREFETCH=1`` turns it on; :mod:`lum.loader.cuda.prefetch`).
+``programmatic_launch`` (sm_90+; off by default, ``LUM_CUDA_PDL=1`` turns it on) launches the kernels of
+tables marked programmatic with programmatic stream serialization: each is scheduled while the kernel
+before it still runs and waits for it on the device, so a GEMV that preloads copies its first weights
+into shared memory meanwhile (templates/common.cuh, gemv.cu; lum.format.manifest says when it is safe).
 ``graphs=False`` launches
 everything eagerly, on one stream;
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
@@ -120,7 +124,8 @@ class CudaRunner:
     def __init__(self, pkg: Any, dyn: Mapping[str, int], *, device: int = 0, graphs: bool = True,
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
                  workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
-                 graph_branches: bool | None = None, l2_prefetch: bool | None = None):
+                 graph_branches: bool | None = None, l2_prefetch: bool | None = None,
+                 programmatic_launch: bool | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -142,6 +147,9 @@ class CudaRunner:
         used = sorted({c.group for e in m.entries.values() for c in e.calls})
         self._check_kernels(used)
         self.device = cu.device_info(device)
+        if programmatic_launch is None:
+            programmatic_launch = os.environ.get("LUM_CUDA_PDL", "0") != "0"
+        self.programmatic = bool(programmatic_launch) and self.device.cc >= (9, 0)
         has_ptx = all(m.groups[g].table is None or not m.groups[g].table.ops or m.groups[g].table.ptx for g in used)
         compat = check_target(str(m.target.get("sm", "")), m.target.get("nvrtc"), self.device.cc,
                               self.device.driver_version, has_ptx, self.device.name, allow_ptx)
@@ -284,7 +292,8 @@ class CudaRunner:
                             {n: size for n, (_, size) in io[e].items()},
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
             self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos,
-                                             self._prefetcher, self.device.l2_bytes // 2 if self.l2_prefetch else 0)
+                                             self._prefetcher, self.device.l2_bytes // 2 if self.l2_prefetch else 0,
+                                             self.programmatic)
         # pinned staging: two slots for dyn values + inputs, one for outputs
         stage = max((sum(_align(n) for _, n in io[e].values()) for e in io), default=0)
         self._dyn_stage = _align(8 * sum(max(len(o), 1) for o in orders))
@@ -547,7 +556,7 @@ class CudaRunner:
             kind = op[0]
             try:
                 if kind == "kernel":
-                    cu.launch_kernel(op[1], op[2], op[3], op[4], stream, op[5])
+                    cu.launch_kernel(op[1], op[2], op[3], op[4], stream, op[5], op[6])
                 elif kind == "gemm":
                     op[1].run(stream.ptr, op[2], op[3], op[4], ws, wsn)
                 elif kind == "copy":
