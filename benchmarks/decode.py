@@ -33,7 +33,11 @@ What it does, in one run on one GPU:
      both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-gemvprefetch`` with ``LUM_GEMV_PREFETCH=64``
      (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu), ``lum-staged``
      with ``LUM_GEMV_STAGED=8`` (each GEMV lane keeps up to 8 weight vectors in flight as cp.async copies
-     into shared memory; templates/gemv.cu STAGED).
+     into shared memory; templates/gemv.cu STAGED), ``lum-preload`` with ``LUM_GEMV_PRELOAD=1`` (each GEMV
+     block copies its first tile's first weight vectors into shared memory before it waits for the kernel
+     before it; templates/gemv.cu PRELOAD), ``lum-preload-pdl`` the same package with programmatic launch
+     (``programmatic_launch=True``: those copies run while the kernels before it still run), ``lum-pdl``
+     the default package with programmatic launch.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -77,10 +81,11 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-gemvprefetch": {"LUM_GEMV_PREFETCH": "64"}, "lum-staged": {"LUM_GEMV_STAGED": "8"},
+                 "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-pdl": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
-               "lum-prefetch": {"l2_prefetch": True},
-               **{s: {} for s in LUM_BUILD_ENV}}
+               "lum-prefetch": {"l2_prefetch": True}, "lum-pdl": {"programmatic_launch": True},
+               **{s: {} for s in LUM_BUILD_ENV}, "lum-preload-pdl": {"programmatic_launch": True}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)
@@ -532,6 +537,10 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
         row["details"] = res.get("details", {})
         log(f"{s}: {row['tok_per_s']} tok/s")
 
+    base = outputs.get("lum", {}).get("tokens")      # lum's variants change timing, not values: the same tokens
+    for s, res in outputs.items():
+        if s != "lum" and s in LUM_OPTIONS and base and res.get("tokens"):
+            rows[s]["tokens_match_lum"] = _prefix(res["tokens"], base)
     ref = outputs.get("hf-eager", {}).get("tokens")
     if ref:
         for s, res in outputs.items():

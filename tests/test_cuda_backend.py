@@ -118,6 +118,9 @@ def _manifest_with(tiny_pkg, mutate) -> dict:
     (lambda t, d: t["max_dyn"].update(z=3), "not in dyn_vars"),
     (lambda t, d: t["ops"][0].update(kind="matmul"), "not a kernel op kind"),
     (lambda t, d: d["target"].update(sm="hopper"), "architecture like"),
+    (lambda t, d: t.update(programmatic="yes"), "expected true or false"),
+    (lambda t, d: t["ops"][0].update(early=["out"]), "not input parameters"),
+    (lambda t, d: t["ops"][0].update(early=["in9"]), "not input parameters"),
 ])
 def test_manifest_rejects_bad_launch_tables(tiny_pkg, mutate, match):
     with pytest.raises(PackageFormatError, match=match):
@@ -280,6 +283,38 @@ def _fake_layout(pkg, entry, bounds, base=1 << 40):
                     {n: base + o for n, (o, _) in io.items()}, {n: s for n, (_, s) in io.items()},
                     consts, cbytes, {o: dbase + 64 * i for i, o in enumerate(sorted(orders))})
     return layout, ap
+
+
+@needs_nvrtc
+def test_programmatic_launch_only_where_early_reads_are_weights(tiny_pkg, monkeypatch):
+    """A programmatic table's kernels launch with programmatic stream serialization when the session asks
+    for it, except a kernel that reads a buffer before its wait (``early``) that is not a weight: an
+    activation written by the kernel before it must not be read early."""
+    import dataclasses
+
+    pkg = tiny_pkg
+    bounds = {"p": 31}
+    layout, _ = _fake_layout(pkg, "decode", bounds)
+    tables = {g: ref.table for g, ref in enumerate(pkg.manifest.groups) if ref.table is not None}
+    assert all(t.programmatic for t in tables.values())
+
+    def flags(programmatic):
+        plan = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds, programmatic=programmatic)
+        return {k.where: k.programmatic for k in plan.steps if type(k).__name__ == "KernelStep"}
+
+    assert not any(flags(False).values()) and all(flags(True).values())
+    monkeypatch.setattr(pkg.manifest, "groups", list(pkg.manifest.groups))   # restored after the test
+    for g, t in tables.items():           # every gemv reads its B early, and one also its A (an activation)
+        gemvs = [k for k in t.ops if k.kind == "gemm"]
+        ops = {k.op: dataclasses.replace(k, early=("in1",)) for k in gemvs}
+        if gemvs:
+            ops[gemvs[0].op] = dataclasses.replace(gemvs[0], early=("in0", "in1"))
+        pkg.manifest.groups[g] = dataclasses.replace(
+            pkg.manifest.groups[g], table=dataclasses.replace(t, ops=tuple(ops.get(k.op, k) for k in t.ops)))
+    got = flags(True)
+    early_a = {w for w, on in got.items() if not on}
+    assert early_a and all("(gemm " in w for w in early_a)
+    assert sum("(gemm " in w for w in got) > len(early_a)     # B alone (a weight) stays programmatic
 
 
 @needs_nvrtc

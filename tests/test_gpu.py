@@ -11,6 +11,8 @@ outputs through DLPack / ``__cuda_array_interface__``, eager vs graphs, backend 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -107,15 +109,18 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
     _check(gemv_cases, dt, name, tmp_path_factory)
 
 
-@pytest.mark.parametrize("env", [("LUM_GEMV_INFLIGHT", "4"), ("LUM_GEMV_PREFETCH", "64"), ("LUM_GEMV_STAGED", "8")],
-                         ids=["loads-ahead", "l2-prefetch", "staged"])
+@pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PREFETCH": "64"}, {"LUM_GEMV_STAGED": "8"},
+                                 {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"}],
+                         ids=["loads-ahead", "l2-prefetch", "staged", "preload-pdl"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``),
     asking L2 for its weight vectors a tile ahead (``LUM_GEMV_PREFETCH``) or keeping 8 in flight as cp.async
-    copies into shared memory (``LUM_GEMV_STAGED``; templates/gemv.cu, all off by default), poisoned output
-    arena, against the reference."""
-    monkeypatch.setenv(*env)
+    copies into shared memory (``LUM_GEMV_STAGED``) or copying its first ones there before it waits for the
+    kernel before it, launched programmatically (``LUM_GEMV_PRELOAD``, ``LUM_CUDA_PDL``; templates/gemv.cu,
+    all off by default), poisoned output arena, against the reference."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)
     if isinstance(res, BackendUnavailableError):
         pytest.skip(f"CUDA backend unavailable: {res}")
@@ -290,6 +295,38 @@ def test_l2_prefetch_changes_no_result(tiny_model, cublaslt, monkeypatch):
             got[on] = (logits, sess.generate(PROMPT, 12))
     assert np.isfinite(got[True][0]).all() and np.array_equal(got[True][0], got[False][0])
     assert got[True][1] == got[False][1]
+
+
+def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublaslt, monkeypatch):
+    """The tiny model built with GEMV preloads (``LUM_GEMV_PRELOAD=1``) and run with programmatic launch
+    (every kernel scheduled while the one before it runs, GEMVs copying weights meanwhile) gives the logits
+    and tokens of the same package launched plainly, bit for bit, and the reference backend's."""
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    _, _, path = tiny_model
+    monkeypatch.setenv("LUM_GEMV_PRELOAD", "1")
+    path = build_package(load_spec(src=str(Path(path).parent / "hf"), max_seq=MAX_SEQ),
+                         Path(path).parent / "preload.lumpkg")
+    pkg = lum.loader.open(path)
+    tables = [g.table for g in pkg.manifest.groups if g.table is not None]
+    assert all(t.programmatic for t in tables) and any(op.early for t in tables for op in t.ops)
+    ids = np.asarray(PROMPT, np.int32)
+    ref = pkg.session(backend="reference")
+    ref.run("prefill", {"tokens": ids}, {"s": len(ids)})
+    want = ref.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+    got = {}
+    for on in (True, False):
+        with pkg.session(backend="cuda", programmatic_launch=on) as sess:
+            steps = [st for st in sess.runner.plans["decode"].steps if hasattr(st, "programmatic")]
+            assert (sum(st.programmatic for st in steps) > 0) == on
+            sess.run("prefill", {"tokens": ids}, {"s": len(ids)})
+            logits = sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+            sess.reset()
+            got[on] = (logits, sess.generate(PROMPT, 12))
+    assert np.isfinite(got[True][0]).all() and np.array_equal(got[True][0], got[False][0])
+    assert got[True][1] == got[False][1]
+    assert compare(got[True][0], want, 1e-4) is None, compare(got[True][0], want, 1e-4)
 
 
 # ============================================================================ (d) 10,000 decode steps
