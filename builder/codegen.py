@@ -1811,13 +1811,13 @@ class _Gen:
         return max(0, min(staged, room // (self.threads * nacc * vec * dtb.itemsize)))
 
     def _gemv_preload(self, m: int, k: Expr, group: int, vec: int, dtb: DType, nacc: int, other: int) -> int:
-        """Weight vectors a lane copies into shared memory before the wait (``preload`` 1, dot scheme, plain
-        loop): those of its first tile (static k), down to what one block's share of
+        """Weight vectors per lane that its block copies into shared memory before the wait (``preload`` 1, dot
+        scheme, plain loop, 16-byte vectors: bulk copies): those of its first tile (static k), down to what one block's share of
         :data:`GEMV_PRELOAD_SM_BYTES` (the SM's resident blocks, by threads) and
         :data:`GEMV_PRELOAD_BLOCK_BYTES` beside a prologue's A hold; 0 beside loads ahead or staged loads."""
         if self.preload not in (0, 1):
             raise CodegenError(f"preload is 0 or 1, got {self.preload}")
-        if not self.preload or other or not k.is_const or vec * dtb.itemsize < 4:
+        if not self.preload or other or not k.is_const or vec * dtb.itemsize != 16:
             return 0
         a_bytes = m * k.value * 4 if "expr" in self.op.params else 0
         room = min(GEMV_PRELOAD_SM_BYTES * self.threads // 2048, GEMV_PRELOAD_BLOCK_BYTES) - a_bytes

@@ -30,9 +30,10 @@
 //! vectors in flight as asynchronous copies into its own shared-memory slots (cp.async: no register
 //! waits for them), refilling a slot as it takes the vector out, in the order of k: the same sums as
 //! the plain loop, with more loads in flight and the registers of one. With PRELOAD > 0 (dot scheme, the
-//! plain loop) a lane copies its first PRELOAD weight vectors of the block's first tile into shared
-//! memory (cp.async) before it waits for the previous kernel (lum_pdl_wait, common.cuh), and the loop
-//! takes them from there: under programmatic launch those bytes stream in while that kernel still runs.
+//! plain loop, 16-byte vectors) the block's first thread has the bulk copy engine copy the first
+//! PRELOAD * GROUP * VEC elements of each column of the block's first tile into shared memory before it
+//! waits for the previous kernel (lum_pdl_wait, common.cuh), and the loop takes them from there: under
+//! programmatic launch those bytes stream in while that kernel still runs.
 //! With PREFETCH > 0 a lane first
 //! asks L2 (prefetch hints, no registers held)
 //! for the first PREFETCH of its vectors of the block's first tile, so that they stream in while a
@@ -48,7 +49,8 @@
 //!   lane issues ahead; 0: the unrolled loop), PREFETCH (dot scheme: vectors of B a lane asks L2 for, of
 //!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), STAGED
 //!   (dot scheme: weight vectors a lane has in flight through shared memory; 0: none), PRELOAD (dot
-//!   scheme, plain loop: vectors of B a lane copies into shared memory before the wait; 0: none), A_EARLY
+//!   scheme, plain loop: vectors of B per lane of its column that the block copies into shared memory
+//!   before the wait; 0: none), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -74,7 +76,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int STAGED = {{STAGED}};             // dot scheme: vectors of B a lane has in flight via shared memory
   constexpr int STAGE_BYTES = STAGED > 0 ? VEC * (int)sizeof(b_t) : 4;   // one cp.async (codegen: 4, 8 or 16)
   constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane copies before the wait
-  constexpr int PRE_BYTES = PRELOAD > 0 ? VEC * (int)sizeof(b_t) : 4;   // one cp.async (codegen: 4, 8 or 16)
+  constexpr int PRE_LEN = PRELOAD * GROUP * VEC;  // elements of each of the first tile's columns preloaded
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert(PRELOAD == 0 || (INFLIGHT == 0 && STAGED == 0 && B_KCONTIG), "PRELOAD feeds the plain dot loop");
@@ -85,7 +87,9 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
   __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
   __shared__ lum_vec<b_t, VEC> lum_stage[STAGED > 0 ? STAGED * NACC * THREADS : 1];   // [slot][t][thread]
-  __shared__ lum_vec<b_t, VEC> lum_pre[PRELOAD > 0 ? PRELOAD * NACC * THREADS : 1];    // [slot][t][thread]
+  __shared__ lum_vec<b_t, VEC> lum_pre_v[PRELOAD > 0 ? SPAN * NACC * PRE_LEN / VEC : 1];   // [column g][t][k]
+  b_t* const lum_pre = lum_pre_v[0].v;
+  __shared__ LumBarrier lum_pre_bar;
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
   const idx_t lum_k = {{K}};
@@ -118,30 +122,27 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   };
   lum_prefetch_tile((idx_t)blockIdx.x * SPAN);
   // The preload: B (weights, where codegen sets PRELOAD; the launch table names it `early`) does not
-  // depend on the kernels before this one, so under programmatic launch a lane copies its first
-  // PRELOAD vectors of the block's first tile into shared memory while they still run, then waits.
-  idx_t lum_pre_n = 0;   // vectors this lane preloaded (k order: u = 0 .. lum_pre_n - 1)
-  if (PRELOAD > 0 && B_KCONTIG && VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t))) {
-    const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + (idx_t)((int)threadIdx.x / GROUP);
-    if (lum_pc < lum_batch * lum_nout) {
+  // depend on the kernels before this one, so under programmatic launch the block's first thread asks
+  // the bulk copy engine for the first PRE_LEN elements of each column of its first tile (one copy a
+  // column and product column, into shared memory) while they still run, then every thread waits.
+  const idx_t lum_pre_len = PRELOAD > 0 ? (lum_k / VEC * VEC < PRE_LEN ? lum_k / VEC * VEC : (idx_t)PRE_LEN) : 0;
+  const bool lum_pre_ok = PRELOAD > 0 && B_KCONTIG && VEC * sizeof(b_t) == 16 && ({{VEC_OK}}) &&
+                       lum_aligned({{B_PTR}}, 16) && lum_pre_len > 0;
+  if (lum_pre_ok && threadIdx.x == 0) {
+    const idx_t lum_cols0 = lum_batch * lum_nout - (idx_t)blockIdx.x * SPAN;   // columns of the first tile
+    const int lum_pcols = lum_cols0 < SPAN ? (lum_cols0 > 0 ? (int)lum_cols0 : 0) : SPAN;
+    const unsigned lum_pbytes = (unsigned)(lum_pre_len * (idx_t)sizeof(b_t));
+    lum_barrier_init(&lum_pre_bar, (unsigned long long)lum_pbytes * lum_pcols * NACC);
+    for (int g = 0; g < lum_pcols; ++g) {
+      const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + g;
       const idx_t lum_pb = lum_pc / lum_nout;
       const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
-      const idx_t lum_pkv = lum_k / VEC * VEC;
 #pragma unroll
-      for (int u = 0; u < PRELOAD; ++u) {
-        const idx_t lum_q = (idx_t)((int)threadIdx.x % GROUP) * VEC + (idx_t)u * GROUP * VEC;
-        if (lum_q < lum_pkv) {
-#pragma unroll
-          for (int t = 0; t < NACC; ++t) {
-            lum_async_copy<PRE_BYTES>(&lum_pre[(u * NACC + t) * THREADS + (int)threadIdx.x], lum_pp + ACC_COLS[t] * lum_ldb + lum_q);
-          }
-          lum_pre_n = (idx_t)u + 1;
-        }
-      }
+      for (int t = 0; t < NACC; ++t) lum_bulk_copy(&lum_pre[(g * NACC + t) * PRE_LEN], lum_pp + ACC_COLS[t] * lum_ldb, lum_pbytes, &lum_pre_bar);
     }
-    lum_async_commit();
   }
   lum_pdl_wait();   // common.cuh: what earlier kernels wrote (A, the prologue's inputs) is visible from here
+  if (PRELOAD > 0) __syncthreads();   // the barrier's init is visible to every thread
 {{PROLOGUE}}  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
                           (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)
@@ -253,18 +254,15 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         } else if (lum_vec_ok) {
           lum_kv = lum_k / VEC * VEC;
           idx_t lum_q1 = (idx_t)lum_lane * VEC;   // the first vector the loop loads from global memory
-          if (PRELOAD > 0 && lum_pre_n > 0 && lum_c0 == (idx_t)blockIdx.x * SPAN) {   // the preloaded ones first
-            lum_async_wait<0>();
+          if (PRELOAD > 0 && lum_pre_ok && lum_c0 == (idx_t)blockIdx.x * SPAN) {   // the preloaded ones first
+            lum_barrier_wait(&lum_pre_bar);
+            const b_t* lum_mine = lum_pre + lum_g * NACC * PRE_LEN;
+            for (; lum_q1 < lum_pre_len; lum_q1 += (idx_t)GROUP * VEC) {
+              float lum_bv[NACC][VEC];
 #pragma unroll
-            for (int u = 0; u < PRELOAD; ++u) {
-              if (u < lum_pre_n) {
-                float lum_bv[NACC][VEC];
-#pragma unroll
-                for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_pre[(u * NACC + t) * THREADS + (int)threadIdx.x].v, lum_bv[t], lum_cb);
-                lum_fma(lum_q1 + (idx_t)u * GROUP * VEC, lum_bv);
-              }
+              for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine + t * PRE_LEN + lum_q1, lum_bv[t], lum_cb);
+              lum_fma(lum_q1, lum_bv);
             }
-            lum_q1 += lum_pre_n * GROUP * VEC;
           }
 #pragma unroll {{UNROLL}}
           for (idx_t lum_q = lum_q1; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
@@ -308,7 +306,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 {{EPILOGUE}}
       }
     }
-    if (PRELOAD > 0) lum_async_wait<0>();   // a preload the loop did not take (A misaligned) has landed too
+    if (PRELOAD > 0 && lum_pre_ok) lum_barrier_wait(&lum_pre_bar);   // a preload the loop did not take has landed
   } else {  // ------------------------------------------------------------------------ cols
     constexpr int TILE = SPAN * VEC;  // columns per block tile
     const idx_t lum_tiles_b = (lum_n + TILE - 1) / TILE;

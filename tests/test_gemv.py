@@ -140,9 +140,11 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
                     {"staged": 2}))
         # first-tile weight vectors preloaded into shared memory (cp.async) before the wait: several tiles a
         # block, batches sharing B, a k tail; f32; 4-byte copies
-        out.append((layout + ".preload", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=300, ldb=300, sa=600,
+        out.append((layout + ".preload", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=304, ldb=304, sa=608,
                                                  sb=0), [BF16, BF16], {}, {"preload": 1, "threads": 64}))
         out.append((layout + ".preload_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"preload": 1}))
+        out.append((layout + ".preload_part", gemm_op(layout, 1, 40, 4096, BF16), [BF16, BF16], {},  # a prefix of k
+                    {"preload": 1, "threads": 64}))
         out.append((layout + ".preload_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16],
                     {}, {"preload": 1}))
     return out
@@ -324,17 +326,18 @@ def test_staged_loads_change_no_bit(host_lib, tmp_path):
 
 def test_preload_changes_no_bit(host_lib, tmp_path):
     """A GEMV lane's first weight vectors copied into shared memory before the wait (templates/gemv.cu
-    PRELOAD; cp.async, emulated as plain copies) are summed first, in the order of k: bit-equal to the
-    plain loop, for grids of one to several tiles a block and 4-, 8- and 16-byte copies. The kernel names
+    PRELOAD; one bulk copy a column, emulated as a plain copy) are summed first, in the order of k: bit-equal
+    to the plain loop, for grids of one to several tiles a block, bf16 and f32 (16-byte vectors; narrower
+    ones take no preload). The kernel names
     B as read early (its launch table's ``early``); the count is a lane's vectors of its first tile down
     to the shared memory a block may fill, 0 beside loads ahead; ``$LUM_GEMV_PRELOAD`` sets the default."""
     lib, kernels = host_lib
     for layout in GEMM_LAYOUTS:
         for case, dts, tun in ((".preload", [BF16, BF16], {"threads": 64}), (".preload_f32", [F32, F32], {}),
-                               (".preload_vec2", [BF16, BF16], {})):
+                               (".preload_part", [BF16, BF16], {"threads": 64}), (".preload_vec2", [BF16, BF16], {})):
             op = next(c[1] for c in CASES if c[0] == layout + case)
             pre, plain = kernels[layout + case], generate(op, ["p"], arg_dtypes=dts, **tun)
-            dot = layout[2:] == "Cm"
+            dot = layout[2:] == "Cm" and case != ".preload_vec2"       # bulk copies need 16-byte vectors
             assert (pre.tuning["preload"] > 0) == dot and plain.tuning["preload"] == 0
             assert pre.early == (("in1",) if dot else ()) and plain.early == ()
             assert "lum_pdl_wait();" in pre.body and "lum_pdl_trigger();" in pre.body

@@ -218,8 +218,8 @@ def test_gemv_staged_loads_compile(cache_dir, arch):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
 def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
-    """Every gemv case with its first weight vectors preloaded (templates/gemv.cu PRELOAD: prologues and
-    epilogues included) and every kernel's launch-order preamble (common.cuh: griddepcontrol from sm_90,
+    """Every gemv case with its first weight vectors preloaded (templates/gemv.cu PRELOAD, bulk copies from
+    sm_90: prologues and epilogues included) and every kernel's launch-order preamble (common.cuh: griddepcontrol from sm_90,
     nothing before it)."""
     from lum.builder.codegen import generate_program
     from tests.kernel_cases import gemv_cases, template_cases
@@ -232,6 +232,7 @@ def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
         res = nvrtc.compile_cuda(module_source(ks), arch, cache_dir=cache_dir)
         assert res.cubin[:4] == b"\x7fELF" and ("griddepcontrol.wait" in res.ptx) == (arch == "sm_90")
         assert ("griddepcontrol.launch_dependents" in res.ptx) == (arch == "sm_90")
+        assert ("cp.async.bulk.shared" in res.ptx) == (arch == "sm_90")       # the preloads' bulk copies
 
 
 @pytest.mark.parametrize("probe", ["pdl_probe.cu", "phase_probe.cu"])
