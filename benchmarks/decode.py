@@ -34,10 +34,10 @@ What it does, in one run on one GPU:
      (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu), ``lum-staged``
      with ``LUM_GEMV_STAGED=8`` (each GEMV lane keeps up to 8 weight vectors in flight as cp.async copies
      into shared memory; templates/gemv.cu STAGED), ``lum-preload`` with ``LUM_GEMV_PRELOAD=1`` (each GEMV
-     block copies its first tile's first weight vectors into shared memory before it waits for the kernel
-     before it; templates/gemv.cu PRELOAD), ``lum-preload-pdl`` the same package with programmatic launch
-     (``programmatic_launch=True``: those copies run while the kernels before it still run), ``lum-pdl``
-     the default package with programmatic launch.
+     block has the copy engine fetch its first tile's first weights into shared memory before it waits for
+     the kernel before it, which under programmatic launch still runs; templates/gemv.cu PRELOAD),
+     ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
+     plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -81,11 +81,11 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-gemvprefetch": {"LUM_GEMV_PREFETCH": "64"}, "lum-staged": {"LUM_GEMV_STAGED": "8"},
-                 "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-pdl": {"LUM_GEMV_PRELOAD": "1"},
+                 "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
-               "lum-prefetch": {"l2_prefetch": True}, "lum-pdl": {"programmatic_launch": True},
-               **{s: {} for s in LUM_BUILD_ENV}, "lum-preload-pdl": {"programmatic_launch": True}}
+               "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
+               **{s: {} for s in LUM_BUILD_ENV}, "lum-preload-plain": {"programmatic_launch": False}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)

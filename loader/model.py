@@ -335,7 +335,7 @@ class Session:
     ``graph_branches`` (capture independent kernels on parallel streams, default True;
     ``LUM_CUDA_BRANCHES=0``), ``l2_prefetch`` (with branches: warm L2 with each weight GEMV's first bytes
     while the small kernels before it run, default False: it measured within noise; ``LUM_CUDA_PREFETCH=1``),
-    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default False; ``LUM_CUDA_PDL=1``).
+    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default True; ``LUM_CUDA_PDL=0``).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):

@@ -23,10 +23,11 @@ kernels do not depend on each other (``graph_branches``, default on; ``LUM_CUDA_
 off; :mod:`lum.loader.cuda.branches`), so such kernels run side by side; in such a graph a side branch
 can warm L2 with a weight GEMV's first bytes while the small kernels before it run (``l2_prefetch``,
 off by default: measured within noise; ``LUM_CUDA_PREFETCH=1`` turns it on; :mod:`lum.loader.cuda.prefetch`).
-``programmatic_launch`` (sm_90+; off by default, ``LUM_CUDA_PDL=1`` turns it on) launches the kernels of
-tables marked programmatic with programmatic stream serialization: each is scheduled while the kernel
-before it still runs and waits for it on the device, so a GEMV that preloads copies its first weights
-into shared memory meanwhile (templates/common.cuh, gemv.cu; lum.format.manifest says when it is safe).
+``programmatic_launch`` (sm_90+; on by default, ``LUM_CUDA_PDL=0`` turns it off: measured +2.6-3.0% a decode
+step) launches the kernels of tables marked programmatic with programmatic stream serialization: each is
+scheduled while the kernel before it still runs and waits for it on the device, so its launch and ramp
+overlap that kernel's tail, and a GEMV built with preloads copies its first weights into shared memory
+meanwhile (templates/common.cuh, gemv.cu; lum.format.manifest says when it is safe).
 ``graphs=False`` launches
 everything eagerly, on one stream;
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
@@ -148,7 +149,7 @@ class CudaRunner:
         self._check_kernels(used)
         self.device = cu.device_info(device)
         if programmatic_launch is None:
-            programmatic_launch = os.environ.get("LUM_CUDA_PDL", "0") != "0"
+            programmatic_launch = os.environ.get("LUM_CUDA_PDL", "1") != "0"
         self.programmatic = bool(programmatic_launch) and self.device.cc >= (9, 0)
         has_ptx = all(m.groups[g].table is None or not m.groups[g].table.ops or m.groups[g].table.ptx for g in used)
         compat = check_target(str(m.target.get("sm", "")), m.target.get("nvrtc"), self.device.cc,
