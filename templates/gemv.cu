@@ -253,23 +253,33 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
           }
         } else if (lum_vec_ok) {
           lum_kv = lum_k / VEC * VEC;
-          idx_t lum_q1 = (idx_t)lum_lane * VEC;   // the first vector the loop loads from global memory
+          // the loop over this lane's vectors from lum_q0: a start of the form lane * VEC + constant keeps
+          // its trip count known to the compiler (static k), which unrolls it and issues loads early
+          auto lum_plain = [&](idx_t lum_q0) {
+#pragma unroll {{UNROLL}}
+            for (idx_t lum_q = lum_q0; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
+              float lum_bv[NACC][VEC];
+#pragma unroll
+              for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t], lum_cb);
+              lum_fma(lum_q, lum_bv);
+            }
+          };
           if (PRELOAD > 0 && lum_pre_ok && lum_c0 == (idx_t)blockIdx.x * SPAN) {   // the preloaded ones first
             lum_barrier_wait(&lum_pre_bar);
             const b_t* lum_mine = lum_pre + lum_g * NACC * PRE_LEN;
-            for (; lum_q1 < lum_pre_len; lum_q1 += (idx_t)GROUP * VEC) {
-              float lum_bv[NACC][VEC];
 #pragma unroll
-              for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine + t * PRE_LEN + lum_q1, lum_bv[t], lum_cb);
-              lum_fma(lum_q1, lum_bv);
+            for (int u = 0; u < PRELOAD; ++u) {
+              const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
+              if (lum_q < lum_pre_len) {
+                float lum_bv[NACC][VEC];
+#pragma unroll
+                for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine + t * PRE_LEN + lum_q, lum_bv[t], lum_cb);
+                lum_fma(lum_q, lum_bv);
+              }
             }
-          }
-#pragma unroll {{UNROLL}}
-          for (idx_t lum_q = lum_q1; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
-            float lum_bv[NACC][VEC];
-#pragma unroll
-            for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t], lum_cb);
-            lum_fma(lum_q, lum_bv);
+            lum_plain((idx_t)lum_lane * VEC + (idx_t)PRELOAD * GROUP * VEC);
+          } else {
+            lum_plain((idx_t)lum_lane * VEC);
           }
         }
         for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {
