@@ -4,10 +4,11 @@
         [--projs qkv,o,down] [--threads default,256,512] [--groups default,64] [--loads 4:0,4:4,4:0:64,4:0:0:8]
 
 For every (n, k) of a model's decode projections (and their fused QKV / gate-up forms), every
-combination of threads, group (threads per output, split-K) and loads (``unroll:inflight[:prefetch[:staged]]``:
+combination of threads, group (threads per output, split-K) and loads (``unroll:inflight[:prefetch[:staged[:preload]]]``:
 the compiler-unrolled loop, or ``inflight`` vector loads a lane issues ahead; ``prefetch`` weight vectors a
 lane asks L2 for a tile ahead, templates/gemv.cu PREFETCH; ``staged`` weight vectors a lane keeps in
-flight as cp.async copies into shared memory, STAGED) is compiled with NVRTC and
+flight as cp.async copies into shared memory, STAGED; ``preload`` 1: the first tile's first weights bulk-copied
+into shared memory before the wait, PRELOAD, here without a kernel before it) is compiled with NVRTC and
 timed as a CUDA graph of back-to-back launches over weight copies that together exceed the L2 cache
 (so each launch reads its weight from HBM, as in decode). Reports GB/s (weight + x + y bytes over the
 median launch time) beside a device-to-device copy measured in the same run, the codegen default's
@@ -46,8 +47,9 @@ SHAPES = {   # (n, k) of each decode projection, then the fused forms
 }
 THREADS = (None, 128, 256, 512)   # None: codegen's default (_default_threads)
 GROUPS = (None, 32, 64, 128, 256)
-LOADS = ((4, 0, 0, 0), (8, 0, 0, 0), (4, 4, 0, 0), (4, 8, 0, 0), (4, 0, 8, 0), (4, 0, 64, 0), (4, 0, 0, 4),
-         (4, 0, 0, 8))   # (unroll, inflight, prefetch, staged); (4, 0, 0, 0) is codegen's default
+LOADS = ((4, 0, 0, 0, 0), (8, 0, 0, 0, 0), (4, 4, 0, 0, 0), (4, 8, 0, 0, 0), (4, 0, 8, 0, 0), (4, 0, 64, 0, 0),
+         (4, 0, 0, 4, 0), (4, 0, 0, 8, 0), (4, 0, 0, 0, 1))
+# (unroll, inflight, prefetch, staged, preload); (4, 0, 0, 0, 0) is codegen's default
 PROLOGUE_SHAPES = {"gemma3-4b": {"qkv": ("norm", 4096, 2560), "gate+up": ("norm", 20480, 2560),
                                  "down": ("gated", 2560, 10240)},
                    "llama3-1b": {"qkv": ("norm", 3072, 2048), "gate+up": ("norm", 16384, 2048),
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
                     % ",".join("default" if t is None else str(t) for t in THREADS))
     ap.add_argument("--groups", default=None, help="plain: splits, 'default' for codegen's (default: %s)"
                     % ",".join("default" if g is None else str(g) for g in GROUPS))
-    ap.add_argument("--loads", default=None, help="plain: unroll:inflight[:prefetch[:staged]] (default: %s)"
+    ap.add_argument("--loads", default=None, help="plain: unroll:inflight[:prefetch[:staged[:preload]]] (default: %s)"
                     % ",".join(":".join(map(str, v)) for v in LOADS))
     args = ap.parse_args(argv)
 
@@ -114,11 +116,11 @@ def main(argv=None) -> int:
 
     threads_space, groups_space = choices(args.threads, THREADS, "threads"), choices(args.groups, GROUPS, "groups")
     try:
-        loads_space = LOADS if args.loads is None else tuple((*t, 0, 0)[:4] for t in (
-            tuple(int(x) for x in v.split(":")) for v in args.loads.split(",")) if len(t) in (2, 3, 4))
+        loads_space = LOADS if args.loads is None else tuple((*t, 0, 0, 0)[:5] for t in (
+            tuple(int(x) for x in v.split(":")) for v in args.loads.split(",")) if len(t) in (2, 3, 4, 5))
         assert args.loads is None or len(loads_space) == len(args.loads.split(","))
     except (ValueError, AssertionError):
-        ap.error(f"--loads: comma-separated unroll:inflight[:prefetch[:staged]], got {args.loads!r}")
+        ap.error(f"--loads: comma-separated unroll:inflight[:prefetch[:staged[:preload]]], got {args.loads!r}")
     projs = None if args.projs is None else set(args.projs.split(","))
 
     from lum.builder import nvrtc
@@ -228,11 +230,11 @@ def main(argv=None) -> int:
                 x, y, dyn = buf(k * dt.itemsize), buf(n * 4), buf(8)
                 packs = [ParamPack([y.ptr, x.ptr, w.ptr, dyn.ptr]) for w in ws]
                 results = []
-                for threads, group, (unroll, inflight, prefetch, staged) in itertools.product(
+                for threads, group, (unroll, inflight, prefetch, staged, preload) in itertools.product(
                         threads_space, groups_space, loads_space):
                     try:
                         ks = generate(op, [], arg_dtypes=[dt, dt], threads=threads, group=group, unroll=unroll,
-                                      inflight=inflight, prefetch=prefetch, staged=staged)
+                                      inflight=inflight, prefetch=prefetch, staged=staged, preload=preload)
                     except CodegenError:
                         continue
                     mod = cu.Module(nvrtc.compile_cuda(ks.source, info.sm).cubin, "gemv sweep")
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
                     mod.close()
                     gbps = (wbytes + (k + n) * dt.itemsize) / t / 1e9
                     results.append({"threads": threads, "group": group, "unroll": unroll, "inflight": inflight,
-                                    "prefetch": prefetch, "staged": staged, "chosen_threads": ks.tuning["threads"],
+                                    "prefetch": prefetch, "staged": staged, "preload": preload,
+                                    "chosen_threads": ks.tuning["threads"], "chosen_preload": ks.tuning["preload"],
                                     "chosen_group": ks.tuning["group"], "chosen_inflight": ks.tuning["inflight"],
                                     "chosen_prefetch": ks.tuning["prefetch"], "chosen_staged": ks.tuning["staged"],
                                     "us": round(t * 1e6, 2),
@@ -261,8 +264,8 @@ def main(argv=None) -> int:
                 best = max(results, key=lambda r: r["GBps"])
                 default = next((r for r in results if r["threads"] is None and r["group"] is None
                                 and r["unroll"] == 4 and r["inflight"] == 0 and r["prefetch"] == 0
-                                and r["staged"] == 0), None)
-                ahead = [r for r in results if r["inflight"] or r["prefetch"] or r["staged"]]
+                                and r["staged"] == 0 and r["preload"] == 0), None)
+                ahead = [r for r in results if r["inflight"] or r["prefetch"] or r["staged"] or r["preload"]]
                 best_ahead = max(ahead, key=lambda r: r["GBps"]) if ahead else None
                 record["rows"].append({"model": model, "proj": proj, "n": n, "k": k, "best": best,
                                        "default": default, "best_inflight": best_ahead, "all": results})
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
                 def show(r):
                     return (f"{r['GBps']:5d} GB/s ({r['us']:6.2f} us: threads {r['chosen_threads']} group "
                             f"{r['chosen_group']} unroll {r['unroll']} inflight {r['chosen_inflight']} prefetch "
-                            f"{r['chosen_prefetch']} staged {r['chosen_staged']})")
+                            f"{r['chosen_prefetch']} staged {r['chosen_staged']} preload {r['chosen_preload']})")
                 log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  default {show(default) if default else '-'}  "
                     f"best {show(best)}  best ahead {show(best_ahead) if best_ahead else '-'}")
     finally:
