@@ -283,18 +283,29 @@ def test_l2_prefetch_changes_no_result(tiny_model, cublaslt, monkeypatch):
     monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 1024)
     _, _, path = tiny_model
     pkg = lum.loader.open(path)
+
+    def hints_on(sess, on):
+        hints = sum(getattr(st, "hint", False) for st in sess.runner.plans["decode"].steps)
+        assert (hints > 0) == on, hints
+
+    _same_results_both_ways(pkg, "l2_prefetch", hints_on)
+
+
+def _same_results_both_ways(pkg, option: str, check) -> np.ndarray:
+    """One decode step's logits and 12 greedy tokens with session ``option`` on and off (``check(sess, on)``
+    first): finite and bit-equal both ways. Returns the logits."""
     ids = np.asarray(PROMPT, np.int32)
     got = {}
     for on in (True, False):
-        with pkg.session(backend="cuda", l2_prefetch=on) as sess:
-            hints = sum(getattr(st, "hint", False) for st in sess.runner.plans["decode"].steps)
-            assert (hints > 0) == on, hints
+        with pkg.session(backend="cuda", **{option: on}) as sess:
+            check(sess, on)
             sess.run("prefill", {"tokens": ids}, {"s": len(ids)})
             logits = sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
             sess.reset()
             got[on] = (logits, sess.generate(PROMPT, 12))
     assert np.isfinite(got[True][0]).all() and np.array_equal(got[True][0], got[False][0])
     assert got[True][1] == got[False][1]
+    return got[True][0]
 
 
 def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublaslt, monkeypatch):
@@ -315,18 +326,13 @@ def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublasl
     ref = pkg.session(backend="reference")
     ref.run("prefill", {"tokens": ids}, {"s": len(ids)})
     want = ref.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
-    got = {}
-    for on in (True, False):
-        with pkg.session(backend="cuda", programmatic_launch=on) as sess:
-            steps = [st for st in sess.runner.plans["decode"].steps if hasattr(st, "programmatic")]
-            assert (sum(st.programmatic for st in steps) > 0) == on
-            sess.run("prefill", {"tokens": ids}, {"s": len(ids)})
-            logits = sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
-            sess.reset()
-            got[on] = (logits, sess.generate(PROMPT, 12))
-    assert np.isfinite(got[True][0]).all() and np.array_equal(got[True][0], got[False][0])
-    assert got[True][1] == got[False][1]
-    assert compare(got[True][0], want, 1e-4) is None, compare(got[True][0], want, 1e-4)
+
+    def launched_programmatically(sess, on):
+        steps = [st for st in sess.runner.plans["decode"].steps if hasattr(st, "programmatic")]
+        assert (sum(st.programmatic for st in steps) > 0) == on
+
+    got = _same_results_both_ways(pkg, "programmatic_launch", launched_programmatically)
+    assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
 
 
 # ============================================================================ (d) 10,000 decode steps
