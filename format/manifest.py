@@ -65,8 +65,8 @@ early (``griddepcontrol.launch_dependents``) and waits on the device for the ker
 copies fill it before a graph runs) and the buffers its op entry names in ``early`` (a GEMV's weights,
 which it starts copying into shared memory while its predecessor runs). A CUDA loader may then launch
 the table's kernels with programmatic stream serialization (sm_90+), each only where every ``early``
-buffer is one nothing in the package writes (a weight or a constant); tables without the flag (older
-builds) launch plainly.
+buffer is a weight (nothing in the package writes one); tables without the flag (older builds) launch
+plainly.
 """
 
 from __future__ import annotations
