@@ -30,10 +30,7 @@ What it does, in one run on one GPU:
      ``lum-inflight8`` with ``LUM_GEMV_INFLIGHT=4`` / ``8`` (each GEMV lane issues that many weight loads
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
-     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-gemvprefetch`` with ``LUM_GEMV_PREFETCH=64``
-     (each GEMV lane asks L2 for all its weight vectors of a tile, a tile ahead; templates/gemv.cu), ``lum-staged``
-     with ``LUM_GEMV_STAGED=8`` (each GEMV lane keeps up to 8 weight vectors in flight as cp.async copies
-     into shared memory; templates/gemv.cu STAGED), ``lum-preload`` with ``LUM_GEMV_PRELOAD=1`` (each GEMV
+     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` with ``LUM_GEMV_PRELOAD=1`` (each GEMV
      block has the copy engine fetch its first tile's first weights into shared memory before it waits for
      the kernel before it, which under programmatic launch still runs; templates/gemv.cu PRELOAD),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
@@ -80,7 +77,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
-                 "lum-gemvprefetch": {"LUM_GEMV_PREFETCH": "64"}, "lum-staged": {"LUM_GEMV_STAGED": "8"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options

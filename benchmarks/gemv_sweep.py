@@ -1,14 +1,13 @@
 """Decode GEMV (m = 1, x @ W^T, W [n, k] row-major) over lum's gemv.cu tuning space, on the real shapes.
 
     python benchmarks/gemv_sweep.py [--dtype bf16] [--out DIR] [--shapes gemma3-4b,llama3-1b]
-        [--projs qkv,o,down] [--threads default,256,512] [--groups default,64] [--loads 4:0,4:4,4:0:64,4:0:0:8]
+        [--projs qkv,o,down] [--threads default,256,512] [--groups default,64] [--loads 4:0,4:4,4:0:1]
 
 For every (n, k) of a model's decode projections (and their fused QKV / gate-up forms), every
-combination of threads, group (threads per output, split-K) and loads (``unroll:inflight[:prefetch[:staged[:preload]]]``:
-the compiler-unrolled loop, or ``inflight`` vector loads a lane issues ahead; ``prefetch`` weight vectors a
-lane asks L2 for a tile ahead, templates/gemv.cu PREFETCH; ``staged`` weight vectors a lane keeps in
-flight as cp.async copies into shared memory, STAGED; ``preload`` 1: the first tile's first weights bulk-copied
-into shared memory before the wait, PRELOAD, here without a kernel before it) is compiled with NVRTC and
+combination of threads, group (threads per output, split-K) and loads (``unroll:inflight[:preload]``:
+the compiler-unrolled loop, or ``inflight`` vector loads a lane issues ahead; ``preload`` 1: the first
+tile's first weights bulk-copied into shared memory before the wait, templates/gemv.cu PRELOAD, here
+without a kernel before it) is compiled with NVRTC and
 timed as a CUDA graph of back-to-back launches over weight copies that together exceed the L2 cache
 (so each launch reads its weight from HBM, as in decode). Reports GB/s (weight + x + y bytes over the
 median launch time) beside a device-to-device copy measured in the same run, the codegen default's
@@ -47,15 +46,13 @@ SHAPES = {   # (n, k) of each decode projection, then the fused forms
 }
 THREADS = (None, 128, 256, 512)   # None: codegen's default (_default_threads)
 GROUPS = (None, 32, 64, 128, 256)
-LOADS = ((4, 0, 0, 0, 0), (8, 0, 0, 0, 0), (4, 4, 0, 0, 0), (4, 8, 0, 0, 0), (4, 0, 8, 0, 0), (4, 0, 64, 0, 0),
-         (4, 0, 0, 4, 0), (4, 0, 0, 8, 0), (4, 0, 0, 0, 1))
-# (unroll, inflight, prefetch, staged, preload); (4, 0, 0, 0, 0) is codegen's default
+LOADS = ((4, 0, 0), (8, 0, 0), (4, 4, 0), (4, 8, 0), (4, 0, 1))   # (unroll, inflight, preload); (4, 0, 0): default
 PROLOGUE_SHAPES = {"gemma3-4b": {"qkv": ("norm", 4096, 2560), "gate+up": ("norm", 20480, 2560),
                                  "down": ("gated", 2560, 10240)},
                    "llama3-1b": {"qkv": ("norm", 3072, 2048), "gate+up": ("norm", 16384, 2048),
                                  "down": ("gated", 2048, 8192)}}
 PROLOGUE_SPACE = {"threads": (None, 256, 512), "group": (None, 64), "max_blocks": (132, 264, 65536),
-                  "inflight": (0, 4), "prefetch": (0, 64), "staged": (0, 4)}
+                  "inflight": (0, 4), "preload": (0, 1)}
 
 
 def prologue_ops(kind: str, n: int, k: int, dt):
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
                     % ",".join("default" if t is None else str(t) for t in THREADS))
     ap.add_argument("--groups", default=None, help="plain: splits, 'default' for codegen's (default: %s)"
                     % ",".join("default" if g is None else str(g) for g in GROUPS))
-    ap.add_argument("--loads", default=None, help="plain: unroll:inflight[:prefetch[:staged[:preload]]] (default: %s)"
+    ap.add_argument("--loads", default=None, help="plain: unroll:inflight[:preload] (default: %s)"
                     % ",".join(":".join(map(str, v)) for v in LOADS))
     args = ap.parse_args(argv)
 
@@ -116,11 +113,11 @@ def main(argv=None) -> int:
 
     threads_space, groups_space = choices(args.threads, THREADS, "threads"), choices(args.groups, GROUPS, "groups")
     try:
-        loads_space = LOADS if args.loads is None else tuple((*t, 0, 0, 0)[:5] for t in (
-            tuple(int(x) for x in v.split(":")) for v in args.loads.split(",")) if len(t) in (2, 3, 4, 5))
+        loads_space = LOADS if args.loads is None else tuple((*t, 0)[:3] for t in (
+            tuple(int(x) for x in v.split(":")) for v in args.loads.split(",")) if len(t) in (2, 3))
         assert args.loads is None or len(loads_space) == len(args.loads.split(","))
     except (ValueError, AssertionError):
-        ap.error(f"--loads: comma-separated unroll:inflight[:prefetch[:staged[:preload]]], got {args.loads!r}")
+        ap.error(f"--loads: comma-separated unroll:inflight[:preload], got {args.loads!r}")
     projs = None if args.projs is None else set(args.projs.split(","))
 
     from lum.builder import nvrtc
@@ -190,18 +187,17 @@ def main(argv=None) -> int:
                                       (gk, [ParamPack([y.ptr, a.ptr, w.ptr, dyn.ptr]) for w in ws])], "pair")
                 results = []
                 fused_dts = [DType.f32, DType.f32 if kind == "gated" else dt, DType.f32, DType.f32, dt]
-                for threads, group, cap, inflight, prefetch, staged in itertools.product(*PROLOGUE_SPACE.values()):
+                for threads, group, cap, inflight, preload in itertools.product(*PROLOGUE_SPACE.values()):
                     try:
                         fk = generate(fused, [], arg_dtypes=fused_dts, threads=threads, group=group, max_blocks=cap,
-                                      inflight=inflight, prefetch=prefetch, staged=staged)
+                                      inflight=inflight, preload=preload)
                     except CodegenError:
                         continue
                     t = timed_graph([(fk, [ParamPack([y.ptr, *leaf_ptrs, w.ptr, dyn.ptr]) for w in ws])], "fused")
                     results.append({"threads": fk.tuning["threads"], "group": fk.tuning["group"], "max_blocks": cap,
-                                    "inflight": fk.tuning["inflight"], "prefetch": fk.tuning["prefetch"],
-                                    "staged": fk.tuning["staged"],
+                                    "inflight": fk.tuning["inflight"], "preload": fk.tuning["preload"],
                                     "default": threads is None and group is None and cap == 65536 and not inflight
-                                    and not prefetch and not staged,
+                                    and not preload,
                                     "grid": fk.grid[0].evaluate({}),
                                     "us": round(t * 1e6, 2), "vs_pair": round(t / t_pair, 3)})
                 for b in ws:
@@ -215,7 +211,7 @@ def main(argv=None) -> int:
                 log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  norm+gemv {t_pair * 1e6:6.2f} us  fused default "
                     f"{default['us']:6.2f} us ({default['vs_pair']:.3f}x), best {best['us']:6.2f} us "
                     f"({best['vs_pair']:.3f}x: threads {best['threads']} group {best['group']} grid {best['grid']} "
-                    f"inflight {best['inflight']} prefetch {best['prefetch']} staged {best['staged']})")
+                    f"inflight {best['inflight']} preload {best['preload']})")
         for model in args.shapes.split(",") if args.mode == "plain" else ():
             for proj, (n, k) in SHAPES[model].items():
                 if projs is not None and proj not in projs:
@@ -230,11 +226,11 @@ def main(argv=None) -> int:
                 x, y, dyn = buf(k * dt.itemsize), buf(n * 4), buf(8)
                 packs = [ParamPack([y.ptr, x.ptr, w.ptr, dyn.ptr]) for w in ws]
                 results = []
-                for threads, group, (unroll, inflight, prefetch, staged, preload) in itertools.product(
+                for threads, group, (unroll, inflight, preload) in itertools.product(
                         threads_space, groups_space, loads_space):
                     try:
                         ks = generate(op, [], arg_dtypes=[dt, dt], threads=threads, group=group, unroll=unroll,
-                                      inflight=inflight, prefetch=prefetch, staged=staged, preload=preload)
+                                      inflight=inflight, preload=preload)
                     except CodegenError:
                         continue
                     mod = cu.Module(nvrtc.compile_cuda(ks.source, info.sm).cubin, "gemv sweep")
@@ -252,10 +248,9 @@ def main(argv=None) -> int:
                     mod.close()
                     gbps = (wbytes + (k + n) * dt.itemsize) / t / 1e9
                     results.append({"threads": threads, "group": group, "unroll": unroll, "inflight": inflight,
-                                    "prefetch": prefetch, "staged": staged, "preload": preload,
+                                    "preload": preload,
                                     "chosen_threads": ks.tuning["threads"], "chosen_preload": ks.tuning["preload"],
                                     "chosen_group": ks.tuning["group"], "chosen_inflight": ks.tuning["inflight"],
-                                    "chosen_prefetch": ks.tuning["prefetch"], "chosen_staged": ks.tuning["staged"],
                                     "us": round(t * 1e6, 2),
                                     "GBps": round(gbps)})
                 for b in ws:
@@ -263,17 +258,16 @@ def main(argv=None) -> int:
                     owned.remove(b)
                 best = max(results, key=lambda r: r["GBps"])
                 default = next((r for r in results if r["threads"] is None and r["group"] is None
-                                and r["unroll"] == 4 and r["inflight"] == 0 and r["prefetch"] == 0
-                                and r["staged"] == 0 and r["preload"] == 0), None)
-                ahead = [r for r in results if r["inflight"] or r["prefetch"] or r["staged"] or r["preload"]]
+                                and r["unroll"] == 4 and r["inflight"] == 0 and r["preload"] == 0), None)
+                ahead = [r for r in results if r["inflight"] or r["preload"]]
                 best_ahead = max(ahead, key=lambda r: r["GBps"]) if ahead else None
                 record["rows"].append({"model": model, "proj": proj, "n": n, "k": k, "best": best,
                                        "default": default, "best_inflight": best_ahead, "all": results})
 
                 def show(r):
                     return (f"{r['GBps']:5d} GB/s ({r['us']:6.2f} us: threads {r['chosen_threads']} group "
-                            f"{r['chosen_group']} unroll {r['unroll']} inflight {r['chosen_inflight']} prefetch "
-                            f"{r['chosen_prefetch']} staged {r['chosen_staged']} preload {r['chosen_preload']})")
+                            f"{r['chosen_group']} unroll {r['unroll']} inflight {r['chosen_inflight']} preload "
+                            f"{r['chosen_preload']})")
                 log(f"{model:10s} {proj:8s} n={n:6d} k={k:6d}  default {show(default) if default else '-'}  "
                     f"best {show(best)}  best ahead {show(best_ahead) if best_ahead else '-'}")
     finally:

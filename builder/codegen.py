@@ -56,13 +56,10 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
 threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4),
 ``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
-the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``prefetch`` (gemv, dot
-scheme: vectors of the weights a lane asks L2 for a tile ahead, capped by the vectors it has; default
-``$LUM_GEMV_PREFETCH``, else 0), ``staged`` (gemv, dot scheme: weight vectors a lane keeps in flight
-as cp.async copies into shared memory, capped by the vectors it has and by shared memory; default
-``$LUM_GEMV_STAGED``, else 0), ``preload`` (gemv, dot scheme: 1 copies the first weight vectors of a
-block's first tile into shared memory before the kernel waits for its predecessor, as many as
-:data:`GEMV_PRELOAD_SM_BYTES` leaves room for; default ``$LUM_GEMV_PRELOAD``, else 0), ``max_blocks`` (grid cap),
+the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``preload`` (gemv,
+dot scheme: 1 copies the first weight vectors of a block's first tile into shared memory before the
+kernel waits for its predecessor, as many as :data:`GEMV_PRELOAD_SM_BYTES` leaves room for; default
+``$LUM_GEMV_PRELOAD``, else 0), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -90,8 +87,7 @@ from lum.format.shapetracker import ShapeTracker, numel
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
-           "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PREFETCH",
-           "gemv_prefetch_default", "ENV_GEMV_STAGED", "gemv_staged_default", "ENV_GEMV_PRELOAD",
+           "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
@@ -105,14 +101,9 @@ GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
-GEMV_MAX_PREFETCH = 64                           # weight vectors a gemv lane may ask L2 for, a tile ahead
-GEMV_MAX_STAGED = 16                             # weight vectors a gemv lane may have in flight via shared memory
-STAGED_SMEM_BYTES = 46 * 1024                    # a gemv block's static shared memory with staged loads, at most
 GEMV_PRELOAD_SM_BYTES = 160 * 1024               # an SM's shared memory the preloads of its resident blocks may fill
 GEMV_PRELOAD_BLOCK_BYTES = 32 * 1024             # ... and one block's (static shared memory stays under 48 KB)
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
-ENV_GEMV_PREFETCH = "LUM_GEMV_PREFETCH"
-ENV_GEMV_STAGED = "LUM_GEMV_STAGED"
 _SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -590,16 +581,6 @@ def _env_count(name: str, hi: int) -> int:
     return int(raw)
 
 
-def gemv_prefetch_default() -> int:
-    """``$LUM_GEMV_PREFETCH`` (weight vectors a GEMV lane asks L2 for a tile ahead), else 0: none."""
-    return _env_count(ENV_GEMV_PREFETCH, GEMV_MAX_PREFETCH)
-
-
-def gemv_staged_default() -> int:
-    """``$LUM_GEMV_STAGED`` (weight vectors a GEMV lane keeps in flight through shared memory), else 0."""
-    return _env_count(ENV_GEMV_STAGED, GEMV_MAX_STAGED)
-
-
 def gemv_preload_default() -> int:
     """``$LUM_GEMV_PRELOAD`` (1: GEMVs copy their first weight vectors before waiting for their predecessor), else 0."""
     return _env_count(ENV_GEMV_PRELOAD, 1)
@@ -617,8 +598,8 @@ def _pow2ceil(x: int) -> int:
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
-             unroll: int | None = None, inflight: int | None = None, prefetch: int | None = None,
-             staged: int | None = None, preload: int | None = None, max_blocks: int = 65536,
+             unroll: int | None = None, inflight: int | None = None, preload: int | None = None,
+             max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
@@ -653,8 +634,6 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
-               prefetch=gemv_prefetch_default() if prefetch is None else prefetch,
-               staged=gemv_staged_default() if staged is None else staged,
                preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
@@ -747,13 +726,11 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
-                 prefetch: int = 0, staged: int = 0, preload: int = 0, threads_given: bool = True,
+                 preload: int = 0, threads_given: bool = True,
                  row_regs: bool = True):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
-        self.prefetch = prefetch
-        self.staged = staged
         self.preload = preload
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
@@ -1669,9 +1646,7 @@ class _Gen:
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
-        prefetch = self._gemv_vectors("prefetch", self.prefetch, GEMV_MAX_PREFETCH, k, group, vec) if b_kc else 0
-        staged = self._gemv_staged(m, k, group, vec, dtb, len(acc_cols), inflight) if b_kc else 0
-        preload = self._gemv_preload(m, k, group, vec, dtb, len(acc_cols), inflight or staged) if b_kc else 0
+        preload = self._gemv_preload(m, k, dtb, group, vec, len(acc_cols), inflight) if b_kc else 0
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1683,7 +1658,7 @@ class _Gen:
         else:
             items, per_block, margin = batch * cdiv(n, tile), 1, self.max_blocks
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
-                  "unroll": unroll, "inflight": inflight, "prefetch": prefetch, "staged": staged, "preload": preload, "cols": tile,
+                  "unroll": unroll, "inflight": inflight, "preload": preload, "cols": tile,
                   "max_blocks": self.max_blocks}
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
@@ -1699,7 +1674,7 @@ class _Gen:
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
-            "INFLIGHT": inflight, "PREFETCH": prefetch, "STAGED": staged, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
+            "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
@@ -1799,25 +1774,14 @@ class _Gen:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
 
-    def _gemv_staged(self, m: int, k: Expr, group: int, vec: int, dtb: DType, nacc: int, inflight: int) -> int:
-        """Weight vectors a lane keeps in flight through shared memory (``staged``, dot scheme): the asked
-        count down to the vectors a lane has and to what :data:`STAGED_SMEM_BYTES` holds beside a
-        prologue's A (one 4-, 8- or 16-byte slot per vector and product column, for every thread); 0
-        with loads ahead in registers (``inflight``), which take the k loop instead."""
-        staged = self._gemv_vectors("staged", self.staged, GEMV_MAX_STAGED, k, group, vec)
-        if not staged or inflight or vec * dtb.itemsize < 4:
-            return 0
-        room = STAGED_SMEM_BYTES - (m * k.value * 4 if "expr" in self.op.params else 0)
-        return max(0, min(staged, room // (self.threads * nacc * vec * dtb.itemsize)))
-
-    def _gemv_preload(self, m: int, k: Expr, group: int, vec: int, dtb: DType, nacc: int, other: int) -> int:
+    def _gemv_preload(self, m: int, k: Expr, dtb: DType, group: int, vec: int, nacc: int, inflight: int) -> int:
         """Weight vectors per lane that its block copies into shared memory before the wait (``preload`` 1, dot
         scheme, plain loop, 16-byte vectors: bulk copies): those of its first tile (static k), down to what one block's share of
         :data:`GEMV_PRELOAD_SM_BYTES` (the SM's resident blocks, by threads) and
-        :data:`GEMV_PRELOAD_BLOCK_BYTES` beside a prologue's A hold; 0 beside loads ahead or staged loads."""
+        :data:`GEMV_PRELOAD_BLOCK_BYTES` beside a prologue's A hold; 0 beside loads ahead (``inflight``)."""
         if self.preload not in (0, 1):
             raise CodegenError(f"preload is 0 or 1, got {self.preload}")
-        if not self.preload or other or not k.is_const or vec * dtb.itemsize != 16:
+        if not self.preload or inflight or not k.is_const or vec * dtb.itemsize != 16:
             return 0
         a_bytes = m * k.value * 4 if "expr" in self.op.params else 0
         room = min(GEMV_PRELOAD_SM_BYTES * self.threads // 2048, GEMV_PRELOAD_BLOCK_BYTES) - a_bytes
@@ -1826,9 +1790,8 @@ class _Gen:
 
     @staticmethod
     def _gemv_vectors(name: str, asked: int, hi: int, k: Expr, group: int, vec: int) -> int:
-        """Weight vectors per lane for ``inflight`` (loads issued ahead) or ``prefetch`` (L2 hints a tile
-        ahead), dot scheme: ``asked``, in [0, ``hi``], down to the vectors a lane has when k is static (no
-        registers or hints for loads that never happen)."""
+        """Weight vectors per lane for ``inflight`` (loads issued ahead), dot scheme: ``asked``, in [0, ``hi``],
+        down to the vectors a lane has when k is static (no registers for loads that never happen)."""
         if not 0 <= asked <= hi:
             raise CodegenError(f"{name} must be in [0, {hi}], got {asked}")
         if asked and k.is_const:

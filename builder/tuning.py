@@ -56,7 +56,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.codegen import gemv_inflight_default, gemv_kernel_ops, gemv_prefetch_default
+from lum.builder.codegen import gemv_inflight_default, gemv_kernel_ops, gemv_preload_default
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
@@ -101,7 +101,6 @@ GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("group", (None, 32, 64, 128)),
     ("unroll", (None, 8)),          # k-loop unroll (None: the group-wide value)
     ("inflight", (None, 4, 8)),     # vector loads a lane issues ahead (None: $LUM_GEMV_INFLIGHT, else 0)
-    ("prefetch", (None, 8, 64)),    # weight vectors a lane asks L2 for a tile ahead (None: $LUM_GEMV_PREFETCH)
     ("preload", (None, 1)),         # first weights into shared memory before the wait (None: $LUM_GEMV_PRELOAD)
     ("max_blocks", (None, 132, 264)),   # grid cap: one or two blocks an SM (a prologue GEMV's blocks each
 )                                       # compute A; gemv_sweep --mode prologue: 132 best for gemma's gate-up)
@@ -655,7 +654,7 @@ class MeasuredCompiler:
                 "tuning_space": [[k, list(v)] for k, v in decisions], "nvrtc": self._nvrtc(),
                 "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
                 "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy(),
-                "gemv_inflight": gemv_inflight_default(), "gemv_prefetch": gemv_prefetch_default(),
+                "gemv_inflight": gemv_inflight_default(), "gemv_preload": gemv_preload_default(),
                 "row_reads": row_reads_enabled(),
                 "prologue_max_cols": prologue_max_cols()}
 

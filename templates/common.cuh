@@ -217,50 +217,12 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   }
 }
 
-// Ask L2 for the line holding p (a hint: no register waits for it; nothing under host emulation).
-LUM_D void lum_prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-#else
-  (void)p;
-#endif
-}
-
-// ------------------------------------------------------------------------------ asynchronous copies
-// sm_80's cp.async: a thread copies BYTES (4, 8 or 16; both addresses aligned to it) from global into
-// shared memory without a register waiting for the data, in commit groups it later waits on (keep
-// the newest N pending). Before sm_80, and under host emulation, the copy is an ordinary one, complete
-// when it returns.
+// The shared-memory address of p (for the bulk copies below; 0 under host emulation).
 LUM_D unsigned lum_smem_addr(const void* p) {
 #if defined(__CUDA_ARCH__)
   return (unsigned)__cvta_generic_to_shared(p);
 #else
   (void)p; return 0u;
-#endif
-}
-template <int BYTES>
-LUM_D void lum_async_copy(void* dst, const void* src) {
-  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(lum_smem_addr(dst)), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(lum_smem_addr(dst)), "l"(src), "n"(BYTES) : "memory");
-  }
-#else
-  struct alignas(BYTES) Chunk { unsigned char b[BYTES]; };
-  *reinterpret_cast<Chunk*>(dst) = *reinterpret_cast<const Chunk*>(src);
-#endif
-}
-LUM_D void lum_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-LUM_D void lum_async_wait() {   // every commit group but the newest N has landed
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 #endif
 }
 

@@ -26,19 +26,12 @@
 //! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
 //! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
 //! are uniform per block (shuffles, __syncthreads), so any grid >= 1 is correct; n, k or batch = 0 are
-//! fine (k = 0 writes zeros). With STAGED > 0 (dot scheme, no INFLIGHT) a lane keeps STAGED of its weight
-//! vectors in flight as asynchronous copies into its own shared-memory slots (cp.async: no register
-//! waits for them), refilling a slot as it takes the vector out, in the order of k: the same sums as
-//! the plain loop, with more loads in flight and the registers of one. With PRELOAD > 0 (dot scheme, the
-//! plain loop, 16-byte vectors) the block's first thread has the bulk copy engine copy the first
-//! PRELOAD * GROUP * VEC elements of each column of the block's first tile into shared memory before it
-//! waits for the previous kernel (lum_pdl_wait, common.cuh), and the loop takes them from there: under
-//! programmatic launch those bytes stream in while that kernel still runs.
-//! With PREFETCH > 0 a lane first
-//! asks L2 (prefetch hints, no registers held)
-//! for the first PREFETCH of its vectors of the block's first tile, so that they stream in while a
-//! prologue computes A and before the k loop asks for them one or two at a time, and each tile asks for
-//! the next tile's the same way: what the loop then loads comes from L2. Hints change no value.
+//! fine (k = 0 writes zeros). With PRELOAD > 0 (dot scheme, the plain loop, 16-byte vectors) the block's
+//! first thread has the bulk copy engine copy the first PRELOAD * GROUP * VEC elements of each column of
+//! the block's first tile into shared memory before it waits for the previous kernel (lum_pdl_wait,
+//! common.cuh), and the loop takes them from there: under programmatic launch those bytes stream in
+//! while that kernel still runs. (Weight prefetch hints and per-thread cp.async staging were tried here
+//! and measured slower: benchmarks/NOTES.md.)
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
@@ -46,11 +39,8 @@
 //!   epilogue), EPILOGUE (empty, or the code that stores output column lum_j of every row from lum_acc);
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
-//!   lane issues ahead; 0: the unrolled loop), PREFETCH (dot scheme: vectors of B a lane asks L2 for, of
-//!   the block's first tile before the prologue and of its next tile as it starts one; 0: none), STAGED
-//!   (dot scheme: weight vectors a lane has in flight through shared memory; 0: none), PRELOAD (dot
-//!   scheme, plain loop: vectors of B per lane of its column that the block copies into shared memory
-//!   before the wait; 0: none), A_EARLY
+//!   lane issues ahead; 0: the unrolled loop), PRELOAD (dot scheme, plain loop: vectors of B per lane of
+//!   its column that the block copies into shared memory before the wait; 0: none), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -72,21 +62,17 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
-  constexpr int PREFETCH = {{PREFETCH}};         // dot scheme: vectors of B a lane asks L2 for, a tile ahead
-  constexpr int STAGED = {{STAGED}};             // dot scheme: vectors of B a lane has in flight via shared memory
-  constexpr int STAGE_BYTES = STAGED > 0 ? VEC * (int)sizeof(b_t) : 4;   // one cp.async (codegen: 4, 8 or 16)
   constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane copies before the wait
   constexpr int PRE_LEN = PRELOAD * GROUP * VEC;  // elements of each of the first tile's columns preloaded
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
-  static_assert(PRELOAD == 0 || (INFLIGHT == 0 && STAGED == 0 && B_KCONTIG), "PRELOAD feeds the plain dot loop");
+  static_assert(PRELOAD == 0 || (INFLIGHT == 0 && B_KCONTIG), "PRELOAD feeds the plain dot loop");
   static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
   static_assert(M >= 1 && M <= 8, "M must be in [1, 8]");
   static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
   __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
-  __shared__ lum_vec<b_t, VEC> lum_stage[STAGED > 0 ? STAGED * NACC * THREADS : 1];   // [slot][t][thread]
   __shared__ lum_vec<b_t, VEC> lum_pre_v[PRELOAD > 0 ? SPAN * NACC * PRE_LEN / VEC : 1];   // [column g][t][k]
   b_t* const lum_pre = lum_pre_v[0].v;
   __shared__ LumBarrier lum_pre_bar;
@@ -106,21 +92,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_ca = [](a_t lum_x) -> float { return {{A_LOAD}}; };
   auto lum_cb = [](b_t lum_x) -> float { return {{B_LOAD}}; };
   auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
-  auto lum_prefetch_tile = [&](idx_t lum_t0) {   // L2 hints for tile lum_t0's first PREFETCH vectors a lane
-    const idx_t lum_pc = lum_t0 + (idx_t)((int)threadIdx.x / GROUP);
-    if (PREFETCH == 0 || !B_KCONTIG || lum_pc >= lum_batch * lum_nout) return;
-    const idx_t lum_pb = lum_pc / lum_nout;
-    const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
-#pragma unroll
-    for (int u = 0; u < PREFETCH; ++u) {
-      const idx_t lum_q = (idx_t)((int)threadIdx.x % GROUP) * VEC + (idx_t)u * GROUP * VEC;
-      if (lum_q < lum_k) {
-#pragma unroll
-        for (int t = 0; t < NACC; ++t) lum_prefetch_l2(lum_pp + ACC_COLS[t] * lum_ldb + lum_q);
-      }
-    }
-  };
-  lum_prefetch_tile((idx_t)blockIdx.x * SPAN);
   // The preload: B (weights, where codegen sets PRELOAD; the launch table names it `early`) does not
   // depend on the kernels before this one, so under programmatic launch the block's first thread asks
   // the bulk copy engine for the first PRE_LEN elements of each column of its first tile (one copy a
@@ -159,7 +130,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
     const idx_t lum_cols = lum_batch * lum_nout;
     for (idx_t lum_c0 = (idx_t)blockIdx.x * SPAN; lum_c0 < lum_cols; lum_c0 += (idx_t)gridDim.x * SPAN) {
-      lum_prefetch_tile(lum_c0 + (idx_t)gridDim.x * SPAN);
       const idx_t lum_c = lum_c0 + lum_g;
       const idx_t lum_b = lum_c < lum_cols ? lum_c / lum_nout : (idx_t)0;
       const idx_t lum_j = lum_c - lum_b * lum_nout;
@@ -222,34 +192,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                 }
               }
             }
-          }
-        } else if (lum_vec_ok && STAGED > 0) {  // STAGED vectors of B per lane in flight through shared memory
-          lum_kv = lum_k / VEC * VEC;
-          const idx_t lum_step = (idx_t)GROUP * VEC;
-          const idx_t lum_q0 = (idx_t)lum_lane * VEC;
-          const idx_t lum_nv = lum_q0 < lum_kv ? (lum_kv - lum_q0 + lum_step - 1) / lum_step : (idx_t)0;
-          lum_vec<b_t, VEC>* const lum_mine = lum_stage + (int)threadIdx.x;   // a warp's slots are contiguous
-          auto lum_stage_in = [&](idx_t lum_v, int lum_s) {   // vector lum_v of each product column into slot lum_s
-#pragma unroll
-            for (int t = 0; t < NACC; ++t) {
-              lum_async_copy<STAGE_BYTES>(&lum_mine[(lum_s * NACC + t) * THREADS], lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + lum_v * lum_step);
-            }
-          };
-#pragma unroll
-          for (int u = 0; u < STAGED; ++u) {
-            if (u < lum_nv) lum_stage_in(u, u);
-            lum_async_commit();                  // one group a vector, empty ones included: wait counts stay exact
-          }
-          for (idx_t lum_v = 0; lum_v < lum_nv; ++lum_v) {
-            lum_async_wait<(STAGED > 0 ? STAGED - 1 : 0)>();   // vector lum_v has landed
-            const int lum_s = (int)(lum_v % (STAGED > 0 ? STAGED : 1));
-            const idx_t lum_q = lum_q0 + lum_v * lum_step;
-            float lum_bv[NACC][VEC];
-#pragma unroll
-            for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine[(lum_s * NACC + t) * THREADS].v, lum_bv[t], lum_cb);
-            if (lum_v + STAGED < lum_nv) lum_stage_in(lum_v + STAGED, lum_s);
-            lum_async_commit();
-            lum_fma(lum_q, lum_bv);
           }
         } else if (lum_vec_ok) {
           lum_kv = lum_k / VEC * VEC;

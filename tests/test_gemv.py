@@ -125,19 +125,6 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
         out.append((layout + ".inflight_k0", gemm_op(layout, 1, 17, P, lda=17, ldb=17), [F32, F32], {"p": 0},
                     {"inflight": 4}))
         out.append((layout + ".n0", gemm_op(layout, 3, P, 17, lda=17, ldb=17, batch=2), [F32, F32], {"p": 0}, {}))
-        # L2 prefetch hints a tile ahead: several tiles a block (grid-stride), batches, dynamic k, with loads ahead
-        out.append((layout + ".prefetch", gemm_op(layout, 2, 130, P + 40, BF16, batch=2, lda=P + 40, ldb=P + 40,
-                                                  sa=2 * (P + 40), sb=0), [BF16, BF16], {"p": 60},
-                    {"prefetch": 4, "threads": 64}))
-        out.append((layout + ".prefetch_ahead", gemm_op(layout, 1, 40, 300), [BF16, BF16], {},
-                    {"prefetch": 64, "inflight": 2}))
-        # weight vectors staged through shared memory (cp.async): dynamic k, several rows, 4-byte copies
-        out.append((layout + ".staged", gemm_op(layout, 2, 130, P + 40, BF16, batch=2, lda=P + 40, ldb=P + 40,
-                                                sa=2 * (P + 40), sb=0), [BF16, BF16], {"p": 64},
-                    {"staged": 3, "threads": 64}))
-        out.append((layout + ".staged_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"staged": 4}))
-        out.append((layout + ".staged_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16], {},
-                    {"staged": 2}))
         # first-tile weight vectors preloaded into shared memory (cp.async) before the wait: several tiles a
         # block, batches sharing B, a k tail; f32; 4-byte copies
         out.append((layout + ".preload", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=304, ldb=304, sa=608,
@@ -265,63 +252,6 @@ def test_loads_ahead_sum_in_the_same_order(host_lib, tmp_path):
     op = next(c[1] for c in CASES if c[0] == "RmCm.inflight3")
     _assert_same_bits(lib, kernels["RmCm.inflight3"], generate(op, ["p"], arg_dtypes=[BF16, BF16]), op,
                       [BF16, BF16], {}, tmp_path, grids=(1, 2, 5))
-
-
-def test_prefetch_hints_change_no_bit(host_lib, tmp_path):
-    """L2 prefetch hints (templates/gemv.cu PREFETCH) are in the dot scheme's source only and change no
-    result: bit-equal to the same kernel without them, for grids of one to several tiles a block; the
-    count is capped by the vectors a lane has, ``$LUM_GEMV_PREFETCH`` sets the default."""
-    lib, kernels = host_lib
-    for layout in GEMM_LAYOUTS:
-        op = next(c[1] for c in CASES if c[0] == layout + ".prefetch")
-        hinted = kernels[layout + ".prefetch"]
-        plain = generate(op, ["p"], arg_dtypes=[BF16, BF16], threads=64)
-        dot = layout[2:] == "Cm"
-        assert hinted.tuning["prefetch"] == (4 if dot else 0) and plain.tuning["prefetch"] == 0
-        assert (hinted.body != plain.body) == dot and "constexpr int PREFETCH = 0;" in plain.body
-        if dot:
-            _assert_same_bits(lib, hinted, plain, op, [BF16, BF16], {"p": 60}, tmp_path / layout, grids=(1, 3, 40))
-    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
-    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], prefetch=64).tuning["prefetch"] == 4   # 2048/8/64
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LUM_GEMV_PREFETCH", "8")
-        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["prefetch"] == 4
-        mp.setenv("LUM_GEMV_PREFETCH", "65")
-        with pytest.raises(CodegenError, match="LUM_GEMV_PREFETCH must be an integer"):
-            generate(o_proj, [], arg_dtypes=[BF16, BF16])
-    with pytest.raises(CodegenError, match="prefetch must be in"):
-        generate(o_proj, [], arg_dtypes=[BF16, BF16], prefetch=65)
-
-
-def test_staged_loads_change_no_bit(host_lib, tmp_path):
-    """Weight vectors staged through shared memory (templates/gemv.cu STAGED, cp.async; emulated as plain
-    copies) are taken in the order of k: bit-equal to the plain loop, for grids of one to several tiles a
-    block and 4-, 8- and 16-byte copies; the count is capped by the vectors a lane has and by shared
-    memory, 0 with loads ahead in registers; ``$LUM_GEMV_STAGED`` sets the default."""
-    lib, kernels = host_lib
-    for layout in GEMM_LAYOUTS:
-        for case, dyn, tun in ((".staged", {"p": 64}, {"threads": 64}), (".staged_f32", {}, {}),
-                               (".staged_vec2", {}, {})):
-            op = next(c[1] for c in CASES if c[0] == layout + case)
-            staged, dts = kernels[layout + case], [F32, F32] if case == ".staged_f32" else [BF16, BF16]
-            plain = generate(op, ["p"], arg_dtypes=dts, **tun)
-            dot = layout[2:] == "Cm"
-            assert (staged.tuning["staged"] > 0) == dot and plain.tuning["staged"] == 0
-            if dot:
-                _assert_same_bits(lib, staged, plain, op, dts, dyn, tmp_path / (layout + case), grids=(1, 3, 40))
-    o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)                   # 512 threads, 4 vectors a lane
-    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=8).tuning["staged"] == 4
-    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=8, inflight=2).tuning["staged"] == 0
-    down = gemm_op("RmCm", 1, 2560, 10240, BF16)                    # 20 vectors a lane: shared memory caps it
-    assert generate(down, [], arg_dtypes=[BF16, BF16], staged=16).tuning["staged"] == 46 * 1024 // (512 * 16)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LUM_GEMV_STAGED", "2")
-        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["staged"] == 2
-        mp.setenv("LUM_GEMV_STAGED", "17")
-        with pytest.raises(CodegenError, match="LUM_GEMV_STAGED must be an integer"):
-            generate(o_proj, [], arg_dtypes=[BF16, BF16])
-    with pytest.raises(CodegenError, match="staged must be in"):
-        generate(o_proj, [], arg_dtypes=[BF16, BF16], staged=17)
 
 
 def test_preload_changes_no_bit(host_lib, tmp_path):

@@ -109,16 +109,14 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
     _check(gemv_cases, dt, name, tmp_path_factory)
 
 
-@pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PREFETCH": "64"}, {"LUM_GEMV_STAGED": "8"},
-                                 {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"}],
-                         ids=["loads-ahead", "l2-prefetch", "staged", "preload-pdl"])
+@pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"}],
+                         ids=["loads-ahead", "preload-pdl"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
-    """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``),
-    asking L2 for its weight vectors a tile ahead (``LUM_GEMV_PREFETCH``) or keeping 8 in flight as cp.async
-    copies into shared memory (``LUM_GEMV_STAGED``) or copying its first ones there before it waits for the
-    kernel before it, launched programmatically (``LUM_GEMV_PRELOAD``, ``LUM_CUDA_PDL``; templates/gemv.cu,
-    all off by default), poisoned output arena, against the reference."""
+    """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``) or
+    with each block copying its first weights into shared memory before it waits for the kernel before it,
+    launched programmatically (``LUM_GEMV_PRELOAD``, ``LUM_CUDA_PDL``; templates/gemv.cu, both off by
+    default), poisoned output arena, against the reference."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)

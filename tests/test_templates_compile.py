@@ -202,21 +202,6 @@ def test_gemv_all_dtypes_and_rows(cache_dir, layout):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
-def test_gemv_staged_loads_compile(cache_dir, arch):
-    """Weight vectors staged through shared memory (templates/gemv.cu STAGED): cp.async from sm_80, an
-    ordinary copy before it, in every gemv case (4-, 8- and 16-byte copies, prologues, epilogues)."""
-    from lum.builder.codegen import generate_program
-    from tests.kernel_cases import gemv_cases
-
-    for dt in (DType.f32, DType.bf16):
-        ks = [k for k in generate_program(gemv_cases(dt)[0], staged=8).values() if k is not None]
-        assert any(k.tuning.get("staged") and k.tuning.get("prologue") for k in ks)
-        assert any(k.tuning.get("staged") and k.tuning.get("epilogue") for k in ks)
-        res = nvrtc.compile_cuda(module_source(ks), arch, cache_dir=cache_dir)
-        assert res.cubin[:4] == b"\x7fELF" and ("cp.async.cg" in res.ptx) == (arch == "sm_90")
-
-
-@pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
 def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
     """Every gemv case with its first weight vectors preloaded (templates/gemv.cu PRELOAD, bulk copies from
     sm_90: prologues and epilogues included) and every kernel's launch-order preamble (common.cuh: griddepcontrol from sm_90,
