@@ -1,7 +1,7 @@
 """Where a lum decode step spends its time: every kernel of the captured graph, timed by CUPTI.
 
     python benchmarks/profile_decode.py --model gemma3-4b --dtype bf16 [--steps 20] [--prompt-len 16]
-                                        [--out DIR] [--pkg FILE] [--max-seq 512] [--top 40]
+                                        [--out DIR] [--pkg FILE] [--max-seq 512] [--top 40] [--plain]
 
 Builds the package the way ``decode.py`` does (random HF weights saved as a folder, ``lum build``), or takes
 ``--pkg``. Opens a CUDA session, runs the prompt and some warm-up decode steps, then profiles ``--steps`` decode
@@ -13,6 +13,10 @@ Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's byt
 how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
 kernel time and the rest (launch gaps between graph nodes, host work): the two things fusion and better
 kernels each reduce. Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json``.
+
+Under programmatic launch (the default) a kernel starts while the one before it runs and waits for it on
+the device, so its CUPTI duration includes that wait: kernel times overlap and their sum exceeds the
+step. ``--plain`` launches plainly (``programmatic_launch=False``), for per-kernel times that add up.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--top", type=int, default=40, help="kernels printed (all are saved)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain", action="store_true", help="launch plainly (no programmatic dependent launch)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -110,7 +115,8 @@ def main(argv=None) -> int:
         result["timings_s"]["build"] = round(dt, 2)
     pkg = lum.loader.open(pkg_path)
     vocab = int(pkg.entry("decode").outputs[0].shape[-1].evaluate({}))
-    sess = pkg.session(backend="cuda")
+    sess = pkg.session(backend="cuda", programmatic_launch=not args.plain)
+    result["programmatic_launch"] = bool(sess.runner.programmatic)
     prompt = prompt_ids(vocab, None, args.prompt_len)
     # the loop Session.generate runs: next_token fed back on the device when the package has it (no host
     # round trip per step), else the logits' argmax on the host
