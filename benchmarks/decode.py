@@ -34,7 +34,9 @@ What it does, in one run on one GPU:
      block has the copy engine fetch its first tile's first weights into shared memory before it waits for
      the kernel before it, which under programmatic launch still runs; templates/gemv.cu PRELOAD),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
-     plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives.
+     plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
+     ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
+     templates/row.cu EARLY), ``lum-early`` with both.
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -78,6 +80,8 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
+                 "lum-rowearly": {"LUM_ROW_EARLY": "1"},
+                 "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},

@@ -88,7 +88,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
-           "gemv_preload_default"]
+           "gemv_preload_default", "ENV_ROW_EARLY", "row_early_default"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -104,6 +104,7 @@ ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_PRELOAD_SM_BYTES = 160 * 1024               # an SM's shared memory the preloads of its resident blocks may fill
 GEMV_PRELOAD_BLOCK_BYTES = 32 * 1024             # ... and one block's (static shared memory stays under 48 KB)
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
+ENV_ROW_EARLY = "LUM_ROW_EARLY"
 _SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -332,7 +333,8 @@ class _Ctx:
     def dyn_loads(self, wait: bool = True) -> tuple[str, dict[str, int]]:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
-        because the template waits itself once it has issued its preload (gemv.cu)."""
+        because the template waits itself once it has issued its early reads (gemv.cu's preload, row.cu's
+        weights)."""
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
         lines = ["  lum_pdl_trigger();  // common.cuh: launch order"]
         lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
@@ -586,6 +588,11 @@ def gemv_preload_default() -> int:
     return _env_count(ENV_GEMV_PRELOAD, 1)
 
 
+def row_early_default() -> bool:
+    """``$LUM_ROW_EARLY`` (1: row kernels load their weights' row before waiting for the kernel before them)."""
+    return bool(_env_count(ENV_ROW_EARLY, 1))
+
+
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
     return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
@@ -601,7 +608,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              unroll: int | None = None, inflight: int | None = None, preload: int | None = None,
              max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
-             math: str = "f32", row_regs: bool = True) -> KernelSource | None:
+             math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
+             row_early: bool | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -635,20 +643,23 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
                preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
-               acc=acc, math=math, threads_given=threads_given, row_regs=row_regs)
+               acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
+               weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early)
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads(wait=op.kind != "gemm")     # gemv.cu waits itself, after its preload
-    body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS@", dyn_loads)
+    dyn_loads, slots = ctx.dyn_loads()
+    nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
+    body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
+    body = body.replace("@DYN_LOADS@", dyn_loads)
     tuning = {**tuning, "index_bits": index_bits}
     digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
     name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
     body = body.replace(_ENTRY, name)
     launches = tuple(Launch(name + suffix, grid, block, 0) for suffix, grid, block in launches_raw)
     params = gen.params()
-    early = (f"in{gemm_parts(op)[0]}",) if op.kind == "gemm" and tuning.get("preload") else ()
+    early = (f"in{gemm_parts(op)[0]}",) if op.kind == "gemm" and tuning.get("preload") else gen.early
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
                         early=early)
@@ -677,11 +688,13 @@ def gemv_kernel_ops(program: Program) -> list[LOp]:
     return [o for o in program.ops if o.kind == "gemm" and gemv_rows(o) is not None]
 
 
-def generate_program(program: Program, dyn_vars: Sequence[str] | None = None,
-                     **tuning: Any) -> dict[int, KernelSource | None]:
+def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
+                     weights: frozenset[int] = frozenset(), **tuning: Any) -> dict[int, KernelSource | None]:
     """:func:`generate` for every op of a program, with arg dtypes taken from the producers.
-    ``dyn_vars`` defaults to every dyn var the program mentions, sorted. ``tuning``: keyword arguments of
-    :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the i-th GEMV (:func:`split_gemv_tuning`)."""
+    ``dyn_vars`` defaults to every dyn var the program mentions, sorted. ``weights``: op ids of the
+    program's inputs that are weights (an op's arguments read from them are its ``weight_args``).
+    ``tuning``: keyword arguments of :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the
+    i-th GEMV (:func:`split_gemv_tuning`)."""
     if dyn_vars is None:
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
@@ -689,7 +702,9 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None,
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
         dts = [program.ops[a.src].dtype for a in o.args]
-        out[o.id] = generate(o, dyn_vars, arg_dtypes=dts, **{**common, **per.get(rank.get(o.id, -1), {})})
+        wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
+        out[o.id] = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs,
+                             **{**common, **per.get(rank.get(o.id, -1), {})})
     return out
 
 
@@ -721,17 +736,22 @@ class _RowParts:
     threads: int
     regs: int
     acc_kind: str
+    early: str = ""                        # code before the wait: weight rows every row reads (row.cu EARLY)
+    early_args: tuple[int, ...] = ()       # ... their argument indices
 
 
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, threads_given: bool = True,
-                 row_regs: bool = True):
+                 row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.preload = preload
+        self.weight_args = weight_args             # the op's arguments that are weights (generate_program)
+        self.row_early = row_early                 # row kernels load weight rows before the wait
+        self.early: tuple[str, ...] = ()           # parameters read before the wait (KernelSource.early)
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
@@ -1150,10 +1170,12 @@ class _Gen:
     def _row_kernel(self) -> tuple[str, tuple[Expr, Expr, Expr], int, int, dict[str, Any]]:
         """The row kernel's source, grid, threads, index margin and tuning (see :meth:`k_row`)."""
         rp = self._row_parts()
+        self.early = tuple(f"in{k}" for k in rp.early_args)
         src = render(load_template("row.cu"), {
             "KERNEL": _ENTRY, "THREADS": rp.threads, "GROUP": rp.group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[rp.acc_kind], "ROWS": self.ctx.c(rp.rows),
-            "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
+            "DYN_LOADS": "@DYN_LOADS_NOWAIT@" if rp.early else "@DYN_LOADS@", "ACC_T": _KIND_C[rp.acc_kind],
+            "ROWS": self.ctx.c(rp.rows), "N": self.ctx.c(rp.n), "EARLY": rp.early + "\n  lum_pdl_wait();" if rp.early else "",
+            "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
         per_block = rp.threads // rp.group
         tuning = {"threads": rp.threads, "group": rp.group, "max_blocks": self.max_blocks, "acc": self.acc,
                   "math": self.math, "scheme": "row", "regs": rp.regs}
@@ -1237,12 +1259,25 @@ class _Gen:
         # a static row of at most ROW_REGS elements per lane is loaded once, into registers; every phase then
         # reads registers (one round of memory latency per row instead of one per phase)
         regs = -(-n.value // group) if self.row_regs and n.is_const and -(-n.value // group) <= ROW_REGS else 0
+        early: list[str] = []                    # a weight's row that every row reads: loaded before the wait
+        early_args: list[int] = []
         if regs:
             loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
                     f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;", f"{ind}  if (lum_c < lum_n) {{"]
             close = [f"{ind}  }}}}", f"{ind}}}"]
-            for k in crows:
+            for k, rv in crows.items():
                 kd = _kind(self.dts[k])
+                hoist = (sink is None and self.row_early and k in self.weight_args and guards[k] is None
+                         and rv.mask is None and all(as_expr(st).is_const and as_expr(st).value == 0 for st in rv.strides))
+                if hoist:                        # the same row for every row: once, before the row loop
+                    base, _ = view_access(ctx, rv, idx)
+                    val = self.load(k, splits[k][1], (col,), base=f"({base})", guard=None)
+                    early += [f"  {_KIND_C[kd]} lum_a{k}[{regs}];", "#pragma unroll",
+                              f"  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
+                              f"    const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;",
+                              f"    lum_a{k}[lum_kk] = lum_c < lum_n ? {val} : {_ZERO[kd]};", "  }"]
+                    early_args.append(k)
+                    continue
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                 setup += [f"{ind}{_KIND_C[kd]} lum_a{k}[{regs}];", f"{ind}#pragma unroll",
                           f"{ind}for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
@@ -1333,7 +1368,7 @@ class _Gen:
                 final.append(f"{ind3}{sink}[{dest}] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
             final += close
         return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
-                         group, threads, regs, acc_kind)
+                         group, threads, regs, acc_kind, "\n".join(early), tuple(early_args))
 
     @staticmethod
     def _row_identity(red: str) -> str:
@@ -1673,7 +1708,8 @@ class _Gen:
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
         src = render(load_template("gemv.cu"), {
             "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
-            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "M": m, "GROUP": group, "VEC": vec, "UNROLL": unroll,
+            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS_NOWAIT@", "M": m, "GROUP": group, "VEC": vec,
+            "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),

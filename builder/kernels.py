@@ -114,14 +114,16 @@ def _waits(ks: KernelSource) -> bool:
 
 def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None,
                          tuning: Mapping[str, Any] | None = None, *, arch: str = "sm_90",
-                         cache_dir: Any = None) -> dict[int, KernelSource]:
-    """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` (less the
+                         cache_dir: Any = None, weights: frozenset[int] = frozenset()) -> dict[int, KernelSource]:
+    """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and
+    ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), then the kernel tails
     (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``), each keeping the
     register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
-    tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir)
+    tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
+                                              weights)
     if kernel_tails_enabled():
         gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
                          registers=lambda heads: _registers(heads, arch, cache_dir))
@@ -129,7 +131,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 
 
 def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-                                tuning: dict[str, Any], arch: str, cache_dir: Any
+                                tuning: dict[str, Any], arch: str, cache_dir: Any, weights: frozenset[int] = frozenset()
                                 ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
     """(``tuning``, the program's kernels with it), ``gemv<i>.inflight`` halved (down to 0, the plain
     loop) for every decode GEMV whose loads issued ahead would spill (``ptxas -v`` of those GEMVs
@@ -139,7 +141,7 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
 
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     while True:                  # ends: each round halves a positive inflight of some GEMV
-        gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, **tuning)
+        gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
         ahead = {ks.name: (ranks[i], ks.tuning["inflight"]) for i, ks in gen.items()
                  if i in ranks and ks is not None and ks.tuning.get("inflight")}
         if not ahead:
@@ -174,12 +176,14 @@ def _registers(kernels: list[KernelSource], arch: str, cache_dir: Any) -> dict[s
 
 def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,
                           max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
-                          ptx: bool = True, cache_dir: Any = None) -> GroupKernels:
+                          ptx: bool = True, cache_dir: Any = None, weights: frozenset[int] = frozenset()
+                          ) -> GroupKernels:
     """Generate every kernel op of ``program`` and compile them as one NVRTC module for ``arch``.
 
     ``dyn_vars``: the dyn-buffer slot order (default: the program's own vars, sorted; a package
     passes one order for all its groups so one device buffer serves every launch). ``max_dyn``:
     see :func:`default_max_dyn`. ``tuning``: keyword arguments for :func:`lum.builder.codegen.generate`.
+    ``weights``: op ids of the program's inputs that are weights (see :func:`group_kernel_sources`).
     """
     from lum.builder import nvrtc
 
@@ -187,7 +191,8 @@ def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Se
         dyn_vars = program_dyn_vars([program])
     dyn_vars = list(dyn_vars)
     max_dyn = {k: int(v) for k, v in (max_dyn or {}).items() if k in dyn_vars}
-    sources = group_kernel_sources(program, dyn_vars, max_dyn, tuning, arch=arch, cache_dir=cache_dir)
+    sources = group_kernel_sources(program, dyn_vars, max_dyn, tuning, arch=arch, cache_dir=cache_dir,
+                                   weights=weights)
     table = launch_table(program, sources, arch=arch, dyn_vars=dyn_vars, max_dyn=max_dyn)
     version = "%d.%d" % nvrtc.nvrtc_version()
     if not sources:

@@ -164,7 +164,8 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
     groups = []
     kernel_info: dict[str, str] = {}
     if options.compile_kernels:
-        tables, kernel_info = _compile_kernels(w, programs, entries, spec.max_seq, options, progress, group_tuning)
+        tables, kernel_info = _compile_kernels(w, programs, entries, spec.max_seq, options, progress, group_tuning,
+                                               set(spec.weights.names()))
     lt_version = None
     if options.compile_kernels and options.gemm_algos:
         from lum.builder.gemm_algos import tune_gemm_algos
@@ -211,10 +212,12 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
 
 def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[str, Entry], max_seq: int,
                      options: BuildOptions, progress: ProgressFn | None,
-                     group_tuning: list[dict] | None = None) -> tuple[list[dict], dict[str, str]]:
+                     group_tuning: list[dict] | None = None, weight_names: set[str] | None = None
+                     ) -> tuple[list[dict], dict[str, str]]:
     """NVRTC-compile every group's kernels (one module each) into sections ``cubin/<k>`` (raw, so the
     loader hands the mapped bytes to the driver) and ``ptx/<k>`` (zstd, optional: only a newer GPU
-    needs it); returns each group's launch table and the provenance entries."""
+    needs it); returns each group's launch table and the provenance entries. ``weight_names``: the
+    package's weights, so that kernels know which inputs every call binds to a weight."""
     from lum.builder.kernels import compile_group_kernels, default_max_dyn, program_dyn_vars
 
     # one slot order for the whole package: every group's kernels read the same device dyn buffer
@@ -227,7 +230,8 @@ def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[st
             progress("kernels", k, len(programs))
         gk = compile_group_kernels(prog, arch=options.target, dyn_vars=dyn_vars, max_dyn=max_dyn,
                                    tuning=options.kernel_tuning if group_tuning is None else group_tuning[k],
-                                   cache_dir=options.nvrtc_cache)
+                                   cache_dir=options.nvrtc_cache,
+                                   weights=_weight_inputs(prog, k, entries, weight_names or set()))
         version = gk.nvrtc
         table = dict(gk.table)
         table["cubin"] = table["ptx"] = None
@@ -261,6 +265,14 @@ def _tool_versions() -> dict[str, str]:
             if m is not None:
                 out[mod] = getattr(m, "__version__", "unknown")
     return out
+
+
+def _weight_inputs(prog: Program, group: int, entries: dict[str, Entry], weight_names: set[str]) -> frozenset[int]:
+    """The op ids of ``prog``'s inputs that every call of ``group`` binds to a weight."""
+    calls = [c for e in entries.values() for c in e.calls if c.group == group]
+    ins = prog.inputs()
+    return frozenset(op.id for j, op in enumerate(ins)
+                     if calls and all(j < len(c.inputs) and c.inputs[j] in weight_names for c in calls))
 
 
 def write_program_package(out: str | Path, programs: list[Program], entries: dict[str, Entry], *,

@@ -143,13 +143,16 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
 def package_kernel_sources(pkg: Any) -> list[KernelSource]:
     """Regenerate a package's kernels from its LLIR and launch tables (same sources, so same names)."""
     from lum.builder.kernels import group_kernel_sources
+    from lum.builder.package_builder import _weight_inputs
 
     out = []
-    for ref, prog in zip(pkg.manifest.groups, pkg.programs):
+    m = pkg.manifest
+    for g, (ref, prog) in enumerate(zip(m.groups, pkg.programs)):
         t = ref.table
         if t is None or not t.ops:
             continue
-        gen = group_kernel_sources(prog, list(t.dyn_vars), dict(t.max_dyn))   # default tuning
+        gen = group_kernel_sources(prog, list(t.dyn_vars), dict(t.max_dyn),   # default tuning, the build's env
+                                   weights=_weight_inputs(prog, g, m.entries, set(m.weights)))
         for k in t.ops:
             ks = gen.get(k.op)
             if ks is None or [lc.kernel for lc in ks.launches] != [lc.kernel for lc in k.launches]:

@@ -51,12 +51,20 @@ def env(tmp_path_factory):
         pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
     for name in MODELS:
         pkgs[name] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg")
+        with pytest.MonkeyPatch.context() as mp:       # the off-by-default reads before the wait, both kinds
+            mp.setenv("LUM_ROW_EARLY", "1")
+            mp.setenv("LUM_GEMV_PRELOAD", "1")
+            pkgs[name + ".early"] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ),
+                                                  root / f"{name}.early.lumpkg")
     lt_so = emu.fake_cublaslt(root / "lt")
     for tag, version in (("algos", None), ("algos-old", 1)):    # build-time gemm algos, timed on the fake
         pkgs[f"tiny-llama.{tag}"] = _build_with_fake_gemm_timing(root, tag, lt_so, version)
     sources = []
-    for path in pkgs.values():
-        with lum.loader.open(path) as p:
+    for name, path in pkgs.items():
+        with lum.loader.open(path) as p, pytest.MonkeyPatch.context() as mp:
+            if name.endswith(".early"):
+                mp.setenv("LUM_ROW_EARLY", "1")
+                mp.setenv("LUM_GEMV_PRELOAD", "1")
             sources += emu.package_kernel_sources(p)
     return {"pkgs": {k: str(v) for k, v in pkgs.items()}, "driver": emu.fake_driver(root / "driver"),
             "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": lt_so}
@@ -205,6 +213,30 @@ print(json.dumps(out))
     assert res["stats"]["joins"] > 0
     # programmatic launch (the default): the kernels of the (programmatic) tables went through cuLaunchKernelEx
     assert res["stats"]["programmatic_launches"] > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_reads_before_the_wait_change_no_token(env, model):
+    """Built with row kernels loading their weight rows and GEMVs preloading weights before they wait
+    for the kernel before them (``LUM_ROW_EARLY``, ``LUM_GEMV_PRELOAD``): the tables name those reads
+    (``early``), the runner launches those kernels programmatically (their early buffers are weights), and
+    the tokens are the reference backend's, launched both ways."""
+    res = run(env, r'''
+import lum.loader as L
+pkg = L.open(PKGS[MODEL + ".early"])
+ops = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops]
+out = {"early_kinds": sorted({op.kind for op in ops if op.early})}
+prompt = [1, 5, 9, 3, 17]
+out["want"] = pkg.session(backend="reference").generate(prompt, 6)
+for on in (True, False):
+    with pkg.session(backend="cuda", programmatic_launch=on) as sess:
+        out[str(on)] = sess.generate(prompt, 6)
+        out["steps" + str(on)] = sum(getattr(st, "programmatic", False) for st in sess.runner.plans["decode"].steps)
+print(json.dumps(out))
+'''.replace("MODEL", repr(model)))
+    assert "gemm" in res["early_kinds"] and len(res["early_kinds"]) >= 2, res["early_kinds"]   # GEMVs and row kernels
+    assert res["True"] == res["False"] == res["want"]
+    assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
 
 def test_decode_loop_replays_graphs_with_flat_memory(env):
