@@ -59,7 +59,9 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``preload`` (gemv,
 dot scheme: 1 copies the first weight vectors of a block's first tile into shared memory before the
 kernel waits for its predecessor, as many as :data:`GEMV_PRELOAD_SM_BYTES` leaves room for; default
-``$LUM_GEMV_PRELOAD``, else 0), ``max_blocks`` (grid cap),
+``$LUM_GEMV_PRELOAD``, else 0), ``row_early`` (row kernels load the rows of their ``weight_args`` — the
+arguments :func:`generate_program` knows to be weights — that every row reads before they wait for their
+predecessor; default ``$LUM_ROW_EARLY``, else off), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
