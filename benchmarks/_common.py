@@ -476,12 +476,32 @@ def run_systems(rows: dict[str, dict], cap_s: dict[str, float], deadline: float,
     return done
 
 
+def record_head(benchmark: str, commit: str | None, gpu: str | None) -> dict:
+    """A JSON record's first fields: what ran, on which commit (``git rev-parse`` here when not given), GPU
+    and driver, and when."""
+    return {"benchmark": benchmark, "commit": commit or _commit(), "gpu": gpu, "driver": _driver(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def add_record_args(ap: argparse.ArgumentParser) -> None:
+    """``--out`` and ``--commit``, as the kernel benchmarks (gemv_sweep.py and the probes) take them."""
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the JSON record")
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD here)")
+
+
+def write_record(record: dict, out: str | Path, stem: str) -> Path:
+    """``record`` as ``<out>/<stem>-<today>.json`` (the folder made when missing); returns the path."""
+    path = Path(out) / f"{stem}-{_dt.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
 def new_record(benchmark: str, args: argparse.Namespace, config: dict, **extra) -> tuple[dict, Path, Path]:
     """The JSON record's head (commit, GPU, driver, date, config …), the file it goes to
     (``<out>/<benchmark>-<model>-<dtype>-<date>.json``) and the work folder (``--workdir`` or a temp dir)."""
-    result: dict = {"benchmark": benchmark, "commit": args.commit or _commit(), "gpu": None, "driver": _driver(),
-                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **extra,
-                    "config": config, "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
+    result: dict = {**record_head(benchmark, args.commit, None), **extra, "config": config,
+                    "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
     out_path = Path(args.out) / f"{benchmark}-{args.model}-{args.dtype}-{_dt.date.today().isoformat()}.json"
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"lum-{benchmark}-"))
     workdir.mkdir(parents=True, exist_ok=True)

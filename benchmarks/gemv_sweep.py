@@ -24,9 +24,7 @@ against one GEMV computing that input itself, over threads × group × grid cap;
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import EventTimer, _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import EventTimer, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("gemv-sweep")
 
@@ -90,8 +88,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--shapes", default="gemma3-4b,llama3-1b")
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--commit", default=None)
+    add_record_args(ap)
     ap.add_argument("--mode", choices=("plain", "prologue"), default="plain",
                     help="plain: gemv.cu's tuning space; prologue: GEMV prologues against their unfused pair")
     ap.add_argument("--projs", default=None, help="plain: only these projections (e.g. qkv,o,down,gate+up)")
@@ -142,9 +139,7 @@ def main(argv=None) -> int:
         cu.memset(b.ptr, 0x3F, nbytes, stream)
         return b
 
-    record = {"benchmark": "gemv-sweep", "commit": args.commit or _commit(), "gpu": info.name, "driver": _driver(),
-              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "dtype": dt.value,
-              "rows": []}
+    record = {**record_head("gemv-sweep", args.commit, info.name), "dtype": dt.value, "rows": []}
     try:
         big = buf(1 << 30)
         half = 1 << 29
@@ -278,10 +273,7 @@ def main(argv=None) -> int:
         stream.close()
         ctx.close()
     stem = "gemv-sweep" if args.mode == "plain" else "gemv-prologue-sweep"
-    out = Path(args.out) / f"{stem}-{dt.value}-{_dt.date.today().isoformat()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    log(f"wrote {out}")
+    log(f"wrote {write_record(record, args.out, f'{stem}-{dt.value}')}")
     return 0
 
 

@@ -25,7 +25,6 @@ sums in the same order).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("pdl-probe")
 
@@ -50,8 +49,7 @@ MODES = {"plain": 0, "pdl": 1, "pdl+preload": 3, "pdl+l2": 5, "preload": 2}
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--commit", default=None)
+    add_record_args(ap)
     ap.add_argument("--layers", type=int, default=34)
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
@@ -144,18 +142,13 @@ def main(argv=None) -> int:
     for r in rows:
         r["vs_plain"] = round(r["step_ms"] / base, 4)
     floor_ms = weight_bytes / copy_bps * 1e3
-    record = {"benchmark": "pdl-probe", "commit": args.commit or _commit(), "gpu": info.name, "driver": _driver(),
-              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    record = {**record_head("pdl-probe", args.commit, info.name),
               "copy_GBps": round(copy_bps / 1e9), "layers": args.layers, "kernels": kernels,
               "weight_bytes": weight_bytes, "floor_ms": round(floor_ms, 4),
               "gemvs": [dict(zip(("name", "n", "k", "blocks", "preload_rows"), g)) for g in GEMVS],
               "rows": rows}
     print(json.dumps(record, indent=1))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pdl-probe-{_dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    log(f"floor {floor_ms:.3f} ms; wrote {path}")
+    log(f"floor {floor_ms:.3f} ms; wrote {write_record(record, args.out, 'pdl-probe')}")
     dev.close()
     return 0 if all(r["equal_to_plain"] and r["finite"] for r in rows) else 1
 

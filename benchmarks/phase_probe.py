@@ -21,8 +21,6 @@ and whether the outputs equal ``launches``' bit for bit (they must).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, _commit, _driver, log, set_log_tag  # noqa: E402
+from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("phase-probe")
 
@@ -42,8 +40,7 @@ SMS = 132
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--commit", default=None)
+    add_record_args(ap)
     ap.add_argument("--stretches", type=int, default=34)
     ap.add_argument("--phases", type=int, default=4)
     ap.add_argument("--reps", type=int, default=15)
@@ -104,14 +101,9 @@ def main(argv=None) -> int:
                 f"({r['per_phase_us']:.2f} a phase, {r['vs_launches']:.3f}x)  equal={r['equal_to_launches']} "
                 f"finite={r['finite']}")
         rows_out.append({"rows": rows, "n": n, "modes": results})
-    record_json = {"benchmark": "phase-probe", "commit": args.commit or _commit(), "gpu": info.name,
-                   "driver": _driver(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                   "stretches": s_count, "phases": phases, "rows": rows_out}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"phase-probe-{_dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps(record_json, indent=1) + "\n")
-    log(f"wrote {path}")
+    record = {**record_head("phase-probe", args.commit, info.name), "stretches": s_count, "phases": phases,
+              "rows": rows_out}
+    log(f"wrote {write_record(record, args.out, 'phase-probe')}")
     dev.close()
     ok = all(r["equal_to_launches"] and r["finite"] for row in rows_out for r in row["modes"].values())
     return 0 if ok else 1

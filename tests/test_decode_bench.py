@@ -126,3 +126,22 @@ print(json.dumps({"got": got, "addr": addr, "live": live, "after": fake_stats()[
     assert res["got"] == [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]] and res["addr"] != 0
     assert all(after <= before for before, after in zip(res["live"], res["after"]))
     assert sum(res["after"]) < sum(res["live"])
+
+
+def test_kernel_benchmarks_record_head_and_file(tmp_path, monkeypatch):
+    """benchmarks/_common's record helpers (gemv_sweep.py, pdl_probe.py, phase_probe.py): ``--out`` and
+    ``--commit``, a head naming the benchmark, commit, GPU, driver and date, one file a day and stem."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from _common import add_record_args, record_head, write_record
+
+    ap = argparse.ArgumentParser()
+    add_record_args(ap)
+    args = ap.parse_args(["--out", str(tmp_path / "results"), "--commit", "abc1234"])
+    record = {**record_head("gemv-sweep", args.commit, "NVIDIA H200"), "rows": [1]}
+    path = write_record(record, args.out, "gemv-sweep-bf16")
+    assert path.parent == tmp_path / "results" and path.name.startswith("gemv-sweep-bf16-20")
+    back = json.loads(path.read_text())
+    assert back == record and {"benchmark", "commit", "gpu", "driver", "date"} <= back.keys()
+    assert back["commit"] == "abc1234" and back["gpu"] == "NVIDIA H200"
