@@ -661,10 +661,9 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     body = body.replace(_ENTRY, name)
     launches = tuple(Launch(name + suffix, grid, block, 0) for suffix, grid, block in launches_raw)
     params = gen.params()
-    early = (f"in{gemm_parts(op)[0]}",) if op.kind == "gemm" and tuning.get("preload") else gen.early
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
-                        early=early)
+                        early=gen.early)
 
 
 _GEMV_KEY = re.compile(r"gemv(\d+)\.(\w+)")
@@ -1684,6 +1683,7 @@ class _Gen:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         preload = self._gemv_preload(m, k, dtb, group, vec, len(acc_cols), inflight) if b_kc else 0
+        self.early = (b_ptr,) if preload else ()                   # B, copied before the wait
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
