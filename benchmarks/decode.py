@@ -36,7 +36,9 @@ What it does, in one run on one GPU:
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
-     templates/row.cu EARLY), ``lum-early`` with both.
+     templates/row.cu EARLY), ``lum-early`` with both; ``lum-attncombine`` with ``LUM_ATTENTION_COMBINE=1``
+     (each decode attention kernel combines its chunks itself, the last block of a kv row doing it:
+     builder/attention_combine.py).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -82,6 +84,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
+                 "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},

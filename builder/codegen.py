@@ -98,6 +98,7 @@ KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", 
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
+ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
@@ -202,7 +203,9 @@ def common_header() -> str:
 
 def render(template: str, values: Mapping[str, Any]) -> str:
     """Fill ``{{NAME}}`` placeholders. Every placeholder must have a value and every value must be used;
-    lines starting with ``//!`` (template documentation) are dropped. No evaluation of any kind."""
+    lines starting with ``//!`` (template documentation) are dropped, and so is every section ``#if 0`` …
+    ``#endif`` (a placeholder that chose 0 or 1: ``#if 1`` keeps its lines, less the two directives), so a
+    disabled section leaves no text. No other evaluation of any kind."""
     lines = [ln for ln in template.splitlines() if not ln.lstrip().startswith("//!")]
     text = "\n".join(lines) + "\n"
     names = set(_PLACEHOLDER.findall(text))
@@ -215,7 +218,29 @@ def render(template: str, values: Mapping[str, Any]) -> str:
     out = _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)   # one pass: values are not re-scanned
     if _PLACEHOLDER.search(out):
         raise CodegenError("a substituted value contains a placeholder marker")
-    return out
+    return _static_sections(out)
+
+
+def _static_sections(text: str) -> str:
+    """``text`` without its ``#if 0`` sections and the ``#if 1`` / ``#endif`` lines around its others
+    (nested preprocessor conditionals are kept as they are; ``#else`` in a static section is refused)."""
+    out: list[str] = []
+    stack: list[str] = []            # per open #if: "0", "1" (static) or "" (left to the compiler)
+    for ln in text.splitlines():
+        s = ln.strip()
+        dropped = "0" in stack
+        if s.startswith("#if"):
+            stack.append(s[-1] if s in ("#if 0", "#if 1") else "")
+            if stack[-1]:
+                continue
+        elif s.startswith(("#else", "#elif")) and stack and stack[-1]:
+            raise CodegenError("a static #if 0 / #if 1 section takes no #else")
+        elif s.startswith("#endif") and stack:
+            if stack.pop():
+                continue
+        if not dropped:
+            out.append(ln)
+    return "\n".join(out) + "\n"
 
 
 # ============================================================================ index plans
@@ -611,11 +636,13 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             row_early: bool | None = None) -> KernelSource | None:
+             row_early: bool | None = None, combine: LOp | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
-    the op's own dtype does not imply them. See the module docstring for the tuning parameters."""
+    the op's own dtype does not imply them. ``combine``: an attention op's combine reduce, which its kernel
+    then runs as its tail (:mod:`lum.builder.attention_combine`). See the module docstring for the tuning
+    parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -646,7 +673,10 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                inflight=gemv_inflight_default() if inflight is None else inflight,
                preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
-               weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early)
+               weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
+               combine=combine)
+    if combine is not None and op.kind != "attention":
+        raise CodegenError(f"only an attention kernel runs a combine, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -660,10 +690,10 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
     body = body.replace(_ENTRY, name)
     launches = tuple(Launch(name + suffix, grid, block, 0) for suffix, grid, block in launches_raw)
-    params = gen.params()
+    params = gen.params() + gen.tail_params()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
-                        early=gen.early)
+                        early=gen.early, tails=() if combine is None else (combine.id,))
 
 
 _GEMV_KEY = re.compile(r"gemv(\d+)\.(\w+)")
@@ -745,8 +775,10 @@ class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, threads_given: bool = True,
-                 row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False):
+                 row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
+                 combine: LOp | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
+        self.combine = combine                     # an attention's combine reduce, run as its tail
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.preload = preload
@@ -798,8 +830,19 @@ class _Gen:
         ps.append(Param("dyn", "dyn", None, None, "const long long* __restrict__ dyn"))
         return tuple(ps)
 
+    def tail_params(self) -> tuple[Param, ...]:
+        """After the head's: the combine's buffers (the tail convention of builder/tail.py: ``t0_out``, then
+        ``t0_in<k>`` per argument; the partials and the −1 are the head's own, passed but not read)."""
+        c = self.combine
+        if c is None:
+            return ()
+        ps = [Param("t0_out", "out", None, c.dtype, f"{STORAGE_C[c.dtype]}* __restrict__ t0_out")]
+        for k in range(len(c.args)):
+            ps.append(Param(f"t0_in{k}", "arg", k, DType.f32, f"const float* t0_in{k}"))
+        return tuple(ps)
+
     def params_c(self) -> str:
-        return ", ".join(p.ctype for p in self.params())
+        return ", ".join(p.ctype for p in self.params() + self.tail_params())
 
     def grid(self, items: Expr, per_block: int) -> tuple[Expr, Expr, Expr]:
         g = smax(1, smin(cdiv(items, per_block), self.max_blocks))
@@ -1486,7 +1529,8 @@ class _Gen:
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
         heads_n = numel(hshape)
-        src = render(load_template("attention.cu"), {
+        comb = self._attention_combine(heads_n, idx, op, DV)
+        src = render(load_template("attention.cu"), {**comb,
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
@@ -1494,7 +1538,31 @@ class _Gen:
             "KEY": "\n".join(key), "STORE": ctx.c(out_idx)})
         work = heads_n * ns
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size}
+        if self.combine is not None:
+            tuning["combine"] = True
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1))], tuning, self.max_blocks
+
+    def _attention_combine(self, heads_n: Expr, idx: Sequence[Expr], op: LOp, dv: int) -> dict[str, Any]:
+        """attention.cu's COMBINE placeholders: off, or the combine reduce's output (``self.combine``, checked
+        to be the one :func:`~lum.builder.extract.attention_ops` made for ``op`` by its caller)."""
+        c = self.combine
+        if c is None:
+            return {"COMBINE": 0, "COUNTERS": 1, "PART0": 0, "COMBINED": 0, "COMBINE_STORE": 0, "COMBINED_N": 0,
+                    "COMBINE_ZERO": 0}
+        r = tuple(as_expr(x) for x in op.shape[:-2])
+        if tuple(as_expr(x) for x in c.shape) != r + (as_expr(dv),) or not c.dtype.is_float:
+            raise CodegenError("an attention combine stores float rows [R…, Dv]")
+        if not heads_n.is_const or not 1 <= heads_n.value <= ATTENTION_MAX_COUNTERS:
+            raise CodegenError(f"an attention combine counts chunks per kv row: needs a static number of them, "
+                               f"at most {ATTENTION_MAX_COUNTERS}")
+        zero = as_expr(0)
+        out = ShapeTracker.contiguous(c.shape)
+        self.ctx.exprs.append(out.physical_index(tuple(idx) + (as_expr(dv),)))
+        part0 = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (zero, zero))
+        return {"COMBINE": 1, "COUNTERS": heads_n.value, "PART0": self.ctx.c(part0),
+                "COMBINED": self.ctx.c(out.physical_index(tuple(idx) + (zero,))),
+                "COMBINE_STORE": _store_conv("f", "lum_v", c.dtype), "COMBINED_N": self.ctx.c(numel(c.shape)),
+                "COMBINE_ZERO": _store_conv("f", "0.0f", c.dtype)}
 
     # ------------------------------------------------------------------ gather
     @staticmethod

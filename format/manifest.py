@@ -37,10 +37,13 @@ A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1)
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
 ``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Version 2 adds **kernel tails**
-(:mod:`lum.builder.tail`): an op entry with ``"tail": [14, 16]`` is a kernel whose last block also
-runs LLIR ops 14 and 16 (in that order, after the op itself), so they have no entry of their own; its
-``params`` go on with ``"out@14", "in0@14", …, "out@16", …``, the tails' buffers by the same rules. A
-tail op must follow its head in the program with no kernel op or library call between them. Every op
+(:mod:`lum.builder.tail`): an op entry with ``"tail": [14, 16]`` is a kernel that also runs LLIR ops
+14 and 16 (in that order, after the op itself: its last block, or, for the attention combine of
+:mod:`lum.builder.attention_combine`, the last block of each kv row, while other blocks may still run
+the op), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
+"out@16", …``, the tails' buffers by the same rules. A tail op must follow its head in the program with
+no kernel op or library call between them, and what the head reads stays live (is not reused by the
+arena) until its last tail. Every op
 of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs
 it (a small static m, see :func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call
 described by the LLIR alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build

@@ -180,11 +180,12 @@ class Package:
                 names[op.id] = value
                 last_use[value] = step
             out_ops = {o.id: v for o, v in zip(prog.outputs(), call.outputs)}
+            until = self._reads_until(call.group)
             for op in prog.ops:
                 step += 1
                 for a in op.args:
                     if a.src in names:
-                        last_use[names[a.src]] = step
+                        last_use[names[a.src]] = step + until.get(op.id, 0)
                 if op.kind in ("input", "constant"):
                     if op.kind == "constant":
                         names[op.id] = f"c{c}.{op.id}"
@@ -217,6 +218,17 @@ class Package:
                 last_use[t.name] = step
         return [BufferInfo(b.name, b.size, b.first, max(b.last, last_use.get(b.name, b.last)), b.alias_of, b.kind)
                 for b in out.values()]
+
+    def _reads_until(self, group: int) -> dict[int, int]:
+        """Head op id -> steps from it to its last kernel tail, for the group's kernels with tails: what such a
+        kernel reads stays live until its tails have run, since a tail may start while blocks of the head
+        still read (the attention combine, builder/attention_combine.py), so no tail's output may take an
+        input's place."""
+        table = self.manifest.groups[group].table
+        if table is None:
+            return {}
+        pos = {op.id: k for k, op in enumerate(self.programs[group].ops)}
+        return {k.op: pos[k.tail[-1]] - pos[k.op] for k in table.ops if k.tail}
 
     def plan(self, entry: str, dyn_map: Mapping[str, int], slack: int = 0) -> ArenaPlan:
         """The arena of ``entry`` at ``dyn_map`` (``slack``: see :func:`lum.loader.arena.plan_arena`)."""

@@ -11,10 +11,26 @@
 //! partials are combined through shared memory and stored as [acc[0..DV), c, l]. Every warp runs the same
 //! number of steps, so every thread reaches each warp shuffle and __syncthreads.
 //!
+//!
+//! With COMBINE (1) the kernel also runs the reduce that combines the chunks (builder/attention_combine.py:
+//! the launch table names it a tail, its output is t0_out): each work item's block counts itself done on
+//! its kv row's counter (lum_count_done, common.cuh), and the block that counts last for kv row h — every
+//! chunk of h has stored its partials by then — combines them for h's query rows, out = Σ_j 2^(c_j − c*)
+//! acc_j / Σ_j 2^(c_j − c*) l_j, in one pass over the chunks (the running offset c* only grows, and each
+//! rescale is by a power of two, so it is exact), then resets the counter for the next launch. So the
+//! combine of a kv row starts as soon as its chunks are done, without a launch of its own.
+//!
 //! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK; T (keys), NS (chunks),
 //!   HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
 //!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
-//!   row for key lum_t of slot u), STORE (the out offset of query row lum_m's chunk lum_j).
+//!   row for key lum_t of slot u), STORE (the out offset of query row lum_m's chunk lum_j); COMBINE (0 | 1),
+//!   COUNTERS (kv rows: the counters' length, 1 without COMBINE), PART0 (the out offset of query row
+//!   lum_m's chunk 0), COMBINED (the t0_out offset of query row lum_m), COMBINE_STORE (the storage value of
+//!   the float lum_v in t0_out), COMBINED_N (t0_out's elements), COMBINE_ZERO (0 in its storage); all 0
+//!   without COMBINE.
+#if {{COMBINE}}
+__device__ unsigned int {{KERNEL}}_count[{{COUNTERS}}];   // per kv row: chunks of the running launch done
+#endif
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   constexpr int THREADS = {{THREADS}};
@@ -27,12 +43,21 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int CHUNK = {{CHUNK}};
   static_assert(THREADS % 32 == 0 && M >= 1, "THREADS must be a multiple of 32");
   __shared__ float lum_part[WARPS][VPL * 32 + 2];
+#if {{COMBINE}}
+  __shared__ unsigned int lum_last;      // this block counted last for its kv row
+#endif
 {{DYN_LOADS}}
   const idx_t lum_T = {{T}};
   const idx_t lum_ns = {{NS}};
   const idx_t lum_work = (idx_t)({{HEADS}}) * lum_ns;
   const int lum_lane = (int)threadIdx.x & 31;
   const int lum_warp = (int)threadIdx.x >> 5;
+#if {{COMBINE}}
+  if (lum_ns == 0) {   // no chunk: the combine of no partials is 0 (a reduce over an empty axis)
+    for (idx_t i = (idx_t)blockIdx.x * THREADS + threadIdx.x; i < (idx_t)({{COMBINED_N}}); i += (idx_t)gridDim.x * THREADS)
+      t0_out[i] = {{COMBINE_ZERO}};
+  }
+#endif
   for (idx_t lum_w = (idx_t)blockIdx.x; lum_w < lum_work; lum_w += (idx_t)gridDim.x) {
     const idx_t lum_h = lum_w / lum_ns;
     const idx_t lum_j = lum_w - lum_h * lum_ns;
@@ -87,5 +112,42 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
         out[lum_ob + (idx_t)d] = lum_val;
       }
     }
+#if {{COMBINE}}
+    __syncthreads();                       // this block's partials are stored
+    if (threadIdx.x == 0) {
+      lum_last = lum_count_done(&{{KERNEL}}_count[lum_h]) == (unsigned int)(lum_ns - 1) ? 1u : 0u;
+      if (lum_last) {{KERNEL}}_count[lum_h] = 0u;   // every chunk of h counted: ready for the next launch
+    }
+    __syncthreads();
+    if (lum_last) {
+#pragma unroll
+      for (int lum_m = 0; lum_m < M; ++lum_m) {
+        const idx_t lum_pb = {{PART0}};
+        const idx_t lum_cb = {{COMBINED}};
+        for (int d = (int)threadIdx.x; d < DV; d += THREADS) {
+          float lum_cs = -LUM_INF_F32, lum_sl = 0.0f, lum_sa = 0.0f;
+#pragma unroll 4
+          for (idx_t j = 0; j < lum_ns; ++j) {
+            const float* lum_pj = out + lum_pb + j * (idx_t)(DV + 2);
+            const float lum_cj = lum_load_cg(lum_pj + DV), lum_lj = lum_load_cg(lum_pj + DV + 1);
+            const float lum_aj = lum_load_cg(lum_pj + d);
+            if (lum_cj > lum_cs) {
+              const float lum_f = exp2f(lum_cs - lum_cj);
+              lum_sl *= lum_f;
+              lum_sa *= lum_f;
+              lum_cs = lum_cj;
+            }
+            if (lum_cj != -LUM_INF_F32) {
+              const float lum_w = exp2f(lum_cj - lum_cs);
+              lum_sl += lum_w * lum_lj;
+              lum_sa += lum_w * lum_aj;
+            }
+          }
+          const float lum_v = lum_sa * (1.0f / lum_sl);   // no finite logit in the row: 0 · inf = NaN
+          t0_out[lum_cb + (idx_t)d] = {{COMBINE_STORE}};
+        }
+      }
+    }
+#endif
   }
 }

@@ -245,6 +245,30 @@ LUM_D void lum_pdl_wait() {
 #endif
 }
 
+// ------------------------------------------------------------------------------ blocks counting done
+// One block's arrival on a counter in global memory: an acquire-release add at GPU scope, so the stores
+// this block's threads made before a __syncthreads are visible to whichever block counts last, and the
+// last one sees all of them (no separate fences: a fence.sc is the slow way to the same order). Returns
+// the count before this arrival. (templates/tail.cu, the attention combine of templates/attention.cu.)
+LUM_D unsigned int lum_count_done(unsigned int* lum_c) {
+#if defined(__CUDA_ARCH__)
+  unsigned int lum_old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(lum_old) : "l"(lum_c) : "memory");
+  return lum_old;
+#else
+  __threadfence();
+  return atomicAdd(lum_c, 1u);
+#endif
+}
+// A float another block of this grid stored (read at L2, past this SM's L1, after lum_count_done).
+LUM_D float lum_load_cg(const float* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+
 // ------------------------------------------------------------------------------ bulk copies
 // sm_90's bulk copy engine: one thread copies `bytes` (a multiple of 16, both addresses 16-byte
 // aligned) from global into shared memory, completing on an mbarrier that expects that many bytes;

@@ -18,23 +18,7 @@
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS PARAMS (the head's parameters, then each tail's out and in buffers);
 //!   FUNCTIONS (the head's and the tails' bodies as device functions); HEAD_CALL (the head's call);
-//!   TAIL_CALLS (the tails' calls, a __syncthreads between two).
-#ifndef LUM_COUNT_DONE
-#define LUM_COUNT_DONE
-// One block's arrival: an acquire-release add at GPU scope, so the stores this block's threads made
-// before the __syncthreads are visible to whichever block counts last, and the last one sees all of
-// them (no separate fences: a fence.sc is the slow way to the same order).
-__device__ __forceinline__ unsigned int lum_count_done(unsigned int* lum_c) {
-#if defined(__CUDA_ARCH__)
-  unsigned int lum_old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(lum_old) : "l"(lum_c) : "memory");
-  return lum_old;
-#else
-  __threadfence();
-  return atomicAdd(lum_c, 1u);
-#endif
-}
-#endif
+//!   TAIL_CALLS (the tails' calls, a __syncthreads between two). The arrival: lum_count_done (common.cuh).
 {{FUNCTIONS}}
 __device__ unsigned int {{KERNEL}}_count;  // blocks of the running launch that finished the head
 

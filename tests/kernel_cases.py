@@ -265,9 +265,8 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
                 (inp(case, 3, tk, DType.bool, data=mrow), mask)]
         part, _neg, comb = attention_ops(tuple(Arg(0, v) for _, v in args), 0.25, dt, dt)
         b.op(f"{case}.part", "attention", "Attention", args, part.shape, DType.f32, part.params)
-        neg = inp(case, 4, 1, f32, data=np.full(1, -1.0, np.float32))
-        cargs = [(f"{case}.part", a.view) for a in comb.args[:3]] + [(neg, ShapeTracker(comb.args[3].view.shape,
-                                                                      comb.args[3].view.strides, as_expr(0)))]
+        b.op(f"{case}.neg", "constant", "Constant", [], (), f32, {"value": -1.0})
+        cargs = [(f"{case}.part", a.view) for a in comb.args[:3]] + [(f"{case}.neg", comb.args[3].view)]
         b.op(case, "reduce", "Sum", cargs, comb.shape, dt, comb.params, output=f"{case}.y", case_kind="attention",
              tol=tol if dt == f32 else 2e-2)
     # iota in the dtype and in i64

@@ -499,6 +499,11 @@ static lum_emu_barrier* lum_emu_block_bar = nullptr;
 static std::vector<lum_emu_barrier*> lum_emu_warp_bar;
 static std::vector<uint64_t> lum_emu_slots;
 static void __syncthreads() { lum_emu_block_bar->wait(); }
+static std::mutex lum_emu_atomic;
+static void __threadfence() { std::lock_guard<std::mutex> lk(lum_emu_atomic); }
+static unsigned atomicAdd(unsigned* p, unsigned v) {
+  std::lock_guard<std::mutex> lk(lum_emu_atomic); const unsigned old = *p; *p = old + v; return old;
+}
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));

@@ -333,6 +333,36 @@ def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublasl
     assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
 
 
+def test_attention_combine_in_its_kernel_changes_no_token(tiny_model, cublaslt, monkeypatch):
+    """The tiny model built with each decode attention kernel combining its chunks (``LUM_ATTENTION_COMBINE=1``,
+    builder/attention_combine.py): decode logits as the reference backend's, and 40 greedy tokens (up to
+    p = 47: three chunks) as the reference backend's and as the package without it, graphs replayed."""
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    _, _, plain = tiny_model
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "1")
+    path = build_package(load_spec(src=str(Path(plain).parent / "hf"), max_seq=MAX_SEQ),
+                         Path(plain).parent / "combine.lumpkg")
+    pkg = lum.loader.open(path)
+    assert any(op.kind == "attention" and op.tail for g in pkg.manifest.groups if g.table is not None
+               for op in g.table.ops)
+    ids = np.asarray(PROMPT, np.int32)
+    ref = pkg.session(backend="reference")
+    ref.run("prefill", {"tokens": ids}, {"s": len(ids)})
+    want = ref.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+    with pkg.session(backend="cuda") as sess:
+        sess.runner.fill_arena(0xFF)
+        sess.run("prefill", {"tokens": ids}, {"s": len(ids)})
+        got = sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})["logits"]
+        sess.reset()
+        tokens = sess.generate(PROMPT, 40)
+    assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
+    with lum.loader.open(plain).session(backend="cuda") as sess:
+        assert tokens == sess.generate(PROMPT, 40)
+    assert tokens == pkg.session(backend="reference").generate(PROMPT, 40)
+
+
 # ============================================================================ (d) 10,000 decode steps
 def test_10k_decode_steps_keep_device_memory_flat(tiny_model, cublaslt):
     from lum.loader.cuda import driver as cu
@@ -528,14 +558,20 @@ def _attention_package(tmp_path, dt: DType, d: int, group: int, max_t: int):
     return lum.loader.open(path)
 
 
+@pytest.mark.parametrize("combine", [False, True], ids=["two-kernels", "combined"])
 @pytest.mark.parametrize("dt,d,group", [(DType.bf16, 256, 2), (DType.f32, 64, 4)], ids=["bf16-d256-g2", "f32-d64-g4"])
-def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, record_property):
+def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, combine, record_property, monkeypatch):
     """The split-K kernel and its combine over up to 256 chunks (p + 1 = 4,096 keys), the arena poisoned,
-    against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16)."""
+    against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16);
+    ``combined``: the attention kernel runs the combine itself (``LUM_ATTENTION_COMBINE``), its per-kv-row
+    counters reset by each launch for the next (three launches, then the first p again)."""
     import ml_dtypes
 
     max_t = 4096
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "1" if combine else "0")
     pkg = _attention_package(tmp_path, dt, d, group, max_t)
+    tails = [op.tail for g in pkg.manifest.groups if g.table is not None for op in g.table.ops if op.kind == "attention"]
+    assert tails == [(6,)] if combine else tails == [()], tails
     rng = np.random.default_rng(5)
     np_dt = ml_dtypes.bfloat16 if dt == DType.bf16 else np.float32
     q = rng.normal(size=(2, group, 1, d)).astype(np_dt)
@@ -544,7 +580,7 @@ def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group
     mask = rng.random(max_t) < 0.9
     mask[0] = True
     with pkg.session(dyn={"p": max_t - 1}, backend="cuda") as sess:
-        for p in (15, 1000, max_t - 1):
+        for p in (15, 1000, max_t - 1, 15):
             sess.runner.fill_arena(0xFF)
             got = sess.run("main", {"q": q, "k": k, "v": v, "mask": mask}, {"p": p})["y"].astype(np.float64)
             n = p + 1

@@ -1,0 +1,89 @@
+"""The attention combine inside the attention kernel: one launch less on every layer's critical path.
+
+Decode attention is two LLIR ops (:func:`~lum.builder.extract.attention_ops`): the attention op stores
+each chunk's partials, and a reduce over the chunk axis combines them. As two kernels, the combine is a
+launch of its own between attention and the o projection, whose work (a few KB through L2) is less than
+a kernel boundary costs. Here the attention kernel runs it (``templates/attention.cu`` COMBINE): the
+block that finishes a kv row's last chunk combines that row's query rows, counted on a per-kv-row
+counter, so a row's combine starts once its own chunks are done.
+
+Unlike :mod:`lum.builder.tail`'s tails, which the last block of the whole grid runs, a combine here runs
+while other kv rows' chunks are still being computed; the LLIR is unchanged (the reference backend and
+the buffer plan see the same two ops). The launch table names the combine a tail of the attention op
+(table version 2), and the loader keeps every buffer a kernel with tails reads alive until its last
+tail (:meth:`lum.loader.model.Package.buffers`), so the combine's output never takes the place of an
+input the other blocks still read.
+
+Only the combine :func:`~lum.builder.extract.attention_ops` builds is fused: the reduce right after its
+attention op (nothing but constants between), its one reader, with exactly that tree over the partials
+and a constant −1. Off unless ``$LUM_ATTENTION_COMBINE`` is ``1``, until measured on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from lum.builder.codegen import CodegenError, KernelSource, generate, split_gemv_tuning
+from lum.builder.extract import attention_ops
+from lum.builder.rewrite import readers
+from lum.format.dtypes import DType
+from lum.format.llir import LOp, Program
+
+__all__ = ["ENV_ATTENTION_COMBINE", "attention_combine_enabled", "combine_of", "fuse_attention_combines"]
+
+ENV_ATTENTION_COMBINE = "LUM_ATTENTION_COMBINE"
+
+
+def attention_combine_enabled() -> bool:
+    """``$LUM_ATTENTION_COMBINE``: ``1`` fuses each decode attention's combine into its kernel, ``0``
+    (the default) keeps it a kernel of its own."""
+    v = os.environ.get(ENV_ATTENTION_COMBINE, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"${ENV_ATTENTION_COMBINE} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def combine_of(program: Program, att: LOp) -> LOp | None:
+    """The combine reduce of attention op ``att`` that its kernel may run (see the module docstring), or None."""
+    if att.kind != "attention":
+        return None
+    users = {u.id: u for u in readers(program).get(att.id, [])}
+    if len(users) != 1:
+        return None
+    (comb,) = users.values()
+    between = program.ops[att.id + 1:comb.id]
+    if comb.id <= att.id or any(o.kind != "constant" for o in between):
+        return None
+    neg = program.ops[comb.args[-1].src] if comb.args else None
+    if neg is None or neg.kind != "constant" or float(neg.params.get("value", 0.0)) != -1.0:
+        return None
+    want = attention_ops(att.args, att.params["scale"], DType.parse(att.params["p_dtype"]), comb.dtype, att.id,
+                         att.params["chunk"])[2]
+    same_reads = [a.src for a in comb.args[:3]] == [att.id] * 3 and \
+        [a.view for a in comb.args] == [a.view for a in want.args]
+    if comb.kind != want.kind or comb.op != want.op or comb.params != want.params or not same_reads \
+            or tuple(comb.shape) != tuple(want.shape):
+        return None
+    return comb
+
+
+def fuse_attention_combines(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
+                            max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
+                            ) -> dict[int, KernelSource | None]:
+    """``sources`` with each attention kernel whose combine fuses (:func:`combine_of`) regenerated to run it,
+    and the combine's own entry dropped. ``tuning``: the group's (the attention kernel's own parameters)."""
+    common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k != "max_dyn"}
+    out = dict(sources)
+    for op in program.ops:
+        comb = combine_of(program, op) if sources.get(op.id) is not None else None
+        if comb is None or sources.get(comb.id) is None:
+            continue
+        dts = [program.ops[a.src].dtype for a in op.args]
+        try:
+            ks = generate(op, dyn_vars, arg_dtypes=dts, max_dyn=dict(max_dyn or {}) or None, combine=comb, **common)
+        except CodegenError:
+            continue
+        out[op.id] = ks
+        out.pop(comb.id)
+    return out

@@ -1,0 +1,136 @@
+"""The attention combine inside the attention kernel (builder/attention_combine.py, templates/attention.cu
+COMBINE): which combines fuse, what the kernel and its launch table look like, the buffer lifetimes the
+loader gives a kernel with tails, and the NVRTC compile. Its results are checked on the emulated driver
+(tests/test_cuda_emulated.py) and on the GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lum.builder.attention_combine import attention_combine_enabled, combine_of, fuse_attention_combines
+from lum.builder.codegen import generate, generate_program
+from lum.builder.extract import attention_ops
+from lum.builder.kernels import group_kernel_sources, launch_table
+from lum.format.dtypes import DType
+from lum.format.expr import Var, as_expr
+from lum.format.llir import Arg, LOp, Program
+from lum.format.shapetracker import ShapeTracker
+
+MAX_T, D, GROUP = 64, 32, 2
+
+
+def _program(dt: DType = DType.bf16, neg: float = -1.0, second_reader: bool = False) -> Program:
+    """q = Contiguous(q_in) [2 kv heads, GROUP, 1, D] (an intermediate, so the arena holds it), a [MAX_T, 2, D]
+    cache read [0, p + 1) as K and V, a mask; then attention (op 5), the −1 (6), the combine (7), output 8."""
+    t = Var("p") + 1
+    rows = tuple(as_expr(x) for x in (2, GROUP, 1))
+    cache = ShapeTracker.contiguous((MAX_T, 2, D)).slice(0, 0, t).permute((1, 0, 2))
+    kv = cache.expand_dim(1, GROUP).expand_dim(2, 1)
+    mask = ShapeTracker.contiguous((MAX_T,)).slice(0, 0, t).expand_dim(0, 1).expand_dim(0, GROUP).expand_dim(0, 2)
+    qv = ShapeTracker.contiguous(rows + (as_expr(D),))
+    ins = [LOp(0, "input", "Input", (), rows + (as_expr(D),), dt, {"name": "q", "role": "input"}),
+           LOp(1, "input", "Input", (), (as_expr(MAX_T), as_expr(2), as_expr(D)), dt, {"name": "k", "role": "input"}),
+           LOp(2, "input", "Input", (), (as_expr(MAX_T), as_expr(2), as_expr(D)), dt, {"name": "v", "role": "input"}),
+           LOp(3, "input", "Input", (), (as_expr(MAX_T),), DType.bool, {"name": "mask", "role": "input"}),
+           LOp(4, "elementwise", "Contiguous", (Arg(0, qv),), rows + (as_expr(D),), dt, {})]
+    part, c, comb = attention_ops((Arg(4, qv), Arg(1, kv), Arg(2, kv), Arg(3, mask)), D ** -0.5, dt, dt, 5)
+    c = replace(c, params={"value": neg})
+    outs = [LOp(8, "output", "Output", (Arg(7, ShapeTracker.contiguous(comb.shape)),), comb.shape, dt,
+                {"name": "y", "role": "output"})]
+    if second_reader:
+        outs.append(LOp(9, "output", "Output", (Arg(5, ShapeTracker.contiguous(part.shape)),), part.shape, DType.f32,
+                        {"name": "partials", "role": "output"}))
+    return Program("attention", ins + [part, c, comb] + outs)
+
+
+def test_the_combine_attention_ops_builds_fuses_and_near_misses_do_not():
+    prog = _program()
+    assert combine_of(prog, prog.ops[5]) is prog.ops[7]
+    assert combine_of(prog, prog.ops[4]) is None                          # not an attention op
+    assert combine_of(_program(neg=-2.0), _program(neg=-2.0).ops[5]) is None    # another constant
+    two = _program(second_reader=True)
+    assert combine_of(two, two.ops[5]) is None                            # the partials read elsewhere too
+    other = replace(prog.ops[7], params={**prog.ops[7].params, "expr": ["Mul", "f32", ["arg", 0], ["arg", 3]]})
+    changed = Program("attention", [*prog.ops[:7], other, *prog.ops[8:]])
+    assert combine_of(changed, changed.ops[5]) is None                    # another tree over the partials
+
+
+def test_the_attention_kernel_runs_its_combine_as_its_tail(monkeypatch):
+    prog = _program()
+    plain = generate_program(prog, ["p"], max_dyn={"p": MAX_T})
+    fused = fuse_attention_combines(prog, plain, ["p"], {"p": MAX_T})
+    ks = fused[5]
+    assert 7 not in fused and ks.tails == (7,) and ks.tuning["combine"] is True
+    assert [p.name for p in ks.params] == ["out", "in0", "in1", "in2", "in3", "dyn",
+                                           "t0_out", "t0_in0", "t0_in1", "t0_in2", "t0_in3"]
+    assert "lum_count_done(&" in ks.body and f"{ks.name}_count[2]" in ks.body     # one counter a kv row
+    assert "lum_count_done" not in plain[5].body and plain[7] is not None
+    table = launch_table(prog, fused, arch="sm_90", dyn_vars=["p"])
+    att = next(o for o in table["ops"] if o["kind"] == "attention")
+    assert table["version"] == 2 and att["tail"] == [7] and att["params"][6:] == [
+        "out@7", "in0@7", "in1@7", "in2@7", "in3@7"] and table["programmatic"]
+    # off (the default): the group's kernels are the plain ones
+    monkeypatch.delenv("LUM_ATTENTION_COMBINE", raising=False)
+    assert not attention_combine_enabled()
+    assert {i: k.name for i, k in group_kernel_sources(prog, ["p"], {"p": MAX_T}).items()} == \
+        {i: k.name for i, k in plain.items() if k is not None}
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "1")
+    on = group_kernel_sources(prog, ["p"], {"p": MAX_T})
+    assert on[5].name == ks.name and 7 not in on
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "yes")
+    with pytest.raises(ValueError, match="LUM_ATTENTION_COMBINE must be 0 or 1"):
+        attention_combine_enabled()
+
+
+def test_only_an_attention_kernel_runs_a_combine():
+    from lum.builder.codegen import CodegenError
+
+    prog = _program()
+    with pytest.raises(CodegenError, match="only an attention kernel runs a combine"):
+        generate(prog.ops[4], ["p"], arg_dtypes=[DType.bf16], combine=prog.ops[7])
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
+@pytest.mark.parametrize("dt", [DType.f32, DType.bf16])
+def test_the_combining_attention_kernel_compiles(tmp_path, arch, dt):
+    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+    from lum.builder.codegen import module_source
+
+    try:
+        nvrtc.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NVRTC is not installed: {exc}")
+    prog = _program(dt)
+    fused = fuse_attention_combines(prog, generate_program(prog, ["p"]), ["p"], {"p": MAX_T})
+    res = nvrtc.compile_cuda(module_source([k for k in fused.values() if k is not None]), arch, cache_dir=tmp_path)
+    assert res.cubin[:4] == b"\x7fELF"
+    assert ("atom.acq_rel.gpu.global.add.u32" in res.ptx) and "ld.global.cg.f32" in res.ptx
+
+
+def test_what_a_kernel_with_tails_reads_stays_live_until_its_last_tail(tmp_path, monkeypatch):
+    """The combine runs while other blocks of the attention kernel still read q: q's buffer must not be
+    the combine's (the arena may reuse a buffer only after its last reader, counted at the last tail)."""
+    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+    try:
+        nvrtc.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NVRTC is not installed: {exc}")
+    import lum.loader
+    from lum.builder.package_builder import BuildOptions, write_program_package
+    from tests.kernel_cases import entry_for
+
+    prog = _program()
+    last = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LUM_ATTENTION_COMBINE", on)
+        path = write_program_package(tmp_path / f"att{on}.lumpkg", [prog], {"main": entry_for(prog, None, ("p",))},
+                                     model={"max_seq": MAX_T}, options=BuildOptions())
+        with lum.loader.open(path) as pkg:
+            bufs = {b.name: b for b in pkg.buffers("main")}
+            last[on] = (bufs["c0.4"].last, bufs["c0.7"].first)
+    q_last, comb_first = last["0"]
+    assert q_last < comb_first                   # two kernels: q is dead once attention has run
+    q_last, comb_first = last["1"]
+    assert q_last >= comb_first                  # one kernel: q lives until its combine has run
