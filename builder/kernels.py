@@ -118,16 +118,20 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), with ``$LUM_ATTENTION_COMBINE``
-    each attention kernel running its combine (:mod:`lum.builder.attention_combine`), then the kernel tails
+    each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
+    ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`), then the kernel tails
     (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``), each keeping the
     register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
     from lum.builder.attention_combine import attention_combine_enabled, fuse_attention_combines
+    from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
     tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
                                               weights)
     if attention_combine_enabled():
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
+    if sibling_kernels_enabled():
+        gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     if kernel_tails_enabled():
         gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
                          registers=lambda heads: _registers(heads, arch, cache_dir))

@@ -182,19 +182,23 @@ def _exclusive(program: Program, op: LOp, chain: set[int], after: Mapping[int, s
                and any(a.src in chain for a in o.args))
 
 
-def _device_function(ks: KernelSource, name: str, one_block: bool) -> str:
+def _device_function(ks: KernelSource, name: str, one_block: bool, at: tuple[str, str] | None = None) -> str:
     """The kernel's body as ``__device__`` function ``name``; ``one_block``: as a grid of one block
     (blockIdx.x 0, gridDim.x 1) whose pointers carry no ``__restrict__`` (the head wrote what it reads
-    in this same launch, so the read-only cache path must not be used)."""
+    in this same launch, so the read-only cache path must not be used); ``at``: as blocks of a grid of
+    its own within a larger one, its block index and grid size the function's two leading parameters
+    of these names (builder/siblings.py)."""
     if _ENTRY_RE.findall(ks.body) != [ks.launches[0].kernel]:
-        raise CodegenError(f"kernel {ks.name}: a tail needs a body of exactly one kernel")
+        raise CodegenError(f"kernel {ks.name}: a fused kernel needs a body of exactly one kernel")
     inline = "__noinline__" if one_block else "__forceinline__"
-    body = _ENTRY_RE.sub(f"__device__ {inline} void {name}(", ks.body, count=1)
-    if one_block:
-        body = re.sub(r"\bblockIdx\.x\b", "0u", body)
-        body = re.sub(r"\bgridDim\.x\b", "1u", body)
+    lead = f"unsigned int {at[0]}, unsigned int {at[1]}, " if at else ""
+    body = _ENTRY_RE.sub(f"__device__ {inline} void {name}({lead}", ks.body, count=1)
+    if one_block or at:
+        body = re.sub(r"\bblockIdx\.x\b", at[0] if at else "0u", body)
+        body = re.sub(r"\bgridDim\.x\b", at[1] if at else "1u", body)
         if re.search(r"\b(blockIdx|gridDim)\b", body):
-            raise CodegenError(f"kernel {ks.name}: a tail body may use blockIdx.x and gridDim.x only")
+            raise CodegenError(f"kernel {ks.name}: a fused body may use blockIdx.x and gridDim.x only")
+    if one_block:
         body = body.replace("__restrict__ ", "")
     return body
 

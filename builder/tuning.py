@@ -62,6 +62,7 @@ from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.row_reads import row_reads_enabled
+from lum.builder.siblings import sibling_kernels_enabled
 from lum.builder.tail import kernel_tails_policy
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
@@ -657,6 +658,7 @@ class MeasuredCompiler:
                 "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy(),
                 "gemv_inflight": gemv_inflight_default(), "gemv_preload": gemv_preload_default(),
                 "row_early": row_early_default(), "attention_combine": attention_combine_enabled(),
+                "sibling_kernels": sibling_kernels_enabled(),
                 "row_reads": row_reads_enabled(),
                 "prologue_max_cols": prologue_max_cols()}
 

@@ -38,9 +38,10 @@ run in order on one stream with the same parameters. Parameter ``out`` is the op
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
 ``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Version 2 adds **kernel tails**
 (:mod:`lum.builder.tail`): an op entry with ``"tail": [14, 16]`` is a kernel that also runs LLIR ops
-14 and 16 (in that order, after the op itself: its last block, or, for the attention combine of
-:mod:`lum.builder.attention_combine`, the last block of each kv row, while other blocks may still run
-the op), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
+14 and 16 (after the op itself, in that order, by its last block; for the attention combine of
+:mod:`lum.builder.attention_combine`, by the last block of each kv row while other blocks may still run
+the op; for :mod:`lum.builder.siblings`, which reads none of the others' outputs, by blocks of their
+own beside it), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
 "out@16", …``, the tails' buffers by the same rules. A tail op must follow its head in the program with
 no kernel op or library call between them, and what the head reads stays live (is not reused by the
 arena) until its last tail. Every op

@@ -220,15 +220,15 @@ class Package:
                 for b in out.values()]
 
     def _reads_until(self, group: int) -> dict[int, int]:
-        """Head op id -> steps from it to its last kernel tail, for the group's kernels with tails: what such a
-        kernel reads stays live until its tails have run, since a tail may start while blocks of the head
-        still read (the attention combine, builder/attention_combine.py), so no tail's output may take an
-        input's place."""
+        """Op id -> steps from it to the last op its kernel runs, for the ops of the group's kernels with
+        tails: what such a kernel reads stays live until all of it has run, since a tail may start while
+        blocks of the head still read (the attention combine, builder/attention_combine.py), so no output
+        of the kernel may take the place of a buffer it reads."""
         table = self.manifest.groups[group].table
         if table is None:
             return {}
         pos = {op.id: k for k, op in enumerate(self.programs[group].ops)}
-        return {k.op: pos[k.tail[-1]] - pos[k.op] for k in table.ops if k.tail}
+        return {i: pos[k.tail[-1]] - pos[i] for k in table.ops if k.tail for i in (k.op, *k.tail)}
 
     def plan(self, entry: str, dyn_map: Mapping[str, int], slack: int = 0) -> ArenaPlan:
         """The arena of ``entry`` at ``dyn_map`` (``slack``: see :func:`lum.loader.arena.plan_arena`)."""

@@ -8,6 +8,8 @@ real cuBLASLt) — tests/test_gpu.py does, on the GPU.
 
 from __future__ import annotations
 
+import itertools
+
 
 import pytest
 
@@ -32,7 +34,7 @@ except ImportError:
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
 MAX_SEQ = 16
-COMBINE_ENV = "LUM_ATTENTION_COMBINE"
+FUSED = {"combine": "LUM_ATTENTION_COMBINE", "siblings": "LUM_SIBLING_KERNELS"}   # off-by-default kernel fusions
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +49,12 @@ def env(tmp_path_factory):
         for dt in (DType.f32, DType.bf16):
             prog, _, b = fn(dt)
             pkgs[f"{fn.__name__}.{dt.value}"] = write_case_package(root / f"{fn.__name__}.{dt.value}.lumpkg", prog, b)
-    for dt in (DType.f32, DType.bf16):            # decode attention running its own combine (off by default)
+    for (variant, var), dt in itertools.product(FUSED.items(), (DType.f32, DType.bf16)):
         prog, _, b = template_cases(dt)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(COMBINE_ENV, "1")
-            pkgs[f"template_cases.{dt.value}.combine"] = write_case_package(
-                root / f"template_cases.{dt.value}.combine.lumpkg", prog, b)
+            mp.setenv(var, "1")
+            pkgs[f"template_cases.{dt.value}.{variant}"] = write_case_package(
+                root / f"template_cases.{dt.value}.{variant}.lumpkg", prog, b)
     for dt in (DType.f32, DType.bf16):
         prog, _, b = gemv_replay_cases(dt)
         pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
@@ -63,10 +65,11 @@ def env(tmp_path_factory):
             mp.setenv("LUM_GEMV_PRELOAD", "1")
             pkgs[name + ".early"] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ),
                                                   root / f"{name}.early.lumpkg")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(COMBINE_ENV, "1")
-            pkgs[name + ".combine"] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ),
-                                                    root / f"{name}.combine.lumpkg")
+        for variant, var in FUSED.items():
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(var, "1")
+                pkgs[f"{name}.{variant}"] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ),
+                                                          root / f"{name}.{variant}.lumpkg")
     lt_so = emu.fake_cublaslt(root / "lt")
     for tag, version in (("algos", None), ("algos-old", 1)):    # build-time gemm algos, timed on the fake
         pkgs[f"tiny-llama.{tag}"] = _build_with_fake_gemm_timing(root, tag, lt_so, version)
@@ -76,8 +79,9 @@ def env(tmp_path_factory):
             if name.endswith(".early"):
                 mp.setenv("LUM_ROW_EARLY", "1")
                 mp.setenv("LUM_GEMV_PRELOAD", "1")
-            if name.endswith(".combine"):
-                mp.setenv(COMBINE_ENV, "1")
+            for variant, var in FUSED.items():
+                if name.endswith("." + variant):
+                    mp.setenv(var, "1")
             sources += emu.package_kernel_sources(p)
     return {"pkgs": {k: str(v) for k, v in pkgs.items()}, "driver": emu.fake_driver(root / "driver"),
             "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": lt_so}
@@ -252,49 +256,57 @@ print(json.dumps(out))
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
 
-def test_attention_kernels_that_combine_their_chunks_match_reference(env):
-    """Built with ``LUM_ATTENTION_COMBINE=1``: the kernel cases' decode attention (two chunks, GQA groups of 3,
-    both feature layouts) runs its combine as its tail and matches the reference backend, run three times in
-    one session (the per-kv-row counters start each launch from zero), with and without graphs; the tiny
-    models' decode attention does too, and their greedy tokens are the reference backend's."""
+@pytest.mark.parametrize("variant", list(FUSED))
+def test_fused_kernel_variants_match_reference(env, variant):
+    """Built with an off-by-default fusion: ``combine`` (``LUM_ATTENTION_COMBINE=1``: the kernel cases' decode
+    attention, two chunks, GQA groups of 3, both feature layouts, runs its combine as its tail) or ``siblings``
+    (``LUM_SIBLING_KERNELS=1``: the kernel cases' independent kernels in a row run as one launch each).
+    Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
+    counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
+    reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
 import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
-out = {"errors": {}, "checked": 0, "tails": {}}
+out = {"errors": {}, "checked": 0, "fused": {}}
 for dt in (DType.f32, DType.bf16):
-    pkg = L.open(PKGS[f"template_cases.{dt.value}.combine"])
-    out["tails"][dt.value] = [list(op.tail) for g in pkg.manifest.groups if g.table is not None
-                              for op in g.table.ops if op.kind == "attention"]
+    pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
+    out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
+                              for op in g.table.ops if op.tail]
     prog, arrays, b = template_cases(dt)
     ref = pkg.session(dyn=BOUNDS, backend="reference"); ref.load_state(b.state_init)
-    want = ref.run("main", arrays, DYN)
+    want = ref.run("main", arrays, DYN); want.update(ref.state)
     for graphs in (True, False):
         with pkg.session(dyn=BOUNDS, backend="cuda", graphs=graphs) as sess:
-            sess.load_state(b.state_init)
             for rep in range(3):
+                sess.load_state(b.state_init)
                 sess.runner.fill_arena(0xFF)
-                got = sess.run("main", arrays, DYN)
-                for k in (k for k in want if k.startswith("attention")):
+                got = sess.run("main", arrays, DYN); got.update(sess.state)
+                for k in want:
                     out["checked"] += 1
                     err = compare(got[k], want[k], b.tol.get(k) or 1e-2)
                     if err:
                         out["errors"][f"{dt.value}.{k}.{graphs}.{rep}"] = err
 prompt = [1, 5, 9, 3, 17]
 for name in MODELS:
-    pkg = L.open(PKGS[name + ".combine"])
-    out["tails"][name] = sum(bool(op.tail) for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
-                             if op.kind == "attention")
+    pkg = L.open(PKGS[name + ".VARIANT"])
+    out["fused"][name] = sorted({op.kind for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
+                                 if op.tail})
     with pkg.session(backend="cuda") as sess:
         out[name] = sess.generate(prompt, 8)
     out[name + ".want"] = pkg.session(backend="reference").generate(prompt, 8)
 print(json.dumps(out))
-'''.replace("MODELS", repr(MODELS)))
-    for dt in ("f32", "bf16"):           # both attention cases run their combine
-        assert len(res["tails"][dt]) == 2 and all(len(t) == 1 for t in res["tails"][dt]), res["tails"]
-    assert res["checked"] == 2 * 2 * 3 * 2 and not res["errors"], res["errors"]
+'''.replace("MODELS", repr(MODELS)).replace("VARIANT", variant))
+    assert res["checked"] > 0 and not res["errors"], res["errors"]
+    for dt in ("f32", "bf16"):
+        fused = res["fused"][dt]
+        if variant == "combine":       # both attention cases run their combine
+            assert fused == [["attention", 1], ["attention", 1]], fused
+        else:                          # many runs of independent kernels, of several kinds
+            assert len(fused) >= 5 and len({k for k, _ in fused}) >= 3, fused
     for name in MODELS:
-        assert res["tails"][name] == 1, res["tails"]
+        want = ["attention"] if variant == "combine" else ["scatter_nocopy"]   # the k / v / q stage after qkv
+        assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
         assert res[name] == res[name + ".want"], name
 
 

@@ -333,20 +333,23 @@ def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublasl
     assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
 
 
-def test_attention_combine_in_its_kernel_changes_no_token(tiny_model, cublaslt, monkeypatch):
-    """The tiny model built with each decode attention kernel combining its chunks (``LUM_ATTENTION_COMBINE=1``,
-    builder/attention_combine.py): decode logits as the reference backend's, and 40 greedy tokens (up to
-    p = 47: three chunks) as the reference backend's and as the package without it, graphs replayed."""
+@pytest.mark.parametrize("var,kind", [("LUM_ATTENTION_COMBINE", "attention"), ("LUM_SIBLING_KERNELS", "scatter_nocopy")],
+                         ids=["attention-combine", "siblings"])
+def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, monkeypatch, var, kind):
+    """The tiny model built with an off-by-default kernel fusion: each decode attention kernel combining its
+    chunks (``LUM_ATTENTION_COMBINE=1``, builder/attention_combine.py), or independent small kernels in a row
+    as one launch (``LUM_SIBLING_KERNELS=1``, builder/siblings.py: the k / v / q stage after qkv). Decode
+    logits as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention
+    chunks) as the reference backend's and as the package without it, graphs replayed."""
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
 
     _, _, plain = tiny_model
-    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "1")
+    monkeypatch.setenv(var, "1")
     path = build_package(load_spec(src=str(Path(plain).parent / "hf"), max_seq=MAX_SEQ),
-                         Path(plain).parent / "combine.lumpkg")
+                         Path(plain).parent / f"{var.lower()}.lumpkg")
     pkg = lum.loader.open(path)
-    assert any(op.kind == "attention" and op.tail for g in pkg.manifest.groups if g.table is not None
-               for op in g.table.ops)
+    assert any(op.kind == kind and op.tail for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
     ids = np.asarray(PROMPT, np.int32)
     ref = pkg.session(backend="reference")
     ref.run("prefill", {"tokens": ids}, {"s": len(ids)})

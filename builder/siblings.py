@@ -1,0 +1,173 @@
+"""Sibling kernels: independent small kernels that follow one another run as one launch.
+
+After gemma's qkv projection come three kernels that read only its output: the k norm + RoPE + cache
+write, the v-cache write and the q norm + RoPE (llama: k RoPE + write, v write, q RoPE). The loader
+captures them on parallel graph branches (loader/cuda/branches.py), which joins them back through
+events: the edges into and out of a side branch are full dependencies, so neither they nor attention,
+which waits for all three, overlap the kernel before them under programmatic launch. As one kernel
+(``templates/siblings.cu``) whose block ranges run the three bodies, the stage is one launch between
+two programmatic edges, as long as its longest sibling.
+
+:func:`fuse_siblings` takes, in program order, each maximal run of at least two kernel ops that
+
+* follow one another with no other kernel op or library call between (inputs and constants do no work);
+* read nothing another op of the run writes, and write (in place, too) nothing another reads or writes;
+* are of the small kinds (elementwise, reduce, scatters, gather, iota) with one launch each and a grid
+  of at most :data:`SIBLING_MAX_BLOCKS` blocks at the package's dyn bounds.
+
+Each is regenerated with the run's smallest block size (a row kernel of one warp a row keeps its
+rows spread over blocks). The LLIR is unchanged; the launch table names the run's first op the
+kernel and the others its tails (table version 2), and the loader keeps every buffer the kernel reads
+alive until it has run. Off unless ``$LUM_SIBLING_KERNELS`` is ``1``, until measured on the GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, generate,
+                                 load_template, render, split_gemv_tuning)
+from lum.builder.tail import _device_function, _grid_blocks
+from lum.format.expr import as_expr
+from lum.format.llir import LOp, Program
+
+__all__ = ["ENV_SIBLING_KERNELS", "SIBLING_KINDS", "SIBLING_MAX_BLOCKS", "SIBLING_MAX_OPS", "sibling_kernels_enabled",
+           "fuse_siblings"]
+
+ENV_SIBLING_KERNELS = "LUM_SIBLING_KERNELS"
+SIBLING_KINDS = ("elementwise", "reduce", "scatter_nocopy", "scatter", "gather", "iota")
+SIBLING_MAX_BLOCKS = 64     # a sibling's grid at the dyn bounds, at most: small kernels, not a GEMV's stream
+SIBLING_MAX_OPS = 8
+_NO_WORK = ("input", "constant", "output")
+
+
+def sibling_kernels_enabled() -> bool:
+    """``$LUM_SIBLING_KERNELS``: ``1`` runs independent small kernels that follow one another as one launch,
+    ``0`` (the default) keeps them kernels of their own."""
+    v = os.environ.get(ENV_SIBLING_KERNELS, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"${ENV_SIBLING_KERNELS} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def _root(program: Program, src: int) -> int:
+    """The op whose buffer op ``src``'s value lives in (in-place ops share their aliased argument's)."""
+    while True:
+        op = program.ops[src]
+        a = 0 if op.kind == "scatter_nocopy" else op.alias
+        if a is None:
+            return src
+        src = op.args[a].src
+
+
+def _independent(program: Program, run: Sequence[LOp], op: LOp) -> bool:
+    """Whether ``op`` may run beside every op of ``run``: neither reads or writes what the other writes."""
+    def writes(o: LOp) -> int:
+        return _root(program, o.id)
+
+    def reads(o: LOp) -> set[int]:
+        return {_root(program, a.src) for a in o.args}
+
+    return all(writes(o) not in reads(op) | {writes(op)} and writes(op) not in reads(o) for o in run)
+
+
+def _small(op: LOp, ks: KernelSource | None, max_dyn: Mapping[str, int]) -> bool:
+    if ks is None or op.kind not in SIBLING_KINDS or len(ks.launches) != 1 or ks.tails:
+        return False
+    blocks = _grid_blocks(ks, max_dyn)
+    return blocks is not None and blocks <= SIBLING_MAX_BLOCKS
+
+
+def fuse_siblings(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
+                  max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
+                  ) -> dict[int, KernelSource | None]:
+    """``sources`` with each run of sibling kernels (the module docstring) as one kernel under the run's
+    first op, its other ops' entries dropped (:attr:`KernelSource.tails` names them)."""
+    max_dyn = dict(max_dyn or {})
+    common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k not in ("threads", "max_dyn")}
+    out: dict[int, KernelSource | None] = dict(sources)
+    runs: list[list[LOp]] = []
+    run: list[LOp] = []
+    for op in program.ops:
+        if op.kind in _NO_WORK:
+            continue
+        ks = sources.get(op.id)
+        small = _small(op, ks, max_dyn)
+        if small and run and len(run) < SIBLING_MAX_OPS and _independent(program, run, op):
+            run.append(op)
+            continue
+        runs.append(run)
+        run = [op] if small else []
+    runs.append(run)
+    for run in (r for r in runs if len(r) >= 2):
+        fused = _fuse(program, run, sources, dyn_vars, max_dyn, common)
+        if fused is not None:
+            out[run[0].id] = fused
+            for op in run[1:]:
+                out.pop(op.id, None)
+    return out
+
+
+def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
+          max_dyn: Mapping[str, int], common: Mapping[str, Any]) -> KernelSource | None:
+    """The run as one kernel (``templates/siblings.cu``), or None when a sibling does not regenerate with the
+    run's block size."""
+    threads = min(sources[op.id].block[0] for op in run)
+    kernels: list[KernelSource] = []
+    for op in run:
+        ks = sources[op.id]
+        if ks.block[0] != threads:
+            dts = [program.ops[a.src].dtype for a in op.args]
+            try:
+                ks = generate(op, dyn_vars, arg_dtypes=dts, max_dyn=max_dyn or None, **{**common, "threads": threads})
+            except CodegenError:
+                return None
+            if ks is None or len(ks.launches) != 1 or ks.block != (threads, 1, 1):
+                return None
+        kernels.append(ks)
+    ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn or None)
+    params: list[Param] = [_unrestricted(p, p.name) for p in kernels[0].params]    # out, in…, dyn: the kernel's
+    funcs, grids, dispatch = [], [], []
+    total = as_expr(0)
+    for j, ks in enumerate(kernels):
+        fname = f"{_ENTRY}_s{j}"
+        body = ks.body.replace(ks.name, f"{ks.name}_s{j}")     # two siblings may be the same kernel
+        entry = replace(ks.launches[0], kernel=f"{ks.name}_s{j}")
+        funcs.append(_device_function(replace(ks, body=body, launches=(entry,)), fname, False, at=("lum_bx", "lum_gx")))
+        names = []
+        for p in ks.params:
+            name = p.name if j == 0 or p.role == "dyn" else f"t{j - 1}_{p.name}"
+            if j and p.role != "dyn":
+                params.append(_unrestricted(p, name))           # then each other sibling's, as a tail's
+            names.append(name)
+        grid = ks.grid[0] * ks.grid[1] * ks.grid[2]
+        total = total + grid
+        grids.append(f"  const unsigned int lum_g{j} = (unsigned int)({ctx.c(grid)});")
+        call = f"{fname}(lum_b, lum_g{j}, {', '.join(names)});"
+        dispatch.append(f"    {call}" if j + 1 == len(kernels) else
+                        f"    if (lum_b < lum_g{j}) {{ {call} continue; }}\n    lum_b -= lum_g{j};")
+    preamble, slots = ctx.dyn_loads()
+    body = render(load_template("siblings.cu"), {
+        "KERNEL": _ENTRY, "THREADS": threads, "PARAMS": ", ".join(p.ctype for p in params),
+        "FUNCTIONS": "\n".join(funcs), "DYN_LOADS": preamble, "GRIDS": "\n".join(grids),
+        "TOTAL": " + ".join(f"lum_g{j}" for j in range(len(kernels))), "DISPATCH": "\n".join(dispatch)})
+    head = kernels[0]
+    digest = hashlib.sha256(f"siblings/{head.kind}/{head.op}\n{body}".encode()).hexdigest()[:16]
+    name = f"lum_{head.kind}_{(head.op or head.kind).lower()}_siblings_{digest}"
+    body = body.replace(_ENTRY, name)
+    for ks in kernels:
+        slots.update(ks.dyn_slots)
+    return replace(head, name=name, source=common_header() + "\n" + body, body=body,
+                   launches=(Launch(name, (total, as_expr(1), as_expr(1)), (threads, 1, 1), 0),), params=tuple(params),
+                   dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
+                   tuning={**head.tuning, "siblings": [{"op": op.id, **ks.tuning} for op, ks in zip(run[1:], kernels[1:])]},
+                   tails=tuple(op.id for op in run[1:]), early=())
+
+
+def _unrestricted(p: Param, name: str) -> Param:
+    """``p`` named ``name``, without ``__restrict__`` (siblings' pointers may name one buffer: two readers of it)."""
+    decl = p.ctype.replace("__restrict__ ", "").rsplit(" ", 1)[0]
+    return Param(name, p.role, p.index, p.dtype, f"{decl} {name}")
