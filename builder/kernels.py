@@ -105,11 +105,27 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             "programmatic": all(_waits(ks) for ks in sources.values() if ks is not None)}
 
 
+_FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
+
+
 def _waits(ks: KernelSource) -> bool:
     """Every kernel entry of ``ks`` waits for its predecessor on the device (codegen's preamble, or gemv.cu's
-    own wait after its preload), so the loader may launch it with programmatic stream serialization."""
-    entries = ks.body.split('extern "C" __global__')[1:]
-    return bool(entries) and len(entries) == len(ks.launches) and all("lum_pdl_wait();" in e for e in entries)
+    own wait after its preload), so the loader may launch it with programmatic stream serialization. An
+    entry whose first statement calls a device function of the body that waits counts too: a kernel with
+    tails (templates/tail.cu), whose head body waits before any global access."""
+    parts = ks.body.split('extern "C" __global__')
+    entries, before = parts[1:], parts[0]
+
+    def waits(entry: str) -> bool:
+        if "lum_pdl_wait();" in entry:
+            return True
+        m = _FIRST_CALL.search(entry)
+        if m is None:
+            return False
+        fn = re.search(r"__device__[^(]*\b" + re.escape(m.group(1)) + r"\(", before)
+        return fn is not None and "lum_pdl_wait();" in before[fn.end():].split("__device__", 1)[0]
+
+    return bool(entries) and len(entries) == len(ks.launches) and all(waits(e) for e in entries)
 
 
 def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None,

@@ -268,6 +268,8 @@ def test_launch_table_names_the_tails_buffers():
     assert t["ops"][0]["tail"] == [2, 3]
     assert t["ops"][0]["params"] == ["out", "in0", "dyn", "out@2", "in0@2", "out@3", "in0@3"]
     assert [d["op"] for d in t["ops"][0]["tuning"]["tail"]] == [2, 3]
+    # the head's body waits for the kernel before it, first thing: the table may be launched programmatically
+    assert t["programmatic"] and "lum_pdl_wait();" not in sources[1].body.split('extern "C" __global__')[1]
 
 
 # ---------------------------------------------------------------------------- format checks
