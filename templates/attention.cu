@@ -120,7 +120,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     }
     __syncthreads();
     if (lum_last) {
-#pragma unroll
+#pragma unroll 1
       for (int lum_m = 0; lum_m < M; ++lum_m) {
         const idx_t lum_pb = {{PART0}};
         const idx_t lum_cb = {{COMBINED}};

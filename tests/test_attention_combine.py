@@ -134,3 +134,28 @@ def test_what_a_kernel_with_tails_reads_stays_live_until_its_last_tail(tmp_path,
     assert q_last < comb_first                   # two kernels: q is dead once attention has run
     q_last, comb_first = last["1"]
     assert q_last >= comb_first                  # one kernel: q lives until its combine has run
+
+
+@pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
+def test_the_real_models_combining_attention_kernels_do_not_spill(model, monkeypatch, tmp_path):
+    """ptxas -v of the decode attention kernel with its combine, at the real models' shapes (gemma3-4b: 2 query
+    rows of 256 features a kv row, llama3-1b: 4 of 64): no spill (an unrolled combine over the query rows
+    spilled llama's)."""
+    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+    try:
+        nvrtc.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NVRTC is not installed: {exc}")
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import _ptxas_log, default_max_dyn, program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "1")
+    cgs = compile_graph(build_entry(named_config(model), "decode", 4096, DType.bf16))
+    dv = program_dyn_vars([cg.program for cg in cgs])
+    (layer,) = [cg.program for cg in cgs if any(o.kind == "attention" for o in cg.program.ops)]
+    ks = [k for k in group_kernel_sources(layer, dv, default_max_dyn(dv, 4096)).values() if k.kind == "attention"]
+    assert len(ks) == 1 and ks[0].tails
+    log = _ptxas_log(ks, "sm_90", tmp_path)
+    assert ks[0].name in nvrtc.ptxas_registers(log) and not nvrtc.ptxas_spills(log), log
