@@ -16,8 +16,9 @@
 //! the launch table names it a tail, its output is t0_out): each work item's block counts itself done on
 //! its kv row's counter (lum_count_done, common.cuh), and the block that counts last for kv row h — every
 //! chunk of h has stored its partials by then — combines them for h's query rows, out = Σ_j 2^(c_j − c*)
-//! acc_j / Σ_j 2^(c_j − c*) l_j, in one pass over the chunks (the running offset c* only grows, and each
-//! rescale is by a power of two, so it is exact), then resets the counter for the next launch. So the
+//! acc_j / Σ_j 2^(c_j − c*) l_j: c* first (the offsets strided over the threads), then every thread its
+//! outputs with all chunks' loads independent; it resets the counter for the next launch (a kv row of
+//! one chunk counts nothing). So the
 //! combine of a kv row starts as soon as its chunks are done, without a launch of its own.
 //!
 //! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK; T (keys), NS (chunks),
@@ -115,35 +116,65 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
 #if {{COMBINE}}
     __syncthreads();                       // this block's partials are stored
     if (threadIdx.x == 0) {
-      lum_last = lum_count_done(&{{KERNEL}}_count[lum_h]) == (unsigned int)(lum_ns - 1) ? 1u : 0u;
-      if (lum_last) {{KERNEL}}_count[lum_h] = 0u;   // every chunk of h counted: ready for the next launch
+      if (lum_ns == 1) {
+        lum_last = 1u;                     // the only chunk: no count
+      } else {
+        lum_last = lum_count_done(&{{KERNEL}}_count[lum_h]) == (unsigned int)(lum_ns - 1) ? 1u : 0u;
+        if (lum_last) {{KERNEL}}_count[lum_h] = 0u;   // every chunk of h counted: ready for the next launch
+      }
     }
     __syncthreads();
     if (lum_last) {
-#pragma unroll 1
+      // c* of each query row: the chunks' offsets, strided over the threads, then across the warps
+      float lum_mx[M];
+#pragma unroll
       for (int lum_m = 0; lum_m < M; ++lum_m) {
         const idx_t lum_pb = {{PART0}};
-        const idx_t lum_cb = {{COMBINED}};
-        for (int d = (int)threadIdx.x; d < DV; d += THREADS) {
-          float lum_cs = -LUM_INF_F32, lum_sl = 0.0f, lum_sa = 0.0f;
+        lum_mx[lum_m] = -LUM_INF_F32;
+        for (idx_t j = threadIdx.x; j < lum_ns; j += THREADS)
+          lum_mx[lum_m] = fmaxf(lum_mx[lum_m], lum_load_cg(out + lum_pb + j * (idx_t)(DV + 2) + DV));
+        lum_mx[lum_m] = lum_warp_reduce<LumMax, 32>(lum_mx[lum_m]);
+      }
+      __syncthreads();                     // lum_part is free: every warp has combined its rows above
+      if (lum_lane == 0) {
+#pragma unroll
+        for (int lum_m = 0; lum_m < M; ++lum_m) lum_part[lum_warp][lum_m] = lum_mx[lum_m];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int lum_m = 0; lum_m < M; ++lum_m) {
+        for (int w = 0; w < WARPS; ++w) lum_mx[lum_m] = fmaxf(lum_mx[lum_m], lum_part[w][lum_m]);
+      }
+      // each thread's outputs e = threadIdx.x + k * THREADS of the M x DV combined values, all chunks'
+      // loads independent: Σ_j 2^(c_j − c*) acc_j / Σ_j 2^(c_j − c*) l_j (a chunk without a finite
+      // logit weighs 2^(−inf) = 0; a row without one has c* = −inf and is NaN, as unfused)
+      constexpr int E = (M * DV + THREADS - 1) / THREADS;
+      float lum_sl[E], lum_sa[E];
+#pragma unroll
+      for (int k = 0; k < E; ++k) { lum_sl[k] = 0.0f; lum_sa[k] = 0.0f; }
 #pragma unroll 4
-          for (idx_t j = 0; j < lum_ns; ++j) {
+      for (idx_t j = 0; j < lum_ns; ++j) {
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+          const int e = (int)threadIdx.x + k * THREADS, lum_m = e / DV, d = e - lum_m * DV;
+          if (e < M * DV) {
+            const idx_t lum_pb = {{PART0}};
             const float* lum_pj = out + lum_pb + j * (idx_t)(DV + 2);
-            const float lum_cj = lum_load_cg(lum_pj + DV), lum_lj = lum_load_cg(lum_pj + DV + 1);
-            const float lum_aj = lum_load_cg(lum_pj + d);
-            if (lum_cj > lum_cs) {
-              const float lum_f = exp2f(lum_cs - lum_cj);
-              lum_sl *= lum_f;
-              lum_sa *= lum_f;
-              lum_cs = lum_cj;
-            }
-            if (lum_cj != -LUM_INF_F32) {
-              const float lum_w = exp2f(lum_cj - lum_cs);
-              lum_sl += lum_w * lum_lj;
-              lum_sa += lum_w * lum_aj;
-            }
+            float lum_cs = lum_mx[0];
+#pragma unroll
+            for (int q = 1; q < M; ++q) lum_cs = q == lum_m ? lum_mx[q] : lum_cs;
+            const float lum_w = exp2f(lum_load_cg(lum_pj + DV) - lum_cs);
+            lum_sl[k] += lum_w * lum_load_cg(lum_pj + DV + 1);
+            lum_sa[k] += lum_w * lum_load_cg(lum_pj + d);
           }
-          const float lum_v = lum_sa * (1.0f / lum_sl);   // no finite logit in the row: 0 · inf = NaN
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        const int e = (int)threadIdx.x + k * THREADS, lum_m = e / DV, d = e - lum_m * DV;
+        if (e < M * DV) {
+          const idx_t lum_cb = {{COMBINED}};
+          const float lum_v = lum_sa[k] * (1.0f / lum_sl[k]);
           t0_out[lum_cb + (idx_t)d] = {{COMBINE_STORE}};
         }
       }
