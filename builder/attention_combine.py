@@ -23,10 +23,9 @@ and a constant −1. Off unless ``$LUM_ATTENTION_COMBINE`` is ``1``: **measured 
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import CodegenError, KernelSource, generate, split_gemv_tuning
+from lum.builder.codegen import CodegenError, KernelSource, env_switch, generate, split_gemv_tuning
 from lum.builder.extract import attention_ops
 from lum.builder.rewrite import readers
 from lum.format.dtypes import DType
@@ -40,10 +39,7 @@ ENV_ATTENTION_COMBINE = "LUM_ATTENTION_COMBINE"
 def attention_combine_enabled() -> bool:
     """``$LUM_ATTENTION_COMBINE``: ``1`` fuses each decode attention's combine into its kernel, ``0``
     (the default) keeps it a kernel of its own."""
-    v = os.environ.get(ENV_ATTENTION_COMBINE, "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"${ENV_ATTENTION_COMBINE} must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_switch(ENV_ATTENTION_COMBINE)
 
 
 def combine_of(program: Program, att: LOp) -> LOp | None:
@@ -57,8 +53,8 @@ def combine_of(program: Program, att: LOp) -> LOp | None:
     between = program.ops[att.id + 1:comb.id]
     if comb.id <= att.id or any(o.kind != "constant" for o in between):
         return None
-    neg = program.ops[comb.args[-1].src] if comb.args else None
-    if neg is None or neg.kind != "constant" or float(neg.params.get("value", 0.0)) != -1.0:
+    neg = program.ops[comb.args[-1].src]
+    if neg.kind != "constant" or float(neg.params.get("value", 0.0)) != -1.0:
         return None
     want = attention_ops(att.args, att.params["scale"], DType.parse(att.params["p_dtype"]), comb.dtype, att.id,
                          att.params["chunk"])[2]

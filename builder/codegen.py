@@ -90,7 +90,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
-           "gemv_preload_default", "ENV_ROW_EARLY", "row_early_default"]
+           "gemv_preload_default", "ENV_ROW_EARLY", "row_early_default", "env_switch"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -608,6 +608,14 @@ def _env_count(name: str, hi: int) -> int:
     if not raw.isdigit() or int(raw) > hi:
         raise CodegenError(f"${name} must be an integer in [0, {hi}], got {raw!r}")
     return int(raw)
+
+
+def env_switch(name: str, default: bool = False) -> bool:
+    """``$name`` as an on / off switch: ``1`` or ``0``, else ``default`` when unset; anything else is refused."""
+    v = os.environ.get(name, "1" if default else "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"${name} must be 0 or 1, got {v!r}")
+    return v == "1"
 
 
 def gemv_preload_default() -> int:

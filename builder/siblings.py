@@ -26,13 +26,12 @@ a4989c4, same runs): llama3-1b bf16 +1.6% / +1.5%, gemma3-4b bf16 354.8 tok/s ag
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, generate,
-                                 load_template, render, split_gemv_tuning)
-from lum.builder.tail import _device_function, _grid_blocks
+from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, env_switch,
+                                 generate, load_template, render, split_gemv_tuning)
+from lum.builder.tail import _NO_WORK, _device_function, _grid_blocks, _renamed
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 
@@ -43,16 +42,12 @@ ENV_SIBLING_KERNELS = "LUM_SIBLING_KERNELS"
 SIBLING_KINDS = ("elementwise", "reduce", "scatter_nocopy", "scatter", "gather", "iota")
 SIBLING_MAX_BLOCKS = 64     # a sibling's grid at the dyn bounds, at most: small kernels, not a GEMV's stream
 SIBLING_MAX_OPS = 8
-_NO_WORK = ("input", "constant", "output")
 
 
 def sibling_kernels_enabled() -> bool:
     """``$LUM_SIBLING_KERNELS``: ``1`` runs independent small kernels that follow one another as one launch,
     ``0`` (the default) keeps them kernels of their own."""
-    v = os.environ.get(ENV_SIBLING_KERNELS, "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"${ENV_SIBLING_KERNELS} must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_switch(ENV_SIBLING_KERNELS)
 
 
 def _root(program: Program, src: int) -> int:
@@ -131,7 +126,7 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
                 return None
         kernels.append(ks)
     ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn or None)
-    params: list[Param] = [_unrestricted(p, p.name) for p in kernels[0].params]    # out, in…, dyn: the kernel's
+    params: list[Param] = [_renamed(p, p.name) for p in kernels[0].params]    # out, in…, dyn: the kernel's
     funcs, grids, dispatch = [], [], []
     total = as_expr(0)
     for j, ks in enumerate(kernels):
@@ -143,7 +138,7 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
         for p in ks.params:
             name = p.name if j == 0 or p.role == "dyn" else f"t{j - 1}_{p.name}"
             if j and p.role != "dyn":
-                params.append(_unrestricted(p, name))           # then each other sibling's, as a tail's
+                params.append(_renamed(p, name))           # then each other sibling's, as a tail's
             names.append(name)
         grid = ks.grid[0] * ks.grid[1] * ks.grid[2]
         total = total + grid
@@ -168,8 +163,3 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
                    tuning={**head.tuning, "siblings": [{"op": op.id, **ks.tuning} for op, ks in zip(run[1:], kernels[1:])]},
                    tails=tuple(op.id for op in run[1:]), early=())
 
-
-def _unrestricted(p: Param, name: str) -> Param:
-    """``p`` named ``name``, without ``__restrict__`` (siblings' pointers may name one buffer: two readers of it)."""
-    decl = p.ctype.replace("__restrict__ ", "").rsplit(" ", 1)[0]
-    return Param(name, p.role, p.index, p.dtype, f"{decl} {name}")

@@ -223,8 +223,7 @@ def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]], 
                 names.append("dyn")
                 continue
             c_name = f"t{j}_{p.name}"
-            decl = p.ctype.replace("__restrict__ ", "").rsplit(" ", 1)[0]
-            params.append(Param(c_name, p.role, p.index, p.dtype, f"{decl} {c_name}"))
+            params.append(_renamed(p, c_name))
             names.append(c_name)
         calls.append(f"  {_ENTRY}_t{j}({', '.join(names)});")
         slots.update(ks.dyn_slots)
@@ -243,3 +242,10 @@ def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]], 
                    dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                    tuning={**head.tuning, "tail": [{"op": op.id, **ks.tuning} for op, ks in tails]},
                    tails=tail_ids)
+
+
+def _renamed(p: Param, name: str) -> Param:
+    """``p`` named ``name``, without ``__restrict__``: in a fused kernel two of its pointers may name one buffer
+    (the head's output a tail reads; two siblings reading one input)."""
+    decl = p.ctype.replace("__restrict__ ", "").rsplit(" ", 1)[0]
+    return Param(name, p.role, p.index, p.dtype, f"{decl} {name}")
