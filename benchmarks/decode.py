@@ -38,9 +38,9 @@ What it does, in one run on one GPU:
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
      templates/row.cu EARLY), ``lum-early`` with both; ``lum-attncombine`` with ``LUM_ATTENTION_COMBINE=1``
      (each decode attention kernel combines its chunks itself, the last block of a kv row doing it:
-     builder/attention_combine.py), ``lum-siblings`` with ``LUM_SIBLING_KERNELS=1`` (independent small
-     kernels in a row, the k / v / q stage after qkv, as one launch: builder/siblings.py), ``lum-fused`` with
-     both.
+     builder/attention_combine.py), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
+     kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
+     builder/siblings.py).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -86,8 +86,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
-                 "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-siblings": {"LUM_SIBLING_KERNELS": "1"},
-                 "lum-fused": {"LUM_ATTENTION_COMBINE": "1", "LUM_SIBLING_KERNELS": "1"},
+                 "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},

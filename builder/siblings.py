@@ -18,8 +18,8 @@ two programmatic edges, as long as its longest sibling.
 Each is regenerated with the run's smallest block size (a row kernel of one warp a row keeps its
 rows spread over blocks). The LLIR is unchanged; the launch table names the run's first op the
 kernel and the others its tails (table version 2), and the loader keeps every buffer the kernel reads
-alive until it has run. Off unless ``$LUM_SIBLING_KERNELS`` is ``1``. Measured on the H200 (f7bd059 and
-a4989c4, same runs): llama3-1b bf16 +1.6% / +1.5%, gemma3-4b bf16 354.8 tok/s against 354.9. To be turned on
+alive until it has run. On unless ``$LUM_SIBLING_KERNELS`` is ``0``: measured on the H200 (f7bd059 and
+a4989c4, same runs), llama3-1b bf16 +1.6% / +1.5%, gemma3-4b bf16 354.8 tok/s against 354.9
 (benchmarks/NOTES.md).
 """
 
@@ -45,9 +45,9 @@ SIBLING_MAX_OPS = 8
 
 
 def sibling_kernels_enabled() -> bool:
-    """``$LUM_SIBLING_KERNELS``: ``1`` runs independent small kernels that follow one another as one launch,
-    ``0`` (the default) keeps them kernels of their own."""
-    return env_switch(ENV_SIBLING_KERNELS)
+    """``$LUM_SIBLING_KERNELS``: ``1`` (the default) runs independent small kernels that follow one another as
+    one launch, ``0`` keeps them kernels of their own."""
+    return env_switch(ENV_SIBLING_KERNELS, default=True)
 
 
 def _root(program: Program, src: int) -> int:

@@ -333,23 +333,28 @@ def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublasl
     assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
 
 
-@pytest.mark.parametrize("var,kind", [("LUM_ATTENTION_COMBINE", "attention"), ("LUM_SIBLING_KERNELS", "scatter_nocopy")],
+@pytest.mark.parametrize("var,value,kind", [("LUM_ATTENTION_COMBINE", "1", "attention"),
+                                            ("LUM_SIBLING_KERNELS", "0", "scatter_nocopy")],
                          ids=["attention-combine", "siblings"])
-def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, monkeypatch, var, kind):
-    """The tiny model built with an off-by-default kernel fusion: each decode attention kernel combining its
-    chunks (``LUM_ATTENTION_COMBINE=1``, builder/attention_combine.py), or independent small kernels in a row
-    as one launch (``LUM_SIBLING_KERNELS=1``, builder/siblings.py: the k / v / q stage after qkv). Decode
-    logits as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention
-    chunks) as the reference backend's and as the package without it, graphs replayed."""
+def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, monkeypatch, var, value, kind):
+    """The tiny model with a kernel fusion against the package without it: each decode attention kernel
+    combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py), or
+    independent small kernels in a row as one launch (the default; built without them at
+    ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv). Decode logits of the fused
+    package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention
+    chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
 
-    _, _, plain = tiny_model
-    monkeypatch.setenv(var, "1")
-    path = build_package(load_spec(src=str(Path(plain).parent / "hf"), max_seq=MAX_SEQ),
-                         Path(plain).parent / f"{var.lower()}.lumpkg")
+    _, _, default = tiny_model
+    monkeypatch.setenv(var, value)
+    other = build_package(load_spec(src=str(Path(default).parent / "hf"), max_seq=MAX_SEQ),
+                          Path(default).parent / f"{var.lower()}-{value}.lumpkg")
+    path, plain = (other, default) if value == "1" else (default, other)
     pkg = lum.loader.open(path)
     assert any(op.kind == kind and op.tail for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
+    assert not any(op.kind == kind and op.tail for g in lum.loader.open(plain).manifest.groups
+                   if g.table is not None for op in g.table.ops)
     ids = np.asarray(PROMPT, np.int32)
     ref = pkg.session(backend="reference")
     ref.run("prefill", {"tokens": ids}, {"s": len(ids)})
