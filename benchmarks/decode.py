@@ -40,7 +40,8 @@ What it does, in one run on one GPU:
      (each decode attention kernel combines its chunks itself, the last block of a kv row doing it:
      builder/attention_combine.py), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
-     builder/siblings.py).
+     builder/siblings.py); ``lum-tuned`` built by the measured search with ``--tuned-budget`` candidates a
+     group (lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -88,13 +89,14 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
                  "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
+TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
-               **{s: {} for s in LUM_BUILD_ENV}, "lum-preload-plain": {"programmatic_launch": False}}
+               **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV)
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV and s not in TUNED_SYSTEMS)
 BUILD_CAP_S = 240.0
 
 
@@ -424,6 +426,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int, default=0, metavar="N",
                     help="lum build --budget N: measured search of N candidates per group (kernel tuning "
                          "per shape; needs the GPU, is slower to build); 0: the cost model")
+    ap.add_argument("--tuned-budget", type=int, default=48, metavar="N",
+                    help="the budget of system lum-tuned's build (the default package beside it keeps --budget)")
     add_run_args(ap, 470.0, "reuse this package instead of building one")
     return ap.parse_args(argv)
 
@@ -443,7 +447,7 @@ def main(argv=None) -> int:
     max_seq = max(args.max_seq, need)
     result, out_path, workdir = new_record(
         "decode", args, {"model": args.model, "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
-                         "budget": args.budget,
+                         "budget": args.budget, "tuned_budget": args.tuned_budget,
                          "prompt_len": args.prompt_len, "max_seq": max_seq, "batch": 1, "greedy": True},
         copy_GBps=None)
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "tok_per_s": None, "weight_bytes": None,
@@ -503,20 +507,23 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             "lum_backend": args.lum_backend}
 
     # 3. the lum packages (one per build environment: the default one serves lum and lum-serial)
-    by_env: dict[tuple, list[str]] = {}        # build environment -> the lum systems its package serves
+    by_env: dict[tuple, list[str]] = {}        # (build environment, budget) -> the lum systems its package serves
     for s in LUM_OPTIONS:
         if s in rows:
-            by_env.setdefault(tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())), []).append(s)
+            budget = args.tuned_budget if s in TUNED_SYSTEMS else args.budget
+            by_env.setdefault((tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())), budget), []).append(s)
     pkgs = {}
-    for env_key, names in by_env.items():
+    for (env_key, budget), names in by_env.items():
         lum_rows = [rows[s] for s in names]
-        tag = "".join(f"-{k.lower()}{v}" for k, v in env_key)
-        pkg = Path(args.pkg) if args.pkg and not env_key else workdir / f"{args.model}-{args.dtype}{tag}.lumpkg"
+        tag = "".join(f"-{k.lower()}{v}" for k, v in env_key) + (f"-budget{budget}" if budget != args.budget else "")
+        pkg = Path(args.pkg) if args.pkg and not tag else workdir / f"{args.model}-{args.dtype}{tag}.lumpkg"
         if not pkg.exists():
             left = deadline - time.perf_counter()
-            log(f"lum build{' with ' + ' '.join(f'{k}={v}' for k, v in env_key) if env_key else ''} → {pkg}")
-            build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, min(BUILD_CAP_S, left - 30),
-                                         workdir / f"log-build{tag}.txt", env=dict(env_key), budget=args.budget)
+            log(f"lum build{' with ' + ' '.join(f'{k}={v}' for k, v in env_key) if env_key else ''}"
+                f"{f' --budget {budget}' if budget else ''} → {pkg}")
+            cap = left - 60 if budget else min(BUILD_CAP_S, left - 30)   # a measured search takes what is left
+            build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, cap,
+                                         workdir / f"log-build{tag}.txt", env=dict(env_key), budget=budget)
             if err:
                 for r in lum_rows:
                     r["error"] = err

@@ -15,7 +15,9 @@ timed on the GPU, results kept in a persistent tuning database.
   by NVRTC (:func:`lum.builder.package_builder.write_program_package`; NVRTC's disk cache makes
   repeats cheap), open a CUDA session on it, run it on seeded random inputs with the arena poisoned
   (0xFF: NaN in every float dtype) and compare every output with the numpy reference backend
-  (:func:`lum.loader.reference_backend.execute` of the same program on the same inputs; max-norm
+  (:func:`lum.loader.reference_backend.execute` on the same inputs of the first candidate's program, the
+  cost model's seed — what a build without a budget ships — run once: every candidate, its lowering as
+  well as its kernels, must compute what the seed computes; max-norm
   relative error < 1e-4 for f32, < 2e-2 when the program holds bf16/f16; NaN/inf never passes),
   then time replays of the captured CUDA graph with CUDA events (warm-up, median of ``repeats``).
 * :func:`measured_compiler` — the ``compile_group`` callable :func:`~lum.builder.package_builder.build_package`
@@ -452,6 +454,7 @@ class GpuTimer:
         self.inputs = InputMaker(setup.info)
         self.tmp = tempfile.TemporaryDirectory(prefix="lum-tune-")
         self.count = 0
+        self._want: dict[str, np.ndarray] | None = None    # the reference outputs at the check map
 
     def close(self) -> None:
         self.tmp.cleanup()
@@ -507,10 +510,12 @@ class GpuTimer:
 
         s = self.setup
         values = self.inputs.inputs(s.check_dyn)
-        try:
-            want = execute(program, values, s.check_dyn)
-        except BackendError as exc:
-            raise CandidateRejected(f"reference: {_one_line(exc)}") from None
+        if self._want is None:    # the first candidate's (the seed's) reference serves all: one function of
+            try:                  # the group, and the numpy run of a decoder layer takes seconds
+                self._want = execute(program, values, s.check_dyn)
+            except BackendError as exc:
+                raise CandidateRejected(f"reference: {_one_line(exc)}") from None
+        want = self._want
         ins, state = self._split(program, values)
         try:
             poison = getattr(sess.runner, "fill_arena", None)    # the reference backend has no arena
@@ -594,6 +599,20 @@ def _write_candidate(path: Path, program: Program, s: TimerSetup, tuning: Mappin
     opts = BuildOptions(target=s.target, kernel_tuning=dict(tuning), nvrtc_cache=s.nvrtc_cache)
     return write_program_package(path, [program], {"main": entry}, state=state, model={"max_seq": s.max_seq},
                                  options=opts)
+
+
+# which template decisions the sweep times first: block sizes and splits (gemv_sweep.py: up to 10% a GEMV),
+# then grid caps and unrolls, then loads ahead and preloads (measured slower on every decode shape so far)
+SWEEP_PRIORITY = ("threads", "group", "max_blocks", "unroll", "ept", "inflight", "preload")
+
+
+def sweep_order(tuned: Sequence[tuple[str, tuple[Any, ...]]], first: int) -> list[int]:
+    """The space indices of the template decisions ``tuned`` (from index ``first``), in the order the sweep
+    times them: by :data:`SWEEP_PRIORITY` of their name, every GEMV's block size before any unroll, so that
+    a budget smaller than the whole sweep spends itself on the decisions that measured to matter."""
+    rank = {name: i for i, name in enumerate(SWEEP_PRIORITY)}
+    return [first + i for i, _ in sorted(enumerate(tuned), key=lambda e: (
+        rank.get(e[1][0].rsplit(".", 1)[-1], len(rank)), e[0]))]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -742,9 +761,8 @@ class MeasuredCompiler:
         try:
             # the template decisions (each kernel's block size, split, loads ahead) first, one at a time
             # around the cost model's pick: they act nearly independently of each other
-            templates = range(len(space) - len(tuned), len(space))
             result = search(space, timer, budget, seed=SEARCH_SEED, seed_genomes=[seed_genome], progress=on_trial,
-                            sweep=templates)
+                            sweep=sweep_order(tuned, len(space) - len(tuned)))
         finally:
             close = getattr(timer, "close", None)
             if close is not None:

@@ -64,7 +64,7 @@ def test_every_system_has_a_worker_and_a_time_cap(monkeypatch):
 
     assert set(decode.WORKERS) == set(decode.CAP_S) == set(decode.SYSTEMS)
     assert set(decode.LUM_BUILD_ENV) < set(decode.LUM_OPTIONS) < set(decode.SYSTEMS)
-    assert set(decode.DEFAULT_SYSTEMS) == set(decode.SYSTEMS) - set(decode.LUM_BUILD_ENV)
+    assert set(decode.DEFAULT_SYSTEMS) == set(decode.SYSTEMS) - set(decode.LUM_BUILD_ENV) - set(decode.TUNED_SYSTEMS)
 
 
 def test_event_timer_times_stream_work_on_the_fake_driver(tmp_path):
