@@ -135,8 +135,9 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), with ``$LUM_ATTENTION_COMBINE``
     each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
-    ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`), then the kernel tails
-    (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is ``0``), each keeping the
+    ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`) unless kernel
+    tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
+    ``0``; they take the same small kernels, into the kernel before them), each keeping the
     register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
     from lum.builder.attention_combine import attention_combine_enabled, fuse_attention_combines
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
@@ -146,9 +147,10 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                                               weights)
     if attention_combine_enabled():
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
-    if sibling_kernels_enabled():
+    tails = kernel_tails_enabled()
+    if sibling_kernels_enabled() and not tails:     # both take the small kernels after a head: one or the other
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
-    if kernel_tails_enabled():
+    if tails:
         gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
                          registers=lambda heads: _registers(heads, arch, cache_dir))
     return {i: ks for i, ks in gen.items() if ks is not None}

@@ -52,6 +52,22 @@ def tiny_pkg(tmp_path_factory):
     return lum.loader.open(path)
 
 
+@pytest.fixture(scope="module")
+def tiny_pkg_apart(tmp_path_factory):
+    """tiny-llama with its independent small kernels launched apart (``LUM_SIBLING_KERNELS=0``; by default the
+    k / v / q stage after qkv is one launch): what graph branches and the L2 prefetch branch schedule."""
+    if not HAVE_NVRTC:
+        pytest.skip("NVRTC is not installed")
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_SIBLING_KERNELS", "0")
+        path = build_package(load_spec(random_name="tiny-llama", max_seq=32),
+                             tmp_path_factory.mktemp("ta") / "t.lumpkg")
+    return lum.loader.open(path)
+
+
 # ============================================================================ build side
 @needs_nvrtc
 def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
@@ -469,14 +485,14 @@ def test_cuda_backend_refuses_a_package_without_kernels(tmp_path):
 @needs_nvrtc
 @pytest.mark.parametrize("entry", ["prefill", "decode"])
 @pytest.mark.parametrize("tails", [True, False])
-def test_graph_branches_order_every_dependent_pair(tiny_pkg, entry, tails, tmp_path):
+def test_graph_branches_order_every_dependent_pair(tiny_pkg_apart, entry, tails, tmp_path):
     """The streams a graph is captured from (loader/cuda/branches.py) order every pair of steps that
     share bytes with a write, and still leave independent kernels side by side in decode (without kernel
     tails, the default: with all of them, tiny-llama's v-cache write, the kernel beside the k path, is the
     qkv GEMV's tail)."""
     from lum.loader.cuda.branches import EVERYTHING, conflicts, happens_before
 
-    pkg = tiny_pkg
+    pkg = tiny_pkg_apart
     assert not any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)      # off by default
     if tails:
         from lum.builder.models import load_spec
@@ -538,7 +554,7 @@ def test_graph_branches_schedule_small_cases():
 
 
 @needs_nvrtc
-def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg, monkeypatch):
+def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg_apart, monkeypatch):
     """With a prefetch kernel and a budget, each weight GEMV that ends a stretch of small kernels gets an
     L2 prefetch step right after the GEMV before it, ordered after that GEMV and before nothing (on a
     stream no other step uses), asking for the first bytes of the GEMV's largest weight."""
@@ -546,7 +562,7 @@ def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg, monkeypatch):
     from lum.loader.cuda.branches import happens_before
 
     monkeypatch.setattr(pf, "MIN_WEIGHT_BYTES", 1024)      # tiny-llama's matrices are kilobytes
-    pkg, bounds = tiny_pkg, {"p": 31}
+    pkg, bounds = tiny_pkg_apart, {"p": 31}
     layout, _ = _fake_layout(pkg, "decode", bounds)
     plain = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds)
     plan = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds,

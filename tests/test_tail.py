@@ -40,6 +40,7 @@ def _all_tails(monkeypatch):
 
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv(tail.ENV_KERNEL_TAILS)
+    monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")     # the default's other fusion of small kernels
     assert tail.kernel_tails_policy() == "0" and not tail.kernel_tails_enabled()
     prog, sources = _layer_kernels("tiny-gemma3")
     assert len(sources) == len(prog.kernels()) and not any(ks.tails for ks in sources.values())
@@ -166,6 +167,7 @@ def test_real_decode_layers_launch_fewer_kernels(model, policy, per_layer, monke
 
 def test_tails_off(monkeypatch):
     monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "0")
+    monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")     # the default's other fusion of small kernels
     prog, sources = _layer_kernels("tiny-gemma3")
     assert len(sources) == len(prog.kernels()) and not any(ks.tails for ks in sources.values())
 
