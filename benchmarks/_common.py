@@ -270,13 +270,14 @@ def weight_bytes_of(model) -> int:
 
 
 def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str, timeout: float, log_path: Path,
-                  env: dict[str, str] | None = None, budget: int = 0):
+                  env: dict[str, str] | None = None, budget: int = 0, tune: str | None = None):
     """``lum build`` in a subprocess (``env``: extra environment variables for it; ``budget``: measured-search
-    evaluations per group, 0 for the cost model); (seconds, error)."""
+    evaluations per group, 0 for the cost model; ``tune``: the entries it measures, e.g. ``decode``);
+    (seconds, error)."""
     cmd = [sys.executable, "-c", "import sys; from lum.loader.cli import main; main(sys.argv[1:])", "build",
            str(hf_dir), "-o", str(pkg), "--dtype", dtype, "--max-seq", str(max_seq), "--target", target]
     if budget:
-        cmd += ["--budget", str(budget)]
+        cmd += ["--budget", str(budget)] + (["--tune", tune] if tune else [])
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
         try:

@@ -41,7 +41,8 @@ What it does, in one run on one GPU:
      builder/attention_combine.py), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py); ``lum-tuned`` built by the measured search with ``--tuned-budget`` candidates a
-     group (lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU).
+     decode group (``lum build --tune decode``, lum.builder.tuning: each decode GEMV's block size, split,
+     unroll, grid cap timed on the GPU; prefill keeps the cost model's choice).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
@@ -523,7 +524,8 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
                 f"{f' --budget {budget}' if budget else ''} → {pkg}")
             cap = left - 60 if budget else min(BUILD_CAP_S, left - 30)   # a measured search takes what is left
             build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, target, cap,
-                                         workdir / f"log-build{tag}.txt", env=dict(env_key), budget=budget)
+                                         workdir / f"log-build{tag}.txt", env=dict(env_key), budget=budget,
+                                         tune="decode" if budget != args.budget else None)
             if err:
                 for r in lum_rows:
                     r["error"] = err

@@ -33,6 +33,7 @@ ProgressFn = Callable[[str, int, int], None]   # (stage, done, total)
 class BuildOptions:
     target: str = "sm_90"
     budget: int = 0                   # measured-search evaluations per group (0: cost model only)
+    tune_entries: tuple[str, ...] | None = None   # the entries whose groups are measured (None: all; others: cost model)
     compile_kernels: bool = True      # NVRTC cubins for the target (needs no GPU)
     provenance: dict = field(default_factory=dict)
     max_dyn: dict | None = None       # dyn bounds the kernels may assume (None: from max_seq, see kernels.py)

@@ -204,6 +204,9 @@ def build_cmd(
                                           help="Maximum sequence length (sizes the KV cache)."),
     budget: int = typer.Option(0, "--budget", metavar="N", min=0,
                                help="Measured-search evaluations per group on a GPU (0: cost model only)."),
+    tune: Optional[str] = typer.Option(None, "--tune", metavar="ENTRIES", show_default=False,
+                                       help="With --budget: measure only these entries' groups, comma-separated "
+                                            "(e.g. decode); the others take the cost model's choice."),
     seed: int = typer.Option(0, "--seed", help="Seed of --random weights."),
 ) -> None:
     """Compile a model into a .lumpkg package.
@@ -225,6 +228,14 @@ def build_cmd(
         raise UserError("give either SRC or --random NAME, not both")
     if random_name is None and src is None:
         raise UserError("give a checkpoint folder SRC or --random NAME")
+    tune_entries = None
+    if tune is not None:
+        tune_entries = tuple(e.strip() for e in tune.split(",") if e.strip())
+        bad = sorted(set(tune_entries) - {"prefill", "decode"})
+        if bad or not tune_entries:
+            raise UserError(f"--tune takes entries of prefill, decode; got {tune!r}")
+        if not budget:
+            raise UserError("--tune needs --budget N (the measured search it limits)")
     spec = _load_spec(src, random_name, dtype.value, max_seq, seed)
     try:
         from lum.builder.package_builder import BuildOptions, build_package
@@ -243,7 +254,8 @@ def build_cmd(
     t0 = time.perf_counter()
     bar, update = _progress_bar(f"building {spec.name}")
     with bar:
-        path = build_package(spec, out, None, BuildOptions(target=target, budget=budget), tokenizer, update)
+        path = build_package(spec, out, None, BuildOptions(target=target, budget=budget, tune_entries=tune_entries),
+                             tokenizer, update)
     size = path.stat().st_size
     sys.stderr.write(f"wrote {path} ({size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s\n")
 

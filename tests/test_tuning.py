@@ -333,3 +333,41 @@ def test_generate_program_applies_gemv_keys_by_rank():
     for o in prog.ops:                               # every other kernel is what the defaults give
         if o.id != gemvs[1].id and base[o.id] is not None:
             assert got[o.id].name == base[o.id].name
+
+
+# ---------------------------------------------------------------- what the search measures, and in which order
+def test_tune_entries_measure_only_those_groups(spec, cache, tmp_path):
+    """``BuildOptions.tune_entries``: decode's groups are measured and recorded; prefill's take the cost
+    model's program with nothing timed, and the package still decodes like the cost model's."""
+    import lum.loader
+
+    FakeTimer.calls = []
+    opts = BuildOptions(budget=4, tune_entries=("decode",))
+    comp = T.measured_compiler(spec, opts, None, timer_factory=FakeTimer, device=FAKE)
+    path = build_package(spec, tmp_path / "d.lumpkg", comp, opts)
+    entries = {i.hash: i.entry for i in T.model_groups(spec).values()}
+    assert {entries[h] for h, _ in FakeTimer.calls} == {"decode"}
+    assert comp.records and {r["entry"] for r in comp.records} == {"decode"}
+    want = lum.loader.open(build_package(spec, tmp_path / "ref.lumpkg")).session(backend="reference").generate([1, 5], 3)
+    assert lum.loader.open(path).session(backend="reference").generate([1, 5], 3) == want
+
+
+def test_sweep_times_block_sizes_and_splits_first():
+    tuned = [("threads", ()), ("ept", ()), ("unroll", ()), ("gemv0.threads", ()), ("gemv0.preload", ()),
+             ("gemv0.group", ()), ("gemv1.threads", ()), ("gemv1.inflight", ()), ("gemv1.group", ())]
+    names = [tuned[i - 10][0] for i in T.sweep_order(tuned, 10)]
+    assert names == ["threads", "gemv0.threads", "gemv1.threads", "gemv0.group", "gemv1.group", "unroll", "ept",
+                     "gemv1.inflight", "gemv0.preload"]
+
+
+@pytest.mark.parametrize("args,match", [(["--tune", "decode"], "--tune needs --budget"),
+                                        (["--budget", "4", "--tune", "decode,train"], "--tune takes entries")])
+def test_cli_tune_is_checked(tmp_path, capsys, args, match):
+    from lum.loader.cli import main
+
+    out = tmp_path / "t.lumpkg"
+    with pytest.raises(SystemExit) as info:
+        main(["build", "--random", "tiny-llama", "--max-seq", "16", *args, "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and match in err[0], err
+    assert not out.exists()
