@@ -4,6 +4,7 @@ timer's own path on the numpy reference backend) stands in for the CUDA runtime.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -371,3 +372,26 @@ def test_cli_tune_is_checked(tmp_path, capsys, args, match):
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1 and match in err[0], err
     assert not out.exists()
+
+
+def test_replay_times_warm_up_then_time_batches():
+    """A replay of 50 µs: warm-up in doubling batches until 20 ms of device time, then each sample a batch
+    of 10 replays (≈ 0.5 ms), reported per replay; an early slow replay (idle clocks) is warm-up only."""
+    calls = []
+
+    def batch(n):
+        calls.append(n)
+        return n * (90e-6 if len(calls) == 1 else 50e-6)
+
+    times = T.replay_times(batch, warmup=3, repeats=5)
+    warm = calls[:-5]
+    assert warm == [1, 2, 4, 8, 16, 32, 64, 128, 256][:len(warm)] and sum(warm) * 50e-6 >= T.WARM_S - 40e-6
+    assert calls[-5:] == [10] * 5 and times == pytest.approx([50e-6] * 5)
+    calls.clear()
+    assert T.replay_times(batch, warmup=0, repeats=2, warm_s=0.0) == pytest.approx([50e-6] * 2)
+    assert calls == [1, math.ceil(T.BATCH_S / 90e-6), math.ceil(T.BATCH_S / 90e-6)]   # sized by the one warm-up
+
+
+def test_replay_times_of_a_slow_replay_batch_one():
+    times = T.replay_times(lambda n: n * 0.01, warmup=1, repeats=3)     # 10 ms a replay
+    assert times == pytest.approx([0.01] * 3)
