@@ -40,6 +40,8 @@ class BuildOptions:
     kernel_tuning: dict = field(default_factory=dict)   # codegen keyword arguments for every kernel
     nvrtc_cache: Any = None           # NVRTC cache dir (None: the default on-disk cache, False: none)
     gemm_algos: bool = True           # time cuBLASLt's candidates per gemm when a GPU is here (gemm_algos.py)
+    ptx: bool = True                  # PTX beside the cubins, for newer GPUs (a measured-search candidate runs
+                                      # here only: without it NVRTC runs once a candidate, not twice)
 
 
 @dataclass
@@ -231,7 +233,7 @@ def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[st
             progress("kernels", k, len(programs))
         gk = compile_group_kernels(prog, arch=options.target, dyn_vars=dyn_vars, max_dyn=max_dyn,
                                    tuning=options.kernel_tuning if group_tuning is None else group_tuning[k],
-                                   cache_dir=options.nvrtc_cache,
+                                   ptx=options.ptx, cache_dir=options.nvrtc_cache,
                                    weights=_weight_inputs(prog, k, entries, weight_names or set()))
         version = gk.nvrtc
         table = dict(gk.table)

@@ -620,7 +620,7 @@ def _write_candidate(path: Path, program: Program, s: TimerSetup, tuning: Mappin
     dyn = tuple(sorted(set(s.time_dyn) | set(s.check_dyn)))
     call = Call(0, tuple(o.params["name"] for o in program.inputs()), tuple(o.params["name"] for o in program.outputs()))
     entry = Entry("main", dyn, ins, outs, (call,))
-    opts = BuildOptions(target=s.target, kernel_tuning=dict(tuning), nvrtc_cache=s.nvrtc_cache)
+    opts = BuildOptions(target=s.target, kernel_tuning=dict(tuning), nvrtc_cache=s.nvrtc_cache, ptx=False)
     return write_program_package(path, [program], {"main": entry}, state=state, model={"max_seq": s.max_seq},
                                  options=opts)
 
