@@ -395,3 +395,21 @@ def test_replay_times_warm_up_then_time_batches():
 def test_replay_times_of_a_slow_replay_batch_one():
     times = T.replay_times(lambda n: n * 0.01, warmup=1, repeats=3)     # 10 ms a replay
     assert times == pytest.approx([0.01] * 3)
+
+
+def test_candidates_are_compiled_without_ptx(spec, cache, tmp_path, monkeypatch):
+    """Every measured-search candidate is written with ``BuildOptions(ptx=False)``: cubins only, no PTX
+    section, and such a package still opens and runs."""
+    import lum.loader
+    from lum.builder import package_builder as PB
+
+    seen, write = [], PB.write_program_package
+    monkeypatch.setattr(PB, "write_program_package", lambda *a, **kw: seen.append(kw["options"].ptx) or write(*a, **kw))
+    _build(spec, tmp_path / "m.lumpkg", budget=1, factory=lambda s: T.GpuTimer(s, backend="reference"),
+           repeats=1, warmup=0)
+    assert seen and not any(seen)
+    pkg = lum.loader.open(build_package(spec, tmp_path / "np.lumpkg", options=BuildOptions(ptx=False)))
+    tables = [g.table for g in pkg.manifest.groups if g.table is not None and g.table.ops]
+    assert tables and all(t.cubin and t.ptx is None for t in tables)
+    assert not any(name.startswith("ptx/") for name in pkg.reader.names())
+    assert pkg.session(backend="reference").generate([1, 5], 2)
