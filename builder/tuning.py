@@ -19,7 +19,8 @@ timed on the GPU, results kept in a persistent tuning database.
   cost model's seed — what a build without a budget ships — run once: every candidate, its lowering as
   well as its kernels, must compute what the seed computes; max-norm
   relative error < 1e-4 for f32, < 2e-2 when the program holds bf16/f16; NaN/inf never passes),
-  then time replays of the captured CUDA graph with CUDA events (warm-up, median of ``repeats``).
+  then time replays of the captured CUDA graph with CUDA events (:func:`replay_times`: ≥ 20 ms of warm-up,
+  then the median of ``repeats`` batches of replays, ≈ 0.5 ms each). Candidates are compiled without PTX.
 * :func:`measured_compiler` — the ``compile_group`` callable :func:`~lum.builder.package_builder.build_package`
   uses when ``BuildOptions.budget > 0`` and a usable GPU is present: per group a DB hit lowers the
   stored genome with no measuring at all (after checking the stored decision points still match the
