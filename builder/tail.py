@@ -136,7 +136,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
         if op.kind in _NO_WORK:
             continue
         ks = sources.get(op.id)
-        if head is not None and ks is not None and len(chain) < TAIL_MAX_OPS \
+        if head is not None and ks is not None and not ks.tails and len(chain) < TAIL_MAX_OPS \
                 and any(a.src in produced for a in op.args) \
                 and (policy != "exclusive" or _exclusive(program, op, produced, after)):
             tail = _as_tail(op, program, head, dyn_vars, max_dyn, tuning)
