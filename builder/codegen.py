@@ -644,13 +644,14 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             row_early: bool | None = None, combine: LOp | None = None) -> KernelSource | None:
+             row_early: bool | None = None, combine: LOp | None = None,
+             stage: AttentionStage | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
     the op's own dtype does not imply them. ``combine``: an attention op's combine reduce, which its kernel
-    then runs as its tail (:mod:`lum.builder.attention_combine`). See the module docstring for the tuning
-    parameters."""
+    then runs as its tail (:mod:`lum.builder.attention_combine`). ``stage``: the rows of the ops before it an
+    attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -682,9 +683,9 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
-               combine=combine)
-    if combine is not None and op.kind != "attention":
-        raise CodegenError(f"only an attention kernel runs a combine, not a {op.kind} kernel")
+               combine=combine, stage=stage)
+    if (combine is not None or stage is not None) and op.kind != "attention":
+        raise CodegenError(f"only an attention kernel runs a combine or a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -702,6 +703,92 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
                         early=gen.early, tails=() if combine is None else (combine.id,))
+
+
+@dataclass(frozen=True)
+class AttentionStage:
+    """Which rows of the ops before it an attention kernel computes itself (:mod:`lum.builder.attention_stage`),
+    as affine maps of its kv row h and query row m: the q op's row ``q[0] + q[1]·h + q[2]·m``, stored at
+    physical index ``qb[0] + qb[1]·h + qb[2]·m`` of the q op's output; the k and v cache writes' rows
+    ``k[0] + k[1]·h`` and ``v[0] + v[1]·h``. The kernel then takes three callables (:class:`StageRow`
+    functions bound to their buffers) before its own parameters."""
+
+    q: tuple[int, int, int]
+    qb: tuple[int, int, int]
+    k: tuple[int, int]
+    v: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """A small op (a norm, RoPE, a kv-cache write) as a device function in which one warp computes one of
+    its rows: what an attention kernel runs of the ops before it (:mod:`lum.builder.attention_stage`).
+
+    ``function``'s parameters: ``(long long lum_row, bool lum_live, <extra>, <the op's kernel
+    parameters>)``, where ``<extra>`` is ``LumSink lum_sink`` for an elementwise op (it stores row
+    ``lum_row`` there, not in ``out``) and ``long long lum_w0, long long lum_w1, long long lum_wT, bool
+    lum_wfirst`` for a scatter (it writes its row only where the dest row ``lum_dr`` is in ``[lum_w0,
+    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``). Every warp of the block must call it (its row
+    reductions are warp shuffles); a warp with ``lum_live`` false loads and stores nothing."""
+
+    function: str
+    rows: int
+    n: int
+    bases: tuple[int, ...]           # per row: the physical index its element 0 is stored at (a scatter: dest row 0)
+    col_stride: int                  # the store's stride along a row
+    row_step: int | None             # a scatter's dest stride along its rows (the cache's time axis)
+    params: tuple[Param, ...]
+    dyn_slots: dict[str, int]
+
+
+def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequence[DType | str] | None = None,
+              threads: int = 128, max_dyn: Mapping[str, int] | None = None) -> StageRow:
+    """``op`` (an elementwise Fused tree or a scatter_nocopy with a fused prologue, over rows of a static
+    length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
+    such an op or its rows' stores are not at static places."""
+    if op.kind not in ("elementwise", "scatter_nocopy") or "expr" not in op.params or \
+            (op.kind == "elementwise" and (op.op != "Fused" or op.alias is not None)):
+        raise CodegenError(f"a stage row is an elementwise Fused op or a scatter_nocopy with a prologue, "
+                           f"not {op.kind} {op.op}")
+    scatter = op.kind == "scatter_nocopy"
+    ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn)
+    gen = _Gen(op, _arg_dtypes(op, arg_dtypes), ctx, threads=threads, ept=None, vec=None, group=32, unroll=None,
+               inflight=0, max_blocks=1, acc="f32", math="f32")
+    rp = gen._row_parts(sink=None if scatter else "lum_sink",
+                        writer="(lum_dr >= lum_w0 && lum_dr < lum_w1) || (lum_wfirst && lum_dr >= lum_wT)"
+                        if scatter else None)
+    if rp.group != 32 or not (rp.rows.is_const and rp.n.is_const) or rp.write_col is None \
+            or not rp.write_col.is_const or (scatter and not (rp.write_step is not None and rp.write_step.is_const)):
+        raise CodegenError("a stage row needs warp-sized rows of a static count and length, stored at static strides")
+    bases = []
+    for r in range(rp.rows.value):
+        idx, rest = [], r
+        for d in reversed(rp.row_shape):
+            idx.append(as_expr(rest % d.value))
+            rest //= d.value
+        b = rp.write_row.physical_index(tuple(reversed(idx))).simplify()
+        if not b.is_const:
+            raise CodegenError("a stage row's store must be at a static place")
+        bases.append(b.value)
+    dyn, slots = ctx.dyn_loads(wait=False)
+    dyn = "\n".join(x for x in dyn.splitlines() if "lum_pdl_" not in x)   # the kernel it runs in waits itself
+    extra = ("long long lum_w0, long long lum_w1, long long lum_wT, bool lum_wfirst" if scatter
+             else "LumSink lum_sink")
+    params = gen.params()
+    fn = "\n".join([
+        f"__device__ __forceinline__ void {name}(long long lum_row_, bool lum_live, {extra}, "
+        f"{', '.join(p.ctype for p in params)}) {{",
+        f"  typedef {'int' if ctx.fits_i32(0) else 'long long'} idx_t;",
+        f"  typedef {_KIND_C[rp.acc_kind]} acc_t;",
+        "  constexpr int GROUP = 32;",
+        "  __shared__ acc_t lum_smem[1];          // a warp's reduction needs none",
+        dyn,
+        f"  const idx_t lum_n = {ctx.c(rp.n)};",
+        "  const int lum_lane = (int)threadIdx.x % GROUP;",
+        "  const idx_t lum_row = (idx_t)lum_row_;",
+        rp.setup, rp.phases, rp.final, "}"])
+    return StageRow(fn, rp.rows.value, rp.n.value, tuple(bases), rp.write_col.value,
+                    rp.write_step.value if scatter else None, params, slots)
 
 
 _GEMV_KEY = re.compile(r"gemv(\d+)\.(\w+)")
@@ -777,6 +864,10 @@ class _RowParts:
     acc_kind: str
     early: str = ""                        # code before the wait: weight rows every row reads (row.cu EARLY)
     early_args: tuple[int, ...] = ()       # ... their argument indices
+    row_shape: tuple[Expr, ...] = ()       # the rows' (coalesced) shape: lum_row unravels over it
+    write_row: ShapeTracker | None = None  # the write's row part: element 0 of a row (a scatter's at dest row 0)
+    write_col: Expr | None = None          # the write's stride along a row
+    write_step: Expr | None = None         # a scatter's: the dest's stride along its rows
 
 
 class _Gen:
@@ -784,9 +875,10 @@ class _Gen:
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
-                 combine: LOp | None = None):
+                 combine: LOp | None = None, stage: AttentionStage | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.combine = combine                     # an attention's combine reduce, run as its tail
+        self.stage = stage                         # the rows of the ops before it an attention computes
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.preload = preload
@@ -1233,10 +1325,12 @@ class _Gen:
                   "math": self.math, "scheme": "row", "regs": rp.regs}
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
-    def _row_parts(self, sink: str | None = None) -> _RowParts:
+    def _row_parts(self, sink: str | None = None, writer: str | None = None) -> _RowParts:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
         stores each element, as a float of the op's dtype, into that C array (a gemm prologue's shared
-        memory) at the element's row-major index, instead of into ``out``."""
+        memory) at the element's physical index in ``out``, instead of into ``out``. ``writer``: a C
+        condition on the scatter's dest row ``lum_dr`` a row must also meet to be written (an attention
+        stage writes a kv row from the one block that reads it)."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -1409,6 +1503,8 @@ class _Gen:
                 final.append(f"{ind}const long long lum_dr = lum_live ? "
                              f"(long long)({self.load(last, cviews[1], idx)}) : -1LL;")
                 cond = f"lum_dr >= 0 && lum_dr < (long long)({ctx.c(shape[0])})"
+                if writer is not None:
+                    cond = f"{cond} && ({writer})"
                 dest = f"({wbase}) + (idx_t)lum_dr * ({ctx.c(write.strides[0])}) + lum_c * ({ctx.c(wcol.strides[0])})"
                 ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx)
                                  + col * wcol.strides[0])
@@ -1420,7 +1516,9 @@ class _Gen:
                 final.append(f"{ind3}{sink}[{dest}] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
             final += close
         return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
-                         group, threads, regs, acc_kind, "\n".join(early), tuple(early_args))
+                         group, threads, regs, acc_kind, "\n".join(early), tuple(early_args), tuple(cshape),
+                         cviews[0], None if wcol is None else wcol.strides[0],
+                         write.strides[0] if kind == "scatter" else None)
 
     @staticmethod
     def _row_identity(red: str) -> str:
@@ -1489,6 +1587,11 @@ class _Gen:
                   f"{_load_conv(self.dts[0], f'in0[lum_qb + (idx_t)lum_d * ({ctx.c(qd)})]')} : 0.0f;",
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
+        heads_n = numel(hshape)
+        stage = self._attention_stage(m_size, D, qd, heads_n)
+        if self.stage is not None:             # the query rows the stage computed into shared memory
+            load_q = [*load_q[:2], *load_q[3:6], f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? lum_qs[lum_m][lum_d] : 0.0f;",
+                      *load_q[-2:]]
 
         def row_load(k: int, view: ShapeTracker, width: int, per_lane: int, dest: str, base: str) -> list[str]:
             """Lane slice of row lum_t of k / v into dest[u][i]: one vector access when the features are
@@ -1536,9 +1639,8 @@ class _Gen:
         out_idx = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), zero))
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
-        heads_n = numel(hshape)
         comb = self._attention_combine(heads_n, idx, op, DV)
-        src = render(load_template("attention.cu"), {**comb,
+        src = render(load_template("attention.cu"), {**comb, **stage,
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
@@ -1549,6 +1651,51 @@ class _Gen:
         if self.combine is not None:
             tuning["combine"] = True
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1))], tuning, self.max_blocks
+
+    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
+        """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
+        :class:`AttentionStage`): every warp calls each row function once per round (their reductions are
+        warp shuffles, which every thread of the block must reach alike); task ``t = round · WARPS + warp``
+        is query row ``t`` (t < M), the k row (t = M) or the v row (t = M + 1)."""
+        st = self.stage
+        if st is None:
+            return {"STAGE_DECL": "", "STAGE_PRE": "", "STAGE": ""}
+        if self.combine is not None:
+            raise CodegenError("an attention kernel runs its combine or a stage, not both")
+        if qd != as_expr(1) or not heads_n.is_const:
+            raise CodegenError("an attention stage needs q's features contiguous and a static number of kv rows")
+        warps = self.threads // 32
+        q0, qh, qm = st.q
+        b0, bh, bm = st.qb
+
+        def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
+            return [f"{ind}lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {k_live}, {window});",
+                    f"{ind}lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {v_live}, {window});"]
+
+        ind, ind3 = " " * 4, " " * 8
+        stage = [f"{ind}{{   // the stage (builder/attention_stage.py): kv row lum_h's query rows, its k / v rows",
+                 f"{ind}  const idx_t lum_w0 = lum_j * (idx_t)CHUNK;",
+                 f"{ind}  const idx_t lum_w1 = lum_min(lum_T, lum_w0 + (idx_t)CHUNK);",
+                 f"{ind}#pragma unroll 1",
+                 f"{ind}  for (int lum_r = 0; lum_r < {-(-(m_size + 2) // warps)}; ++lum_r) {{",
+                 f"{ind3}const int lum_task = lum_r * WARPS + lum_warp;",
+                 f"{ind3}const int lum_mq = lum_task < M ? lum_task : 0;",
+                 f"{ind3}lum_qrow((long long)({q0} + {qh} * (long long)lum_h + {qm} * lum_mq), lum_task < M, "
+                 f"LumSink{{&lum_qs[lum_mq][0], (long long)({b0} + {bh} * (long long)lum_h + {bm} * lum_mq)}});",
+                 *kv(ind3, "lum_task == M", "lum_task == M + 1",
+                     "(long long)lum_w0, (long long)lum_w1, (long long)lum_T, lum_j == 0"),
+                 f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
+                 f"{ind}}}"]
+        pre = ["  if (lum_ns == 0) {   // no chunk reads the cache: the stage still writes the kv rows",
+               f"    for (idx_t lum_h = (idx_t)blockIdx.x; lum_h < (idx_t)({self.ctx.c(heads_n)}); "
+               "lum_h += (idx_t)gridDim.x) {",
+               "#pragma unroll 1",
+               f"      for (int lum_r = 0; lum_r < {-(-2 // warps)}; ++lum_r) {{",
+               "        const int lum_task = lum_r * WARPS + lum_warp;",
+               *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
+               "      }", "    }", "  }"]
+        return {"STAGE_DECL": f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})",
+                "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}
 
     def _attention_combine(self, heads_n: Expr, idx: Sequence[Expr], op: LOp, dv: int) -> dict[str, Any]:
         """attention.cu's COMBINE placeholders: off, or the combine reduce's output (``self.combine``, checked

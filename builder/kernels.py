@@ -135,11 +135,14 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), with ``$LUM_ATTENTION_COMBINE``
     each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
+    ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
+    (:mod:`lum.builder.attention_stage`), with
     ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`) unless kernel
     tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
     ``0``; they take the same small kernels, into the kernel before them), each keeping the
     register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
     from lum.builder.attention_combine import attention_combine_enabled, fuse_attention_combines
+    from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
@@ -147,6 +150,8 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                                               weights)
     if attention_combine_enabled():
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
+    if attention_stage_enabled():
+        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
     tails = kernel_tails_enabled()
     if sibling_kernels_enabled() and not tails:     # both take the small kernels after a head: one or the other
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)

@@ -28,7 +28,10 @@
 //!   COUNTERS (kv rows: the counters' length, 1 without COMBINE), PART0 (the out offset of query row
 //!   lum_m's chunk 0), COMBINED (the t0_out offset of query row lum_m), COMBINE_STORE (the storage value of
 //!   the float lum_v in t0_out), COMBINED_N (t0_out's elements), COMBINE_ZERO (0 in its storage); all 0
-//!   without COMBINE.
+//!   without COMBINE. STAGE_DECL, STAGE_PRE, STAGE: empty, or an attention stage (builder/attention_stage.py):
+//!   the shared query rows, the kv-cache writes when there is no chunk, and per work item the stage itself
+//!   (kv row lum_h's query rows computed into shared memory, which LOAD_Q then reads, and its k / v rows
+//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after).
 #if {{COMBINE}}
 __device__ unsigned int {{KERNEL}}_count[{{COUNTERS}}];   // per kv row: chunks of the running launch done
 #endif
@@ -44,6 +47,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int CHUNK = {{CHUNK}};
   static_assert(THREADS % 32 == 0 && M >= 1, "THREADS must be a multiple of 32");
   __shared__ float lum_part[WARPS][VPL * 32 + 2];
+{{STAGE_DECL}}
 #if {{COMBINE}}
   __shared__ unsigned int lum_last;      // this block counted last for its kv row
 #endif
@@ -53,6 +57,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   const idx_t lum_work = (idx_t)({{HEADS}}) * lum_ns;
   const int lum_lane = (int)threadIdx.x & 31;
   const int lum_warp = (int)threadIdx.x >> 5;
+{{STAGE_PRE}}
 #if {{COMBINE}}
   if (lum_ns == 0) {   // no chunk: the combine of no partials is 0 (a reduce over an empty axis)
     for (idx_t i = (idx_t)blockIdx.x * THREADS + threadIdx.x; i < (idx_t)({{COMBINED_N}}); i += (idx_t)gridDim.x * THREADS)
@@ -63,6 +68,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     const idx_t lum_h = lum_w / lum_ns;
     const idx_t lum_j = lum_w - lum_h * lum_ns;
 {{SETUP}}
+{{STAGE}}
     float lum_q[M][DPL];
 {{LOAD_Q}}
     float lum_c[M], lum_l[M], lum_acc[M][VPL];

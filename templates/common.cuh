@@ -193,6 +193,14 @@ LUM_D T lum_group_reduce(T v, T* smem) {
   return v;
 }
 
+// A row's stores into shared memory, at their physical index in the op's output less b (an attention
+// stage's query rows, builder/attention_stage.py).
+struct LumSink {
+  float* p;
+  long long b;
+  LUM_D float& operator[](long long i) const { return p[i - b]; }
+};
+
 // N consecutive elements moved as one (aligned) memory access.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) lum_vec { T v[N]; };
