@@ -18,7 +18,7 @@ whose
 
 * q is an elementwise Fused op that only this attention reads, every query row of kv row h, m at the
   physical index of one of its rows, contiguous;
-* k and v are scatter_nocopy ops with a prologue (the cache writes) read by nothing before the attention,
+* k and v are scatter_nocopy ops (the cache writes, with a prologue or plain copies) read by nothing before the attention,
   whose rows are, one to one, the kv rows the attention reads, at the attention's strides;
 * and these four are kernel ops in a row (only inputs and constants between them),
 
@@ -59,7 +59,8 @@ def stage_ops(program: Program, att: LOp) -> tuple[LOp, LOp, LOp] | None:
     q, k, v = (program.ops[a.src] for a in att.args[:3])
     if q.kind != "elementwise" or q.op != "Fused" or "expr" not in q.params or q.alias is not None:
         return None
-    if any(o.kind != "scatter_nocopy" or "expr" not in o.params for o in (k, v)) or len({q.id, k.id, v.id}) < 3:
+    if any(o.kind != "scatter_nocopy" or ("expr" not in o.params and len(o.args) != 3) for o in (k, v)) \
+            or len({q.id, k.id, v.id}) < 3:
         return None
     users = readers(program)
     if [u.id for u in users.get(q.id, [])] != [att.id]:

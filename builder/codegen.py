@@ -743,14 +743,15 @@ class StageRow:
 
 def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequence[DType | str] | None = None,
               threads: int = 128, max_dyn: Mapping[str, int] | None = None) -> StageRow:
-    """``op`` (an elementwise Fused tree or a scatter_nocopy with a fused prologue, over rows of a static
-    length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
+    """``op`` (an elementwise Fused tree or a scatter_nocopy, with or without a fused prologue, over rows of a
+    static length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
     such an op or its rows' stores are not at static places."""
+    scatter = op.kind == "scatter_nocopy"
+    if scatter and "expr" not in op.params and len(op.args) == 3:     # a plain copy: the identity prologue
+        op = LOp(op.id, op.kind, op.op, op.args, op.shape, op.dtype, {**op.params, "expr": ["arg", 0]}, op.alias)
     if op.kind not in ("elementwise", "scatter_nocopy") or "expr" not in op.params or \
             (op.kind == "elementwise" and (op.op != "Fused" or op.alias is not None)):
-        raise CodegenError(f"a stage row is an elementwise Fused op or a scatter_nocopy with a prologue, "
-                           f"not {op.kind} {op.op}")
-    scatter = op.kind == "scatter_nocopy"
+        raise CodegenError(f"a stage row is an elementwise Fused op or a scatter_nocopy, not {op.kind} {op.op}")
     ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn)
     gen = _Gen(op, _arg_dtypes(op, arg_dtypes), ctx, threads=threads, ept=None, vec=None, group=32, unroll=None,
                inflight=0, max_blocks=1, acc="f32", math="f32")

@@ -35,7 +35,7 @@ except ImportError:
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
 MAX_SEQ = 16
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
-         "siblings": {}}
+         "stage": {}, "siblings": {"LUM_ATTENTION_STAGE": "0"}}
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +269,10 @@ print(json.dumps(out))
 @pytest.mark.parametrize("variant", list(FUSED))
 def test_fused_kernel_variants_match_reference(env, variant):
     """Built with a kernel fusion: ``combine`` (``LUM_ATTENTION_COMBINE=1``, off by default: the kernel cases'
-    decode attention, two chunks, GQA groups of 3, both feature layouts, runs its combine as its tail) or
-    ``siblings`` (the default package: the kernel cases' independent kernels in a row run as one launch each).
+    decode attention, two chunks, GQA groups of 3, both feature layouts, runs its combine as its tail),
+    ``stage`` (the default package: the tiny models' decode attention computes its q rows and kv-cache writes,
+    builder/attention_stage.py; the kernel cases' independent kernels in a row run as one launch each) or
+    ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""
@@ -278,7 +280,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
 import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
-out = {"errors": {}, "checked": 0, "fused": {}}
+out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}}
 for dt in (DType.f32, DType.bf16):
     pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
@@ -302,6 +304,8 @@ for name in MODELS:
     pkg = L.open(PKGS[name + ".VARIANT"])
     out["fused"][name] = sorted({op.kind for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
                                  if op.tail})
+    out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
+                                 for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     with pkg.session(backend="cuda") as sess:
         out[name] = sess.generate(prompt, 8)
     out[name + ".want"] = pkg.session(backend="reference").generate(prompt, 8)
@@ -317,6 +321,10 @@ print(json.dumps(out))
     for name in MODELS:
         want = ["attention"] if variant == "combine" else ["scatter_nocopy"]   # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
+        if variant == "stage":         # q, k, v and the attention: one kernel under the first
+            assert 3 in res["tails"][name], res["tails"]
+        elif variant == "siblings":    # q, k and v: one sibling kernel
+            assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
         assert res[name] == res[name + ".want"], name
 
 

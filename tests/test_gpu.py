@@ -333,27 +333,51 @@ def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublasl
     assert compare(got, want, 1e-4) is None, compare(got, want, 1e-4)
 
 
-@pytest.mark.parametrize("var,value,kind", [("LUM_ATTENTION_COMBINE", "1", "attention"),
-                                            ("LUM_SIBLING_KERNELS", "0", "scatter_nocopy")],
-                         ids=["attention-combine", "siblings"])
-def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, monkeypatch, var, value, kind):
+def _stage_kernel(op) -> bool:         # q, k, v and the attention as one kernel (builder/attention_stage.py)
+    return op.kind == "scatter_nocopy" and len(op.tail) == 3
+
+
+def _sibling_kernel(op) -> bool:       # q, k and v as one launch (builder/siblings.py)
+    return op.kind == "scatter_nocopy" and len(op.tail) == 2
+
+
+# variant: (the fused package's build environment, the plain one's; None: the default package), its kernel
+FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, lambda op: op.kind == "attention" and op.tail),
+                  "attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _stage_kernel),
+                  "siblings": ({"LUM_ATTENTION_STAGE": "0"}, {"LUM_ATTENTION_STAGE": "0", "LUM_SIBLING_KERNELS": "0"},
+                               _sibling_kernel)}
+
+
+@pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
+def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     """The tiny model with a kernel fusion against the package without it: each decode attention kernel
-    combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py), or
-    independent small kernels in a row as one launch (the default; built without them at
-    ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv). Decode logits of the fused
-    package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention
-    chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
+    combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py), decode
+    attention computing its q rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``,
+    builder/attention_stage.py), or independent small kernels in a row as one launch (on by default; built
+    without them at ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the
+    attention does not run it). Decode logits of the fused package as the reference backend's (arena
+    poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
+    the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
 
     _, _, default = tiny_model
-    monkeypatch.setenv(var, value)
-    other = build_package(load_spec(src=str(Path(default).parent / "hf"), max_seq=MAX_SEQ),
-                          Path(default).parent / f"{var.lower()}-{value}.lumpkg")
-    path, plain = (other, default) if value == "1" else (default, other)
+    fused_env, plain_env, is_fused = FUSED_VARIANTS[variant]
+
+    def package(env):
+        if env is None:
+            return default
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            tag = "-".join(f"{k.lower()}-{v}" for k, v in sorted(env.items()))
+            return build_package(load_spec(src=str(Path(default).parent / "hf"), max_seq=MAX_SEQ),
+                                 Path(default).parent / f"{tag}.lumpkg")
+
+    path, plain = package(fused_env), package(plain_env)
     pkg = lum.loader.open(path)
-    assert any(op.kind == kind and op.tail for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
-    assert not any(op.kind == kind and op.tail for g in lum.loader.open(plain).manifest.groups
+    assert any(is_fused(op) for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
+    assert not any(is_fused(op) for g in lum.loader.open(plain).manifest.groups
                    if g.table is not None for op in g.table.ops)
     ids = np.asarray(PROMPT, np.int32)
     ref = pkg.session(backend="reference")

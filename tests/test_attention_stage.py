@@ -1,0 +1,133 @@
+"""Attention stages (builder/attention_stage.py, templates/attention.cu STAGE, codegen.stage_row): which decode
+attentions compute the q rows and kv-cache writes before them, the row maps, the launch table, the NVRTC
+compile. Results are checked on the emulated driver (tests/test_cuda_emulated.py: the tiny models' greedy
+tokens, grids capped at two blocks so that a block runs several work items) and on the GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages, stage_ops
+from lum.builder.codegen import AttentionStage, generate_program
+from lum.builder.kernels import default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
+from lum.format.dtypes import DType
+from lum.format.expr import as_expr
+from lum.format.llir import Arg, LOp, Program
+from lum.format.shapetracker import ShapeTracker
+
+MAX_SEQ = 64
+
+
+def _layer(model: str, dtype: DType = DType.f32) -> tuple[Program, list[str]]:
+    """The decode layer group of a named model (the group with the kv-cache writes) and the dyn slots."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    cgs = compile_graph(build_entry(named_config(model), "decode", MAX_SEQ, dtype))
+    dv = program_dyn_vars([cg.program for cg in cgs])
+    return max(cgs, key=lambda cg: sum(o.kind == "scatter_nocopy" for o in cg.program.ops)).program, dv
+
+
+def _attention(prog: Program) -> LOp:
+    (att,) = [o for o in prog.ops if o.kind == "attention"]
+    return att
+
+
+@pytest.mark.parametrize("model,group", [("tiny-gemma3", 2), ("tiny-llama", 2), ("gemma3-4b", 2), ("llama3-1b", 4)])
+def test_decode_attention_runs_its_stage(monkeypatch, model, group):
+    """By default the q op (norm + RoPE, or RoPE) and both cache writes have no kernel: the attention's runs
+    them, under the first of the three (table version 2, the attention its last tail), launched as the
+    attention's grid and programmatic; with ``LUM_ATTENTION_STAGE=0`` they are the sibling kernel before it."""
+    prog, dv = _layer(model)
+    max_dyn = default_max_dyn(dv, MAX_SEQ)
+    att = _attention(prog)
+    q, k, v = stage_ops(prog, att)
+    assert (q.kind, k.kind, v.kind) == ("elementwise", "scatter_nocopy", "scatter_nocopy")
+    assert attention_stage_enabled()
+    fused = group_kernel_sources(prog, dv, max_dyn)
+    run = sorted((q.id, k.id, v.id))
+    ks = fused[run[0]]
+    assert ks.tails == (*run[1:], att.id) and not ({q.id, k.id, v.id, att.id} - {run[0]}) & set(fused)
+    assert ks.tuning["stage"] == run and ks.tuning["group_rows"] == group
+    plain = generate_program(prog, dv, max_dyn=max_dyn)
+    assert ks.grid == plain[att.id].grid and ks.block == plain[att.id].block
+    table = launch_table(prog, fused, arch="sm_90", dyn_vars=dv, max_dyn=max_dyn)
+    (entry,) = [e for e in table["ops"] if e.get("tail")]
+    assert table["version"] == 2 and table["programmatic"] and entry["tail"] == [*run[1:], att.id]
+    assert f"out@{att.id}" in entry["params"] and entry["params"][-1] == f"in3@{att.id}"
+    body = ks.body
+    assert body.count('extern "C" __global__') == 1 and body.count("lum_pdl_wait();") == 1
+    assert "lum_qs[lum_m][lum_d]" in body and "__restrict__" not in body.split("_attn(")[-2].rsplit("\n", 2)[-1]
+    monkeypatch.setenv("LUM_ATTENTION_STAGE", "0")
+    off = group_kernel_sources(prog, dv, max_dyn)
+    assert att.id in off and not off[att.id].tails and off[run[0]].tails == tuple(run[1:])    # the siblings
+    assert len(off) == len(fused) + 1
+
+
+def test_row_maps():
+    """gemma3-4b's stage: query row m of kv row h is the q op's row 2h + m, stored at 512h + 256m; kv row h is
+    each cache write's row h."""
+    from lum.builder.attention_stage import _stage
+    from lum.builder.codegen import stage_row
+
+    prog, dv = _layer("gemma3-4b", DType.bf16)
+    att = _attention(prog)
+    ops = stage_ops(prog, att)
+    rows = {r: stage_row(o, dv, f"f_{r}", arg_dtypes=[prog.ops[a.src].dtype for a in o.args]) for r, o in zip("qkv", ops)}
+    assert rows["q"].rows == 8 and rows["q"].bases == tuple(256 * i for i in range(8)) and rows["q"].row_step is None
+    assert rows["k"].rows == 4 and rows["k"].bases == (0, 256, 512, 768) and rows["k"].row_step == 1024
+    assert _stage(att, rows) == AttentionStage(q=(0, 2, 1), qb=(0, 512, 256), k=(0, 1), v=(0, 1))
+    assert "lum_wfirst && lum_dr >= lum_wT" in rows["k"].function and "lum_sink[" in rows["q"].function
+
+
+def test_near_misses_keep_their_kernels():
+    """No stage where the q op has another reader, a cache write copies its rows (a scatter), a kernel runs between, or
+    the attention reads its query rows where the q op stores none of them."""
+    prog, dv = _layer("tiny-llama")
+    max_dyn = default_max_dyn(dv, MAX_SEQ)
+    att = _attention(prog)
+    q, k, v = stage_ops(prog, att)
+    n = len(prog.ops)
+
+    def fused(p: Program) -> bool:
+        out = fuse_attention_stages(p, generate_program(p, dv, max_dyn=max_dyn), dv, max_dyn, {})
+        return any(ks is not None and att.id in ks.tails for ks in out.values())
+
+    assert fused(prog)
+    extra = LOp(n, "output", "Output", (Arg(q.id, ShapeTracker.contiguous(q.shape)),), q.shape, q.dtype,
+                {"name": "q_too", "role": "output"})
+    read_twice = Program(prog.name, [*prog.ops, extra])
+    assert stage_ops(read_twice, att) is None and not fused(read_twice)
+    copying = Program(prog.name, [replace(o, kind="scatter", alias=None) if o.id == v.id else o for o in prog.ops])
+    assert stage_ops(copying, att) is None
+    shifted = replace(att, args=(Arg(q.id, replace(att.args[0].view, offset=att.args[0].view.offset + as_expr(1))),
+                                 *att.args[1:]))
+    off_by_one = Program(prog.name, [shifted if o.id == att.id else o for o in prog.ops])
+    assert stage_ops(off_by_one, att) is not None and not fused(off_by_one)
+    first = min(q.id, k.id, v.id)
+    between = [o for o in prog.ops if first < o.id < att.id and o.kind == "constant"]
+    if between:                                    # a kernel where a constant was: the four are not in a row
+        c = between[0]
+        work = LOp(c.id, "elementwise", "Exp2", (Arg(q.id, ShapeTracker.contiguous(q.shape)),), q.shape,
+                   q.dtype, {})
+        assert stage_ops(Program(prog.name, [work if o.id == c.id else o for o in prog.ops]), att) is None
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
+def test_stage_kernels_compile(tmp_path, arch):
+    """NVRTC compiles the stage kernels of gemma3-4b's and llama3-1b's bf16 decode layers (no GPU needed)."""
+    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+    from lum.builder.kernels import compile_group_kernels
+
+    try:
+        nvrtc.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NVRTC is not installed: {exc}")
+    for model in ("gemma3-4b", "llama3-1b"):
+        prog, dv = _layer(model, DType.bf16)
+        gk = compile_group_kernels(prog, arch=arch, dyn_vars=dv, max_dyn=default_max_dyn(dv, MAX_SEQ), ptx=False,
+                                   cache_dir=tmp_path)
+        assert gk.cubin and any("_stage_" in k["name"] for k in gk.table["ops"])
