@@ -24,7 +24,9 @@ whose
 
 with every row map affine in h and m. The LLIR is unchanged; the launch table names the first of the
 three ops the kernel and the others its tails, the attention last (table version 2), as for siblings.
-On unless ``$LUM_ATTENTION_STAGE`` is ``0``.
+On unless ``$LUM_ATTENTION_STAGE`` is ``0`` or kernel tails are on (:mod:`lum.builder.tail` takes the same
+small kernels, into the GEMV before them). Measured on the H200 (27c5c45, same runs, tokens equal):
+gemma3-4b bf16 357.6 tok/s against 353.7 without (+1.1%), llama3-1b bf16 1,059.6 against 1,046.4 (+1.3%).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), with ``$LUM_ATTENTION_COMBINE``
     each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
     ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
-    (:mod:`lum.builder.attention_stage`), with
+    (:mod:`lum.builder.attention_stage`) unless kernel tails are on, with
     ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`) unless kernel
     tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
     ``0``; they take the same small kernels, into the kernel before them), each keeping the
@@ -150,9 +150,9 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                                               weights)
     if attention_combine_enabled():
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
-    if attention_stage_enabled():
-        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
     tails = kernel_tails_enabled()
+    if attention_stage_enabled() and not tails:     # both take the small kernels after the qkv GEMV
+        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
     if sibling_kernels_enabled() and not tails:     # both take the small kernels after a head: one or the other
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     if tails:

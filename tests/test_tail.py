@@ -40,7 +40,8 @@ def _all_tails(monkeypatch):
 
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv(tail.ENV_KERNEL_TAILS)
-    monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")     # the default's other fusion of small kernels
+    monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")     # the default's other fusions of small kernels
+    monkeypatch.setenv("LUM_ATTENTION_STAGE", "0")
     assert tail.kernel_tails_policy() == "0" and not tail.kernel_tails_enabled()
     prog, sources = _layer_kernels("tiny-gemma3")
     assert len(sources) == len(prog.kernels()) and not any(ks.tails for ks in sources.values())
@@ -167,7 +168,8 @@ def test_real_decode_layers_launch_fewer_kernels(model, policy, per_layer, monke
 
 def test_tails_off(monkeypatch):
     monkeypatch.setenv(tail.ENV_KERNEL_TAILS, "0")
-    monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")     # the default's other fusion of small kernels
+    monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")     # the default's other fusions of small kernels
+    monkeypatch.setenv("LUM_ATTENTION_STAGE", "0")
     prog, sources = _layer_kernels("tiny-gemma3")
     assert len(sources) == len(prog.kernels()) and not any(ks.tails for ks in sources.values())
 
