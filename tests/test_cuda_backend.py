@@ -54,8 +54,9 @@ def tiny_pkg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_pkg_apart(tmp_path_factory):
-    """tiny-llama with its independent small kernels launched apart (``LUM_SIBLING_KERNELS=0``; by default the
-    k / v / q stage after qkv is one launch): what graph branches and the L2 prefetch branch schedule."""
+    """tiny-llama with its independent small kernels launched apart (``LUM_SIBLING_KERNELS=0`` and
+    ``LUM_ATTENTION_STAGE=0``; by default the k / v / q stage after qkv runs in the attention kernel): what graph
+    branches and the L2 prefetch branch schedule."""
     if not HAVE_NVRTC:
         pytest.skip("NVRTC is not installed")
     from lum.builder.models import load_spec
@@ -63,6 +64,7 @@ def tiny_pkg_apart(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LUM_SIBLING_KERNELS", "0")
+        mp.setenv("LUM_ATTENTION_STAGE", "0")
         path = build_package(load_spec(random_name="tiny-llama", max_seq=32),
                              tmp_path_factory.mktemp("ta") / "t.lumpkg")
     return lum.loader.open(path)
@@ -345,7 +347,7 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
     assert kernels and len(fns) == len(kernels)
     # every decode gemm has a static m (1, or the query heads of a KV head): lum's gemv kernel, no library call
     assert gemv and not [s for s in plan.steps if type(s).__name__ == "GemmStep"]
-    att = [k for k in kernels if "(attention " in k.where]
+    att = [k for k in kernels if "(attention " in k.where or "_stage_" in k.function[1]]   # the stage: its head's op
     assert att and all("p" in plan.grid_exprs[k.grid[0]].vars() for k in att)   # its chunks: cdiv(p + 1, 16)
     lo, hi = layout.arena, layout.arena + ap.size
     state = {v: (p, p + layout.state_bytes[v]) for v, p in layout.state.items()}
