@@ -41,7 +41,8 @@ What it does, in one run on one GPU:
      builder/attention_combine.py), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
-     rather than computed by the attention kernel: builder/attention_stage.py); ``lum-tuned`` built by the measured search with ``--tuned-budget`` candidates a
+     rather than computed by the attention kernel: builder/attention_stage.py), ``lum-stageahead`` with
+     ``LUM_ATTENTION_STAGE_AHEAD=1`` (the first keys' loads issued before that stage); ``lum-tuned`` built by the measured search with ``--tuned-budget`` candidates a
      decode group (``lum build --tune decode``, lum.builder.tuning: each decode GEMV's block size, split,
      unroll, grid cap timed on the GPU; prefill keeps the cost model's choice).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
@@ -90,7 +91,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
                  "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
-                 "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
+                 "lum-nostage": {"LUM_ATTENTION_STAGE": "0"}, "lum-stageahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options

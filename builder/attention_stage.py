@@ -24,6 +24,10 @@ whose
 
 with every row map affine in h and m. The LLIR is unchanged; the launch table names the first of the
 three ops the kernel and the others its tails, the attention last (table version 2), as for siblings.
+``$LUM_ATTENTION_STAGE_AHEAD=1`` (off by default; not yet measured) loads the first step's keys before
+the stage, so that the chunk's K / V round trip overlaps the stage's own; the block that writes the new row
+then takes it from the stage's shared copy of it (``templates/attention.cu`` KV_AHEAD).
+
 On unless ``$LUM_ATTENTION_STAGE`` is ``0`` or kernel tails are on (:mod:`lum.builder.tail` takes the same
 small kernels, into the GEMV before them). Measured on the H200 (27c5c45, same runs, tokens equal):
 gemma3-4b bf16 357.6 tok/s against 353.7 without (+1.1%), llama3-1b bf16 1,059.6 against 1,046.4 (+1.3%).
@@ -42,9 +46,17 @@ from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
-__all__ = ["ENV_ATTENTION_STAGE", "attention_stage_enabled", "stage_ops", "fuse_attention_stages"]
+__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "attention_stage_ahead", "attention_stage_enabled",
+           "stage_ops", "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
+ENV_ATTENTION_STAGE_AHEAD = "LUM_ATTENTION_STAGE_AHEAD"
+
+
+def attention_stage_ahead() -> bool:
+    """``$LUM_ATTENTION_STAGE_AHEAD``: ``1`` loads the first step's keys before the stage (the written row then
+    comes from the stage's shared copy), ``0`` (the default) after it."""
+    return env_switch(ENV_ATTENTION_STAGE_AHEAD)
 
 
 def attention_stage_enabled() -> bool:
@@ -194,9 +206,11 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     """The attention kernel running its stage's rows (``templates/attention.cu`` STAGE); CodegenError where
     it cannot."""
     md = dict(max_dyn or {}) or None
-    rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
+    ahead = attention_stage_ahead()
+    rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md, ahead=ahead)
             for role, op in zip("qkv", ops)}
-    ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md, stage=_stage(att, rows), **common)
+    ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
+                  stage=replace(_stage(att, rows), ahead=ahead), **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(_ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -217,12 +231,16 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
         args[op.id] = ", ".join(names)
     q, k, v = (args[o.id] for o in ops)
     window = "long long w0, long long w1, long long wT, bool wf"
+    if ahead:                                   # the kv row's shared copy and its dest row
+        window, wargs = window + ", float* a, long long* hit", "w0, w1, wT, wf, a, hit"
+    else:
+        wargs = "w0, w1, wT, wf"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) {_ENTRY}({", ".join(p.ctype for p in params)}) {{',
         f"  {_ENTRY}_attn(",
         f"      [&](long long r, bool live, LumSink s) {{ {_ENTRY}_q(r, live, s, {q}); }},",
-        f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, w0, w1, wT, wf, {k}); }},",
-        f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_v(r, live, w0, w1, wT, wf, {v}); }},",
+        f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, {wargs}, {k}); }},",
+        f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_v(r, live, {wargs}, {v}); }},",
         f"      {args[att.id]});",
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])
@@ -236,4 +254,5 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     return KernelSource(name=name, kind=head.kind, op=head.op, source=common_header() + "\n" + body, body=body,
                         launches=(Launch(name, ks.grid, ks.block, 0),), params=tuple(params), dyn_vars=ks.dyn_vars,
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
-                        tuning={**ks.tuning, "stage": [o.id for o in run[:-1]]}, tails=tuple(o.id for o in run[1:]))
+                        tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {})},
+                        tails=tuple(o.id for o in run[1:]))

@@ -717,6 +717,8 @@ class AttentionStage:
     qb: tuple[int, int, int]
     k: tuple[int, int]
     v: tuple[int, int]
+    ahead: bool = False     # the first step's keys are loaded before the stage; the written row then comes
+                            # from the stage's shared copy (the k / v functions take lum_also, lum_hit)
 
 
 @dataclass(frozen=True)
@@ -742,10 +744,12 @@ class StageRow:
 
 
 def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequence[DType | str] | None = None,
-              threads: int = 128, max_dyn: Mapping[str, int] | None = None) -> StageRow:
+              threads: int = 128, max_dyn: Mapping[str, int] | None = None, ahead: bool = False) -> StageRow:
     """``op`` (an elementwise Fused tree or a scatter_nocopy, with or without a fused prologue, over rows of a
     static length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
-    such an op or its rows' stores are not at static places."""
+    such an op or its rows' stores are not at static places. ``ahead``: a scatter's function also takes
+    ``float* lum_also, long long* lum_hit``: a row it writes also goes to ``lum_also`` (by column), and a live
+    row sets ``*lum_hit`` to its dest row if it writes it, else to -1 (:attr:`AttentionStage.ahead`)."""
     scatter = op.kind == "scatter_nocopy"
     if scatter and "expr" not in op.params and len(op.args) == 3:     # a plain copy: the identity prologue
         op = LOp(op.id, op.kind, op.op, op.args, op.shape, op.dtype, {**op.params, "expr": ["arg", 0]}, op.alias)
@@ -755,9 +759,10 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn)
     gen = _Gen(op, _arg_dtypes(op, arg_dtypes), ctx, threads=threads, ept=None, vec=None, group=32, unroll=None,
                inflight=0, max_blocks=1, acc="f32", math="f32")
+    ahead = ahead and scatter
     rp = gen._row_parts(sink=None if scatter else "lum_sink",
                         writer="(lum_dr >= lum_w0 && lum_dr < lum_w1) || (lum_wfirst && lum_dr >= lum_wT)"
-                        if scatter else None)
+                        if scatter else None, also="lum_also" if ahead else None, hit="lum_hit" if ahead else None)
     if rp.group != 32 or not (rp.rows.is_const and rp.n.is_const) or rp.write_col is None \
             or not rp.write_col.is_const or (scatter and not (rp.write_step is not None and rp.write_step.is_const)):
         raise CodegenError("a stage row needs warp-sized rows of a static count and length, stored at static strides")
@@ -774,7 +779,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     dyn, slots = ctx.dyn_loads(wait=False)
     dyn = "\n".join(x for x in dyn.splitlines() if "lum_pdl_" not in x)   # the kernel it runs in waits itself
     extra = ("long long lum_w0, long long lum_w1, long long lum_wT, bool lum_wfirst" if scatter
-             else "LumSink lum_sink")
+             else "LumSink lum_sink") + (", float* lum_also, long long* lum_hit" if ahead else "")
     params = gen.params()
     fn = "\n".join([
         f"__device__ __forceinline__ void {name}(long long lum_row_, bool lum_live, {extra}, "
@@ -1326,12 +1331,15 @@ class _Gen:
                   "math": self.math, "scheme": "row", "regs": rp.regs}
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
-    def _row_parts(self, sink: str | None = None, writer: str | None = None) -> _RowParts:
+    def _row_parts(self, sink: str | None = None, writer: str | None = None, also: str | None = None,
+                   hit: str | None = None) -> _RowParts:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
         stores each element, as a float of the op's dtype, into that C array (a gemm prologue's shared
         memory) at the element's physical index in ``out``, instead of into ``out``. ``writer``: a C
         condition on the scatter's dest row ``lum_dr`` a row must also meet to be written (an attention
-        stage writes a kv row from the one block that reads it)."""
+        stage writes a kv row from the one block that reads it); ``also``: a float array a written scatter row
+        also goes to, at its column (that block's shared copy of the row); ``hit``: a pointer every lane of a
+        live row sets to the dest row when the row is written, else to -1."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -1506,6 +1514,8 @@ class _Gen:
                 cond = f"lum_dr >= 0 && lum_dr < (long long)({ctx.c(shape[0])})"
                 if writer is not None:
                     cond = f"{cond} && ({writer})"
+                if hit is not None:
+                    final.append(f"{ind}if (lum_live) *{hit} = ({cond}) ? lum_dr : -1LL;")
                 dest = f"({wbase}) + (idx_t)lum_dr * ({ctx.c(write.strides[0])}) + lum_c * ({ctx.c(wcol.strides[0])})"
                 ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx)
                                  + col * wcol.strides[0])
@@ -1513,6 +1523,8 @@ class _Gen:
             x, kd = emit(expr, final, kind == "scatter")
             if sink is None:
                 final.append(f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};")
+                if also is not None:
+                    final.append(f"{ind3}{also}[lum_c] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
             else:
                 final.append(f"{ind3}{sink}[{dest}] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
             final += close
@@ -1589,7 +1601,7 @@ class _Gen:
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
-        stage = self._attention_stage(m_size, D, qd, heads_n)
+        stage = self._attention_stage(m_size, D, qd, heads_n, DV)
         if self.stage is not None:             # the query rows the stage computed into shared memory
             load_q = [*load_q[:2], *load_q[3:6], f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? lum_qs[lum_m][lum_d] : 0.0f;",
                       *load_q[-2:]]
@@ -1613,6 +1625,17 @@ class _Gen:
                     f"{ind4}}}"]
 
         load_kv = row_load(1, vk, D, dpl, "lum_k", "lum_kb") + row_load(2, vv, DV, vpl, "lum_v", "lum_vb")
+        kv_decl, kv_ahead = "      float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];", ""
+        if self.stage is not None and self.stage.ahead:   # the first step's keys before the stage
+            kv_decl = ""
+            kv_ahead = "\n".join([
+                f"{ind}float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];   // the first step's keys, before the stage",
+                f"{ind}{{", f"{ind}  const idx_t lum_tb = lum_j * (idx_t)CHUNK;",
+                f"{ind}  const idx_t lum_tend = lum_min(lum_T, lum_tb + (idx_t)CHUNK);",
+                f"{ind}#pragma unroll", f"{ind}  for (int u = 0; u < UNROLL; ++u) {{",
+                f"{ind4}const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);",
+                f"{ind4}const bool lum_in = lum_t < lum_tend;", *load_kv, f"{ind}  }}", f"{ind}}}"])
+            load_kv = [f"{ind4}if (lum_tb != lum_t0) {{", *load_kv, f"{ind4}}}"]
         mphys, mvalid = view_access(ctx, vm, tuple(idx) + (lum_t,))
         mval = _load_conv(DType.bool, f"in3[{mphys}]")
         mval = "false" if mvalid == "false" else f"(({mvalid}) && {mval})" if mvalid else mval
@@ -1646,6 +1669,7 @@ class _Gen:
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
+            "KV_DECL": kv_decl, "KV_AHEAD": kv_ahead,
             "KEY": "\n".join(key), "STORE": ctx.c(out_idx)})
         work = heads_n * ns
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size}
@@ -1653,7 +1677,7 @@ class _Gen:
             tuning["combine"] = True
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1))], tuning, self.max_blocks
 
-    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
+    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, dv: int) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`AttentionStage`): every warp calls each row function once per round (their reductions are
         warp shuffles, which every thread of the block must reach alike); task ``t = round · WARPS + warp``
@@ -1669,9 +1693,22 @@ class _Gen:
         q0, qh, qm = st.q
         b0, bh, bm = st.qb
 
+        ka, va = (", lum_ks, &lum_sdk", ", lum_vs, &lum_sdv") if st.ahead else ("", "")
+
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
-            return [f"{ind}lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {k_live}, {window});",
-                    f"{ind}lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {v_live}, {window});"]
+            return [f"{ind}lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {k_live}, {window}{ka});",
+                    f"{ind}lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {v_live}, {window}{va});"]
+
+        def patch(var: str, dest: str, src: str, per_lane: str, width: int) -> list[str]:
+            """The row this block wrote, from the stage's shared copy into the first step's registers."""
+            return [f"{ind}  if ({var} >= (long long)lum_w0 && {var} < (long long)lum_w1) {{",
+                    f"{ind}#pragma unroll", f"{ind}    for (int u = 0; u < UNROLL; ++u) {{",
+                    f"{ind}      if ((long long)(lum_w0 + (idx_t)(lum_warp * UNROLL + u)) == {var}) {{",
+                    f"{ind}#pragma unroll",
+                    f"{ind}        for (int i = 0; i < {per_lane}; ++i) {{",
+                    f"{ind}          const int lum_d = lum_lane * {per_lane} + i;",
+                    f"{ind}          {dest}[u][i] = lum_d < {width} ? {src}[lum_d] : 0.0f;",
+                    f"{ind}        }}", f"{ind}      }}", f"{ind}    }}", f"{ind}  }}"]
 
         ind, ind3 = " " * 4, " " * 8
         stage = [f"{ind}{{   // the stage (builder/attention_stage.py): kv row lum_h's query rows, its k / v rows",
@@ -1686,6 +1723,8 @@ class _Gen:
                  *kv(ind3, "lum_task == M", "lum_task == M + 1",
                      "(long long)lum_w0, (long long)lum_w1, (long long)lum_T, lum_j == 0"),
                  f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
+                 *(patch("lum_sdk", "lum_k", "lum_ks", "DPL", d) + patch("lum_sdv", "lum_v", "lum_vs", "VPL", dv)
+                   if st.ahead else []),
                  f"{ind}}}"]
         pre = ["  if (lum_ns == 0) {   // no chunk reads the cache: the stage still writes the kv rows",
                f"    for (idx_t lum_h = (idx_t)blockIdx.x; lum_h < (idx_t)({self.ctx.c(heads_n)}); "
@@ -1695,7 +1734,10 @@ class _Gen:
                "        const int lum_task = lum_r * WARPS + lum_warp;",
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
-        return {"STAGE_DECL": f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})",
+        decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
+        if st.ahead:      # the kv rows this block writes, and which (-1: none)
+            decl += "\n  __shared__ float lum_ks[DPL * 32], lum_vs[VPL * 32];\n  __shared__ long long lum_sdk, lum_sdv;"
+        return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}
 
     def _attention_combine(self, heads_n: Expr, idx: Sequence[Expr], op: LOp, dv: int) -> dict[str, Any]:

@@ -31,7 +31,9 @@
 //!   without COMBINE. STAGE_DECL, STAGE_PRE, STAGE: empty, or an attention stage (builder/attention_stage.py):
 //!   the shared query rows, the kv-cache writes when there is no chunk, and per work item the stage itself
 //!   (kv row lum_h's query rows computed into shared memory, which LOAD_Q then reads, and its k / v rows
-//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after).
+//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after). KV_DECL:
+//!   the step's lum_k / lum_v, or empty where KV_AHEAD (the stage's ahead form) declares them and loads the
+//!   first step's keys before the stage (LOAD_KV then skips that step; the stage puts the row it wrote in).
 #if {{COMBINE}}
 __device__ unsigned int {{KERNEL}}_count[{{COUNTERS}}];   // per kv row: chunks of the running launch done
 #endif
@@ -68,6 +70,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     const idx_t lum_h = lum_w / lum_ns;
     const idx_t lum_j = lum_w - lum_h * lum_ns;
 {{SETUP}}
+{{KV_AHEAD}}
 {{STAGE}}
     float lum_q[M][DPL];
 {{LOAD_Q}}
@@ -82,7 +85,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     const idx_t lum_t0 = lum_j * CHUNK;
     const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);
     for (idx_t lum_tb = lum_t0; lum_tb < lum_t1; lum_tb += (idx_t)(WARPS * UNROLL)) {
-      float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];
+{{KV_DECL}}
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);

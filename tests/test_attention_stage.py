@@ -131,3 +131,19 @@ def test_stage_kernels_compile(tmp_path, arch):
         gk = compile_group_kernels(prog, arch=arch, dyn_vars=dv, max_dyn=default_max_dyn(dv, MAX_SEQ), ptx=False,
                                    cache_dir=tmp_path)
         assert gk.cubin and any("_stage_" in k["name"] for k in gk.table["ops"])
+
+
+def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
+    """``LUM_ATTENTION_STAGE_AHEAD=1``: the first step's K / V loads come before the stage's row calls, that step's
+    loads in the key loop are skipped, and the rows the block writes go to shared copies it patches in from;
+    the table says so (``stage_ahead``). Off by default, where the kernel has none of it."""
+    prog, dv = _layer("gemma3-4b", DType.bf16)
+    max_dyn = default_max_dyn(dv, MAX_SEQ)
+    default = [k for k in group_kernel_sources(prog, dv, max_dyn).values() if k.tails][0]
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_AHEAD", "1")
+    ahead = [k for k in group_kernel_sources(prog, dv, max_dyn).values() if k.tails][0]
+    assert ahead.tails == default.tails and ahead.tuning["stage_ahead"] and "stage_ahead" not in default.tuning
+    body = ahead.body.split("_attn(LumQ")[1]
+    assert body.index("lum_load_f32") < body.index("lum_qrow(") and "if (lum_tb != lum_t0) {" in body
+    assert "lum_k[u][i] = lum_d < 256 ? lum_ks[lum_d]" in body and "*lum_hit = (" in ahead.body
+    assert not any(x in default.body for x in ("lum_ks", "lum_hit", "lum_tb != lum_t0"))

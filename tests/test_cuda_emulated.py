@@ -35,7 +35,7 @@ except ImportError:
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
 MAX_SEQ = 16
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
-         "stage": {}, "siblings": {"LUM_ATTENTION_STAGE": "0"}}
+         "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"}}
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     """Built with a kernel fusion: ``combine`` (``LUM_ATTENTION_COMBINE=1``, off by default: the kernel cases'
     decode attention, two chunks, GQA groups of 3, both feature layouts, runs its combine as its tail),
     ``stage`` (the default package: the tiny models' decode attention computes its q rows and kv-cache writes,
-    builder/attention_stage.py; the kernel cases' independent kernels in a row run as one launch each) or
+    builder/attention_stage.py; the kernel cases' independent kernels in a row run as one launch each),
+    ``stage-ahead`` (``LUM_ATTENTION_STAGE_AHEAD=1``: the first keys loaded before the stage) or
     ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
@@ -321,7 +322,7 @@ print(json.dumps(out))
     for name in MODELS:
         want = ["attention"] if variant == "combine" else ["scatter_nocopy"]   # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
-        if variant == "stage":         # q, k, v and the attention: one kernel under the first
+        if variant.startswith("stage"):     # q, k, v and the attention: one kernel under the first
             assert 3 in res["tails"][name], res["tails"]
         elif variant == "siblings":    # q, k and v: one sibling kernel
             assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
