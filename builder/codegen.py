@@ -726,12 +726,13 @@ class StageRow:
     """A small op (a norm, RoPE, a kv-cache write) as a device function in which one warp computes one of
     its rows: what an attention kernel runs of the ops before it (:mod:`lum.builder.attention_stage`).
 
-    ``function``'s parameters: ``(long long lum_row, bool lum_live, <extra>, <the op's kernel
+    ``function``'s parameters: ``(long long lum_row_, bool lum_live, <extra>, <the op's kernel
     parameters>)``, where ``<extra>`` is ``LumSink lum_sink`` for an elementwise op (it stores row
-    ``lum_row`` there, not in ``out``) and ``long long lum_w0, long long lum_w1, long long lum_wT, bool
+    ``lum_row_`` there, not in ``out``) and ``long long lum_w0, long long lum_w1, long long lum_wT, bool
     lum_wfirst`` for a scatter (it writes its row only where the dest row ``lum_dr`` is in ``[lum_w0,
-    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``). Every warp of the block must call it (its row
-    reductions are warp shuffles); a warp with ``lum_live`` false loads and stores nothing."""
+    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``; then, with ``ahead``, ``float* lum_also, long
+    long* lum_hit``). Every warp of the block must call it (its row reductions are warp shuffles); a warp
+    with ``lum_live`` false loads and stores nothing."""
 
     function: str
     rows: int
