@@ -355,9 +355,10 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     """The tiny model with a kernel fusion against the package without it: each decode attention kernel
     combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py), decode
     attention computing its q rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``,
-    builder/attention_stage.py; with the first keys loaded before it at ``LUM_ATTENTION_STAGE_AHEAD=1``), or independent small kernels in a row as one launch (on by default; built
-    without them at ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the
-    attention does not run it). Decode logits of the fused package as the reference backend's (arena
+    builder/attention_stage.py; with the first keys loaded before it at ``LUM_ATTENTION_STAGE_AHEAD=1``), or
+    independent small kernels in a row as one launch (on by default; built without them at
+    ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
+    not run it). Decode logits of the fused package as the reference backend's (arena
     poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
     the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
