@@ -36,13 +36,16 @@ gemma3-4b bf16 357.6 tok/s against 353.7 without (+1.1%), llama3-1b bf16 1,059.6
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (_ENTRY, AttentionStage, CodegenError, KernelSource, Launch, StageRow, common_header,
-                                 env_switch, generate, split_gemv_tuning, stage_row)
+import numpy as np
+
+from lum.builder.codegen import (_ENTRY, AttentionStage, CodegenError, KernelSource, Launch, StageRow,
+                                 attention_row_dims, common_header, env_switch, generate, split_gemv_tuning, stage_row)
 from lum.builder.rewrite import readers
-from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
+from lum.builder.tail import _ENTRY_RE, _NO_WORK, _joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
@@ -108,31 +111,18 @@ def _stage(att: LOp, rows: Mapping[str, StageRow]) -> AttentionStage:
     r, t, d, dv = attention_dims(att)
     vq, vk, vv = (a.view for a in att.args[:3])
     zero = as_expr(0)
-    group = [i for i in range(len(r)) if (r[i].is_const and r[i].value == 1) or (vk.strides[i] == zero and vv.strides[i] == zero)]
-    heads = [i for i in range(len(r)) if i not in group]
+    group, heads = attention_row_dims(att)
     if not all(r[i].is_const for i in range(len(r))) or not (d.is_const and dv.is_const):
         raise CodegenError("an attention stage needs static kv rows, query rows and features")
-
-    def unravel(flat: int, dims: Sequence[int]) -> list[int]:
-        out = []
-        for i in reversed(dims):
-            out.append(flat % r[i].value)
-            flat //= r[i].value
-        return list(reversed(out))
-
-    n_h = 1
-    for i in heads:
-        n_h *= r[i].value
-    n_m = 1
-    for i in group:
-        n_m *= r[i].value
+    h_dims, m_dims = tuple(r[i].value for i in heads), tuple(r[i].value for i in group)
+    n_h, n_m = math.prod(h_dims), math.prod(m_dims)
 
     def index(h: int, m: int) -> tuple:
+        """The row index of kv row h, query row m (row-major over the heads' and the group's dims)."""
         idx = [zero] * len(r)
-        for i, x in zip(heads, unravel(h, heads)):
-            idx[i] = as_expr(x)
-        for i, x in zip(group, unravel(m, group)):
-            idx[i] = as_expr(x)
+        for dims, flat, pos in ((h_dims, h, heads), (m_dims, m, group)):
+            for i, x in zip(pos, np.unravel_index(flat, dims) if dims else ()):
+                idx[i] = as_expr(int(x))
         return tuple(idx)
 
     def const(e) -> int:
@@ -219,16 +209,8 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     body = body.replace("__restrict__ ", "")    # it reads the cache rows its own stage writes
     run = sorted((*ops, att), key=lambda o: o.id)
     role_of = {op.id: role for role, op in zip("qkv", ops)}
-    params, args = [], {}
-    for j, op in enumerate(run):
-        own = ks.params if op.id == att.id else rows[role_of[op.id]].params
-        names = []
-        for p in own:
-            name = p.name if j == 0 or p.role == "dyn" else f"t{j - 1}_{p.name}"
-            if j == 0 or p.role != "dyn":
-                params.append(_renamed(p, name))
-            names.append(name)
-        args[op.id] = ", ".join(names)
+    params, calls = _joined_params([ks.params if op.id == att.id else rows[role_of[op.id]].params for op in run])
+    args = {op.id: call for op, call in zip(run, calls)}
     q, k, v = (args[o.id] for o in ops)
     window = "long long w0, long long w1, long long wT, bool wf"
     if ahead:                                   # the kv row's shared copy and its dest row

@@ -78,6 +78,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
@@ -90,7 +92,8 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
-           "gemv_preload_default", "ENV_ROW_EARLY", "row_early_default", "env_switch"]
+           "gemv_preload_default", "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims",
+           "AttentionStage", "StageRow", "stage_row"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
@@ -637,6 +640,15 @@ def _pow2ceil(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def attention_row_dims(op: LOp) -> tuple[list[int], list[int]]:
+    """(group, heads): the dims of an attention op's rows ``R…`` along which K and V do not move (size 1, or
+    stride 0 in both: the query rows of one GQA group, one block's), and the kv-row dims the blocks split."""
+    r = attention_dims(op)[0]
+    vk, vv, zero = op.args[1].view, op.args[2].view, as_expr(0)
+    group = [i for i in range(len(r)) if _is_one(r[i]) or (vk.strides[i] == zero and vv.strides[i] == zero)]
+    return group, [i for i in range(len(r)) if i not in group]
+
+
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
@@ -769,11 +781,8 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
         raise CodegenError("a stage row needs warp-sized rows of a static count and length, stored at static strides")
     bases = []
     for r in range(rp.rows.value):
-        idx, rest = [], r
-        for d in reversed(rp.row_shape):
-            idx.append(as_expr(rest % d.value))
-            rest //= d.value
-        b = rp.write_row.physical_index(tuple(reversed(idx))).simplify()
+        idx = np.unravel_index(r, tuple(d.value for d in rp.row_shape)) if rp.row_shape else ()
+        b = rp.write_row.physical_index(tuple(as_expr(int(x)) for x in idx)).simplify()
         if not b.is_const:
             raise CodegenError("a stage row's store must be at a static place")
         bases.append(b.value)
@@ -1555,8 +1564,7 @@ class _Gen:
         if any(not self.dts[k].is_float for k in range(3)) or self.dts[3] != DType.bool:
             raise CodegenError("attention reads float q, k, v and a bool mask")
         zero, nr = as_expr(0), len(r)
-        group = [i for i in range(nr) if _is_one(r[i]) or (vk.strides[i] == zero and vv.strides[i] == zero)]
-        heads = [i for i in range(nr) if i not in group]
+        group, heads = attention_row_dims(op)
         m_size = 1
         for i in group:
             if not r[i].is_const:

@@ -29,9 +29,9 @@ import hashlib
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, env_switch,
+from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, _Ctx, common_header, env_switch,
                                  generate, load_template, render, split_gemv_tuning)
-from lum.builder.tail import _NO_WORK, _device_function, _grid_blocks, _renamed
+from lum.builder.tail import _NO_WORK, _device_function, _grid_blocks, _joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 
@@ -126,7 +126,7 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
                 return None
         kernels.append(ks)
     ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn or None)
-    params: list[Param] = [_renamed(p, p.name) for p in kernels[0].params]    # out, in…, dyn: the kernel's
+    params, args = _joined_params([ks.params for ks in kernels])   # the first's, then each other's as a tail's
     funcs, grids, dispatch = [], [], []
     total = as_expr(0)
     for j, ks in enumerate(kernels):
@@ -134,16 +134,10 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
         body = ks.body.replace(ks.name, f"{ks.name}_s{j}")     # two siblings may be the same kernel
         entry = replace(ks.launches[0], kernel=f"{ks.name}_s{j}")
         funcs.append(_device_function(replace(ks, body=body, launches=(entry,)), fname, False, at=("lum_bx", "lum_gx")))
-        names = []
-        for p in ks.params:
-            name = p.name if j == 0 or p.role == "dyn" else f"t{j - 1}_{p.name}"
-            if j and p.role != "dyn":
-                params.append(_renamed(p, name))           # then each other sibling's, as a tail's
-            names.append(name)
         grid = ks.grid[0] * ks.grid[1] * ks.grid[2]
         total = total + grid
         grids.append(f"  const unsigned int lum_g{j} = (unsigned int)({ctx.c(grid)});")
-        call = f"{fname}(lum_b, lum_g{j}, {', '.join(names)});"
+        call = f"{fname}(lum_b, lum_g{j}, {args[j]});"
         dispatch.append(f"    {call}" if j + 1 == len(kernels) else
                         f"    if (lum_b < lum_g{j}) {{ {call} continue; }}\n    lum_b -= lum_g{j};")
     preamble, slots = ctx.dyn_loads()

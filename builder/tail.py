@@ -244,6 +244,24 @@ def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]], 
                    tails=tail_ids)
 
 
+def _joined_params(params_of: Sequence[Sequence[Param]]) -> tuple[list[Param], list[str]]:
+    """The parameters of one kernel that runs several ops' bodies side by side (builder/siblings.py,
+    builder/attention_stage.py): the first op's (``out, in…, dyn``), then each other op's as a tail's
+    (``t<j>_out, t<j>_in…``; the one ``dyn`` serves all), none ``__restrict__``; and per op the arguments
+    its body is called with, comma-separated."""
+    params: list[Param] = []
+    calls = []
+    for j, own in enumerate(params_of):
+        names = []
+        for p in own:
+            name = p.name if j == 0 or p.role == "dyn" else f"t{j - 1}_{p.name}"
+            if j == 0 or p.role != "dyn":
+                params.append(_renamed(p, name))
+            names.append(name)
+        calls.append(", ".join(names))
+    return params, calls
+
+
 def _renamed(p: Param, name: str) -> Param:
     """``p`` named ``name``, without ``__restrict__``: in a fused kernel two of its pointers may name one buffer
     (the head's output a tail reads; two siblings reading one input)."""
