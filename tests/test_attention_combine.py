@@ -94,14 +94,8 @@ def test_only_an_attention_kernel_runs_a_combine():
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
 @pytest.mark.parametrize("dt", [DType.f32, DType.bf16])
-def test_the_combining_attention_kernel_compiles(tmp_path, arch, dt):
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+def test_the_combining_attention_kernel_compiles(nvrtc, tmp_path, arch, dt):
     from lum.builder.codegen import module_source
-
-    try:
-        nvrtc.nvrtc_version()
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"NVRTC is not installed: {exc}")
     prog = _program(dt)
     fused = fuse_attention_combines(prog, generate_program(prog, ["p"]), ["p"], {"p": MAX_T})
     res = nvrtc.compile_cuda(module_source([k for k in fused.values() if k is not None]), arch, cache_dir=tmp_path)
@@ -109,14 +103,10 @@ def test_the_combining_attention_kernel_compiles(tmp_path, arch, dt):
     assert ("atom.acq_rel.gpu.global.add.u32" in res.ptx) and "ld.global.cg.f32" in res.ptx
 
 
+@pytest.mark.usefixtures("nvrtc")          # it builds packages
 def test_what_a_kernel_with_tails_reads_stays_live_until_its_last_tail(tmp_path, monkeypatch):
     """The combine runs while other blocks of the attention kernel still read q: q's buffer must not be
     the combine's (the arena may reuse a buffer only after its last reader, counted at the last tail)."""
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
-    try:
-        nvrtc.nvrtc_version()
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"NVRTC is not installed: {exc}")
     import lum.loader
     from lum.builder.package_builder import BuildOptions, write_program_package
     from tests.kernel_cases import entry_for
@@ -137,15 +127,10 @@ def test_what_a_kernel_with_tails_reads_stays_live_until_its_last_tail(tmp_path,
 
 
 @pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
-def test_the_real_models_combining_attention_kernels_do_not_spill(model, monkeypatch, tmp_path):
+def test_the_real_models_combining_attention_kernels_do_not_spill(nvrtc, model, monkeypatch, tmp_path):
     """ptxas -v of the decode attention kernel with its combine, at the real models' shapes (gemma3-4b: 2 query
     rows of 256 features a kv row, llama3-1b: 4 of 64): no spill (an unrolled combine over the query rows
     spilled llama's)."""
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
-    try:
-        nvrtc.nvrtc_version()
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"NVRTC is not installed: {exc}")
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import _ptxas_log, default_max_dyn, program_dyn_vars
     from lum.builder.models.config import named_config

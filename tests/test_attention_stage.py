@@ -117,15 +117,9 @@ def test_near_misses_keep_their_kernels():
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
-def test_stage_kernels_compile(tmp_path, arch):
+def test_stage_kernels_compile(nvrtc, tmp_path, arch):
     """NVRTC compiles the stage kernels of gemma3-4b's and llama3-1b's bf16 decode layers (no GPU needed)."""
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
     from lum.builder.kernels import compile_group_kernels
-
-    try:
-        nvrtc.nvrtc_version()
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"NVRTC is not installed: {exc}")
     for model in ("gemma3-4b", "llama3-1b"):
         prog, dv = _layer(model, DType.bf16)
         gk = compile_group_kernels(prog, arch=arch, dyn_vars=dv, max_dyn=default_max_dyn(dv, MAX_SEQ), ptx=False,

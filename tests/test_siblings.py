@@ -119,15 +119,9 @@ def test_kernel_tails_leave_a_sibling_kernel_whole(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
-def test_sibling_kernels_compile(tmp_path, arch):
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+def test_sibling_kernels_compile(nvrtc, tmp_path, arch):
     from lum.builder.codegen import module_source
     from tests.kernel_cases import template_cases
-
-    try:
-        nvrtc.nvrtc_version()
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"NVRTC is not installed: {exc}")
     for dt in (DType.f32, DType.bf16):
         prog = template_cases(dt)[0]
         fused = fuse_siblings(prog, generate_program(prog, ["s"], max_dyn={"s": 8}), ["s"], {"s": 8})
