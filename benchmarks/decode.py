@@ -43,8 +43,9 @@ What it does, in one run on one GPU:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
      rather than computed by the attention kernel: builder/attention_stage.py), ``lum-stageahead`` with
      ``LUM_ATTENTION_STAGE_AHEAD=1`` (the first keys' loads issued before that stage); ``lum-tuned`` built
-     by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``, lum.builder.tuning: each decode GEMV's block size, split,
-     unroll, grid cap timed on the GPU; prefill keeps the cost model's choice).
+     by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
+     lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
+     keeps the cost model's choice).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit
