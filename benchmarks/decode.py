@@ -30,9 +30,9 @@ What it does, in one run on one GPU:
      ``lum-inflight8`` with ``LUM_GEMV_INFLIGHT=4`` / ``8`` (each GEMV lane issues that many weight loads
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
-     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` with ``LUM_GEMV_PRELOAD=1`` (each GEMV
-     block has the copy engine fetch its first tile's first weights into shared memory before it waits for
-     the kernel before it, which under programmatic launch still runs; templates/gemv.cu PRELOAD),
+     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` / ``lum-preload2`` with
+     ``LUM_GEMV_PRELOAD=1`` / ``2`` (each GEMV lane loads its first one / two weight vectors into registers before it waits for the
+     kernel before it, which under programmatic launch still runs; templates/gemv.cu PRELOAD),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
@@ -88,7 +88,8 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
-                 "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
+                 "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},
+                 "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
                  "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},

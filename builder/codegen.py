@@ -57,9 +57,9 @@ gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per o
 threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4),
 ``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
 the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``preload`` (gemv,
-dot scheme: 1 copies the first weight vectors of a block's first tile into shared memory before the
-kernel waits for its predecessor, as many as :data:`GEMV_PRELOAD_SM_BYTES` leaves room for; default
-``$LUM_GEMV_PRELOAD``, else 0), ``row_early`` (row kernels load the rows of their ``weight_args`` — the
+dot scheme: vectors of the weights, per product column, that each lane loads from its column of the
+block's first tile into registers before the kernel waits for its predecessor, together at most
+:data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0), ``row_early`` (row kernels load the rows of their ``weight_args`` — the
 arguments :func:`generate_program` knows to be weights — that every row reads before they wait for their
 predecessor; default ``$LUM_ROW_EARLY``, else off), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
@@ -107,8 +107,7 @@ GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
-GEMV_PRELOAD_SM_BYTES = 160 * 1024               # an SM's shared memory the preloads of its resident blocks may fill
-GEMV_PRELOAD_BLOCK_BYTES = 32 * 1024             # ... and one block's (static shared memory stays under 48 KB)
+GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane loads before its wait
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
 _SMS = 132                                       # SMs of an H100 / H200
@@ -622,8 +621,9 @@ def env_switch(name: str, default: bool = False) -> bool:
 
 
 def gemv_preload_default() -> int:
-    """``$LUM_GEMV_PRELOAD`` (1: GEMVs copy their first weight vectors before waiting for their predecessor), else 0."""
-    return _env_count(ENV_GEMV_PRELOAD, 1)
+    """``$LUM_GEMV_PRELOAD`` (N: GEMV lanes load their first N weight vectors into registers before waiting for
+    their predecessor), else 0."""
+    return _env_count(ENV_GEMV_PRELOAD, GEMV_PRELOAD_VECTORS)
 
 
 def row_early_default() -> bool:
@@ -1957,8 +1957,8 @@ class _Gen:
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
-        preload = self._gemv_preload(m, k, dtb, group, vec, len(acc_cols), inflight) if b_kc else 0
-        self.early = (b_ptr,) if preload else ()                   # B, copied before the wait
+        preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight) if b_kc else 0
+        self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -1979,7 +1979,7 @@ class _Gen:
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
-        min_blocks = self._gemv_min_blocks(inflight, grid[0])
+        min_blocks = self._gemv_min_blocks(inflight, grid[0]) if inflight else self._gemv_min_blocks(preload, grid[0], 40)
         # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
@@ -1999,14 +1999,16 @@ class _Gen:
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
 
-    def _gemv_min_blocks(self, inflight: int, blocks: Expr) -> str:
-        """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead (``, b``; else empty):
-        the blocks an SM must hold for a static grid to run in one wave, so that the registers the loads
-        ahead take never split the grid into a second wave (none when it cannot be one wave anyway)."""
-        if not inflight or not blocks.is_const:
+    def _gemv_min_blocks(self, ahead: int, blocks: Expr, min_regs: int = 0) -> str:
+        """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead or preload (``ahead``;
+        ``, b``, else empty): the blocks an SM must hold for a static grid to run in one wave, so that the
+        registers those loads take never split the grid into a second wave (none when it cannot be one
+        wave anyway, or when that would leave a thread fewer than ``min_regs`` registers: ptxas spills)."""
+        if not ahead or not blocks.is_const:
             return ""
         per_sm = -(-blocks.value // _SMS)
-        return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads else ""
+        fits = 65536 // (per_sm * self.threads) >= min_regs
+        return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads and fits else ""
 
     def _gemv_epilogue(self, m: int, jb: int, n_out: Expr) -> str:
         """The code (templates/gemv.cu's EPILOGUE) that stores output column ``lum_j`` of each of the ``m``
@@ -2087,19 +2089,16 @@ class _Gen:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
 
-    def _gemv_preload(self, m: int, k: Expr, dtb: DType, group: int, vec: int, nacc: int, inflight: int) -> int:
-        """Weight vectors per lane that its block copies into shared memory before the wait (``preload`` 1, dot
-        scheme, plain loop, 16-byte vectors: bulk copies): those of its first tile (static k), down to what one block's share of
-        :data:`GEMV_PRELOAD_SM_BYTES` (the SM's resident blocks, by threads) and
-        :data:`GEMV_PRELOAD_BLOCK_BYTES` beside a prologue's A hold; 0 beside loads ahead (``inflight``)."""
-        if self.preload not in (0, 1):
-            raise CodegenError(f"preload is 0 or 1, got {self.preload}")
-        if not self.preload or inflight or not k.is_const or vec * dtb.itemsize != 16:
+    def _gemv_preload(self, k: Expr, group: int, vec: int, nacc: int, inflight: int) -> int:
+        """Weight vectors per lane and product column that it loads into registers before the wait
+        (``preload``; dot scheme, plain loop, vector loads): at most those of its first column, and
+        :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns; 0 beside loads ahead (``inflight``)."""
+        if not 0 <= self.preload <= GEMV_PRELOAD_VECTORS:
+            raise CodegenError(f"preload must be in [0, {GEMV_PRELOAD_VECTORS}], got {self.preload}")
+        if not self.preload or inflight or vec == 1:
             return 0
-        a_bytes = m * k.value * 4 if "expr" in self.op.params else 0
-        room = min(GEMV_PRELOAD_SM_BYTES * self.threads // 2048, GEMV_PRELOAD_BLOCK_BYTES) - a_bytes
-        have = -(-k.value // (vec * group))
-        return max(0, min(have, room // (self.threads * nacc * vec * dtb.itemsize)))
+        asked = max(1, min(self.preload, GEMV_PRELOAD_VECTORS // nacc))
+        return min(asked, -(-k.value // (vec * group))) if k.is_const else asked
 
     @staticmethod
     def _gemv_vectors(name: str, asked: int, hi: int, k: Expr, group: int, vec: int) -> int:

@@ -108,7 +108,7 @@ GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("group", (None, 32, 64, 128)),
     ("unroll", (None, 8)),          # k-loop unroll (None: the group-wide value)
     ("inflight", (None, 4, 8)),     # vector loads a lane issues ahead (None: $LUM_GEMV_INFLIGHT, else 0)
-    ("preload", (None, 1)),         # first weights into shared memory before the wait (None: $LUM_GEMV_PRELOAD)
+    ("preload", (None, 1, 2)),      # first weight vectors into registers before the wait (None: $LUM_GEMV_PRELOAD)
     ("max_blocks", (None, 132, 264)),   # grid cap: one or two blocks an SM (a prologue GEMV's blocks each
 )                                       # compute A; gemv_sweep --mode prologue: 132 best for gemma's gate-up)
 MAX_TUNED_GEMVS = 8

@@ -225,15 +225,6 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   }
 }
 
-// The shared-memory address of p (for the bulk copies below; 0 under host emulation).
-LUM_D unsigned lum_smem_addr(const void* p) {
-#if defined(__CUDA_ARCH__)
-  return (unsigned)__cvta_generic_to_shared(p);
-#else
-  (void)p; return 0u;
-#endif
-}
-
 // ------------------------------------------------------------------------------ launch order
 // Programmatic dependent launch (sm_90+). Every lum kernel begins with lum_pdl_trigger() (the next
 // kernel of the stream may be scheduled once every block of this one has run it) and calls
@@ -241,7 +232,7 @@ LUM_D unsigned lum_smem_addr(const void* p) {
 // may still read (it returns once the previous grid has completed and its writes are visible; that
 // grid waited for its own predecessor, so every earlier grid is covered). Between the two a kernel
 // reads only the dyn buffer (host copies fill it before a graph runs) and, where its launch table
-// says so (`early`), weights (a GEMV's preload). Launched plainly, both are no-ops in effect.
+// says so (`early`), weights (a GEMV's preload into registers). Launched plainly, both are no-ops in effect.
 LUM_D void lum_pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -274,46 +265,6 @@ LUM_D float lum_load_cg(const float* p) {
   return __ldcg(p);
 #else
   return *p;
-#endif
-}
-
-// ------------------------------------------------------------------------------ bulk copies
-// sm_90's bulk copy engine: one thread copies `bytes` (a multiple of 16, both addresses 16-byte
-// aligned) from global into shared memory, completing on an mbarrier that expects that many bytes;
-// threads wait on the barrier's phase. Before sm_90, and under host emulation, the copy is an ordinary
-// one by the issuing thread and the barrier calls do nothing (a __syncthreads after the issue orders
-// it for the block).
-struct LumBarrier { unsigned long long word; };
-LUM_D void lum_barrier_init(LumBarrier* b, unsigned long long expect_bytes) {   // one arrival: the issuer's
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned a = lum_smem_addr(b);
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(a) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(a), "r"((unsigned)expect_bytes) : "memory");
-#else
-  b->word = expect_bytes;
-#endif
-}
-LUM_D void lum_bulk_copy(void* dst, const void* src, unsigned bytes, LumBarrier* b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(lum_smem_addr(dst)), "l"(src), "r"(bytes), "r"(lum_smem_addr(b)) : "memory");
-#else
-  (void)b;
-  struct alignas(16) Chunk { unsigned char b[16]; };
-  for (unsigned i = 0; i < bytes / 16; ++i) reinterpret_cast<Chunk*>(dst)[i] = reinterpret_cast<const Chunk*>(src)[i];
-#endif
-}
-LUM_D void lum_barrier_wait(LumBarrier* b) {   // phase 0 has completed: every expected byte has landed
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned a = lum_smem_addr(b);
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(a) : "memory");
-  }
-#else
-  (void)b;
 #endif
 }
 

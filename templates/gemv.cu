@@ -26,12 +26,12 @@
 //! dims divisible by the vector width); the pointers are checked here. When it fails, scalar loads do
 //! the same work; the k tail beyond whole vectors (dot) and the n tail (cols) are scalar too. All loops
 //! are uniform per block (shuffles, __syncthreads), so any grid >= 1 is correct; n, k or batch = 0 are
-//! fine (k = 0 writes zeros). With PRELOAD > 0 (dot scheme, the plain loop, 16-byte vectors) the block's
-//! first thread has the bulk copy engine copy the first PRELOAD * GROUP * VEC elements of each column of
-//! the block's first tile into shared memory before it waits for the previous kernel (lum_pdl_wait,
-//! common.cuh), and the loop takes them from there: under programmatic launch those bytes stream in
-//! while that kernel still runs. (Weight prefetch hints and per-thread cp.async staging were tried here
-//! and measured slower: benchmarks/NOTES.md.)
+//! fine (k = 0 writes zeros). With PRELOAD > 0 (dot scheme, the plain loop) each lane loads the first
+//! PRELOAD vectors of its column of the block's first tile into registers before it waits for the previous
+//! kernel (lum_pdl_wait, common.cuh) and before any prologue: under programmatic launch those loads are in
+//! flight while that kernel still runs, and they overlap the prologue's row either way; the loop then
+//! starts after them. (Weight prefetch hints, per-thread cp.async staging and a bulk-copy preload into
+//! shared memory were tried here and measured slower: benchmarks/NOTES.md.)
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
@@ -40,7 +40,7 @@
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
 //!   lane issues ahead; 0: the unrolled loop), PRELOAD (dot scheme, plain loop: vectors of B per lane of
-//!   its column that the block copies into shared memory before the wait; 0: none), A_EARLY
+//!   its first column that it loads into registers before the wait; 0: none), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -62,8 +62,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
-  constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane copies before the wait
-  constexpr int PRE_LEN = PRELOAD * GROUP * VEC;  // elements of each of the first tile's columns preloaded
+  constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane loads before the wait
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert(PRELOAD == 0 || (INFLIGHT == 0 && B_KCONTIG), "PRELOAD feeds the plain dot loop");
@@ -73,9 +72,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
   __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
-  __shared__ lum_vec<b_t, VEC> lum_pre_v[PRELOAD > 0 ? SPAN * NACC * PRE_LEN / VEC : 1];   // [column g][t][k]
-  b_t* const lum_pre = lum_pre_v[0].v;
-  __shared__ LumBarrier lum_pre_bar;
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
   const idx_t lum_k = {{K}};
@@ -93,27 +89,28 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_cb = [](b_t lum_x) -> float { return {{B_LOAD}}; };
   auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
   // The preload: B (weights, where codegen sets PRELOAD; the launch table names it `early`) does not
-  // depend on the kernels before this one, so under programmatic launch the block's first thread asks
-  // the bulk copy engine for the first PRE_LEN elements of each column of its first tile (one copy a
-  // column and product column, into shared memory) while they still run, then every thread waits.
-  const idx_t lum_pre_len = PRELOAD > 0 ? (lum_k / VEC * VEC < PRE_LEN ? lum_k / VEC * VEC : (idx_t)PRE_LEN) : 0;
-  const bool lum_pre_ok = PRELOAD > 0 && B_KCONTIG && VEC * sizeof(b_t) == 16 && ({{VEC_OK}}) &&
-                       lum_aligned({{B_PTR}}, 16) && lum_pre_len > 0;
-  if (lum_pre_ok && threadIdx.x == 0) {
-    const idx_t lum_cols0 = lum_batch * lum_nout - (idx_t)blockIdx.x * SPAN;   // columns of the first tile
-    const int lum_pcols = lum_cols0 < SPAN ? (lum_cols0 > 0 ? (int)lum_cols0 : 0) : SPAN;
-    const unsigned lum_pbytes = (unsigned)(lum_pre_len * (idx_t)sizeof(b_t));
-    lum_barrier_init(&lum_pre_bar, (unsigned long long)lum_pbytes * lum_pcols * NACC);
-    for (int g = 0; g < lum_pcols; ++g) {
-      const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + g;
+  // depend on the kernels before this one, so each lane issues the loads of its first PRELOAD vectors of
+  // its column of the first tile now, into registers that nothing reads until after the wait.
+  const idx_t lum_kv0 = lum_k / VEC * VEC;   // k covered by whole vectors
+  const bool lum_pre_ok = PRELOAD > 0 && B_KCONTIG && VEC > 1 && ({{VEC_OK}}) &&
+                          lum_aligned({{B_PTR}}, VEC * sizeof(b_t));
+  b_t lum_pre[PRELOAD > 0 ? PRELOAD : 1][NACC][VEC];
+  if (lum_pre_ok) {
+    const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + (int)threadIdx.x / GROUP;   // this group's first column
+    if (lum_pc < lum_batch * lum_nout) {
       const idx_t lum_pb = lum_pc / lum_nout;
       const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
 #pragma unroll
-      for (int t = 0; t < NACC; ++t) lum_bulk_copy(&lum_pre[(g * NACC + t) * PRE_LEN], lum_pp + ACC_COLS[t] * lum_ldb, lum_pbytes, &lum_pre_bar);
+      for (int u = 0; u < PRELOAD; ++u) {
+        const idx_t lum_q = (idx_t)((int)threadIdx.x % GROUP) * VEC + (idx_t)u * GROUP * VEC;
+        if (lum_q < lum_kv0) {
+#pragma unroll
+          for (int t = 0; t < NACC; ++t) lum_load_raw<VEC>(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
+        }
+      }
     }
   }
   lum_pdl_wait();   // common.cuh: what earlier kernels wrote (A, the prologue's inputs) is visible from here
-  if (PRELOAD > 0) __syncthreads();   // the barrier's init is visible to every thread
 {{PROLOGUE}}  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
                           (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)
@@ -207,15 +204,16 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             }
           };
           if (PRELOAD > 0 && lum_pre_ok && lum_c0 == (idx_t)blockIdx.x * SPAN) {   // the preloaded ones first
-            lum_barrier_wait(&lum_pre_bar);
-            const b_t* lum_mine = lum_pre + lum_g * NACC * PRE_LEN;
 #pragma unroll
             for (int u = 0; u < PRELOAD; ++u) {
               const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
-              if (lum_q < lum_pre_len) {
+              if (lum_q < lum_kv) {
                 float lum_bv[NACC][VEC];
 #pragma unroll
-                for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_mine + t * PRE_LEN + lum_q, lum_bv[t], lum_cb);
+                for (int t = 0; t < NACC; ++t) {
+#pragma unroll
+                  for (int e = 0; e < VEC; ++e) lum_bv[t][e] = lum_cb(lum_pre[u][t][e]);
+                }
                 lum_fma(lum_q, lum_bv);
               }
             }
@@ -258,7 +256,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 {{EPILOGUE}}
       }
     }
-    if (PRELOAD > 0 && lum_pre_ok) lum_barrier_wait(&lum_pre_bar);   // a preload the loop did not take has landed
   } else {  // ------------------------------------------------------------------------ cols
     constexpr int TILE = SPAN * VEC;  // columns per block tile
     const idx_t lum_tiles_b = (lum_n + TILE - 1) / TILE;

@@ -125,11 +125,11 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
         out.append((layout + ".inflight_k0", gemm_op(layout, 1, 17, P, lda=17, ldb=17), [F32, F32], {"p": 0},
                     {"inflight": 4}))
         out.append((layout + ".n0", gemm_op(layout, 3, P, 17, lda=17, ldb=17, batch=2), [F32, F32], {"p": 0}, {}))
-        # first-tile weight vectors preloaded into shared memory (cp.async) before the wait: several tiles a
-        # block, batches sharing B, a k tail; f32; 4-byte copies
+        # first-tile weight vectors preloaded into registers before the wait: several tiles a block, batches
+        # sharing B, a k tail; f32; a prefix of k; 4-byte vectors
         out.append((layout + ".preload", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=304, ldb=304, sa=608,
-                                                 sb=0), [BF16, BF16], {}, {"preload": 1, "threads": 64}))
-        out.append((layout + ".preload_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"preload": 1}))
+                                                 sb=0), [BF16, BF16], {}, {"preload": 2, "threads": 64}))
+        out.append((layout + ".preload_f32", gemm_op(layout, 3, 33, 200, F32), [F32, F32], {}, {"preload": 8}))
         out.append((layout + ".preload_part", gemm_op(layout, 1, 40, 4096, BF16), [BF16, BF16], {},  # a prefix of k
                     {"preload": 1, "threads": 64}))
         out.append((layout + ".preload_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16],
@@ -255,38 +255,40 @@ def test_loads_ahead_sum_in_the_same_order(host_lib, tmp_path):
 
 
 def test_preload_changes_no_bit(host_lib, tmp_path):
-    """A GEMV lane's first weight vectors copied into shared memory before the wait (templates/gemv.cu
-    PRELOAD; one bulk copy a column, emulated as a plain copy) are summed first, in the order of k: bit-equal
-    to the plain loop, for grids of one to several tiles a block, bf16 and f32 (16-byte vectors; narrower
-    ones take no preload). The kernel names
-    B as read early (its launch table's ``early``); the count is a lane's vectors of its first tile down
-    to the shared memory a block may fill, 0 beside loads ahead; ``$LUM_GEMV_PRELOAD`` sets the default."""
+    """A GEMV lane's first weight vectors loaded into registers before the wait (templates/gemv.cu
+    PRELOAD) are summed first, in the order of k: bit-equal to the plain loop, for grids of one to several
+    tiles a block, bf16 and f32, vectors of 16 and 4 bytes. The kernel names B as read early (its launch
+    table's ``early``); the count is the asked vectors down to a lane's of its first column and to
+    GEMV_PRELOAD_VECTORS across the product columns, 0 beside loads ahead; ``$LUM_GEMV_PRELOAD`` sets the
+    default."""
     lib, kernels = host_lib
     for layout in GEMM_LAYOUTS:
         for case, dts, tun in ((".preload", [BF16, BF16], {"threads": 64}), (".preload_f32", [F32, F32], {}),
                                (".preload_part", [BF16, BF16], {"threads": 64}), (".preload_vec2", [BF16, BF16], {})):
             op = next(c[1] for c in CASES if c[0] == layout + case)
             pre, plain = kernels[layout + case], generate(op, ["p"], arg_dtypes=dts, **tun)
-            dot = layout[2:] == "Cm" and case != ".preload_vec2"       # bulk copies need 16-byte vectors
+            dot = layout[2:] == "Cm"
             assert (pre.tuning["preload"] > 0) == dot and plain.tuning["preload"] == 0
             assert pre.early == (("in1",) if dot else ()) and plain.early == ()
             assert "lum_pdl_wait();" in pre.body and "lum_pdl_trigger();" in pre.body
             if dot:
                 _assert_same_bits(lib, pre, plain, op, dts, {}, tmp_path / (layout + case), grids=(1, 3, 40))
-    shapes = {"o": (2560, 2048, 4), "qkv": (4096, 2560, 4), "gate_up": (20480, 2560, 5), "down": (2560, 10240, 4)}
-    for name, (n, k, want) in shapes.items():     # gemma3-4b: 512 threads (gate-up 128: 10 KB a block)
-        assert generate(gemm_op("RmCm", 1, n, k, BF16), [], arg_dtypes=[BF16, BF16], preload=1).tuning["preload"] \
+    # gemma3-4b's shapes at their default block sizes: a lane's vectors of its column, at most 8
+    shapes = {"o": (2560, 2048, 4), "qkv": (4096, 2560, 5), "down": (2560, 10240, 8)}
+    for name, (n, k, want) in shapes.items():
+        assert generate(gemm_op("RmCm", 1, n, k, BF16), [], arg_dtypes=[BF16, BF16], preload=8).tuning["preload"] \
             == want, name
     o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
     assert generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=1, inflight=2).tuning["preload"] == 0
+    assert generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=1).tuning["preload"] == 1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LUM_GEMV_PRELOAD", "1")
-        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["preload"] == 4
         mp.setenv("LUM_GEMV_PRELOAD", "2")
+        assert generate(o_proj, [], arg_dtypes=[BF16, BF16]).tuning["preload"] == 2
+        mp.setenv("LUM_GEMV_PRELOAD", "9")
         with pytest.raises(CodegenError, match="LUM_GEMV_PRELOAD must be an integer"):
             generate(o_proj, [], arg_dtypes=[BF16, BF16])
-    with pytest.raises(CodegenError, match="preload is 0 or 1"):
-        generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=2)
+    with pytest.raises(CodegenError, match="preload must be in"):
+        generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=9)
 
 
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
