@@ -31,8 +31,9 @@ What it does, in one run on one GPU:
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
      both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` / ``lum-preload2`` with
-     ``LUM_GEMV_PRELOAD=1`` / ``2`` (each GEMV lane loads its first one / two weight vectors into registers before it waits for the
-     kernel before it, which under programmatic launch still runs; templates/gemv.cu PRELOAD),
+     ``LUM_GEMV_PRELOAD=1`` / ``2`` (each GEMV lane loads its first one / two weight vectors into registers
+     before it waits for the kernel before it, which under programmatic launch still runs; templates/gemv.cu
+     PRELOAD),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;

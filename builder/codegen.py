@@ -939,7 +939,11 @@ class _Gen:
         for k, dt in enumerate(self.dts):
             if self.op.kind == "scatter_nocopy" and k == 0:
                 ps.append(Param("in0", "arg", 0, dt, "const void* in0"))
-            elif a == k:
+            elif a == k or (self.early and f"in{k}" not in self.early):
+                # in place, or read after the wait of a kernel that reads before it: not __restrict__, so
+                # that its loads are coherent ld.global, never ld.global.nc, which ptxas treats as
+                # read-only for the kernel's lifetime and schedules above the wait (griddepcontrol.wait)
+                # while the kernel before still writes it (seen: a GEMV prologue's loads above its preload)
                 ps.append(Param(f"in{k}", "arg", k, dt, f"const {STORAGE_C[dt]}* in{k}"))
             else:
                 ps.append(Param(f"in{k}", "arg", k, dt, f"const {STORAGE_C[dt]}* __restrict__ in{k}"))

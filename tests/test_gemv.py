@@ -279,6 +279,11 @@ def test_preload_changes_no_bit(host_lib, tmp_path):
         assert generate(gemm_op("RmCm", 1, n, k, BF16), [], arg_dtypes=[BF16, BF16], preload=8).tuning["preload"] \
             == want, name
     o_proj = gemm_op("RmCm", 1, 2560, 2048, BF16)
+    # only B keeps __restrict__ (ld.global.nc, which ptxas may schedule above the wait): A, written by the
+    # kernel before, is read with coherent loads after it
+    pre, plain = (generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=p) for p in (1, 0))
+    assert "const lum_bf16* __restrict__ in1" in pre.body and "const lum_bf16* in0" in pre.body
+    assert "const lum_bf16* __restrict__ in0" in plain.body
     assert generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=1, inflight=2).tuning["preload"] == 0
     assert generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=1).tuning["preload"] == 1
     with pytest.MonkeyPatch.context() as mp:

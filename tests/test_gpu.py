@@ -306,6 +306,36 @@ def _same_results_both_ways(pkg, option: str, check) -> np.ndarray:
     return got[True][0]
 
 
+def test_preloads_read_only_weights_before_the_wait(tmp_path):
+    """The GEMV preload (templates/gemv.cu PRELOAD, prologues and epilogues included) in this GPU's SASS
+    (``cuobjdump -sass``): every global load above the first ``ACQBULK`` (griddepcontrol.wait) is a
+    read-only one (``LDG…CONSTANT``: the weights, the dyn buffer); the coherent loads of what the kernel
+    before writes come after it. ptxas moved a prologue's ld.global.nc loads above the wait once they
+    had a preload to share the top of the kernel with (llama3-1b's qkv and gate-up, 10d0ece)."""
+    import shutil
+    import subprocess
+
+    from lum.builder import nvrtc
+    from lum.builder.codegen import generate_program, module_source
+
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        pytest.skip("no cuobjdump on this machine")
+    for dt in DTYPES:
+        ks = [k for k in generate_program(gemv_cases(dt)[0], preload=1).values() if k is not None and k.early]
+        assert any(k.tuning.get("prologue") for k in ks) and any(k.tuning.get("epilogue") for k in ks)
+        cubin = tmp_path / f"gemv-{dt}.cubin"
+        cubin.write_bytes(nvrtc.compile_cuda(module_source(ks), "sm_90", ptx=False).cubin)
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        functions = sass.split("Function : ")[1:]
+        assert len(functions) == len(ks)
+        for fn in functions:
+            top = fn.split("ACQBULK")
+            assert len(top) > 1, fn.splitlines()[0]
+            early = [ln.strip() for ln in top[0].splitlines() if "LDG" in ln]
+            assert early and all(".CONSTANT" in ln for ln in early), (fn.splitlines()[0], early)
+
+
 def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublaslt, monkeypatch):
     """The tiny model built with GEMV preloads (``LUM_GEMV_PRELOAD=1``) and run with programmatic launch
     (every kernel scheduled while the one before it runs, GEMVs copying weights meanwhile) gives the logits
