@@ -33,7 +33,8 @@ What it does, in one run on one GPU:
      both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` / ``lum-preload2`` with
      ``LUM_GEMV_PRELOAD=1`` / ``2`` (each GEMV lane loads its first one / two weight vectors into registers
      before it waits for the kernel before it, which under programmatic launch still runs; templates/gemv.cu
-     PRELOAD),
+     PRELOAD), ``lum-preload-small`` with ``LUM_GEMV_PRELOAD_AFTER_SMALL=1`` (only the GEMVs whose kernel
+     before is not a GEMV preload),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
@@ -90,6 +91,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},
+                 "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},

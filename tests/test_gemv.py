@@ -363,3 +363,30 @@ def test_loads_ahead_that_would_spill_are_halved(monkeypatch):
     monkeypatch.setattr(nvrtc, "compile_cuda", lambda source, arch, **kw: SimpleNamespace(log=""))
     got = kernels.group_kernel_sources(prog, dyn_vars, tuning=tuning, cache_dir=False)
     assert all(got[o.id].tuning["inflight"] > 1 for o in gemv_kernel_ops(prog))     # no spill: kept
+
+
+def test_preload_after_small_kernels(monkeypatch):
+    """``$LUM_GEMV_PRELOAD_AFTER_SMALL``: in llama3-1b's decode layer only the o GEMV (after the attention
+    reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
+    not a GEMV; qkv follows down across the layer boundary, gate-up o and down gate-up. Those preload one
+    vector a lane, the others none; a ``preload`` in the tuning wins over the rule; off by default."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import group_kernel_sources, program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    cgs = compile_graph(build_entry(named_config("llama3-1b"), "decode", 4096, BF16))
+    dv = program_dyn_vars([cg.program for cg in cgs])
+
+    def preloads(**tuning) -> list[tuple[str, int]]:
+        out = []
+        for cg in cgs:
+            gen = group_kernel_sources(cg.program, dv, {"p": 4096}, tuning)
+            out += [(str(cg.program.ops[i].shape[-1]), k.tuning["preload"]) for i, k in gen.items()
+                    if k is not None and k.kind == "gemm"]
+        return out
+
+    assert all(p == 0 for _, p in preloads())
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "1")
+    assert preloads() == [("3072", 0), ("2048", 1), ("8192", 0), ("2048", 0), ("128256", 1)]
+    assert all(p == 2 for _, p in preloads(preload=2))
