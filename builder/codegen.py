@@ -840,8 +840,8 @@ def gemv_preload_after_small() -> bool:
 def gemv_after_small(program: Program) -> set[int]:
     """Ids of the GEMV ops whose kernel before, in program order, is not a GEMV; for the first kernel, the
     program's last (a decoder layer's group follows itself). Only there can a preload's blocks become
-    resident while the kernel before runs (benchmarks/NOTES.md: +2.0% on gemma3-4b, whose GEMVs mostly
-    follow row kernels; −4.5% on llama3-1b, whose GEMVs mostly follow GEMVs)."""
+    resident while the kernel before runs. Off by default: on llama3-1b it measured −3.1% (its o GEMV and
+    LM head preloading), against −4.5% with every GEMV preloading (benchmarks/NOTES.md)."""
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     return {o.id for i, o in enumerate(ks) if o.kind == "gemm" and ks[i - 1].kind != "gemm"}
 
