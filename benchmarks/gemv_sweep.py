@@ -5,9 +5,9 @@
 
 For every (n, k) of a model's decode projections (and their fused QKV / gate-up forms), every
 combination of threads, group (threads per output, split-K) and loads (``unroll:inflight[:preload]``:
-the compiler-unrolled loop, or ``inflight`` vector loads a lane issues ahead; ``preload`` 1: the first
-tile's first weights bulk-copied into shared memory before the wait, templates/gemv.cu PRELOAD, here
-without a kernel before it) is compiled with NVRTC and
+the compiler-unrolled loop, or ``inflight`` vector loads a lane issues ahead; ``preload`` N: each lane's
+first N weight vectors loaded into registers before the wait, templates/gemv.cu PRELOAD, here without a
+kernel before it) is compiled with NVRTC and
 timed as a CUDA graph of back-to-back launches over weight copies that together exceed the L2 cache
 (so each launch reads its weight from HBM, as in decode). Reports GB/s (weight + x + y bytes over the
 median launch time) beside a device-to-device copy measured in the same run, the codegen default's

@@ -59,8 +59,9 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``preload`` (gemv,
 dot scheme: vectors of the weights, per product column, that each lane loads from its column of the
 block's first tile into registers before the kernel waits for its predecessor, together at most
-:data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0), ``row_early`` (row kernels load the rows of their ``weight_args`` — the
-arguments :func:`generate_program` knows to be weights — that every row reads before they wait for their
+:data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also :func:`gemv_after_small`),
+``row_early`` (row kernels load the rows of their ``weight_args`` — the arguments
+:func:`generate_program` knows to be weights — that every row reads before they wait for their
 predecessor; default ``$LUM_ROW_EARLY``, else off), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
@@ -92,7 +93,8 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
-           "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims",
+           "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
+           "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims",
            "AttentionStage", "StageRow", "stage_row"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
@@ -107,7 +109,7 @@ GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
-GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane loads before its wait
+GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
@@ -840,8 +842,9 @@ def gemv_preload_after_small() -> bool:
 def gemv_after_small(program: Program) -> set[int]:
     """Ids of the GEMV ops whose kernel before, in program order, is not a GEMV; for the first kernel, the
     program's last (a decoder layer's group follows itself). Only there can a preload's blocks become
-    resident while the kernel before runs. Off by default: on llama3-1b it measured −3.1% (its o GEMV and
-    LM head preloading), against −4.5% with every GEMV preloading (benchmarks/NOTES.md)."""
+    resident while the kernel before runs. As the default (``$LUM_GEMV_PRELOAD_AFTER_SMALL``, off) it measured
+    −3.1% on llama3-1b (its o GEMV and LM head preloading), against −4.5% with every GEMV preloading
+    (benchmarks/NOTES.md)."""
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     return {o.id for i, o in enumerate(ks) if o.kind == "gemm" and ks[i - 1].kind != "gemm"}
 
@@ -2002,7 +2005,8 @@ class _Gen:
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
-        min_blocks = self._gemv_min_blocks(inflight, grid[0]) if inflight else self._gemv_min_blocks(preload, grid[0], 40)
+        min_blocks = (self._gemv_min_blocks(inflight, grid[0]) if inflight else
+                      self._gemv_min_blocks(preload, grid[0], min_regs=40))
         # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
