@@ -88,22 +88,24 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_ca = [](a_t lum_x) -> float { return {{A_LOAD}}; };
   auto lum_cb = [](b_t lum_x) -> float { return {{B_LOAD}}; };
   auto lum_store = [&](idx_t lum_o, float lum_v) { out[lum_o] = {{STORE}}; };
+  const int lum_g = (int)threadIdx.x / GROUP;
+  const int lum_lane = (int)threadIdx.x % GROUP;
+  const idx_t lum_kvec = lum_k / VEC * VEC;   // k covered by whole vectors
+  const bool lum_b_vec = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t));   // B in vectors
   // The preload: B (weights, where codegen sets PRELOAD; the launch table names it `early`) does not
   // depend on the kernels before this one, so each lane issues the loads of its first PRELOAD vectors of
   // its column of the first tile now, into registers that nothing reads until after the wait.
-  const idx_t lum_kv0 = lum_k / VEC * VEC;   // k covered by whole vectors
-  const bool lum_pre_ok = PRELOAD > 0 && B_KCONTIG && VEC > 1 && ({{VEC_OK}}) &&
-                          lum_aligned({{B_PTR}}, VEC * sizeof(b_t));
+  const bool lum_pre_ok = PRELOAD > 0 && B_KCONTIG && lum_b_vec;
   b_t lum_pre[PRELOAD > 0 ? PRELOAD : 1][NACC][VEC];
   if (lum_pre_ok) {
-    const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + (int)threadIdx.x / GROUP;   // this group's first column
+    const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + lum_g;   // this group's first column
     if (lum_pc < lum_batch * lum_nout) {
       const idx_t lum_pb = lum_pc / lum_nout;
       const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
 #pragma unroll
       for (int u = 0; u < PRELOAD; ++u) {
-        const idx_t lum_q = (idx_t)((int)threadIdx.x % GROUP) * VEC + (idx_t)u * GROUP * VEC;
-        if (lum_q < lum_kv0) {
+        const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
+        if (lum_q < lum_kvec) {
 #pragma unroll
           for (int t = 0; t < NACC; ++t) lum_load_raw<VEC>(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
         }
@@ -111,8 +113,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
     }
   }
   lum_pdl_wait();   // common.cuh: what earlier kernels wrote (A, the prologue's inputs) is visible from here
-{{PROLOGUE}}  const bool lum_vec_ok = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t)) &&
-                          (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
+{{PROLOGUE}}  const bool lum_vec_ok = lum_b_vec && (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)
     if (A_KCONTIG) {
       lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
@@ -121,8 +122,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       for (int e = 0; e < VEC; ++e) lum_av[e] = lum_ca(lum_ap[i + (lum_q + e) * lum_lda]);
     }
   };
-  const int lum_g = (int)threadIdx.x / GROUP;
-  const int lum_lane = (int)threadIdx.x % GROUP;
 
   if (B_KCONTIG) {  // ---------------------------------------------------------------- dot
     const idx_t lum_cols = lum_batch * lum_nout;
@@ -150,7 +149,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
           }
         };
         if (lum_vec_ok && INFLIGHT > 0) {  // INFLIGHT vectors of B (and of A when A_EARLY) per lane, loaded
-          lum_kv = lum_k / VEC * VEC;        // before any is used, then accumulated in the order of k
+          lum_kv = lum_kvec;                 // before any is used, then accumulated in the order of k
           const idx_t lum_step = (idx_t)GROUP * VEC;
           for (idx_t lum_q0 = (idx_t)lum_lane * VEC; lum_q0 < lum_kv; lum_q0 += lum_step * U) {
             b_t lum_braw[U][NACC][VEC];
@@ -191,7 +190,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             }
           }
         } else if (lum_vec_ok) {
-          lum_kv = lum_k / VEC * VEC;
+          lum_kv = lum_kvec;
           // the loop over this lane's vectors from lum_q0: a start of the form lane * VEC + constant keeps
           // its trip count known to the compiler (static k), which unrolls it and issues loads early
           auto lum_plain = [&](idx_t lum_q0) {
