@@ -113,8 +113,8 @@ GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product c
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
-_SMS = 132                                       # SMs of an H100 / H200
-_GEMV_FILL_THREADS = _SMS * 2048                 # their resident threads (2,048 an SM)
+SMS = 132                                       # SMs of an H100 / H200
+_GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
              DType.i64: "long long", DType.bool: "lum_bool"}
@@ -1344,7 +1344,7 @@ class _Gen:
         if group >= 256:
             return min(1024, group)
         rows_hi = rows.bounds(self.ctx._dyn_bounds())[1]
-        per_block = 256 // group if rows_hi == INF else min(256 // group, _pow2_floor(max(1, int(rows_hi) // _SMS)))
+        per_block = 256 // group if rows_hi == INF else min(256 // group, _pow2_floor(max(1, int(rows_hi) // SMS)))
         return group * per_block
 
     def k_row(self):
@@ -2033,7 +2033,7 @@ class _Gen:
         wave anyway, or when that would leave a thread fewer than ``min_regs`` registers: ptxas spills)."""
         if not ahead or not blocks.is_const:
             return ""
-        per_sm = -(-blocks.value // _SMS)
+        per_sm = -(-blocks.value // SMS)
         fits = 65536 // (per_sm * self.threads) >= min_regs
         return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads and fits else ""
 

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from lum.builder.codegen import KernelSource, gemv_kernel_ops, generate_program, module_source
+from lum.builder.codegen import SMS, KernelSource, env_switch, gemv_kernel_ops, generate_program, module_source
 from lum.format.llir import Program
 from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION   # a table with tails: 2
 
@@ -148,6 +148,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 
     tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
                                               weights)
+    tuning, gen = _prologue_grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
     if attention_combine_enabled():
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
     tails = kernel_tails_enabled()
@@ -184,6 +185,49 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         if not spilled:
             return tuning, gen
         tuning = {**tuning, **{f"gemv{rank}.inflight": inflight // 2 for rank, inflight in spilled}}
+
+
+ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
+
+
+def resident_blocks(threads: int, registers: int) -> int:
+    """Blocks of ``threads`` threads taking ``registers`` each that one SM of sm_90 holds at once: 2,048
+    threads and 65,536 registers an SM, registers allocated 8 a thread at a time (256 a warp)."""
+    return max(1, min(2048 // threads, 65536 // (-(-registers // 8) * 8 * threads)))
+
+
+def _prologue_grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
+                                tuning: dict[str, Any], gen: dict[int, KernelSource | None], arch: str, cache_dir: Any,
+                                weights: frozenset[int] = frozenset()
+                                ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
+    """(``tuning``, the kernels), each GEMV with a prologue (every block computes all of A) capped at the
+    blocks the SMs hold at once by its registers (``ptxas -v``), unless the tuning caps it itself.
+    codegen sizes such a grid to one wave of 2,048 threads an SM, which ptxas's register count may not
+    allow: llama3-1b's gate-up (1,024 threads, 44 registers) fits one block an SM, so its 264 blocks ran
+    in two waves, each block redoing the norm (the measured search's 132 was its decoder layer's largest
+    gain, 137a162). Unchanged without NVRTC, or with ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0``."""
+    from lum.builder import nvrtc
+
+    if "max_blocks" in tuning or not env_switch(ENV_PROLOGUE_ONE_WAVE, default=True):
+        return tuning, gen
+    ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
+    heads = {i: ks for i, ks in gen.items() if i in ranks and ks is not None and ks.tuning.get("prologue")
+             and f"gemv{ranks[i]}.max_blocks" not in tuning and ks.grid[0].is_const}
+    if not heads:
+        return tuning, gen
+    log = _ptxas_log(list(heads.values()), arch, cache_dir)
+    if log is None:
+        return tuning, gen
+    regs = nvrtc.ptxas_registers(log)
+    caps = {}
+    for i, ks in heads.items():
+        cap = SMS * resident_blocks(ks.block[0], regs[ks.name]) if ks.name in regs else ks.grid[0].value
+        if ks.grid[0].value > cap:
+            caps[f"gemv{ranks[i]}.max_blocks"] = cap
+    if not caps:
+        return tuning, gen
+    tuning = {**tuning, **caps}
+    return tuning, generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
 
 
 def _ptxas_log(kernels: list[KernelSource], arch: str, cache_dir: Any) -> str | None:

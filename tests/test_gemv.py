@@ -365,6 +365,92 @@ def test_loads_ahead_that_would_spill_are_halved(monkeypatch):
     assert all(got[o.id].tuning["inflight"] > 1 for o in gemv_kernel_ops(prog))     # no spill: kept
 
 
+def test_resident_blocks():
+    """Blocks an SM holds: 2,048 threads and 65,536 registers an SM, 8 registers a thread at a time."""
+    from lum.builder.kernels import resident_blocks
+
+    assert resident_blocks(1024, 32) == 2 and resident_blocks(1024, 33) == 1 and resident_blocks(1024, 200) == 1
+    assert resident_blocks(512, 64) == 2 and resident_blocks(512, 40) == 3 and resident_blocks(128, 32) == 16
+
+
+def _llama_layer():
+    """llama3-1b's decode layer program (its gate-up GEMV has the post-attention norm as prologue) and dyn slots."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    cgs = compile_graph(build_entry(named_config("llama3-1b"), "decode", 64, BF16))
+    prog = max((cg.program for cg in cgs), key=lambda p: sum(o.kind == "scatter_nocopy" for o in p.ops))
+    return prog, program_dyn_vars([cg.program for cg in cgs])
+
+
+def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
+    """A prologue GEMV (each block computes all of A) gets at most the blocks its registers let the SMs hold:
+    llama3-1b's gate-up (1,024 threads, 256 blocks by codegen's 2,048 threads an SM) keeps 256 at 32 registers
+    (two blocks an SM), drops to 132 at 33; an explicit cap, ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0`` or a log
+    without the kernel keep codegen's grid; the GEMVs without a prologue keep theirs."""
+    import re
+    from types import SimpleNamespace
+
+    from lum.builder import kernels, nvrtc
+    from lum.builder.codegen import gemv_kernel_ops
+
+    prog, dv = _llama_layer()
+    gemvs = gemv_kernel_ops(prog)
+    ranks = {o.id: i for i, o in enumerate(gemvs)}
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_ONE_WAVE", "0")
+    plain = kernels.group_kernel_sources(prog, dv, cache_dir=False)                 # codegen's grids
+    monkeypatch.delenv("LUM_GEMV_PROLOGUE_ONE_WAVE")
+    (gate_up,) = [o for o in gemvs if plain[o.id].tuning.get("epilogue") == 2]
+    assert plain[gate_up.id].tuning.get("prologue") and plain[gate_up.id].block[0] == 1024
+    regs = {"n": 0}
+
+    def fake_compile(source, arch, **kw):
+        names = re.findall(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\(', source)
+        return SimpleNamespace(log="".join(f"ptxas info    : Compiling entry function '{k}' for 'sm_90'\n"
+                                           f"ptxas info    : Used {regs['n']} registers, used 0 barriers\n"
+                                           for k in names))
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", fake_compile)
+
+    def grids(tuning=None):
+        got = kernels.group_kernel_sources(prog, dv, tuning=tuning, cache_dir=False)
+        return {o.id: got[o.id].grid[0].value for o in gemvs}
+
+    regs["n"] = 32
+    with_32 = grids()
+    assert with_32 == {o.id: plain[o.id].grid[0].value for o in gemvs} and with_32[gate_up.id] == 256
+    regs["n"] = 33
+    capped = grids()
+    assert capped[gate_up.id] == 132
+    assert all(capped[o.id] == with_32[o.id] for o in gemvs if o is not gate_up)
+    assert grids({f"gemv{ranks[gate_up.id]}.max_blocks": 264})[gate_up.id] == 256
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_ONE_WAVE", "0")
+    assert grids()[gate_up.id] == 256
+    monkeypatch.delenv("LUM_GEMV_PROLOGUE_ONE_WAVE")
+    monkeypatch.setattr(nvrtc, "compile_cuda", lambda source, arch, **kw: SimpleNamespace(log=""))
+    assert grids()[gate_up.id] == 256
+
+
+def test_llama_gate_up_runs_in_one_wave(nvrtc):
+    """With ptxas's real count, llama3-1b's gate-up prologue GEMV takes more than 32 registers at 1,024 threads
+    (one block an SM), so its grid is the 132 SMs, one wave."""
+    from lum.builder import kernels
+    from lum.builder.codegen import SMS, gemv_kernel_ops
+
+    prog, dv = _llama_layer()
+    got = kernels.group_kernel_sources(prog, dv)
+    heads = [got[o.id] for o in gemv_kernel_ops(prog) if got[o.id].tuning.get("prologue")]
+    regs = nvrtc.ptxas_registers(nvrtc.compile_cuda(kernels.module_source(heads), ptx=False,
+                                                    extra_options=["--ptxas-options=-v"]).log)
+    for ks in heads:
+        resident = SMS * kernels.resident_blocks(ks.block[0], regs[ks.name])
+        assert ks.grid[0].value <= resident, (ks.name, regs[ks.name], ks.grid)
+    gate_up = next(ks for ks in heads if ks.tuning.get("epilogue") == 2)
+    assert regs[gate_up.name] > 32 and gate_up.grid[0].value == SMS
+
+
 def test_preload_after_small_kernels(monkeypatch):
     """``$LUM_GEMV_PRELOAD_AFTER_SMALL``: in llama3-1b's decode layer only the o GEMV (after the attention
     reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
