@@ -113,6 +113,7 @@ GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product c
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
+ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -627,6 +628,12 @@ def gemv_preload_default() -> int:
     """``$LUM_GEMV_PRELOAD`` (N: GEMV lanes load their first N weight vectors into registers before waiting for
     their predecessor), else 0."""
     return _env_count(ENV_GEMV_PRELOAD, GEMV_PRELOAD_VECTORS)
+
+
+def gemv_evict_first() -> bool:
+    """``$LUM_GEMV_EVICT_FIRST`` (1: a GEMV whose B is a weight loads it with an L2 evict-first policy,
+    templates/common.cuh lum_load_stream), else off."""
+    return env_switch(ENV_GEMV_EVICT_FIRST)
 
 
 def row_early_default() -> bool:
@@ -1985,6 +1992,7 @@ class _Gen:
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight) if b_kc else 0
         self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
+        b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -2000,6 +2008,8 @@ class _Gen:
                   "max_blocks": self.max_blocks}
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
+        if b_stream:
+            tuning["stream"] = True
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
@@ -2015,6 +2025,7 @@ class _Gen:
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS_NOWAIT@", "M": m, "GROUP": group, "VEC": vec,
             "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
+            "B_STREAM": "true" if b_stream else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,

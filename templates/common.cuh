@@ -225,6 +225,32 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   }
 }
 
+// lum_load_raw for data each step reads once and nothing rereads (a decode GEMV's weights): its 16-byte
+// accesses carry an L2 evict-first policy and skip L1, so that streaming gigabytes of weights through the
+// L2 does not evict the small tensors the next kernels and the next step read again (norm weights, the KV
+// cache, activations). Read-only data only (ld.global.nc); other widths load as lum_load_raw.
+template <int N, typename T>
+LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
+#if defined(__CUDA_ARCH__)
+  constexpr int P = (int)(16 / sizeof(T));
+  if constexpr (N % P == 0 && P * sizeof(T) == 16) {
+    unsigned long long lum_policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(lum_policy));
+#pragma unroll
+    for (int q = 0; q < N / P; ++q) {
+      lum_vec<unsigned, 4> w;
+      asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+          : "=r"(w.v[0]), "=r"(w.v[1]), "=r"(w.v[2]), "=r"(w.v[3]) : "l"(p + q * P), "l"(lum_policy));
+      const lum_vec<T, P> v = *reinterpret_cast<const lum_vec<T, P>*>(&w);
+#pragma unroll
+      for (int e = 0; e < P; ++e) out[q * P + e] = v.v[e];
+    }
+    return;
+  }
+#endif
+  lum_load_raw<N>(p, out);                         // other widths, and the host emulation (tests)
+}
+
 // ------------------------------------------------------------------------------ launch order
 // Programmatic dependent launch (sm_90+). Every lum kernel begins with lum_pdl_trigger() (the next
 // kernel of the stream may be scheduled once every block of this one has run it) and calls

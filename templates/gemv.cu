@@ -40,7 +40,8 @@
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
 //!   lane issues ahead; 0: the unrolled loop), PRELOAD (dot scheme, plain loop: vectors of B per lane of
-//!   its first column that it loads into registers before the wait; 0: none), A_EARLY
+//!   its first column that it loads into registers before the wait; 0: none), B_STREAM (dot scheme: B's
+//!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -61,6 +62,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
+  constexpr bool B_STREAM = {{B_STREAM}};        // dot scheme: B is a weight, read once: lum_load_stream
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
   constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane loads before the wait
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
@@ -92,6 +94,9 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   const int lum_lane = (int)threadIdx.x % GROUP;
   const idx_t lum_kvec = lum_k / VEC * VEC;   // k covered by whole vectors
   const bool lum_b_vec = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t));   // B in vectors
+  auto lum_b_raw = [](const b_t* lum_p, b_t (&lum_raw)[VEC]) {   // one vector of B, as stored
+    if constexpr (B_STREAM) lum_load_stream<VEC>(lum_p, lum_raw); else lum_load_raw<VEC>(lum_p, lum_raw);
+  };
   // The preload: B (weights, where codegen sets PRELOAD; the launch table names it `early`) does not
   // depend on the kernels before this one, so each lane issues the loads of its first PRELOAD vectors of
   // its column of the first tile now, into registers that nothing reads until after the wait.
@@ -107,7 +112,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
         if (lum_q < lum_kvec) {
 #pragma unroll
-          for (int t = 0; t < NACC; ++t) lum_load_raw<VEC>(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
+          for (int t = 0; t < NACC; ++t) lum_b_raw(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
         }
       }
     }
@@ -158,7 +163,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             for (int u = 0; u < U; ++u) {
               if (lum_q0 + u * lum_step < lum_kv) {
 #pragma unroll
-                for (int t = 0; t < NACC; ++t) lum_load_raw<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + u * lum_step, lum_braw[u][t]);
+                for (int t = 0; t < NACC; ++t) lum_b_raw(lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + u * lum_step, lum_braw[u][t]);
               }
             }
             if (A_EARLY) {
@@ -198,7 +203,12 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             for (idx_t lum_q = lum_q0; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
               float lum_bv[NACC][VEC];
 #pragma unroll
-              for (int t = 0; t < NACC; ++t) lum_load_f32<VEC>(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t], lum_cb);
+              for (int t = 0; t < NACC; ++t) {
+                b_t lum_raw[VEC];
+                lum_b_raw(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_raw);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) lum_bv[t][e] = lum_cb(lum_raw[e]);
+              }
               lum_fma(lum_q, lum_bv);
             }
           };

@@ -451,6 +451,34 @@ def test_llama_gate_up_runs_in_one_wave(nvrtc):
     assert regs[gate_up.name] > 32 and gate_up.grid[0].value == SMS
 
 
+@pytest.mark.parametrize("ahead", [{}, {"preload": 1}, {"inflight": 4}], ids=["plain", "preload", "inflight"])
+def test_weights_stream_with_evict_first(nvrtc, monkeypatch, ahead):
+    """``$LUM_GEMV_EVICT_FIRST=1``: a GEMV whose B is a weight loads every vector of it with an L2 evict-first
+    policy (PTX ``ld.global.nc.L1::no_allocate.L2::cache_hint``, as many as the plain kernel's loads of B);
+    a B that is not a weight, or the switch off, keeps the plain loads and the tuning without ``stream``."""
+    import re
+
+    from lum.builder.codegen import module_source
+
+    op = gemm_op("RmCm", 1, 2560, 2048, BF16)                        # gemma3-4b's o projection
+
+    def ptx(ks):
+        out = nvrtc.compile_cuda(module_source([ks]), "sm_90", ptx=True, cache_dir=False).ptx
+        return out.decode() if isinstance(out, bytes) else out
+
+    hinted = re.compile(r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32")
+    plain = generate(op, [], arg_dtypes=[BF16, BF16], weight_args=frozenset({1}), **ahead)
+    assert "stream" not in plain.tuning and not hinted.search(ptx(plain))
+    monkeypatch.setenv("LUM_GEMV_EVICT_FIRST", "1")
+    ks = generate(op, [], arg_dtypes=[BF16, BF16], weight_args=frozenset({1}), **ahead)
+    code = ptx(ks)
+    loads_b = len(re.findall(r"ld\.global(?:\.nc)?\.v4", ptx(plain))) - len(re.findall(r"ld\.global(?:\.nc)?\.v4", code))
+    assert ks.tuning["stream"] and code.count("createpolicy.fractional.L2::evict_first") >= 1
+    assert len(hinted.findall(code)) == loads_b > 0
+    not_weight = generate(op, [], arg_dtypes=[BF16, BF16], weight_args=frozenset({0}), **ahead)
+    assert "stream" not in not_weight.tuning and not hinted.search(ptx(not_weight))
+
+
 def test_preload_after_small_kernels(monkeypatch):
     """``$LUM_GEMV_PRELOAD_AFTER_SMALL``: in llama3-1b's decode layer only the o GEMV (after the attention
     reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
