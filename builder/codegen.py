@@ -631,9 +631,9 @@ def gemv_preload_default() -> int:
 
 
 def gemv_evict_first() -> bool:
-    """``$LUM_GEMV_EVICT_FIRST`` (1: a GEMV whose B is a weight loads it with an L2 evict-first policy,
-    templates/common.cuh lum_load_stream), else off."""
-    return env_switch(ENV_GEMV_EVICT_FIRST)
+    """``$LUM_GEMV_EVICT_FIRST`` (1, the default: a GEMV whose B is a weight loads it with an L2 evict-first
+    policy, templates/common.cuh lum_load_stream; gemma3-4b bf16 decode +3.2%, llama3-1b −0.2%, 5f9afe5)."""
+    return env_switch(ENV_GEMV_EVICT_FIRST, default=True)
 
 
 def row_early_default() -> bool:

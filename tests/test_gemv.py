@@ -453,7 +453,7 @@ def test_llama_gate_up_runs_in_one_wave(nvrtc):
 
 @pytest.mark.parametrize("ahead", [{}, {"preload": 1}, {"inflight": 4}], ids=["plain", "preload", "inflight"])
 def test_weights_stream_with_evict_first(nvrtc, monkeypatch, ahead):
-    """``$LUM_GEMV_EVICT_FIRST=1``: a GEMV whose B is a weight loads every vector of it with an L2 evict-first
+    """``$LUM_GEMV_EVICT_FIRST`` (on by default): a GEMV whose B is a weight loads every vector of it with an L2 evict-first
     policy (PTX ``ld.global.nc.L1::no_allocate.L2::cache_hint``, as many as the plain kernel's loads of B);
     a B that is not a weight, or the switch off, keeps the plain loads and the tuning without ``stream``."""
     import re
@@ -467,6 +467,7 @@ def test_weights_stream_with_evict_first(nvrtc, monkeypatch, ahead):
         return out.decode() if isinstance(out, bytes) else out
 
     hinted = re.compile(r"ld\.global\.nc\.L1::no_allocate\.L2::cache_hint\.v4\.u32")
+    monkeypatch.setenv("LUM_GEMV_EVICT_FIRST", "0")
     plain = generate(op, [], arg_dtypes=[BF16, BF16], weight_args=frozenset({1}), **ahead)
     assert "stream" not in plain.tuning and not hinted.search(ptx(plain))
     monkeypatch.setenv("LUM_GEMV_EVICT_FIRST", "1")
