@@ -133,7 +133,8 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                          cache_dir: Any = None, weights: frozenset[int] = frozenset()) -> dict[int, KernelSource]:
     """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
-    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`), with ``$LUM_ATTENTION_COMBINE``
+    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`; prologue GEMVs in one wave by their
+    registers: :func:`_prologue_grids_in_one_wave`), with ``$LUM_ATTENTION_COMBINE``
     each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
     ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
     (:mod:`lum.builder.attention_stage`) unless kernel tails are on, with
@@ -203,7 +204,7 @@ def _prologue_grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_d
     """(``tuning``, the kernels), each GEMV with a prologue (every block computes all of A) capped at the
     blocks the SMs hold at once by its registers (``ptxas -v``), unless the tuning caps it itself.
     codegen sizes such a grid to one wave of 2,048 threads an SM, which ptxas's register count may not
-    allow: llama3-1b's gate-up (1,024 threads, 44 registers) fits one block an SM, so its 264 blocks ran
+    allow: llama3-1b's gate-up (1,024 threads, 44 registers) fits one block an SM, so its 256 blocks ran
     in two waves, each block redoing the norm (the measured search's 132 was its decoder layer's largest
     gain, 137a162). Unchanged without NVRTC, or with ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0``."""
     from lum.builder import nvrtc
