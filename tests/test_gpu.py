@@ -398,8 +398,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     independent small kernels in a row as one launch (on by default; built without them at
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
-    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values). Decode logits of the fused package as the reference backend's (arena
-    poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
+    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values). Decode logits of the fused package as the
+    reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
     the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
