@@ -97,6 +97,12 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_b_raw = [](const b_t* lum_p, b_t (&lum_raw)[VEC]) {   // one vector of B, as stored
     if constexpr (B_STREAM) lum_load_stream<VEC>(lum_p, lum_raw); else lum_load_raw<VEC>(lum_p, lum_raw);
   };
+  auto lum_b_f32 = [&](const b_t* lum_p, float (&lum_bv)[VEC]) {   // one vector of B, as floats
+    b_t lum_raw[VEC];
+    lum_b_raw(lum_p, lum_raw);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) lum_bv[e] = lum_cb(lum_raw[e]);
+  };
   // The preload: B (weights, where codegen sets PRELOAD; the launch table names it `early`) does not
   // depend on the kernels before this one, so each lane issues the loads of its first PRELOAD vectors of
   // its column of the first tile now, into registers that nothing reads until after the wait.
@@ -203,12 +209,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             for (idx_t lum_q = lum_q0; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
               float lum_bv[NACC][VEC];
 #pragma unroll
-              for (int t = 0; t < NACC; ++t) {
-                b_t lum_raw[VEC];
-                lum_b_raw(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_raw);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) lum_bv[t][e] = lum_cb(lum_raw[e]);
-              }
+              for (int t = 0; t < NACC; ++t) lum_b_f32(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t]);
               lum_fma(lum_q, lum_bv);
             }
           };
