@@ -284,7 +284,9 @@ def build_package(hf_dir: Path, pkg: Path, dtype: str, max_seq: int, target: str
             res = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout,
                                  env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired:
-            return None, f"lum build timed out after {timeout:.0f} s"
+            logf.flush()
+            lines = log_path.read_text(errors="replace").strip().splitlines()   # its last progress line
+            return None, f"lum build timed out after {timeout:.0f} s" + (f" at: {lines[-1].strip()}" if lines else "")
     dt = time.perf_counter() - t0
     if res.returncode != 0 or not pkg.exists():
         tail = log_path.read_text(errors="replace")[-600:]

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -176,9 +177,10 @@ def graph_cmd(
 
 # ====================================================================== lum build
 def _progress_bar(label: str):
-    """A rich progress bar on stderr (silent when stderr is not a terminal); returns (context, callback)."""
+    """A rich progress bar on stderr; returns (context, callback). When stderr is not a terminal (a log, a
+    pipe) it writes plain lines instead, so that a build cut off by a timeout says how far it got."""
     if not sys.stderr.isatty():
-        return contextlib.nullcontext(), None
+        return contextlib.nullcontext(), _progress_lines(label)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -189,6 +191,27 @@ def _progress_bar(label: str):
         progress.update(task, description=f"{label}: {stage}", completed=done, total=total)
 
     return progress, update
+
+
+PROGRESS_LINE_EVERY_S = 10.0   # a stage's progress lines in a log, at most this often (its first and last always)
+
+
+def _progress_lines(label: str):
+    """The progress callback for a log: one line when a stage starts or ends, and every
+    :data:`PROGRESS_LINE_EVERY_S` seconds within it, each with the seconds since the build began."""
+    t0 = time.perf_counter()
+    last = {"line": None, "stage": None, "t": 0.0}
+
+    def update(stage: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if (stage, done, total) == last["line"] or (
+                stage == last["stage"] and done < total and now - last["t"] < PROGRESS_LINE_EVERY_S):
+            return
+        last.update(line=(stage, done, total), stage=stage, t=now)
+        sys.stderr.write(f"[{now - t0:7.1f} s] {label}: {stage} {done}/{total}\n")
+        sys.stderr.flush()
+
+    return update
 
 
 @app.command("build")

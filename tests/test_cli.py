@@ -182,3 +182,41 @@ def test_a_full_disk_is_a_one_line_error_and_leaves_no_file(capsys, tmp_path, mo
     code, _, err = run_main(capsys, "build", "--random", "tiny-llama", "-o", str(out))
     assert code == 2 and err.strip().splitlines()[-1] == "error: No space left on device"
     assert "Traceback" not in err and not out.exists()
+
+
+@needs_models
+def test_build_into_a_log_writes_its_progress_as_lines(capsys, tmp_path):
+    """With stderr not a terminal (a benchmark's build log), `lum build` writes a line as each stage starts
+    and ends, with the seconds since the build began, so a build cut off by a timeout says how far it got."""
+    import re
+
+    out = tmp_path / "t.lumpkg"
+    code, _, err = run_main(capsys, "build", "--random", "tiny-llama", "--max-seq", "16", "-o", str(out))
+    assert code == 0, err
+    assert out.is_file()
+    lines = [ln for ln in err.splitlines() if ln.startswith("[")]
+    got = [re.fullmatch(r"\[ *(\d+\.\d) s\] building tiny-llama: (\w+) (\d+)/(\d+)", ln) for ln in lines]
+    assert all(got), lines
+    stages = [m.group(2) for m in got]
+    assert {"compile", "kernels"} <= set(stages), stages
+    for stage in ("compile", "kernels"):          # each stage ends with its last step done
+        last = [m for m in got if m.group(2) == stage][-1]
+        assert last.group(3) == last.group(4) != "0", lines
+    seconds = [float(m.group(1)) for m in got]
+    assert seconds == sorted(seconds)
+
+
+def test_progress_lines_are_rate_limited_within_a_stage(capsys, monkeypatch):
+    """Within one stage a line at most every PROGRESS_LINE_EVERY_S seconds; a new stage, a stage's end
+    and nothing twice over."""
+    from lum.loader import cli
+
+    clock = iter([0.0, 0.0, 1.0, 2.0, 20.0, 21.0, 21.0, 22.0, 23.0])
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: next(clock))
+    update = cli._progress_lines("building x")
+    for stage, done, total in [("compile", 0, 3), ("compile", 1, 3), ("compile", 2, 3), ("compile", 2, 3),
+                               ("compile", 3, 3), ("compile", 3, 3), ("kernels", 0, 2), ("kernels", 1, 2)]:
+        update(stage, done, total)
+    err = capsys.readouterr().err
+    assert [ln.split("] ")[1] for ln in err.splitlines()] == [
+        "building x: compile 0/3", "building x: compile 2/3", "building x: compile 3/3", "building x: kernels 0/2"]
