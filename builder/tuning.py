@@ -21,6 +21,8 @@ timed on the GPU, results kept in a persistent tuning database.
   relative error < 1e-4 for f32, < 2e-2 when the program holds bf16/f16; NaN/inf never passes),
   then time replays of the captured CUDA graph with CUDA events (:func:`replay_times`: ≥ 20 ms of warm-up,
   then the median of ``repeats`` batches of replays, ≈ 0.5 ms each). Candidates are compiled without PTX.
+  It sums the seconds of each part of that path over a group's candidates (:data:`TIMER_PHASES`), kept in
+  the group's record as ``seconds_by_phase``: where a search that does not fit a build spends its time.
 * :func:`measured_compiler` — the ``compile_group`` callable :func:`~lum.builder.package_builder.build_package`
   uses when ``BuildOptions.budget > 0`` and a usable GPU is present: per group a DB hit lowers the
   stored genome with no measuring at all (after checking the stored decision points still match the
@@ -47,6 +49,7 @@ var ≤ 8), where the reference takes milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -57,7 +60,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -443,6 +446,12 @@ class TimerSetup:
         return choice, tuning
 
 
+# the parts of one candidate's evaluation GpuTimer times (a record's ``seconds_by_phase``): lowering the
+# genome, codegen + NVRTC + writing its package, opening it, its CUDA session (open and close), the check
+# against the reference, the timed replays
+TIMER_PHASES = ("lower", "compile", "open", "session", "check", "time")
+
+
 class GpuTimer:
     """Times genomes of one group on the GPU (see the module docstring). Call :meth:`close` when done.
     ``backend="reference"`` runs the same path on the numpy backend with wall-clock times (CPU tests)."""
@@ -459,6 +468,17 @@ class GpuTimer:
         self.tmp = tempfile.TemporaryDirectory(prefix="lum-tune-")
         self.count = 0
         self._want: dict[str, np.ndarray] | None = None    # the reference outputs at the check map
+        # where a candidate's time goes, summed over this group's candidates (TIMER_PHASES): what to make
+        # faster when a search does not fit a build
+        self.seconds: dict[str, float] = dict.fromkeys(TIMER_PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
 
     def close(self) -> None:
         self.tmp.cleanup()
@@ -474,30 +494,37 @@ class GpuTimer:
         s = self.setup
         choice, tuning = s.decode(genome)
         try:
-            program = lower(s.sat, choice, name=s.info.graph.name)
+            with self._phase("lower"):
+                program = lower(s.sat, choice, name=s.info.graph.name)
         except ValueError as exc:
             raise CandidateRejected(f"lower: {_one_line(exc)}") from None
         self.count += 1
         path = Path(self.tmp.name) / f"c{self.count}.lumpkg"
         try:
-            _write_candidate(path, program, s, tuning)
+            with self._phase("compile"):
+                _write_candidate(path, program, s, tuning)
         except Exception as exc:  # noqa: BLE001 - codegen / NVRTC failures reject the candidate
             raise CandidateRejected(f"compile: {_one_line(exc)}") from None
         try:
-            pkg = lum.loader.open(path)
+            with self._phase("open"):
+                pkg = lum.loader.open(path)
         except Exception as exc:  # noqa: BLE001
             raise CandidateRejected(f"package: {_one_line(exc)}") from None
         try:
             bounds = {k: max(s.time_dyn.get(k, 0), s.check_dyn.get(k, 0)) for k in (*s.time_dyn, *s.check_dyn)}
             try:
-                sess = pkg.session(dyn=bounds, backend=self.backend)
+                with self._phase("session"):
+                    sess = pkg.session(dyn=bounds, backend=self.backend)
             except Exception as exc:  # noqa: BLE001
                 raise CandidateRejected(f"load: {_one_line(exc)}") from None
             try:
-                self._check(sess, program)
-                return self._time(sess)
+                with self._phase("check"):
+                    self._check(sess, program)
+                with self._phase("time"):
+                    return self._time(sess)
             finally:
-                sess.close()
+                with self._phase("session"):
+                    sess.close()
         finally:
             pkg.close()
             try:
@@ -800,6 +827,7 @@ class MeasuredCompiler:
             if close is not None:
                 close()
         self.stats["seconds_measuring"] += time.perf_counter() - t0
+        phases = getattr(timer, "seconds", None)       # GpuTimer's split of that time (a test's timer has none)
         trials = [{"genome_hash": t.genome_hash, "genome": list(t.genome), "time": t.time, "reason": t.reason,
                    "generation": t.generation} for t in result.evaluated]
         if result.best_genome is None:
@@ -814,7 +842,8 @@ class MeasuredCompiler:
                 "time": best, "chosen_by": chosen_by, "budget": budget, "seed_genome": list(seed_genome),
                 "time_dyn": time_dyn, "check_dyn": check_dyn, "repeats": self.repeats,
                 "gpu": self.device.gpu, "driver": self.device.driver, "lum": LUM_VERSION, "trials": trials,
-                "exhausted": result.exhausted}
+                "exhausted": result.exhausted,
+                **({"seconds_by_phase": {k: round(v, 3) for k, v in phases.items()}} if phases else {})}
 
     # ------------------------------------------------------------------ what build_package asks
     def kernel_tuning_for(self, program: Program) -> dict[str, Any]:

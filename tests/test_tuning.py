@@ -261,6 +261,11 @@ def test_timer_path_on_the_reference_backend(spec, cache, tmp_path):
                   factory=lambda s: T.GpuTimer(s, backend="reference"), repeats=1, warmup=0)
     assert c.stats["timer_calls"] == 12
     assert all(r["chosen_by"] == "measured" for r in c.records), [r["trials"] for r in c.records]
+    for r in c.records:         # where each group's search spent its time, every phase of GpuTimer's path
+        phases = r["seconds_by_phase"]
+        assert set(phases) == set(T.TIMER_PHASES) and all(v >= 0 for v in phases.values()), phases
+        assert phases["compile"] > 0 and phases["check"] > 0 and phases["time"] > 0, phases
+        assert sum(phases.values()) <= c.stats["seconds_measuring"]
     ref = build_package(spec, tmp_path / "ref.lumpkg")
     want = lum.loader.open(ref).session(backend="reference").generate([1, 5, 9], 4)
     assert lum.loader.open(p).session(backend="reference").generate([1, 5, 9], 4) == want
