@@ -8,25 +8,6 @@
 //!                 runs, `phases` arrivals a block); in each phase blocks b < rows do what probe_row does.
 //! Both compute the same values in the same order (bit-equal outputs).
 
-__device__ __forceinline__ void probe_norm_row(const float* __restrict__ x, const float* __restrict__ w,
-                                               float* __restrict__ y, int n) {
-  __shared__ float part[8];
-  float v[16];   // n <= 16 * 256
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int c = (int)threadIdx.x + i * 256;
-    v[i] = c < n ? x[c] : 0.0f;
-    s += v[i] * v[i];
-  }
-  const float r = rsqrtf(probe_block_sum(s, part) / (float)n + 1e-6f);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int c = (int)threadIdx.x + i * 256;
-    if (c < n) y[c] = v[i] * r * w[c];
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(256) probe_row(const float* __restrict__ x, const float* __restrict__ w,
                                                             float* __restrict__ y, int rows, int n) {
   for (int b = (int)blockIdx.x; b < rows; b += (int)gridDim.x) probe_norm_row(x + (size_t)b * n, w, y + (size_t)b * n, n);

@@ -1,5 +1,5 @@
 //! lum/benchmarks/probe.cuh — helpers shared by the GPU probes' kernels (benchmarks/pdl_probe.cu,
-//! phase_probe.cu), pasted after templates/common.cuh and before the probe's own file.
+//! phase_probe.cu, stream_probe.cu), pasted after templates/common.cuh and before the probe's own file.
 
 // The sum of every thread's `s` over a block of 256 threads (8 warps), in every thread. `part` holds 8
 // floats; the trailing __syncthreads lets the caller reuse it at once.
@@ -13,4 +13,24 @@ __device__ __forceinline__ float probe_block_sum(float s, float* part) {
   for (int i = 0; i < 8; ++i) t += part[i];
   __syncthreads();
   return t;
+}
+
+// RMSNorm of one row of `n` <= 4,096 floats by a block of 256 threads: y = x · rsqrt(mean(x²) + 1e-6) · w.
+__device__ __forceinline__ void probe_norm_row(const float* __restrict__ x, const float* __restrict__ w,
+                                               float* __restrict__ y, int n) {
+  __shared__ float part[8];
+  float v[16];   // n <= 16 * 256
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int c = (int)threadIdx.x + i * 256;
+    v[i] = c < n ? x[c] : 0.0f;
+    s += v[i] * v[i];
+  }
+  const float r = rsqrtf(probe_block_sum(s, part) / (float)n + 1e-6f);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int c = (int)threadIdx.x + i * 256;
+    if (c < n) y[c] = v[i] * r * w[c];
+  }
 }
