@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     out_bufs = [dev.buffer(n * 4) for _ in range(s_count)]
     flags = dev.buffer(4 * s_count)
 
-    def record(mode: str):
+    def capture(mode: str):
         def rec(st) -> None:
             cu.memset(flags.ptr, 0, 4 * s_count, st)
             for s in range(s_count):
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         for bufs, nbytes in ((y_bufs, K * 4), (out_bufs, n * 4)):
             for b in bufs:
                 cu.memset(b.ptr, 0xFF, nbytes, stream)          # NaN: an unwritten output cannot pass
-        graph = cu.Graph(stream, record(mode))
+        graph = cu.Graph(stream, capture(mode))
         graph.launch(stream)
         stream.synchronize()
         got = [dev.read(b, n).astype(np.float64) for b in out_bufs]
@@ -131,9 +131,9 @@ def main(argv=None) -> int:
         r["vs_launches"] = round(r["stretch_us"] / base, 4)
         log(f"n {n}  {mode:10s} {r['stretch_us']:8.2f} us a stretch ({r['weight_TBps']:.2f} TB/s of weights, "
             f"{r['vs_launches']:.3f}x)  rel err {r['rel_err']:.2e}  ok={r['ok']}")
-    record_ = {**record_head("stream-probe", args.commit, info.name), "stretches": s_count, "n": n, "k": K,
+    record = {**record_head("stream-probe", args.commit, info.name), "stretches": s_count, "n": n, "k": K,
                "weight_bytes_per_stretch": weight_bytes, "modes": results}
-    log(f"wrote {write_record(record_, args.out, 'stream-probe')}")
+    log(f"wrote {write_record(record, args.out, 'stream-probe')}")
     dev.close()
     return 0 if all(r["ok"] for r in results.values()) else 1
 

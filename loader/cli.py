@@ -200,14 +200,14 @@ def _progress_lines(label: str):
     """The progress callback for a log: one line when a stage starts or ends, and every
     :data:`PROGRESS_LINE_EVERY_S` seconds within it, each with the seconds since the build began."""
     t0 = time.perf_counter()
-    last = {"line": None, "stage": None, "t": 0.0}
+    last = {"line": (None, 0, 0), "t": 0.0}     # the last line written: (stage, done, total), and when
 
     def update(stage: str, done: int, total: int) -> None:
         now = time.perf_counter()
         if (stage, done, total) == last["line"] or (
-                stage == last["stage"] and done < total and now - last["t"] < PROGRESS_LINE_EVERY_S):
+                stage == last["line"][0] and done < total and now - last["t"] < PROGRESS_LINE_EVERY_S):
             return
-        last.update(line=(stage, done, total), stage=stage, t=now)
+        last.update(line=(stage, done, total), t=now)
         sys.stderr.write(f"[{now - t0:7.1f} s] {label}: {stage} {done}/{total}\n")
         sys.stderr.flush()
 
