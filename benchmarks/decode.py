@@ -30,10 +30,10 @@ What it does, in one run on one GPU:
      ``lum-inflight8`` with ``LUM_GEMV_INFLIGHT=4`` / ``8`` (each GEMV lane issues that many weight loads
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
-     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` / ``lum-preload2`` with
-     ``LUM_GEMV_PRELOAD=1`` / ``2`` (each GEMV lane loads its first one / two weight vectors into registers
-     before it waits for the kernel before it, which under programmatic launch still runs; templates/gemv.cu
-     PRELOAD), ``lum-preload-small`` with ``LUM_GEMV_PRELOAD_AFTER_SMALL=1`` (only the GEMVs whose kernel
+     both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` / ``lum-preload2`` /
+     ``lum-preload4`` / ``lum-preload8`` with ``LUM_GEMV_PRELOAD=1`` / ``2`` / ``4`` / ``8`` (each GEMV lane
+     loads its first weight vectors, up to that many, into registers before it waits for the kernel before
+     it, which under programmatic launch still runs; templates/gemv.cu PRELOAD), ``lum-preload-small`` with ``LUM_GEMV_PRELOAD_AFTER_SMALL=1`` (only the GEMVs whose kernel
      before is not a GEMV preload), ``lum-twowaves`` with ``LUM_GEMV_PROLOGUE_ONE_WAVE=0`` (a prologue GEMV's
      grid sized to 2,048 threads an SM whatever its registers, as before 2026-12-02: builder/kernels.py),
      ``lum-noevict`` with ``LUM_GEMV_EVICT_FIRST=0`` (GEMVs load their weights without the L2 evict-first
@@ -94,6 +94,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},
+                 "lum-preload4": {"LUM_GEMV_PRELOAD": "4"}, "lum-preload8": {"LUM_GEMV_PRELOAD": "8"},
                  "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"},
