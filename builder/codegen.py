@@ -2015,8 +2015,10 @@ class _Gen:
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
-        min_blocks = (self._gemv_min_blocks(inflight, grid[0]) if inflight else
-                      self._gemv_min_blocks(preload, grid[0], min_regs=40))
+        # loads ahead: registers capped so that a static grid runs in one wave; a preload keeps the registers
+        # ptxas gives it (capped, gemma3-4b's o and down spilled 224-488 bytes a thread at 4-8 vectors) and
+        # its grid is capped at one wave by them instead (builder/kernels.py _grids_in_one_wave)
+        min_blocks = self._gemv_min_blocks(inflight, grid[0]) if inflight else ""
         # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
@@ -2037,16 +2039,14 @@ class _Gen:
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
 
-    def _gemv_min_blocks(self, ahead: int, blocks: Expr, min_regs: int = 0) -> str:
-        """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead or preload (``ahead``;
-        ``, b``, else empty): the blocks an SM must hold for a static grid to run in one wave, so that the
-        registers those loads take never split the grid into a second wave (none when it cannot be one
-        wave anyway, or when that would leave a thread fewer than ``min_regs`` registers: ptxas spills)."""
+    def _gemv_min_blocks(self, ahead: int, blocks: Expr) -> str:
+        """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead (``ahead``; ``, b``, else
+        empty): the blocks an SM must hold for a static grid to run in one wave, so that the registers those
+        loads take never split the grid into a second wave (none when it cannot be one wave anyway)."""
         if not ahead or not blocks.is_const:
             return ""
         per_sm = -(-blocks.value // SMS)
-        fits = 65536 // (per_sm * self.threads) >= min_regs
-        return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads and fits else ""
+        return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads else ""
 
     def _gemv_epilogue(self, m: int, jb: int, n_out: Expr) -> str:
         """The code (templates/gemv.cu's EPILOGUE) that stores output column ``lum_j`` of each of the ``m``

@@ -133,8 +133,8 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                          cache_dir: Any = None, weights: frozenset[int] = frozenset()) -> dict[int, KernelSource]:
     """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
-    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`; prologue GEMVs in one wave by their
-    registers: :func:`_prologue_grids_in_one_wave`), with ``$LUM_ATTENTION_COMBINE``
+    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one
+    wave by their registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_COMBINE``
     each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
     ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
     (:mod:`lum.builder.attention_stage`) unless kernel tails are on, with
@@ -149,7 +149,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 
     tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
                                               weights)
-    tuning, gen = _prologue_grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
+    tuning, gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
     if attention_combine_enabled():
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
     tails = kernel_tails_enabled()
@@ -166,17 +166,18 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
                                 tuning: dict[str, Any], arch: str, cache_dir: Any, weights: frozenset[int] = frozenset()
                                 ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
-    """(``tuning``, the program's kernels with it), ``gemv<i>.inflight`` halved (down to 0, the plain
-    loop) for every decode GEMV whose loads issued ahead would spill (``ptxas -v`` of those GEMVs
-    through NVRTC): a spill costs more than the loads in flight gain, and how many registers they take
-    is ptxas's to say, not a formula's. Unchanged without NVRTC."""
+    """(``tuning``, the program's kernels with it), ``gemv<i>.inflight`` or ``gemv<i>.preload`` halved (down
+    to 0, the plain loop) for every decode GEMV whose loads issued ahead or preloaded would spill (``ptxas
+    -v`` of those GEMVs through NVRTC): a spill costs more than the loads in flight gain, and how many
+    registers they take is ptxas's to say, not a formula's (a preload of 8 in gemma3-4b's qkv GEMV, 1,024
+    threads and so 64 registers at most, spilled 604 bytes a thread). Unchanged without NVRTC."""
     from lum.builder import nvrtc
 
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
-    while True:                  # ends: each round halves a positive inflight of some GEMV
+    while True:                  # ends: each round halves a positive inflight or preload of some GEMV
         gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
-        ahead = {ks.name: (ranks[i], ks.tuning["inflight"]) for i, ks in gen.items()
-                 if i in ranks and ks is not None and ks.tuning.get("inflight")}
+        ahead = {ks.name: (ranks[i], knob, ks.tuning[knob]) for i, ks in gen.items() if i in ranks and ks is not None
+                 for knob in ("inflight", "preload") if ks.tuning.get(knob)}
         if not ahead:
             return tuning, gen
         log = _ptxas_log([gen[i] for i in ranks if gen[i] is not None and gen[i].name in ahead], arch, cache_dir)
@@ -185,7 +186,7 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         spilled = [ahead[name] for name in nvrtc.ptxas_spills(log) if name in ahead]
         if not spilled:
             return tuning, gen
-        tuning = {**tuning, **{f"gemv{rank}.inflight": inflight // 2 for rank, inflight in spilled}}
+        tuning = {**tuning, **{f"gemv{rank}.{knob}": count // 2 for rank, knob, count in spilled}}
 
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
@@ -197,22 +198,28 @@ def resident_blocks(threads: int, registers: int) -> int:
     return max(1, min(2048 // threads, 65536 // (-(-registers // 8) * 8 * threads)))
 
 
-def _prologue_grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-                                tuning: dict[str, Any], gen: dict[int, KernelSource | None], arch: str, cache_dir: Any,
-                                weights: frozenset[int] = frozenset()
-                                ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
-    """(``tuning``, the kernels), each GEMV with a prologue (every block computes all of A) capped at the
-    blocks the SMs hold at once by its registers (``ptxas -v``), unless the tuning caps it itself.
-    codegen sizes such a grid to one wave of 2,048 threads an SM, which ptxas's register count may not
-    allow: llama3-1b's gate-up (1,024 threads, 44 registers) fits one block an SM, so its 256 blocks ran
+def _grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
+                       tuning: dict[str, Any], gen: dict[int, KernelSource | None], arch: str, cache_dir: Any,
+                       weights: frozenset[int] = frozenset()
+                       ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
+    """(``tuning``, the kernels), each GEMV with a prologue (every block computes all of A) or a preload (each
+    block's first tile loaded before the wait) capped at the blocks the SMs hold at once by its registers
+    (``ptxas -v``), unless the tuning caps it itself.
+    codegen sizes a prologue GEMV's grid to one wave of 2,048 threads an SM, which ptxas's register count may
+    not allow: llama3-1b's gate-up (1,024 threads, 44 registers) fits one block an SM, so its 256 blocks ran
     in two waves, each block redoing the norm (the measured search's 132 was its decoder layer's largest
-    gain, 137a162). Unchanged without NVRTC, or with ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0``."""
+    gain, 137a162). A preload pays only in blocks that are resident while the kernel before still runs, and
+    the registers it holds lower how many are: in one wave every block's first tile is preloaded, and the
+    tiles after it are walked grid-stride. Unchanged without NVRTC; prologue GEMVs unchanged with
+    ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0``."""
     from lum.builder import nvrtc
 
-    if "max_blocks" in tuning or not env_switch(ENV_PROLOGUE_ONE_WAVE, default=True):
+    if "max_blocks" in tuning:
         return tuning, gen
+    prologues = env_switch(ENV_PROLOGUE_ONE_WAVE, default=True)
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
-    heads = {i: ks for i, ks in gen.items() if i in ranks and ks is not None and ks.tuning.get("prologue")
+    heads = {i: ks for i, ks in gen.items() if i in ranks and ks is not None
+             and ((prologues and ks.tuning.get("prologue")) or ks.tuning.get("preload"))
              and f"gemv{ranks[i]}.max_blocks" not in tuning and ks.grid[0].is_const}
     if not heads:
         return tuning, gen

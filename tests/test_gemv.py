@@ -451,6 +451,29 @@ def test_llama_gate_up_runs_in_one_wave(nvrtc):
     assert regs[gate_up.name] > 32 and gate_up.grid[0].value == SMS
 
 
+def test_preloading_gemvs_in_one_wave_without_spills(nvrtc):
+    """A preload of 8 weight vectors a lane in llama3-1b's decode layer: no GEMV spills (ptxas), each keeps the
+    registers ptxas gives it (no ``__launch_bounds__`` minimum: capped at one wave they spilled), its grid is
+    at most the blocks those registers let the SMs hold (every block's first tile is preloaded while the kernel
+    before runs), and the GEMVs whose preload would spill preload less: the 1,024-thread ones (64 registers at
+    most) less than the 512-thread o and down GEMVs, which take all of their first tile's vectors."""
+    from lum.builder import kernels
+    from lum.builder.codegen import SMS, gemv_kernel_ops
+
+    prog, dv = _llama_layer()
+    got = kernels.group_kernel_sources(prog, dv, tuning={"preload": 8})
+    gemvs = [got[o.id] for o in gemv_kernel_ops(prog)]
+    log = nvrtc.compile_cuda(kernels.module_source(gemvs), ptx=False, extra_options=["--ptxas-options=-v"]).log
+    regs = nvrtc.ptxas_registers(log)
+    assert nvrtc.ptxas_spills(log) == {} and all(ks.tuning["preload"] >= 1 for ks in gemvs)
+    for ks in gemvs:
+        assert "__launch_bounds__(%d)" % ks.block[0] in ks.body
+        assert ks.grid[0].value <= SMS * kernels.resident_blocks(ks.block[0], regs[ks.name]), (ks.name, ks.grid)
+    by_threads = {t: [ks.tuning["preload"] for ks in gemvs if ks.block[0] == t] for t in (512, 1024)}
+    assert len(by_threads[512]) == len(by_threads[1024]) == 2
+    assert max(by_threads[1024]) < 4 <= min(by_threads[512])
+
+
 @pytest.mark.parametrize("ahead", [{}, {"preload": 1}, {"inflight": 4}], ids=["plain", "preload", "inflight"])
 def test_weights_stream_with_evict_first(nvrtc, monkeypatch, ahead):
     """``$LUM_GEMV_EVICT_FIRST`` (on by default): a GEMV whose B is a weight loads every vector of it with an L2 evict-first
@@ -484,7 +507,8 @@ def test_preload_after_small_kernels(monkeypatch):
     """``$LUM_GEMV_PRELOAD_AFTER_SMALL``: in llama3-1b's decode layer only the o GEMV (after the attention
     reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
     not a GEMV; qkv follows down across the layer boundary, gate-up o and down gate-up. Those preload one
-    vector a lane, the others none; a ``preload`` in the tuning wins over the rule; off by default."""
+    vector a lane, the others none; a ``preload`` in the tuning wins over the rule, less what would spill; off by
+    default."""
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
@@ -504,4 +528,6 @@ def test_preload_after_small_kernels(monkeypatch):
     assert all(p == 0 for _, p in preloads())
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "1")
     assert preloads() == [("3072", 0), ("2048", 1), ("8192", 0), ("2048", 0), ("128256", 1)]
-    assert all(p == 2 for _, p in preloads(preload=2))
+    # a preload of 2 everywhere, but the gate-up GEMV (1,024 threads, so 64 registers at most) spills at 2:
+    # halved to 1 (builder/kernels.py _loads_ahead_without_spills)
+    assert preloads(preload=2) == [("3072", 2), ("2048", 2), ("8192", 1), ("2048", 2), ("128256", 2)]
