@@ -170,7 +170,10 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
     to 0, the plain loop) for every decode GEMV whose loads issued ahead or preloaded would spill (``ptxas
     -v`` of those GEMVs through NVRTC): a spill costs more than the loads in flight gain, and how many
     registers they take is ptxas's to say, not a formula's (a preload of 8 in gemma3-4b's qkv GEMV, 1,024
-    threads and so 64 registers at most, spilled 604 bytes a thread). Unchanged without NVRTC."""
+    threads and so 64 registers at most, spilled 604 bytes a thread). A preload is halved too where its
+    registers leave an SM fewer than :data:`PRELOAD_MIN_THREADS` resident threads: the preload covers the
+    first tiles, the occupancy it costs slows every tile (gemma3-4b's gate-up at 4 vectors a lane took 128
+    registers, 512 threads an SM, and the step measured 11% slower). Unchanged without NVRTC."""
     from lum.builder import nvrtc
 
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
@@ -183,13 +186,18 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         log = _ptxas_log([gen[i] for i in ranks if gen[i] is not None and gen[i].name in ahead], arch, cache_dir)
         if log is None:
             return tuning, gen
-        spilled = [ahead[name] for name in nvrtc.ptxas_spills(log) if name in ahead]
+        regs = nvrtc.ptxas_registers(log)
+        by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
+        crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in regs
+                   and resident_blocks(by_name[name].block[0], regs[name]) * by_name[name].block[0] < PRELOAD_MIN_THREADS]
+        spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen
         tuning = {**tuning, **{f"gemv{rank}.{knob}": count // 2 for rank, knob, count in spilled}}
 
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
+PRELOAD_MIN_THREADS = 1024     # resident threads an SM a preloading GEMV's registers must leave (of 2,048)
 
 
 def resident_blocks(threads: int, registers: int) -> int:
