@@ -38,6 +38,8 @@ What it does, in one run on one GPU:
      grid sized to 2,048 threads an SM whatever its registers, as before 2026-12-02: builder/kernels.py),
      ``lum-noevict`` with ``LUM_GEMV_EVICT_FIRST=0`` (GEMVs load their weights without the L2 evict-first
      policy that keeps the small tensors each step rereads in L2: templates/common.cuh lum_load_stream),
+     ``lum-nobalance`` with ``LUM_GEMV_BALANCE=0`` (a large GEMV keeps 512 threads even where its blocks
+     fall unevenly on the SMs: builder/codegen.py _unbalanced),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
@@ -97,7 +99,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload4": {"LUM_GEMV_PRELOAD": "4"}, "lum-preload8": {"LUM_GEMV_PRELOAD": "8"},
                  "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
-                 "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"},
+                 "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},

@@ -94,7 +94,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
-           "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims",
+           "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "AttentionStage", "StageRow", "stage_row"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
@@ -114,6 +114,7 @@ ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
+ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -594,15 +595,38 @@ def _default_threads(op: LOp) -> int:
     """Block size when the caller leaves it open: 256, except lum's decode GEMV (dot scheme), where
     benchmarks/gemv_sweep.py measured small blocks best for many columns (>= 8,192: 128 threads, e.g.
     3.54 vs 3.15 TB/s on gemma3-4b's gate projection) and large ones for few (512: 2.40 vs 2.15 TB/s on
-    its q projection)."""
+    its q projection), unless a large one's blocks would load the SMs unevenly (:func:`_unbalanced`)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
         return 1024                                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
-        return 128 if cols.is_const and cols.value >= 8192 else 512
+        if cols.is_const and cols.value >= 8192:
+            return 128
+        k = as_expr(op.params["k"])
+        if (cols.is_const and k.is_const and cols.value * k.value >= _GEMV_LARGE and _unbalanced(cols.value // 8)
+                and gemv_balance()):
+            return 128
+        return 512
     return 256
+
+
+_GEMV_LARGE = 1 << 24      # weights of a decode GEMV (elements) whose time is its bytes, not its latency
+
+
+def gemv_balance() -> bool:
+    """``$LUM_GEMV_BALANCE`` (1, the default: a large decode GEMV whose 512-thread blocks would load the SMs
+    unevenly takes 128 threads, :func:`_unbalanced`), else off."""
+    return env_switch(ENV_GEMV_BALANCE, default=True)
+
+
+def _unbalanced(blocks: int) -> bool:
+    """``blocks`` equal blocks leave some SMs a block more than others by more than a tenth of their work: a
+    large GEMV at 512 threads (eight columns a block) then takes 128 (two), e.g. gemma3-4b's down projection,
+    whose 320 blocks put three on some SMs and two on the others, 15.56 µs at 512 threads against 14.02 at 128
+    (1,280 blocks; benchmarks/gemv_sweep.py at 893d4ba); llama3-1b's (256 blocks) stays at 512."""
+    return -(-blocks // SMS) * SMS > 1.1 * blocks
 
 
 def _pow2_floor(x: int) -> int:

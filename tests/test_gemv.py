@@ -451,6 +451,20 @@ def test_llama_gate_up_runs_in_one_wave(nvrtc):
     assert regs[gate_up.name] > 32 and gate_up.grid[0].value == SMS
 
 
+def test_large_gemvs_take_blocks_that_load_the_sms_evenly(monkeypatch):
+    """``$LUM_GEMV_BALANCE`` (on): a decode GEMV of at least 2^24 weights whose 512-thread blocks (eight columns
+    each) would put a block more on some SMs than on others by over a tenth takes 128 threads: gemma3-4b's down
+    projection (2,560 columns: 320 blocks, three on some SMs and two on most) 1,280 blocks of 128; llama3-1b's
+    (2,048 columns: 256 blocks, two an SM but eight) and gemma3-4b's o (small: its latency, not its bytes)
+    keep 512; many columns take 128 anyway. Off: 512 as before."""
+    def threads(n: int, k: int) -> int:
+        return generate(gemm_op("RmCm", 1, n, k, BF16), [], arg_dtypes=[BF16, BF16]).block[0]
+
+    assert (threads(2560, 10240), threads(2048, 8192), threads(2560, 2048), threads(20480, 2560)) == (128, 512, 512, 128)
+    monkeypatch.setenv("LUM_GEMV_BALANCE", "0")
+    assert threads(2560, 10240) == 512
+
+
 def test_preloading_gemvs_in_one_wave_without_spills(nvrtc):
     """A preload of 8 weight vectors a lane in llama3-1b's decode layer: no GEMV spills (ptxas), each keeps the
     registers ptxas gives it (no ``__launch_bounds__`` minimum: capped at one wave they spilled), so that an SM
