@@ -86,7 +86,7 @@ from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
                              attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
                              gemm_parts, has_row_ops)
-from lum.format.manifest import L2_PREFETCH_CHUNK
+from lum.format.manifest import L2_PREFETCH_CHUNK, MAX_SHARED_MEM
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -95,6 +95,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
+           "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
            "AttentionStage", "StageRow", "stage_row"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
@@ -105,6 +106,8 @@ PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) i
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
+FLASH_MAX_D = 256                                # flash attention (more rows a K / V row): features of q·k and v, at most
+FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
@@ -683,6 +686,26 @@ def attention_row_dims(op: LOp) -> tuple[list[int], list[int]]:
     return group, [i for i in range(len(r)) if i not in group]
 
 
+def attention_group_rows(op: LOp) -> Expr:
+    """The query rows of an attention op that share one K / V row: the product of its group dims."""
+    r = attention_dims(op)[0]
+    return numel(tuple(r[i] for i in attention_row_dims(op)[0]))
+
+
+def flash_attention(op: LOp) -> bool:
+    """Whether an attention op runs as flash attention (templates/flash_attention.cu): its query rows sharing a
+    K / V row are not a static few (prefill: the GQA group times the prompt), so no block holds them in
+    registers as decode's kernel (templates/attention.cu) does."""
+    rows = attention_group_rows(op)
+    return not (rows.is_const and rows.value <= ATTENTION_MAX_GROUP)
+
+
+def flash_features_fit(d: Expr, dv: Expr) -> bool:
+    """Whether flash attention takes q·k features ``d`` and v features ``dv``: static multiples of 16 (the mma
+    tile's k and two n-tiles), at most :data:`FLASH_MAX_D`."""
+    return all(x.is_const and x.value % 16 == 0 and 16 <= x.value <= FLASH_MAX_D for x in (d, dv))
+
+
 # ============================================================================ public entry points
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
@@ -691,7 +714,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              row_early: bool | None = None, combine: LOp | None = None,
-             stage: AttentionStage | None = None) -> KernelSource | None:
+             stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -729,7 +752,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
-               combine=combine, stage=stage)
+               combine=combine, stage=stage, tile_keys=tile_keys)
     if (combine is not None or stage is not None) and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a combine or a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
@@ -744,7 +767,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
     name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
     body = body.replace(_ENTRY, name)
-    launches = tuple(Launch(name + suffix, grid, block, 0) for suffix, grid, block in launches_raw)
+    launches = tuple(Launch(name + suffix, grid, block, *smem) for suffix, grid, block, *smem in launches_raw)
     params = gen.params() + gen.tail_params()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
@@ -944,8 +967,9 @@ class _Gen:
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
-                 combine: LOp | None = None, stage: AttentionStage | None = None):
+                 combine: LOp | None = None, stage: AttentionStage | None = None, tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
+        self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.combine = combine                     # an attention's combine reduce, run as its tail
         self.stage = stage                         # the rows of the ops before it an attention computes
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
@@ -1606,7 +1630,9 @@ class _Gen:
 
     # ------------------------------------------------------------------ attention (decode, split-K)
     def k_attention(self):
-        """The per-chunk partials of decode attention (templates/attention.cu; semantics in format/llir.py)."""
+        """The per-chunk partials of attention (semantics in format/llir.py): decode's split-K kernel
+        (templates/attention.cu), or flash attention where many query rows share a K / V row
+        (:func:`flash_attention`: :meth:`_flash_attention`)."""
         op, ctx = self.op, self.ctx
         try:
             check_attention(op, "attention")
@@ -1620,6 +1646,8 @@ class _Gen:
             raise CodegenError("attention needs static feature sizes")
         if any(not self.dts[k].is_float for k in range(3)) or self.dts[3] != DType.bool:
             raise CodegenError("attention reads float q, k, v and a bool mask")
+        if flash_attention(op):
+            return self._flash_attention()
         zero, nr = as_expr(0), len(r)
         group, heads = attention_row_dims(op)
         m_size = 1
@@ -1742,6 +1770,90 @@ class _Gen:
         if self.combine is not None:
             tuning["combine"] = True
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1))], tuning, self.max_blocks
+
+    def _flash_attention(self):
+        """templates/flash_attention.cu: a block per (tile of 16 * warps query rows, kv row, chunk), key tiles
+        of ``tile_keys`` staged in shared memory, S and O in mma.m16n8k16's accumulator layout; tensor cores
+        where q, k, v and the probabilities are all bf16 or all f16, FMAs otherwise (f32 models)."""
+        op, ctx = self.op, self.ctx
+        if self.stage is not None or self.combine is not None:
+            raise CodegenError("a flash attention kernel runs neither an attention stage nor its combine")
+        r, t, d, dv = attention_dims(op)
+        if not flash_features_fit(d, dv):
+            raise CodegenError(f"flash attention takes features that are multiples of 16 up to {FLASH_MAX_D}, "
+                               f"not q·k {d} and v {dv}")
+        vq, vk, vv, vm = (a.view for a in op.args)
+        if vm.mask is not None:
+            raise CodegenError("flash attention reads an unpadded mask")
+        D, DV = d.value, dv.value
+        p_dt = DType.parse(op.params["p_dtype"])
+        dq, dk, dvt = self.dts[:3]
+        mma = dq == dk == dvt == p_dt and p_dt in (DType.bf16, DType.f16)
+        bc = self.tile_keys if self.tile_keys is not None else 64 if mma else 32
+        if bc not in FLASH_TILE_KEYS:
+            raise CodegenError(f"tile_keys must be one of {FLASH_TILE_KEYS}, got {bc}")
+        warps = self.threads // 32
+        br = 16 * warps
+        smem = sum(rows * (width + 16 // dt.itemsize) * dt.itemsize
+                   for rows, width, dt in ((br, D, dq), (bc, D, dk), (bc, DV, dvt)))
+        if not mma:
+            smem += warps * 16 * (bc + 4) * 4             # the probabilities, a warp's 16 rows
+        if smem > MAX_SHARED_MEM:
+            raise CodegenError(f"flash attention tiles of {br} rows x {bc} keys (d {D}, dv {DV}) need {smem} bytes "
+                               f"of shared memory, above {MAX_SHARED_MEM}")
+        zero, chunk = as_expr(0), int(op.params["chunk"])
+        ns = cdiv(t, chunk)
+        group, heads = attention_row_dims(op)
+        hshape = tuple(r[i] for i in heads)
+        setup = [_unravel(ctx, "lum_h", hshape, " " * 4).rstrip("\n")]
+        # query row lum_m of kv row lum_h: the group dims unravelled with the mask's own (moving) dims outer,
+        # so that a row tile's rows share mask rows (prefill: a position's GQA heads side by side)
+        idx: list[Expr] = [zero] * len(r)
+        for pos, i in enumerate(heads):
+            idx[i] = Var(f"lum_i{pos}")
+        lum_m, rest = Var("lum_m"), as_expr(1)
+        inner = [i for i in sorted(reversed(group), key=lambda i: vm.strides[i] != zero) if not _is_one(r[i])]
+        for k, i in enumerate(inner):
+            idx[i] = lum_m // rest if k == len(inner) - 1 else (lum_m // rest) % r[i]
+            rest = rest * r[i]
+        m_rows = attention_group_rows(op)
+        ctx.bound_var("lum_m", m_rows)
+        ctx.bound_var("lum_t", t + chunk + bc)
+        ctx.bound_var("lum_d", as_expr(max(D, DV)))
+        ctx.bound_var("lum_j", ns)
+        lum_t, lum_d = Var("lum_t"), Var("lum_d")
+        kv_idx = tuple(zero if i in group else idx[i] for i in range(len(r)))
+        setup.append(f"    const idx_t lum_kb = {ctx.c(vk.physical_index(kv_idx + (zero, zero)))};")
+        setup.append(f"    const idx_t lum_vb = {ctx.c(vv.physical_index(kv_idx + (zero, zero)))};")
+        out = ShapeTracker.contiguous(op.shape)
+        ctx.exprs += [vk.physical_index(kv_idx + (lum_t, lum_d)), vv.physical_index(kv_idx + (lum_t, lum_d)),
+                      vq.physical_index(tuple(idx) + (lum_d,)), vm.physical_index(tuple(idx) + (lum_t,)),
+                      out.physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2)))]
+
+        def vec(view: ShapeTracker, dt: DType) -> int:
+            """1 when the view's rows are contiguous and 16-byte aligned (buffers are: codegen's convention)."""
+            per = 16 // dt.itemsize
+            return int(view.strides[-1] == as_expr(1) and all(e % per == zero for e in (view.offset, *view.strides[:-1])))
+
+        qv, kv, vvec = vec(vq, dq), vec(vk, dk), vec(vv, dvt)
+        rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
+        src = render(load_template("flash_attention.cu"), {
+            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "DYN_LOADS": "@DYN_LOADS@", "Q_T": STORAGE_C[dq], "K_T": STORAGE_C[dk], "V_T": STORAGE_C[dvt],
+            "CVT_Q": _load_conv(dq, "x"), "CVT_K": _load_conv(dk, "x"), "CVT_V": _load_conv(dvt, "x"),
+            "D": D, "DV": DV, "BC": bc, "CHUNK": chunk, "SMEM": smem, "MMA": int(mma), "FMA": int(not mma),
+            "BF16": int(p_dt == DType.bf16), "Q_VEC": qv, "K_VEC": kv, "V_VEC": vvec, "Q_ELEM": 1 - qv,
+            "K_ELEM": 1 - kv, "V_ELEM": 1 - vvec, "T": ctx.c(t), "M": ctx.c(m_rows), "NS": ctx.c(ns),
+            "HEADS": ctx.c(numel(hshape)), "SETUP": "\n".join(x for x in setup if x),
+            "QROW": ctx.c(vq.physical_index(tuple(idx) + (zero,))), "MROW": ctx.c(vm.physical_index(tuple(idx) + (zero,))),
+            "OROW": ctx.c(out.physical_index(tuple(idx) + (Var("lum_j"), zero))),
+            "QD": ctx.c(vq.strides[-1]), "KT": ctx.c(vk.strides[-2]), "KD": ctx.c(vk.strides[-1]),
+            "VT": ctx.c(vv.strides[-2]), "VD": ctx.c(vv.strides[-1]), "MT": ctx.c(vm.strides[-1]),
+            "SCALE": _f32_literal(float(op.params["scale"])), "ROUND": rnd})
+        work = numel(hshape) * ns * cdiv(m_rows, br)
+        tuning = {"threads": self.threads, "tile_rows": br, "tile_keys": bc, "max_blocks": self.max_blocks,
+                  "flash": "mma" if mma else "fma"}
+        return [src], [("", self.grid(work, 1), (self.threads, 1, 1), smem)], tuning, self.max_blocks
 
     def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, dv: int) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from lum.builder.codegen import flash_attention
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax, smin
 from lum.format.llir import LOp, Program, expr_nodes, gemm_parts
@@ -207,6 +208,13 @@ def _peak(op: LOp, spec: GpuSpec, program: Program | None) -> float:
     if op.kind == "gemm" and "expr" not in op.params:
         dts = {_arg_dtype(op, 0, program), _arg_dtype(op, 1, program)}
         if dts <= {DType.bf16, DType.f16}:
+            return spec.tensor_flops
+    if op.kind == "attention" and flash_attention(op):
+        # flash attention runs both products on tensor cores where q, k, v and the probabilities share one
+        # 16-bit dtype (without the program: where the probabilities are 16-bit, as in 16-bit models)
+        pdt = DType.parse(op.params["p_dtype"])
+        dts = {_arg_dtype(op, k, program) for k in range(3)} if program is not None else {pdt}
+        if pdt in (DType.bf16, DType.f16) and dts == {pdt}:
             return spec.tensor_flops
     return spec.fp32_flops
 

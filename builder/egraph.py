@@ -37,7 +37,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable
 
-from lum.builder.codegen import ATTENTION_MAX_GROUP
+from lum.builder.codegen import ATTENTION_MAX_GROUP, flash_features_fit
 from lum.builder.hlir import BINARY_OPS, REDUCE_OPS, UNARY_OPS, Graph
 from lum.format.expr import Expr, as_expr, parse
 from lum.format.llir import ELEMENTWISE_ARITY
@@ -580,21 +580,25 @@ def _racy_in_place(sat: SaturatedGroup) -> set[ENode]:
 class AttentionViews:
     """What a KAttention e-node means, in the views an attention LLIR op reads (format/llir.py): q [R…, D],
     k [R…, T, D], v [R…, T, Dv], mask [R…, T]; ``group``: the R dims along which k and v do not move (the
-    query heads of a GQA group), whose sizes multiply to at most :data:`ATTENTION_MAX_GROUP`."""
+    query heads of a GQA group; in prefill also the prompt's positions). ``flash``: their sizes do not
+    multiply to a static number of at most :data:`ATTENTION_MAX_GROUP` (decode's kernel holds those rows in
+    registers), so the op runs as flash attention (codegen.flash_attention)."""
 
     q: ShapeTracker
     k: ShapeTracker
     v: ShapeTracker
     mask: ShapeTracker
     group: tuple[int, ...]
+    flash: bool = False
 
 
 def attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     """The views of a KAttention node (rules/attention.egg), or None when they do not make the node an
     attention over the keys: q read broadcast along the keys, the probabilities read by p·v in their own
     row-major layout broadcast along V's feature axis, static feature sizes, no padded q / k / v reads,
-    float operands, and the rows sharing a K / V row a static few. Memoised per node: extraction asks
-    again for every lowering."""
+    float operands; the rows sharing a K / V row a static few, or else (flash attention: prefill) features
+    that :func:`~lum.builder.codegen.flash_features_fit` and an unpadded mask. Memoised per node: extraction
+    asks again for every lowering."""
     key = ("attention", node)
     if key not in sat._memo:
         sat._memo[key] = _attention_views(sat, node)
@@ -635,16 +639,13 @@ def _attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     if sat.dtype.get(m_ld) != "bool" or pdt not in ("f32", "bf16", "f16"):
         return None
     group = tuple(i for i in range(len(r)) if vk.strides[i] == zero and vv.strides[i] == zero)
-    size = 1
-    for i in group:
-        if not r[i].is_const:
-            return None
-        size *= r[i].value
-    if size > ATTENTION_MAX_GROUP:
+    size = numel(tuple(r[i] for i in group))
+    flash = not (size.is_const and size.value <= ATTENTION_MAX_GROUP)
+    if flash and (not flash_features_fit(d, dv) or vm.mask is not None):
         return None
     q = ShapeTracker(r + (d,), tuple(vq.strides[:-2]) + (vq.strides[-1],), vq.offset, None)
     v = ShapeTracker(r + (t, dv), tuple(vv.strides[:-2]) + (vv.strides[-1], vv.strides[-2]), vv.offset, None)
-    return AttentionViews(q, vk, v, vm, group)
+    return AttentionViews(q, vk, v, vm, group, flash)
 
 
 def _analyse(sat: SaturatedGroup) -> None:

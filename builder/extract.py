@@ -42,7 +42,8 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Choice", "random_choice", "choose_by_cost", "row_broadcast_reads", "lower", "lower_enode",
            "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
-           "choice_to_genome", "FUSE_MAX_NODES", "lower_attention", "attention_ops", "ATTENTION_CHUNK"]
+           "choice_to_genome", "FUSE_MAX_NODES", "lower_attention", "attention_ops", "ATTENTION_CHUNK",
+           "FLASH_ATTENTION_CHUNK"]
 
 Choice = dict  # class id -> option index
 
@@ -57,6 +58,8 @@ _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XS
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
 ATTENTION_CHUNK = 16  # keys per split of decode attention (4 warps x 4 keys: short contexts still fill several
 #                       blocks per KV head; 4,096 keys are 256 splits)
+FLASH_ATTENTION_CHUNK = 4096   # keys per split of flash attention (prefill): one chunk up to 4,096 keys, so the
+#                       partials it stores for the combine are one row per query row (its row tiles fill the GPU)
 _REDUCE = {"KSumReduce": "Sum", "KMaxReduce": "Max"}
 _ARITY = {"KCast": 1, "KExp2": 1, "KLog2": 1, "KSin": 1, "KSqrt": 1, "KRecip": 1, "KContiguous": 1,
           "KAdd": 2, "KMul": 2, "KMod": 2, "KLessThan": 2, "KWhere": 3, "KSumReduce": 1, "KMaxReduce": 1,
@@ -430,7 +433,9 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
 def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], int], op_id: int = 0) -> list[LOp]:
     """A KAttention e-node as LLIR: the attention op (per-chunk partials, f32 [R…, NS, Dv + 2]), a −1
     constant and the reduce that combines the chunks, Σ_j 2^(c_j − max c)·acc_j / Σ_j 2^(c_j − max c)·l_j
-    (a row kernel over the chunk axis), in that order from ``op_id``; the last op is the attention's value."""
+    (a row kernel over the chunk axis), in that order from ``op_id``; the last op is the attention's value.
+    Chunks of :data:`ATTENTION_CHUNK` keys for decode, of :data:`FLASH_ATTENTION_CHUNK` for flash attention
+    (many query rows a K / V row: their row tiles, not the keys, spread the work)."""
     av = attention_views(sat, node)
     if av is None:
         raise ValueError("a KAttention e-node whose views are not an attention (builder/egraph.py)")
@@ -439,7 +444,8 @@ def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], in
     scale = float(sat.graph.nodes[const.args[0]].attrs["value"])
     reads = zip((q_ld, k_ld, v_ld, m_ld), (av.q, av.k, av.v, av.mask))
     args = tuple(Arg(src_of(_ld(sat, c).args[0]), v) for c, v in reads)
-    ops = attention_ops(args, scale, DType.parse(pdt), DType.parse(dt), op_id)
+    ops = attention_ops(args, scale, DType.parse(pdt), DType.parse(dt), op_id,
+                        FLASH_ATTENTION_CHUNK if av.flash else ATTENTION_CHUNK)
     _set_bytes_flops(ops[0], [DType.parse(sat.dtype[c]) for c in (q_ld, k_ld, v_ld, m_ld)])
     _set_bytes_flops(ops[2], [DType.f32] * 4)
     return ops

@@ -50,6 +50,18 @@ static const std::function<void()>* lum_fn = nullptr;
 static unsigned lum_cur = 0;
 static void lum_yield() { swapcontext(&lum_ctx[lum_cur], &lum_sched); }
 static void __syncthreads() { lum_yield(); }
+// A block-wide vote: every thread posts its predicate, then reads everyone's (two rounds, as a shuffle).
+static int __syncthreads_or(int pred) {
+  lum_slots[threadIdx.x] = pred != 0;
+  lum_yield();
+  int any = 0;
+  for (unsigned t = 0; t < blockDim.x; ++t) any |= lum_slots[t] != 0;
+  lum_yield();
+  return any;
+}
+// A warp's barrier: a round of the block's (lum's templates call it with every thread of the block, as
+// __syncthreads), so the warp's stores before it are seen by its lanes after it.
+static void __syncwarp(unsigned = 0xffffffffu) { lum_yield(); }
 static void __threadfence() {}   // blocks run one after another: every store is already visible
 static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {

@@ -171,14 +171,21 @@ def test_the_rule_does_not_fire_on_near_misses(variant):
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
-def test_decoders_use_one_attention_kernel_per_layer_in_decode_only(model):
+def test_decoders_use_one_attention_kernel_per_layer(model):
+    """Decode's attention is the split-K kernel (a GQA group of static rows, chunks of 16 keys); prefill's, whose
+    rows sharing a K / V row are the group times the prompt, is flash attention (chunks of 4,096 keys)."""
+    from lum.builder.codegen import flash_attention
+    from lum.builder.extract import ATTENTION_CHUNK, FLASH_ATTENTION_CHUNK
     from lum.builder.models import load_spec
     from lum.builder.partition import chunk_graph, group_chunks, partition
 
     spec = load_spec(random_name=model, dtype="bf16", max_seq=64)
-    for entry, want in (("decode", 1), ("prefill", 0)):
+    for entry, flash, chunk in (("decode", False, ATTENTION_CHUNK), ("prefill", True, FLASH_ATTENTION_CHUNK)):
         g = spec.graphs[entry]
         layers = [grp for grp in group_chunks(g, partition(g)) if len(grp) == spec.config.num_layers]
         assert layers
         prog = compile_group(chunk_graph(g, layers[0].representative))[0]
-        assert sum(o.kind == "attention" for o in prog.ops) == want, entry
+        att = [o for o in prog.ops if o.kind == "attention"]
+        # q·k and p·v are no GEMMs: the layer's are its projections, qkv, o, gate-up and down
+        assert len(att) == 1 and sum(o.kind == "gemm" for o in prog.ops) == 4, entry
+        assert flash_attention(att[0]) == flash and att[0].params["chunk"] == chunk, entry
