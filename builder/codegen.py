@@ -1377,16 +1377,17 @@ class _Gen:
 
     # ------------------------------------------------------------------ row kernels
     def _row_group(self, rows: Expr, n: Expr) -> int:
-        """Threads per row: a warp when there are many rows; else, for a static row length, enough that the
-        row fits in registers (:data:`ROW_REGS` per lane), or about four elements per thread (one block per
-        row of RMSNorm's 2,560: few long rows are latency-bound in one warp)."""
+        """Threads per row: a warp when there are many rows (fewer for rows shorter than a warp at most:
+        flash attention's combine of one chunk, a row of one element a thread); else, for a static row
+        length, enough that the row fits in registers (:data:`ROW_REGS` per lane), or about four elements
+        per thread (one block per row of RMSNorm's 2,560: few long rows are latency-bound in one warp)."""
         if self.group is not None:
             return self.group
         bounds = self.ctx._dyn_bounds()
         rows_hi, n_hi = rows.bounds(bounds)[1], n.bounds(bounds)[1]
         n_hi = 4096 if n_hi == INF else n_hi
         if rows_hi >= 1024:
-            return 32
+            return 32 if n_hi >= 32 else _pow2ceil(max(1, int(n_hi)))
         if n.is_const:                   # the row in registers: at most ROW_REGS elements per lane
             return max(32, min(1024, _pow2ceil(-(-n.value // ROW_REGS))))
         return max(32, min(1024, _pow2_floor(max(1, int(n_hi) // 4))))
@@ -1400,7 +1401,7 @@ class _Gen:
             return min(1024, group)
         rows_hi = rows.bounds(self.ctx._dyn_bounds())[1]
         per_block = 256 // group if rows_hi == INF else min(256 // group, _pow2_floor(max(1, int(rows_hi) // SMS)))
-        return group * per_block
+        return max(32, group * per_block)            # a warp at least (rows shorter than a warp take fewer threads)
 
     def k_row(self):
         """An elementwise Fused op whose tree has row reductions, a reduce over the last axis whose prologue

@@ -238,7 +238,7 @@ def fuse_kernels(head: KernelSource, tails: Sequence[tuple[LOp, KernelSource]], 
     body = body.replace(_ENTRY, name)
     tail_ids = tuple(op.id for op, _ in tails)
     return replace(head, name=name, source=common_header() + "\n" + body, body=body,
-                   launches=(Launch(name, head.grid, head.block, 0),), params=tuple(params),
+                   launches=(Launch(name, head.grid, head.block, head.shared_mem),), params=tuple(params),
                    dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                    tuning={**head.tuning, "tail": [{"op": op.id, **ks.tuning} for op, ks in tails]},
                    tails=tail_ids)

@@ -161,9 +161,11 @@ LUM_D void lum_fa_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsign
   x[tid][4] = b0;
   x[tid][5] = b1;
   __syncwarp();
-  for (int e = 0; e < 4; ++e) {
+#pragma unroll 1
+  for (int e = 0; e < 4; ++e) {      // (a fallback: compact code rather than fast)
     const int row = g + (e >> 1) * 8, col = 2 * t + (e & 1);
     float acc = 0.0f;
+#pragma unroll 1
     for (int k = 0; k < 16; ++k) {
       // A(row, k): lane (row % 8) * 4 + (k % 8) / 2, register (row / 8) + 2 (k / 8); B(k, col): lane col * 4 +
       // (k % 8) / 2, register k / 8; the element's half: k % 2
@@ -195,7 +197,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int QV = 16 / (int)sizeof(q_t), KV = 16 / (int)sizeof(k_t), VV = 16 / (int)sizeof(v_t);
   // shared row strides: 16 bytes of padding put the 8 rows an ldmatrix reads on distinct banks
   constexpr int QS = D + QV, KS = D + KV, VS = DV + VV;
-  constexpr int PS = BC + 4;                     // FMA: a warp's probabilities, 16 rows of PS floats
   static_assert(THREADS % 32 == 0 && BC % 16 == 0 && BC <= 128 && D % 16 == 0 && DV % 16 == 0, "tile shapes");
   constexpr int Q_BYTES = BR * QS * (int)sizeof(q_t), K_BYTES = BC * KS * (int)sizeof(k_t);
   constexpr int V_BYTES = BC * VS * (int)sizeof(v_t);
@@ -218,6 +219,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
 #endif
 #endif
 #if {{FMA}}
+  constexpr int PS = BC + 4;                     // a warp's probabilities: 16 rows of PS floats (distinct banks)
   float* const lum_ps = reinterpret_cast<float*>(lum_sm + Q_BYTES + K_BYTES + V_BYTES);
   static_assert(Q_BYTES + K_BYTES + V_BYTES + WARPS * 16 * PS * 4 <= {{SMEM}}, "shared memory");
   const auto lum_cq = [](const q_t x) -> float { return {{CVT_Q}}; };
@@ -237,6 +239,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     const idx_t lum_r = lum_rt - 1 - lum_w / lum_hn;
     const idx_t lum_h = (lum_w % lum_hn) / lum_ns;
     const idx_t lum_j = lum_w % lum_ns;
+    (void)lum_h;
 {{SETUP}}
     const auto lum_qrow = [&](const idx_t lum_m) -> idx_t { return {{QROW}}; };
     const auto lum_mrow = [&](const idx_t lum_m) -> idx_t { return {{MROW}}; };

@@ -35,20 +35,27 @@ _SHIM = r"""
 #include <cstdlib>
 #include <vector>
 #include <functional>
+#include <csetjmp>
 #include <ucontext.h>
 // CUDA threads of a block as coroutines on one OS thread: a barrier (__syncthreads, or a warp shuffle,
 // which lum's templates always call with every thread of the block) yields to the scheduler, which
 // resumes each thread in turn; a round ends when every thread has reached the barrier or finished.
+// A coroutine starts on its own stack through setcontext (makecontext's entry) and then switches with
+// _setjmp / _longjmp, which leave the signal mask alone: swapcontext's system call per switch made
+// kernels with many barriers (flash attention) spend most of their emulated time in the kernel.
 struct lum_dim3 { unsigned x = 0, y = 0, z = 0; };
 static lum_dim3 threadIdx, blockIdx, blockDim, gridDim;
+struct lum_jmp { jmp_buf b; };
 static ucontext_t lum_sched;
+static jmp_buf lum_sched_jb;
 static std::vector<ucontext_t> lum_ctx;
+static std::vector<lum_jmp> lum_jb;
 static std::vector<char*> lum_stacks;
 static std::vector<uint64_t> lum_slots;
-static std::vector<char> lum_done;
+static std::vector<char> lum_done, lum_started;
 static const std::function<void()>* lum_fn = nullptr;
 static unsigned lum_cur = 0;
-static void lum_yield() { swapcontext(&lum_ctx[lum_cur], &lum_sched); }
+static void lum_yield() { if (!_setjmp(lum_jb[lum_cur].b)) _longjmp(lum_sched_jb, 1); }
 static void __syncthreads() { lum_yield(); }
 // A block-wide vote: every thread posts its predicate, then reads everyone's (two rounds, as a shuffle).
 static int __syncthreads_or(int pred) {
@@ -75,7 +82,7 @@ template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int
   lum_yield();
   T out; std::memcpy(&out, &got, sizeof(T)); return out;
 }
-static void lum_entry() { (*lum_fn)(); lum_done[lum_cur] = 1; }
+static void lum_entry() { (*lum_fn)(); lum_done[lum_cur] = 1; _longjmp(lum_sched_jb, 1); }   // never returns
 static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std::function<void()>& fn) {
   gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   if (!threaded) {   // no barriers or shuffles: the threads of a block can run one after another
@@ -86,11 +93,13 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
   const size_t stack = 256 * 1024;
   while (lum_stacks.size() < block) lum_stacks.push_back((char*)std::malloc(stack));
   lum_ctx.resize(block > lum_ctx.size() ? block : lum_ctx.size());
+  lum_jb.resize(block > lum_jb.size() ? block : lum_jb.size());
   lum_slots.assign(block, 0);
   lum_fn = &fn;
   for (unsigned b = 0; b < grid; ++b) {
     blockIdx.x = b;
     lum_done.assign(block, 0);
+    lum_started.assign(block, 0);
     for (unsigned t = 0; t < block; ++t) {
       getcontext(&lum_ctx[t]);
       lum_ctx[t].uc_stack.ss_sp = lum_stacks[t];
@@ -103,7 +112,11 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
       for (unsigned t = 0; t < block; ++t) {
         if (lum_done[t]) continue;
         lum_cur = t; threadIdx.x = t;
-        swapcontext(&lum_sched, &lum_ctx[t]);
+        if (!_setjmp(lum_sched_jb)) {      // back here when thread t yields or finishes
+          if (lum_started[t]) _longjmp(lum_jb[t].b, 1);
+          lum_started[t] = 1;
+          setcontext(&lum_ctx[t]);
+        }
         if (!lum_done[t]) left = true;
       }
     }
@@ -145,15 +158,16 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
     cpp = out_dir / "kernels.cpp"
     cpp.write_text("\n".join(src))
     so = out_dir / "libkernels.so"
-    r = subprocess.run([CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                        "-o", str(so), str(cpp)], capture_output=True, text=True)
+    r = subprocess.run([CXX, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-shared", "-fPIC", "-pthread",   # _longjmp
+                        "-Wno-unknown-pragmas", "-o", str(so), str(cpp)], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[:5000])
     return so
 
 
-def package_kernel_sources(pkg: Any) -> list[KernelSource]:
-    """Regenerate a package's kernels from its LLIR and launch tables (same sources, so same names)."""
+def package_kernel_sources(pkg: Any, tuning: dict[str, Any] | None = None) -> list[KernelSource]:
+    """Regenerate a package's kernels from its LLIR and launch tables (same sources, so same names);
+    ``tuning``: the build's ``kernel_tuning``, if it had one."""
     from lum.builder.kernels import group_kernel_sources
     from lum.builder.package_builder import _weight_inputs
 
@@ -163,7 +177,7 @@ def package_kernel_sources(pkg: Any) -> list[KernelSource]:
         t = ref.table
         if t is None or not t.ops:
             continue
-        gen = group_kernel_sources(prog, list(t.dyn_vars), dict(t.max_dyn),   # default tuning, the build's env
+        gen = group_kernel_sources(prog, list(t.dyn_vars), dict(t.max_dyn), tuning,   # the build's env
                                    weights=_weight_inputs(prog, g, m.entries, set(m.weights)))
         for k in t.ops:
             ks = gen.get(k.op)
@@ -203,7 +217,7 @@ from lum.loader import cublaslt as _lt
 _FAKE = ctypes.CDLL("libcuda.so.1")
 _FAKE.fake_enqueue_host.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
 for _n in ("fake_live", "fake_launches", "fake_graph_launches", "fake_captures", "fake_joins",
-           "fake_programmatic_launches"):
+           "fake_programmatic_launches", "fake_shared_optins"):
     getattr(_FAKE, _n).restype = ctypes.c_long
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _PENDING = {}
@@ -230,6 +244,7 @@ def fake_stats():
     return {"live": [_FAKE.fake_live(i) for i in range(7)], "launches": _FAKE.fake_launches(),
             "graph_launches": _FAKE.fake_graph_launches(), "captures": _FAKE.fake_captures(),
             "joins": _FAKE.fake_joins(), "programmatic_launches": _FAKE.fake_programmatic_launches(),
+            "shared_optins": _FAKE.fake_shared_optins(),
             "bad_guards": _FAKE.fake_check_guards()}
 '''
 

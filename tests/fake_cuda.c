@@ -71,7 +71,7 @@ typedef struct { int capturing; Graph *graph; long magic; int last; int pending[
 /* An event recorded during a capture remembers the recording stream's dependency set. */
 typedef struct { long magic; Graph *graph; int nodes[MAX_DEPS]; int n; double t; } Event;
 typedef struct { long magic; } Module;
-typedef struct { run_fn fn; char name[256]; long magic; } Function;
+typedef struct { run_fn fn; char name[256]; long magic; int max_shared; } Function;
 #define MAGIC_GRAPH 0x47524150L
 #define MAGIC_EXEC 0x45584543L
 #define MAGIC_STREAM 0x5354524dL
@@ -368,15 +368,28 @@ CUresult cuModuleGetFunction(void **out, void *mod, const char *name) {
   char sym[300]; snprintf(sym, sizeof sym, "run_%s", name);
   run_fn fn = g_kernels ? (run_fn)dlsym(g_kernels, sym) : NULL;
   if (!fn) { fprintf(stderr, "fake_cuda: no emulated kernel %s\n", name); return E_NOT_FOUND; }
-  Function *f = calloc(1, sizeof(Function)); f->fn = fn; f->magic = MAGIC_FUNC;
+  Function *f = calloc(1, sizeof(Function)); f->fn = fn; f->magic = MAGIC_FUNC; f->max_shared = 48 * 1024;
   snprintf(f->name, sizeof f->name, "%s", name); *out = f; return OK;
+}
+/* Dynamic shared memory above 48 KB needs the function's opt-in, as on a GPU: a launch asking more than its
+   CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8; at most 227 KB) fails with CUDA_ERROR_INVALID_VALUE. */
+static long g_shared_optins = 0;
+long fake_shared_optins(void) { return g_shared_optins; }
+CUresult cuFuncSetAttribute(void *func, int attr, int value) {
+  Function *f = func;
+  if (!f || f->magic != MAGIC_FUNC) return E_INVALID_HANDLE;
+  if (attr != 8 || value < 0 || value > 232448) return E_INVALID_VALUE;
+  f->max_shared = value > 48 * 1024 ? value : 48 * 1024;
+  ++g_shared_optins;
+  return OK;
 }
 CUresult cuLaunchKernel(void *func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra) {
   Function *f = func; Stream *s = stream;
   if (!f || f->magic != MAGIC_FUNC) return E_INVALID_HANDLE;
   if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
-  if (gx < 1 || gy != 1 || gz != 1 || by != 1 || bz != 1 || bx < 1 || bx > 1024 || shmem > 232448 || extra || !params)
+  if (gx < 1 || gy != 1 || gz != 1 || by != 1 || bz != 1 || bx < 1 || bx > 1024 || (int)shmem > f->max_shared ||
+      extra || !params)
     return E_INVALID_VALUE;
   Node n = {0}; n.kind = 0; n.fn = f->fn; n.params = params; n.grid = gx; n.block = bx;
   if (s && s->capturing) push(s, n); else run_node(&n);

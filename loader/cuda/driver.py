@@ -28,7 +28,7 @@ except ImportError as _exc:  # pragma: no cover - the backend is only imported w
     raise BackendUnavailableError(f"the CUDA backend needs cuda-python (pip install 'lum[cuda]'): {_exc}") from None
 
 __all__ = ["drv", "CudaError", "CudaUnavailable", "call", "init", "DeviceInfo", "device_info", "Context",
-           "DeviceBuffer", "PinnedBuffer", "Stream", "Event", "Module", "Graph", "mem_info"]
+           "DeviceBuffer", "PinnedBuffer", "Stream", "Event", "Module", "DEFAULT_SHARED_MEM", "Graph", "mem_info"]
 
 
 class CudaError(LumError):
@@ -252,6 +252,9 @@ def stream_wait(stream: Stream, event: Event) -> None:
 
 
 # ============================================================================ modules
+DEFAULT_SHARED_MEM = 48 * 1024      # dynamic shared memory a kernel may take without opting in
+
+
 class Module:
     """A loaded cubin (or PTX, JIT-compiled by the driver) and its kernel handles by name."""
 
@@ -259,12 +262,21 @@ class Module:
         self.what = what
         self.handle = call(drv.cuModuleLoadData, image, detail=f"loading {what}")
         self._functions: dict[str, Any] = {}
+        self._shared: dict[str, int] = {}
 
-    def function(self, name: str) -> Any:
+    def function(self, name: str, shared_mem: int = 0) -> Any:
+        """The kernel ``name``; with ``shared_mem`` above :data:`DEFAULT_SHARED_MEM` bytes, its limit of dynamic
+        shared memory raised to at least that (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``: a launch
+        asking more than 48 KB fails without it)."""
         f = self._functions.get(name)
         if f is None:
             f = self._functions[name] = call(drv.cuModuleGetFunction, self.handle, name.encode(),
                                              detail=f"kernel {name!r} in {self.what}")
+        if shared_mem > max(DEFAULT_SHARED_MEM, self._shared.get(name, 0)):
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            call(drv.cuFuncSetAttribute, f, attr, int(shared_mem),
+                 detail=f"kernel {name!r} in {self.what}: {shared_mem} bytes of dynamic shared memory")
+            self._shared[name] = int(shared_mem)
         return f
 
     def close(self) -> None:

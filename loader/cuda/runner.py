@@ -225,6 +225,10 @@ class CudaRunner:
             else:
                 image, what = bytes(pkg.reader.section_view(t.cubin)), f"group {g} cubin ({t.cubin})"
             self.modules[g] = self._own(cu.Module(image, what))
+            for kop in t.ops:                  # kernels asking more dynamic shared memory than the default
+                for lc in kop.launches:
+                    if lc.shared_mem > cu.DEFAULT_SHARED_MEM:
+                        self.modules[g].function(lc.kernel, lc.shared_mem)
         # weights
         wsizes = {n: int(np.prod(w.shape, dtype=np.int64)) * w.dtype.itemsize for n, w in m.weights.items()}
         wl = pack(wsizes)
