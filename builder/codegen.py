@@ -10,7 +10,8 @@ trees, and the copy half of scatter), ``reduce.cu`` (Sum / Max over an axis, of 
 fused prologue's expression tree), ``row.cu`` (trees with row reductions: an elementwise op, a reduce
 over the last axis or a scatter whose prologue normalises rows), ``gather.cu``, ``scatter.cu``
 (scatter rows and scatter_nocopy, with or without a fused prologue), ``iota.cu``, ``attention.cu``
-(the chunk partials of decode attention), ``gemv.cu`` (a ``gemm`` with a static m ≤ GEMV_MAX_M: decode GEMV, see
+(the chunk partials of decode attention), ``flash_attention.cu`` (the same op where many query rows share
+a K / V row, as in prefill: tiled flash attention, see :func:`flash_attention`), ``gemv.cu`` (a ``gemm`` with a static m ≤ GEMV_MAX_M: decode GEMV, see
 :func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp reductions,
 vector loads) is pasted at the top of each module. Any other ``gemm`` is a cuBLASLt call:
 :func:`generate` returns ``None`` for it (and for input / output / constant, which are not kernels).
@@ -39,8 +40,9 @@ speed, or when work can outgrow what the old grid covers efficiently.
 **Launches.** :attr:`KernelSource.launches` is an ordered list (one entry, or two for ``scatter``: a
 copy ``…_copy`` then ``…_rows``, on one stream). ``grid`` is three :class:`~lum.format.expr.Expr` over
 the dyn vars (evaluate them with the dyn_map: ``[g.evaluate(dyn_map) for g in launch.grid]``; always
-≥ 1), ``block`` three ints, ``shared_mem`` the dynamic shared memory in bytes (0: the templates use
-static shared memory only). All launches of one KernelSource take the same parameter list.
+≥ 1), ``block`` three ints, ``shared_mem`` the dynamic shared memory in bytes (0 for the templates that use
+static shared memory only; flash attention's tiles are dynamic, above 48 KB for large heads, which the loader
+opts the kernel in to). All launches of one KernelSource take the same parameter list.
 
 **Numerics.** f16/bf16 load as float, compute in float and store rounded to nearest even; f32 computes
 in float (``math="f64"``: unary math in double); integers compute in int64, bool as bool; conversions
@@ -62,7 +64,9 @@ block's first tile into registers before the kernel waits for its predecessor, t
 :data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also :func:`gemv_after_small`),
 ``row_early`` (row kernels load the rows of their ``weight_args`` — the arguments
 :func:`generate_program` knows to be weights — that every row reads before they wait for their
-predecessor; default ``$LUM_ROW_EARLY``, else off), ``max_blocks`` (grid cap),
+predecessor; default ``$LUM_ROW_EARLY``, else off), ``tile_keys`` (flash attention: keys a tile, one of
+:data:`FLASH_TILE_KEYS`; 64 on tensor cores, 32 with FMAs; its query rows a block are 16 a warp of
+``threads``, default 128), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
