@@ -11,10 +11,11 @@ fused prologue's expression tree), ``row.cu`` (trees with row reductions: an ele
 over the last axis or a scatter whose prologue normalises rows), ``gather.cu``, ``scatter.cu``
 (scatter rows and scatter_nocopy, with or without a fused prologue), ``iota.cu``, ``attention.cu``
 (the chunk partials of decode attention), ``flash_attention.cu`` (the same op where many query rows share
-a K / V row, as in prefill: tiled flash attention, see :func:`flash_attention`), ``gemv.cu`` (a ``gemm`` with a static m ≤ GEMV_MAX_M: decode GEMV, see
-:func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp reductions,
-vector loads) is pasted at the top of each module. Any other ``gemm`` is a cuBLASLt call:
-:func:`generate` returns ``None`` for it (and for input / output / constant, which are not kernels).
+a K / V row, as in prefill: tiled flash attention, see :func:`flash_attention`), ``gemv.cu`` (a ``gemm``
+with a static m ≤ GEMV_MAX_M: decode GEMV, see :func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions,
+floor-div helpers, warp reductions, vector loads) is pasted at the top of each module. Any other ``gemm``
+is a cuBLASLt call: :func:`generate` returns ``None`` for it (and for input / output / constant, which are
+not kernels).
 
 **Kernel signature convention.** Every entry point is ``extern "C"`` and takes, in this order::
 
@@ -110,7 +111,7 @@ PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) i
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
-FLASH_MAX_D = 256                                # flash attention (more rows a K / V row): features of q·k and v, at most
+FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
 GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
@@ -1838,7 +1839,8 @@ class _Gen:
         def vec(view: ShapeTracker, dt: DType) -> int:
             """1 when the view's rows are contiguous and 16-byte aligned (buffers are: codegen's convention)."""
             per = 16 // dt.itemsize
-            return int(view.strides[-1] == as_expr(1) and all(e % per == zero for e in (view.offset, *view.strides[:-1])))
+            rows = (view.offset, *view.strides[:-1])
+            return int(view.strides[-1] == as_expr(1) and all(e % per == zero for e in rows))
 
         qv, kv, vvec = vec(vq, dq), vec(vk, dk), vec(vv, dvt)
         rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
@@ -1850,7 +1852,8 @@ class _Gen:
             "BF16": int(p_dt == DType.bf16), "Q_VEC": qv, "K_VEC": kv, "V_VEC": vvec, "Q_ELEM": 1 - qv,
             "K_ELEM": 1 - kv, "V_ELEM": 1 - vvec, "T": ctx.c(t), "M": ctx.c(m_rows), "NS": ctx.c(ns),
             "HEADS": ctx.c(numel(hshape)), "SETUP": "\n".join(x for x in setup if x),
-            "QROW": ctx.c(vq.physical_index(tuple(idx) + (zero,))), "MROW": ctx.c(vm.physical_index(tuple(idx) + (zero,))),
+            "QROW": ctx.c(vq.physical_index(tuple(idx) + (zero,))),
+            "MROW": ctx.c(vm.physical_index(tuple(idx) + (zero,))),
             "OROW": ctx.c(out.physical_index(tuple(idx) + (Var("lum_j"), zero))),
             "QD": ctx.c(vq.strides[-1]), "KT": ctx.c(vk.strides[-2]), "KD": ctx.c(vk.strides[-1]),
             "VT": ctx.c(vv.strides[-2]), "VD": ctx.c(vv.strides[-1]), "MT": ctx.c(vm.strides[-1]),

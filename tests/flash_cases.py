@@ -52,7 +52,8 @@ def flash_program(cases: list[FlashCase], dt: DType, max_t: int, out_dtype: DTyp
     for c in cases:
         nh, kd, vd = c.nkv * c.group, c.d + c.pad, c.dv + c.pad
         base = len(ops)
-        ops += [LOp(base, "input", "Input", (), (as_expr(nh), S, as_expr(c.d)), dt, {"name": f"{c.name}.q", "role": "input"}),
+        ops += [LOp(base, "input", "Input", (), (as_expr(nh), S, as_expr(c.d)), dt,
+                    {"name": f"{c.name}.q", "role": "input"}),
                 LOp(base + 1, "input", "Input", (), tuple(map(as_expr, (max_t, c.nkv, kd))), dt,
                     {"name": f"{c.name}.k", "role": "input"}),
                 LOp(base + 2, "input", "Input", (), tuple(map(as_expr, (max_t, c.nkv, vd))), dt,

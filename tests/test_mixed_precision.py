@@ -52,10 +52,27 @@ def test_every_weight_gemm_is_mixed_and_no_weight_matrix_is_widened(bf16_package
 
 
 def test_bf16_package_matches_its_graph(bf16_package):
+    """Prefill's logits as the graph computes them, up to where the probabilities round: the graph rounds the
+    normalised softmax to bf16, the package's attention (flash attention, format/llir.py) the unnormalised
+    2^(x − c) before its division by the unrounded sum. So they are 6e-3 apart, not 1e-3, and the package is as
+    close to the f32 computation on the same weights as the graph is (0.9e-2 and 0.8e-2 here)."""
+    from lum.builder.reference import run_graph
+
     spec, pkg = bf16_package
-    want = ReferenceModel(spec).prefill(PROMPT)
+    ref = ReferenceModel(spec)
+    want = ref.prefill(PROMPT)
     with pkg.session(backend="reference") as sess:
         got = sess.run("prefill", {"tokens": np.asarray(PROMPT, np.int32)}, {"s": len(PROMPT)})["logits"]
     assert np.isfinite(got).all()
-    err = float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
-    assert err < 2e-3, err
+
+    def rel(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b))
+
+    f32 = load_spec(random_name=spec.name, dtype="f32", max_seq=spec.max_seq)
+    cache = (spec.max_seq, spec.config.num_kv_heads, spec.config.head_dim)
+    exact = run_graph(f32.graphs["prefill"], {"tokens": np.asarray(PROMPT, np.int32),
+                                              **{n: w.astype(np.float32) for n, w in ref.weights.items()},
+                                              **{n: np.zeros(cache, np.float32) for n in spec.state_names}},
+                      {"s": len(PROMPT)})["logits"].astype(np.float64)
+    assert rel(got, want) < 1e-2, rel(got, want)
+    assert rel(got, exact) < 1.5 * rel(want, exact), (rel(got, exact), rel(want, exact))
