@@ -18,6 +18,8 @@ What it does, in one run on one GPU:
    calls, then ``--repeats`` timed calls; rows report the median.
    * ``lum``: ``session(backend="cuda").run_device("prefill", {"tokens": ids}, {"s": n})["logits"].row(-1)``
      (its prefill also writes the KV cache).
+   * ``lum-noflash``: the same, from a second package built with ``LUM_FLASH_ATTENTION=0`` (prefill's q·k and
+     p·v as GEMMs with the scores in memory and a softmax row kernel, as before flash attention).
    * ``hf-sdpa``: ``AutoModelForCausalLM`` with ``attn_implementation="sdpa"``, ``model(input_ids,
      use_cache=False)`` under ``torch.no_grad()`` (cuBLAS GEMMs; SDPA calls without a mask may take the
      flash kernel, calls with an explicit mask — sliding-window layers once the prompt exceeds the window —
@@ -54,7 +56,8 @@ from _common import (_graph_count, _hf_load, _named_config, _one_line,  # noqa: 
                      run_worker, run_worker_main, set_log_tag)
 
 set_log_tag("prefill-bench")
-SYSTEMS = ("lum", "hf-sdpa", "hf-compile")
+SYSTEMS = ("lum", "lum-noflash", "hf-sdpa", "hf-compile")
+LUM_BUILD_ENV = {"lum": {}, "lum-noflash": {"LUM_FLASH_ATTENTION": "0"}}   # lum systems: their build environment
 CAP_S = {"lum": 120.0, "hf-sdpa": 90.0, "hf-compile": 180.0}   # per-worker caps (the global limit wins)
 BUILD_CAP_S = 150.0
 DTYPES = ("bf16", "f32")                                        # what ``lum build --dtype`` takes
@@ -198,7 +201,7 @@ def worker_hf_compile(spec: dict) -> dict:
     return _worker_hf(spec, compiled=True)
 
 
-WORKERS = {"lum": worker_lum, "hf-sdpa": worker_hf_sdpa, "hf-compile": worker_hf_compile}
+WORKERS = {"lum": worker_lum, "lum-noflash": worker_lum, "hf-sdpa": worker_hf_sdpa, "hf-compile": worker_hf_compile}
 
 
 # ====================================================================== arguments
@@ -265,8 +268,8 @@ def main(argv=None) -> int:
                           "timing": "wall clock per call (host ids in → last logits row on the host), median"})
     rows = {s: {"model": args.model, "dtype": args.dtype, "system": s, "prompt_len": args.prompt_len,
                 "median_s": None, "tokens_per_s": None, "cold_s": None, "error": None} for s in systems}
-    if "lum" in rows:
-        rows["lum"]["vs_torch"] = None
+    for s in (s for s in LUM_BUILD_ENV if s in rows):
+        rows[s]["vs_torch"] = None
 
     return run_and_record(result, rows, out_path, workdir, bool(args.keep or args.workdir), t_start, args.device,
                           lambda torch: _run(args, deadline, max_seq, rows, result, workdir), "median_s", print_table)
@@ -295,27 +298,30 @@ def _run(args, deadline: float, max_seq: int, rows: dict, result: dict, workdir:
             "prompt": prompt_ids(vocab, getattr(hf_cfg, "bos_token_id", None), args.prompt_len),
             "warmup": args.warmup, "repeats": args.repeats, "lum_backend": args.lum_backend}
 
-    # 2. the lum package
-    if "lum" in rows:
-        pkg = Path(args.pkg) if args.pkg else workdir / f"{args.model}-{args.dtype}-s{max_seq}.lumpkg"
+    # 2. the lum packages (lum-noflash: built with prefill's attention as GEMMs, the path before flash attention)
+    pkgs: dict[str, str] = {}
+    for s in (s for s in LUM_BUILD_ENV if s in rows):
+        tag = s.removeprefix("lum")
+        pkg = Path(args.pkg) if args.pkg and not tag else workdir / f"{args.model}-{args.dtype}-s{max_seq}{tag}.lumpkg"
         if not pkg.exists():
-            log(f"lum build (max_seq {max_seq}) → {pkg}")
+            log(f"lum build (max_seq {max_seq}{''.join(f', {k}={v}' for k, v in LUM_BUILD_ENV[s].items())}) → {pkg}")
             left = deadline - time.perf_counter()
             build_s, err = build_package(hf_dir, pkg, args.dtype, max_seq, result["target"],
-                                         min(BUILD_CAP_S, left - 30), workdir / "log-build.txt")
+                                         min(BUILD_CAP_S, left - 30), workdir / f"log-build{tag}.txt",
+                                         env=LUM_BUILD_ENV[s])
             if err:
-                rows["lum"]["error"] = err
+                rows[s]["error"] = err
                 log(err)
             else:
-                result["timings_s"]["lum_build"] = rows["lum"]["build_s"] = round(build_s, 1)
+                result["timings_s"]["lum_build" + tag.replace("-", "_")] = rows[s]["build_s"] = round(build_s, 1)
         if pkg.exists():
-            spec["pkg"] = str(pkg)
-            rows["lum"]["package_bytes"] = pkg.stat().st_size
+            pkgs[s] = str(pkg)
+            rows[s]["package_bytes"] = pkg.stat().st_size
 
     # 3. the systems, each in its own process
     logits: dict[str, str] = {}
     ran = run_systems(rows, CAP_S, deadline, args.time_limit,
-                      lambda s, timeout: run_worker(Path(__file__), s, spec, workdir, timeout))
+                      lambda s, timeout: run_worker(Path(__file__), s, {**spec, "pkg": pkgs.get(s)}, workdir, timeout))
     for s, res in ran.items():
         row = rows[s]
         med = res["median_s"]
@@ -327,10 +333,10 @@ def _run(args, deadline: float, max_seq: int, rows: dict, result: dict, workdir:
 
     # 4. lum against torch: time ratio and the last-row logits
     torch_s = rows.get("hf-sdpa", {}).get("median_s")
-    if "lum" in rows and rows["lum"]["median_s"] and torch_s:
-        rows["lum"]["vs_torch"] = round(rows["lum"]["median_s"] / torch_s, 3)
+    for s in (s for s in LUM_BUILD_ENV if s in rows and rows[s]["median_s"] and torch_s):
+        rows[s]["vs_torch"] = round(rows[s]["median_s"] / torch_s, 3)
         if rows.get("hf-compile", {}).get("median_s"):
-            rows["lum"]["vs_hf_compile"] = round(rows["lum"]["median_s"] / rows["hf-compile"]["median_s"], 3)
+            rows[s]["vs_hf_compile"] = round(rows[s]["median_s"] / rows["hf-compile"]["median_s"], 3)
     if "hf-sdpa" in logits:
         for s in logits:
             if s != "hf-sdpa":
@@ -354,7 +360,7 @@ def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\nprefill {cfg['model']} {cfg['dtype']} s={cfg['prompt_len']}  {result.get('gpu')}  "
           f"driver {result.get('driver')}  commit {str(result.get('commit'))[:12]}")
-    print(f"{'system':<11} {'median ms':>10} {'tok/s':>10} {'cold s':>8} {'vs torch':>9}  note")
+    print(f"{'system':<12} {'median ms':>10} {'tok/s':>10} {'cold s':>8} {'vs torch':>9}  note")
     for r in result["rows"]:
         ms = f"{r['median_s'] * 1e3:.2f}" if r.get("median_s") else "-"
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
@@ -364,7 +370,7 @@ def print_table(result: dict) -> None:
         if not note and r.get("last_row_rel_err_vs_hf_sdpa") is not None:
             note = (f"last-row rel err {r['last_row_rel_err_vs_hf_sdpa']:.2e} vs hf-sdpa, argmax "
                     f"{'agrees' if r['argmax_matches_hf_sdpa'] else 'differs'}")
-        print(f"{r['system']:<11} {ms:>10} {tps:>10} {cold:>8} {vs:>9}  {note[:150]}")
+        print(f"{r['system']:<12} {ms:>10} {tps:>10} {cold:>8} {vs:>9}  {note[:150]}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
+           "ENV_FLASH_ATTENTION", "flash_attention_enabled",
            "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
            "AttentionStage", "StageRow", "stage_row"]
 
@@ -123,6 +124,7 @@ ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
+ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention stays q·k and p·v GEMMs
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -703,6 +705,12 @@ def flash_attention(op: LOp) -> bool:
     registers as decode's kernel (templates/attention.cu) does."""
     rows = attention_group_rows(op)
     return not (rows.is_const and rows.value <= ATTENTION_MAX_GROUP)
+
+
+def flash_attention_enabled() -> bool:
+    """``$LUM_FLASH_ATTENTION`` (1, the default: prefill's attention runs as flash attention where it fits,
+    builder/egraph.py), else off: q·k and p·v stay GEMMs with the scores in memory, as before 2026-12-03."""
+    return env_switch(ENV_FLASH_ATTENTION, default=True)
 
 
 def flash_features_fit(d: Expr, dv: Expr) -> bool:

@@ -37,7 +37,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable
 
-from lum.builder.codegen import ATTENTION_MAX_GROUP, flash_features_fit
+from lum.builder.codegen import ATTENTION_MAX_GROUP, flash_attention_enabled, flash_features_fit
 from lum.builder.hlir import BINARY_OPS, REDUCE_OPS, UNARY_OPS, Graph
 from lum.format.expr import Expr, as_expr, parse
 from lum.format.llir import ELEMENTWISE_ARITY
@@ -641,7 +641,7 @@ def _attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     group = tuple(i for i in range(len(r)) if vk.strides[i] == zero and vv.strides[i] == zero)
     size = numel(tuple(r[i] for i in group))
     flash = not (size.is_const and size.value <= ATTENTION_MAX_GROUP)
-    if flash and (not flash_features_fit(d, dv) or vm.mask is not None):
+    if flash and (not flash_features_fit(d, dv) or vm.mask is not None or not flash_attention_enabled()):
         return None
     q = ShapeTracker(r + (d,), tuple(vq.strides[:-2]) + (vq.strides[-1],), vq.offset, None)
     v = ShapeTracker(r + (t, dv), tuple(vv.strides[:-2]) + (vv.strides[-1], vv.strides[-2]), vv.offset, None)

@@ -137,6 +137,28 @@ def test_the_cost_model_picks_flash_attention_for_long_prompts(model, dtype):
     assert peak == (costmodel.H200.tensor_flops if dtype == "bf16" else costmodel.H200.fp32_flops)
 
 
+def test_flash_attention_switched_off_keeps_prefill_on_gemms(monkeypatch):
+    """``$LUM_FLASH_ATTENTION=0``: prefill's q·k and p·v stay GEMMs (six in a layer), no attention op; decode's
+    split-K attention is not flash attention and stays."""
+    from lum.builder import costmodel
+    from lum.builder.extract import choose_by_cost, lower
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+    from lum.builder.partition import chunk_graph, group_chunks, partition
+
+    monkeypatch.setenv("LUM_FLASH_ATTENTION", "0")
+    cfg = named_config("llama3-1b")
+    kinds = {}
+    for entry in ("prefill", "decode"):
+        g = build_entry(cfg, entry, 4096, DType.bf16)
+        layer = [grp for grp in group_chunks(g, partition(g)) if len(grp) == cfg.num_layers][0]
+        sat = saturate(chunk_graph(g, layer.representative))
+        prog = lower(sat, choose_by_cost(sat, lambda o: costmodel.op_cost(o, {"s": 4096, "p": 4096})))
+        kinds[entry] = [o.kind for o in prog.ops]
+    assert "attention" not in kinds["prefill"] and kinds["prefill"].count("gemm") == 6
+    assert kinds["decode"].count("attention") == 1
+
+
 # ====================================================================== codegen and NVRTC
 def _op(case: FlashCase, dt: DType):
     prog = flash_program([case], dt, 64)
