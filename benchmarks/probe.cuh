@@ -34,3 +34,30 @@ __device__ __forceinline__ void probe_norm_row(const float* __restrict__ x, cons
     if (c < n) y[c] = v[i] * r * w[c];
   }
 }
+
+// 8 bf16 weights (one 16-byte vector, raw bits) against ys[0..8), added to acc in order (the probes' GEMVs).
+__device__ __forceinline__ float probe_dot8(float acc, const uint4 raw, const float* ys) {
+  const unsigned r[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc += ys[2 * e] * __uint_as_float(r[e] << 16);
+    acc += ys[2 * e + 1] * __uint_as_float(r[e] & 0xffff0000u);
+  }
+  return acc;
+}
+
+// The dot of VECS 16-byte vectors of bf16 weights a lane (vector lane + 32 i of w) against ys, then the
+// warp's sum (a shuffle tree): every lane gets the row's dot.
+template <int VECS>
+__device__ __forceinline__ float probe_dot(const unsigned short* w, const float* ys) {
+  const int lane = (int)threadIdx.x % 32;
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VECS; ++i) {
+    const int k = (lane + 32 * i) * 8;
+    acc = probe_dot8(acc, *reinterpret_cast<const uint4*>(w + k), ys + k);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}

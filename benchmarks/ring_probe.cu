@@ -16,8 +16,6 @@
 
 constexpr int RP_THREADS = 256;    // the norm's and the register GEMV's block; the ring's consumers
 
-__device__ __forceinline__ float rp_block_sum(float s, float* part) { return probe_block_sum(s, part); }
-
 // y[k] = x[k % xn] · rsqrt(mean_k x[k % xn]² + 1e-6) · w[k], k < K (x: the previous stretch's output).
 extern "C" __global__ void __launch_bounds__(RP_THREADS) rp_norm(const float* x, int xn, const float* __restrict__ w,
                                                                  float* y, int K, int pdl) {
@@ -25,29 +23,8 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS) rp_norm(const float* x,
   if (pdl) { lum_pdl_trigger(); lum_pdl_wait(); }
   float s = 0.0f;
   for (int k = (int)threadIdx.x; k < K; k += RP_THREADS) { const float v = x[k % xn]; s += v * v; }
-  const float r = rsqrtf(rp_block_sum(s, part) / (float)K + 1e-6f);
+  const float r = rsqrtf(probe_block_sum(s, part) / (float)K + 1e-6f);
   for (int k = (int)threadIdx.x; k < K; k += RP_THREADS) y[k] = x[k % xn] * r * w[k];
-}
-
-// the dot of VECS 16-byte vectors of bf16 weights a lane (lane + 32 i) against ys, then the warp's sum
-template <int VECS>
-__device__ __forceinline__ float rp_dot(const unsigned short* w, const float* ys) {
-  const int lane = (int)threadIdx.x % 32;
-  float acc = 0.0f;
-#pragma unroll
-  for (int i = 0; i < VECS; ++i) {
-    const int k = (lane + 32 * i) * 8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(w + k);
-    const unsigned r[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc += ys[k + 2 * e] * __uint_as_float(r[e] << 16);
-      acc += ys[k + 2 * e + 1] * __uint_as_float(r[e] & 0xffff0000u);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  return acc;
 }
 
 template <int K>
@@ -58,20 +35,9 @@ __device__ __forceinline__ void rp_reg(const float* y, const unsigned short* __r
   __syncthreads();
   const int j = (int)blockIdx.x * (RP_THREADS / 32) + (int)threadIdx.x / 32;
   if (j < n) {
-    const float v = rp_dot<K / 256>(W + (size_t)j * K, ys);
+    const float v = probe_dot<K / 256>(W + (size_t)j * K, ys);
     if (threadIdx.x % 32 == 0) out[j] = v;
   }
-}
-
-// 8 weights (one 16-byte vector of bf16) against ys[k..k+8), added to acc in rp_dot's order
-__device__ __forceinline__ float rp_dot8(float acc, const uint4 raw, const float* ys) {
-  const unsigned r[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    acc += ys[2 * e] * __uint_as_float(r[e] << 16);
-    acc += ys[2 * e + 1] * __uint_as_float(r[e] & 0xffff0000u);
-  }
-  return acc;
 }
 
 // rp_reg whose lanes load their first PRE weight vectors before the programmatic wait (into registers,
@@ -94,10 +60,10 @@ __device__ __forceinline__ void rp_regpre(const float* y, const unsigned short* 
   __syncthreads();
   float acc = 0.0f;
 #pragma unroll
-  for (int i = 0; i < PRE; ++i) acc = rp_dot8(acc, pre[i], ys + (lane + 32 * i) * 8);
+  for (int i = 0; i < PRE; ++i) acc = probe_dot8(acc, pre[i], ys + (lane + 32 * i) * 8);
 #pragma unroll
   for (int i = PRE; i < VECS; ++i)
-    acc = rp_dot8(acc, *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8), ys + (lane + 32 * i) * 8);
+    acc = probe_dot8(acc, *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8), ys + (lane + 32 * i) * 8);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (j < n && lane == 0) out[j] = acc;
@@ -163,7 +129,7 @@ __device__ __forceinline__ void rp_ring(const float* y, const unsigned short* __
     const int s = i % S;
     rp_wait((unsigned)__cvta_generic_to_shared(full + s), (unsigned)((i / S) & 1));
     const int k0 = part * (K / WPR);
-    const float v = rp_dot<K / WPR / 256>(ws + (size_t)s * STAGE + row * K + k0, ys + k0);
+    const float v = probe_dot<K / WPR / 256>(ws + (size_t)s * STAGE + row * K + k0, ys + k0);
     const int j = ((int)blockIdx.x + i * (int)gridDim.x) * R + row;
     if constexpr (WPR == 1) {
       if (lane == 0) out[j] = v;

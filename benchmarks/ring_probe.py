@@ -67,13 +67,12 @@ def reference_chain(x0, norm_w, weights, order) -> list[np.ndarray]:
 
 
 def run_shape(dev, name: str, stretches: int, reps: int, rng) -> dict:
-    cu, drv, stream, sms = dev.cu, dev.drv, dev.stream, dev.info.multiprocessors
+    cu, sms = dev.cu, dev.info.multiprocessors
     n, k = SHAPES[name]
     rows, stages = RING[k]
-    f_norm, f_ring = dev.module.function("rp_norm"), dev.module.function(f"rp_ring_{k}")
-    f_regs = {False: dev.module.function(f"rp_reg_{k}"), True: dev.module.function(f"rp_regpre_{k}")}
     smem = stages * rows * k * 2 + k * 4 + stages * 8 * 4 + 2 * stages * 8
-    cu.call(drv.cuFuncSetAttribute, f_ring, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    f_norm, f_ring = dev.module.function("rp_norm"), dev.module.function(f"rp_ring_{k}", smem)
+    f_regs = {False: dev.module.function(f"rp_reg_{k}"), True: dev.module.function(f"rp_regpre_{k}")}
     wbytes = n * k * 2
     copies = max(2, -(-2 * L2_BYTES // wbytes))
     order = [s % copies for s in range(stretches)]
@@ -105,17 +104,7 @@ def run_shape(dev, name: str, stretches: int, reps: int, rng) -> dict:
 
     results = {}
     for mode in MODES:
-        for bufs, nbytes in ((y_bufs, k * 4), (out_bufs, n * 4)):
-            for b in bufs:
-                cu.memset(b.ptr, 0xFF, nbytes, stream)          # NaN: an unwritten output cannot pass
-        graph = cu.Graph(stream, capture(mode))
-        graph.launch(stream)
-        stream.synchronize()
-        got = [dev.read(b, n).astype(np.float64) for b in out_bufs]
-        err = max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
-        finite = all(np.isfinite(g).all() for g in got)
-        t = dev.timed(lambda: graph.launch(stream), reps)
-        graph.close()
+        t, err, finite = dev.chain(capture(mode), ((y_bufs, k * 4), (out_bufs, n * 4)), out_bufs, n, want, reps)
         us = t / stretches * 1e6
         results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(wbytes / (us * 1e-6) / 1e12, 3),
                          "rel_err": err, "finite": finite, "ok": finite and err < TOLERANCE}

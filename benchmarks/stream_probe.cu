@@ -15,22 +15,7 @@ constexpr int SP_COLS = 32;         // rows of W a fused block holds (32 × 2560
 constexpr int SP_THREADS = 256;
 
 __device__ __forceinline__ float sp_dot(const unsigned short* w, const float* ys) {
-  const int lane = (int)threadIdx.x % 32;
-  float acc = 0.0f;
-#pragma unroll
-  for (int i = 0; i < SP_K / 256; ++i) {          // ten 16-byte vectors of 8 weights a lane
-    const int k = (lane + 32 * i) * 8;
-    const uint4 raw = *reinterpret_cast<const uint4*>(w + k);
-    const unsigned r[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc += ys[k + 2 * e] * __uint_as_float(r[e] << 16);
-      acc += ys[k + 2 * e + 1] * __uint_as_float(r[e] & 0xffff0000u);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  return acc;
+  return probe_dot<SP_K / 256>(w, ys);             // ten 16-byte vectors of 8 weights a lane
 }
 
 __device__ __forceinline__ void sp_stage_y(const float* y, float* ys) {

@@ -76,11 +76,10 @@ def main(argv=None) -> int:
         ap.error(f"--stretches must be >= 1 and --n a multiple of {COLS} in [{K}, {132 * COLS}]")
 
     dev = ProbeDevice("stream_probe.cu")
-    cu, drv, stream, info = dev.cu, dev.drv, dev.stream, dev.info
-    f_norm, f_gemv, f_fused = (dev.module.function(k) for k in ("sp_norm", "sp_gemv", "sp_fused"))
+    cu, info = dev.cu, dev.info
     smem = COLS * K * 2 + K * 4 + 16
-    cu.call(drv.cuFuncSetAttribute, f_fused,
-            drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    f_norm, f_gemv = dev.module.function("sp_norm"), dev.module.function("sp_gemv")
+    f_fused = dev.module.function("sp_fused", smem)
     rng = np.random.default_rng(0)
 
     norm_w = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
@@ -112,17 +111,7 @@ def main(argv=None) -> int:
     weight_bytes = n * K * 2
     results = {}
     for mode in MODES:
-        for bufs, nbytes in ((y_bufs, K * 4), (out_bufs, n * 4)):
-            for b in bufs:
-                cu.memset(b.ptr, 0xFF, nbytes, stream)          # NaN: an unwritten output cannot pass
-        graph = cu.Graph(stream, capture(mode))
-        graph.launch(stream)
-        stream.synchronize()
-        got = [dev.read(b, n).astype(np.float64) for b in out_bufs]
-        err = max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
-        finite = all(np.isfinite(g).all() for g in got)
-        t = dev.timed(lambda: graph.launch(stream), args.reps)
-        graph.close()
+        t, err, finite = dev.chain(capture(mode), ((y_bufs, K * 4), (out_bufs, n * 4)), out_bufs, n, want, args.reps)
         us = t / s_count * 1e6
         results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(weight_bytes / (us * 1e-6) / 1e12, 3),
                          "rel_err": err, "finite": finite, "ok": finite and err < TOLERANCE}

@@ -170,15 +170,18 @@ def test_the_rule_does_not_fire_on_near_misses(variant):
     assert np.abs(execute(prog, inputs, dyn)["out"] - want).max() / np.abs(want).max() < 1e-5
 
 
+@pytest.mark.parametrize("flash_on", [False, True], ids=["default", "flash"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
-def test_decoders_use_one_attention_kernel_per_layer(model):
-    """Decode's attention is the split-K kernel (a GQA group of static rows, chunks of 16 keys); prefill's, whose
-    rows sharing a K / V row are the group times the prompt, is flash attention (chunks of 4,096 keys)."""
+def test_decoders_use_one_attention_kernel_per_layer(model, flash_on, monkeypatch):
+    """Decode's attention is the split-K kernel (a GQA group of static rows, chunks of 16 keys). Prefill's, whose
+    rows sharing a K / V row are the group times the prompt, is flash attention (chunks of 4,096 keys) with
+    ``$LUM_FLASH_ATTENTION=1``; by default (off until GPU-tested) its q·k and p·v stay GEMMs."""
     from lum.builder.codegen import flash_attention
     from lum.builder.extract import ATTENTION_CHUNK, FLASH_ATTENTION_CHUNK
     from lum.builder.models import load_spec
     from lum.builder.partition import chunk_graph, group_chunks, partition
 
+    monkeypatch.setenv("LUM_FLASH_ATTENTION", "1" if flash_on else "0")
     spec = load_spec(random_name=model, dtype="bf16", max_seq=64)
     for entry, flash, chunk in (("decode", False, ATTENTION_CHUNK), ("prefill", True, FLASH_ATTENTION_CHUNK)):
         g = spec.graphs[entry]
@@ -186,6 +189,9 @@ def test_decoders_use_one_attention_kernel_per_layer(model):
         assert layers
         prog = compile_group(chunk_graph(g, layers[0].representative))[0]
         att = [o for o in prog.ops if o.kind == "attention"]
+        if flash and not flash_on:      # q·k and p·v as GEMMs beside the projections
+            assert not att and sum(o.kind == "gemm" for o in prog.ops) == 6, entry
+            continue
         # q·k and p·v are no GEMMs: the layer's are its projections, qkv, o, gate-up and down
         assert len(att) == 1 and sum(o.kind == "gemm" for o in prog.ops) == 4, entry
         assert flash_attention(att[0]) == flash and att[0].params["chunk"] == chunk, entry

@@ -19,10 +19,18 @@ from lum.format.llir import gemm_parts  # noqa: E402
 PROMPT = [3, 14, 15, 9, 2, 6]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+@pytest.fixture(scope="module", params=[("tiny-llama", "0"), ("tiny-gemma3", "0"), ("tiny-llama", "1")],
+                ids=["tiny-llama", "tiny-gemma3", "tiny-llama-flash"])
 def bf16_package(request, tmp_path_factory):
-    spec = load_spec(random_name=request.param, dtype="bf16", max_seq=32)
-    path = build_package(spec, tmp_path_factory.mktemp("mixed") / "m.lumpkg")
+    """(spec, package), built with prefill's flash attention ($LUM_FLASH_ATTENTION) off (the default) or on."""
+    model, flash = request.param
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LUM_FLASH_ATTENTION", flash)
+    try:
+        spec = load_spec(random_name=model, dtype="bf16", max_seq=32)
+        path = build_package(spec, tmp_path_factory.mktemp("mixed") / "m.lumpkg")
+    finally:
+        mp.undo()
     return spec, lum.loader.open(path)
 
 
@@ -52,10 +60,10 @@ def test_every_weight_gemm_is_mixed_and_no_weight_matrix_is_widened(bf16_package
 
 
 def test_bf16_package_matches_its_graph(bf16_package):
-    """Prefill's logits as the graph computes them, up to where the probabilities round: the graph rounds the
-    normalised softmax to bf16, the package's attention (flash attention, format/llir.py) the unnormalised
-    2^(x − c) before its division by the unrounded sum. So they are 6e-3 apart, not 1e-3, and the package is as
-    close to the f32 computation on the same weights as the graph is (0.9e-2 and 0.8e-2 here)."""
+    """Prefill's logits as the graph computes them (within 2e-3), up to where the probabilities round: with
+    flash attention the graph rounds the normalised softmax to bf16, the package's attention (format/llir.py)
+    the unnormalised 2^(x − c) before its division by the unrounded sum. So they are then 6e-3 apart, and the
+    package is as close to the f32 computation on the same weights as the graph is (0.9e-2 and 0.8e-2 here)."""
     from lum.builder.reference import run_graph
 
     spec, pkg = bf16_package
@@ -74,5 +82,6 @@ def test_bf16_package_matches_its_graph(bf16_package):
                                               **{n: w.astype(np.float32) for n, w in ref.weights.items()},
                                               **{n: np.zeros(cache, np.float32) for n in spec.state_names}},
                       {"s": len(PROMPT)})["logits"].astype(np.float64)
-    assert rel(got, want) < 1e-2, rel(got, want)
+    flash = any(o.kind == "attention" and o.params["chunk"] > 16 for p in pkg.programs for o in p.ops)
+    assert rel(got, want) < (1e-2 if flash else 2e-3), rel(got, want)
     assert rel(got, exact) < 1.5 * rel(want, exact), (rel(got, exact), rel(want, exact))
