@@ -32,9 +32,9 @@
 //!
 //! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; Q_T K_T V_T (storage types), CVT_Q CVT_K CVT_V
 //!   (float of a stored x), D DV BC CHUNK SMEM (dynamic shared memory bytes), MMA FMA (1 / 0, one of
-//!   them), BF16 (MMA: 1 bf16, 0 f16), Q_VEC K_VEC V_VEC (1: rows copied in 16-byte pieces) and Q_ELEM
-//!   K_ELEM V_ELEM (1: element by element; one of each pair), T M NS HEADS (keys, query rows per kv row,
-//!   chunks, kv rows), SETUP (lum_i… of kv row lum_h; lum_kb, lum_vb: K / V at (lum_h, key 0, feature 0)),
+//!   them), BF16 (MMA: 1 bf16, 0 f16), Q_VEC K_VEC V_VEC (true: rows copied in 16-byte pieces; false:
+//!   element by element), T M NS HEADS (keys, query rows per kv row, chunks, kv rows), SETUP (lum_i… of
+//!   kv row lum_h; lum_kb, lum_vb: K / V at (lum_h, key 0, feature 0)),
 //!   QROW MROW OROW (q at query row lum_m feature 0; the mask at row lum_m key 0; out at row lum_m, chunk
 //!   lum_j, element 0), QD KT KD VT VD MT (strides: q's features; K's keys, features; V's keys, features;
 //!   the mask's keys), SCALE (f32 literal), ROUND (the FMA path's round_p(lum_e) as float).
@@ -78,6 +78,29 @@ LUM_D void lum_fa_wait() {   // at most N of the last committed groups still pen
 #if LUM_FA_TC
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 #endif
+}
+
+// A tile of ROWS rows of W elements into shared memory s (LD elements a row) by the block's THREADS threads:
+// row r read from src + base (and its element d at + d * step) where row(r, ok) gives base and sets ok, zeros
+// where !ok (src is then not read); in 16-byte pieces (VEC: step 1, base and s aligned) or element by element.
+template <int ROWS, int W, int LD, bool VEC, int THREADS, typename T, typename I, typename Row>
+LUM_D void lum_fa_tile(T* s, const T* src, const Row& row, const I step) {
+  constexpr int P = 16 / (int)sizeof(T);
+  if constexpr (VEC) {
+    for (int c = (int)threadIdx.x; c < ROWS * (W / P); c += THREADS) {
+      const int r = c / (W / P), col = (c - r * (W / P)) * P;
+      bool ok;
+      const I base = row(r, ok);
+      lum_fa_cp16(s + r * LD + col, src + (ok ? base + (I)col : (I)0), ok);
+    }
+  } else {
+    for (int c = (int)threadIdx.x; c < ROWS * W; c += THREADS) {
+      const int r = c / W, d = c - r * W;
+      bool ok;
+      const I base = row(r, ok);
+      s[r * LD + d] = ok ? src[base + (I)d * step] : (T)0;
+    }
+  }
 }
 
 // mma's A operand: the 16 x 16 block at (r0, c0) of a row-major shared tile s (ld elements a row):
@@ -273,57 +296,27 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     };
     // K / V tile of keys tb .. tb + BC - 1 into shared memory (zeros past the chunk: 0 · v stays finite)
     const auto lum_load_k = [&](const idx_t lum_tb) {
-#if {{K_VEC}}
-      for (int c = (int)threadIdx.x; c < BC * (D / KV); c += THREADS) {
-        const int r = c / (D / KV), col = (c - r * (D / KV)) * KV;
+      lum_fa_tile<BC, D, KS, {{K_VEC}}, THREADS>(lum_ks, in1, [&](int r, bool& ok) {
         const idx_t lum_t = lum_tb + (idx_t)r;
-        const bool ok = lum_t < lum_t1;
-        lum_fa_cp16(lum_ks + r * KS + col, in1 + (ok ? lum_kb + lum_t * ({{KT}}) + (idx_t)col : (idx_t)0), ok);
-      }
-#endif
-#if {{K_ELEM}}
-      for (int c = (int)threadIdx.x; c < BC * D; c += THREADS) {
-        const int r = c / D, d = c - r * D;
-        const idx_t lum_t = lum_tb + (idx_t)r;
-        lum_ks[r * KS + d] = lum_t < lum_t1 ? in1[lum_kb + lum_t * ({{KT}}) + (idx_t)d * ({{KD}})] : (k_t)0;
-      }
-#endif
+        ok = lum_t < lum_t1;
+        return lum_kb + lum_t * ({{KT}});
+      }, (idx_t)({{KD}}));
     };
     const auto lum_load_v = [&](const idx_t lum_tb) {
-#if {{V_VEC}}
-      for (int c = (int)threadIdx.x; c < BC * (DV / VV); c += THREADS) {
-        const int r = c / (DV / VV), col = (c - r * (DV / VV)) * VV;
+      lum_fa_tile<BC, DV, VS, {{V_VEC}}, THREADS>(lum_vs, in2, [&](int r, bool& ok) {
         const idx_t lum_t = lum_tb + (idx_t)r;
-        const bool ok = lum_t < lum_t1;
-        lum_fa_cp16(lum_vs + r * VS + col, in2 + (ok ? lum_vb + lum_t * ({{VT}}) + (idx_t)col : (idx_t)0), ok);
-      }
-#endif
-#if {{V_ELEM}}
-      for (int c = (int)threadIdx.x; c < BC * DV; c += THREADS) {
-        const int r = c / DV, d = c - r * DV;
-        const idx_t lum_t = lum_tb + (idx_t)r;
-        lum_vs[r * VS + d] = lum_t < lum_t1 ? in2[lum_vb + lum_t * ({{VT}}) + (idx_t)d * ({{VD}})] : (v_t)0;
-      }
-#endif
+        ok = lum_t < lum_t1;
+        return lum_vb + lum_t * ({{VT}});
+      }, (idx_t)({{VD}}));
     };
 
     lum_fa_wait<0>();
     __syncthreads();                       // the block's last work item is done with shared memory
-#if {{Q_VEC}}
-    for (int c = (int)threadIdx.x; c < BR * (D / QV); c += THREADS) {
-      const int r = c / (D / QV), col = (c - r * (D / QV)) * QV;
+    lum_fa_tile<BR, D, QS, {{Q_VEC}}, THREADS>(lum_qs, in0, [&](int r, bool& ok) {
       const idx_t lum_m = lum_m0 + (idx_t)r;
-      const bool ok = lum_m < lum_M;
-      lum_fa_cp16(lum_qs + r * QS + col, in0 + (ok ? lum_qrow(lum_m) + (idx_t)col : (idx_t)0), ok);
-    }
-#endif
-#if {{Q_ELEM}}
-    for (int c = (int)threadIdx.x; c < BR * D; c += THREADS) {
-      const int r = c / D, d = c - r * D;
-      const idx_t lum_m = lum_m0 + (idx_t)r;
-      lum_qs[r * QS + d] = lum_m < lum_M ? in0[lum_qrow(lum_m) + (idx_t)d * ({{QD}})] : (q_t)0;
-    }
-#endif
+      ok = lum_m < lum_M;
+      return ok ? lum_qrow(lum_m) : (idx_t)0;
+    }, (idx_t)({{QD}}));
     // the first tile the mask shows any key of
     idx_t lum_tb = lum_t0;
     unsigned long long lum_b = 0ull;
