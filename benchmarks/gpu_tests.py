@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"benchmark": "gpu-tests", "commit": args.commit or _git("rev-parse", "HEAD"),
               "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "gpu": gpu, "driver": driver,
               "date": now.isoformat(timespec="seconds"), "command": " ".join(cmd[1:]), "exit_code": proc.returncode,
-              **counts, "tests": tests}
+              "lum_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LUM_")}, **counts, "tests": tests}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu-tests-{now:%Y-%m-%d-%H%M}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
