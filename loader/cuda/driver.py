@@ -227,9 +227,16 @@ class Stream:
 
 
 class Event:
-    def __init__(self) -> None:
-        self.handle = call(drv.cuEventCreate, int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    """A stream event; ``timing=True`` for one that :meth:`elapsed_ms` can measure from (cheaper without)."""
+
+    def __init__(self, timing: bool = False) -> None:
+        flag = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = call(drv.cuEventCreate, int(flag))
         self.recorded = False
+
+    def elapsed_ms(self, start: "Event") -> float:
+        """Milliseconds from ``start``'s record to this event's (both timing events, both completed)."""
+        return float(call(drv.cuEventElapsedTime, start.handle, self.handle))
 
     def record(self, stream: Stream) -> None:
         call(drv.cuEventRecord, self.handle, stream.handle)
