@@ -124,7 +124,7 @@ ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
-ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 1: prefill attention as flash attention (off until GPU-tested)
+ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -708,11 +708,9 @@ def flash_attention(op: LOp) -> bool:
 
 
 def flash_attention_enabled() -> bool:
-    """``$LUM_FLASH_ATTENTION`` (1: prefill's attention runs as flash attention where it fits, builder/egraph.py),
-    else, the default, off: q·k and p·v stay GEMMs with the scores in memory. Off until its GPU tests
-    (tests/test_gpu_flash.py) have passed on an H200: the kernel has run only in the host emulation so far,
-    which does not execute ldmatrix / mma.sync themselves."""
-    return env_switch(ENV_FLASH_ATTENTION, default=False)
+    """``$LUM_FLASH_ATTENTION`` (on by default: prefill's attention runs as flash attention where it fits,
+    builder/egraph.py; 0: q·k and p·v stay GEMMs with the scores in memory, the path measured against it)."""
+    return env_switch(ENV_FLASH_ATTENTION, default=True)
 
 
 def flash_features_fit(d: Expr, dv: Expr) -> bool:

@@ -436,10 +436,9 @@ def test_model_layer_scatters_are_in_place_and_gemms_fire():
         for c in sat.decisions:
             ops.setdefault(tuple(sorted(n.op for n in sat.options[c])), []).append(c)
         assert len(ops[("KScatter", "KScatterNoCopy")]) == 2               # k and v cache writes
-        if entry == "prefill":   # flash attention off by default (LUM_FLASH_ATTENTION; tests/test_flash_attention.py)
-            assert len(ops[("Gemm", "KSumReduce")]) == 6     # qkv (stacked), o, gate_up (stacked), down, QK^T, PV
-        else:                                                # PV is also the attention (rules/attention.egg)
-            assert len(ops[("Gemm", "KSumReduce")]) == 5 and len(ops[("Gemm", "KAttention", "KSumReduce")]) == 1
+        # qkv (stacked), o, gate_up (stacked), down, QK^T; PV is also the attention (rules/attention.egg): in
+        # prefill too, where it is flash attention (LUM_FLASH_ATTENTION; tests/test_flash_attention.py)
+        assert len(ops[("Gemm", "KSumReduce")]) == 5 and len(ops[("Gemm", "KAttention", "KSumReduce")]) == 1
         layouts = sorted(n.args[0] for _, n in sat.enodes("Gemm"))
         assert layouts.count("RmCm") >= 5 and "RmRm" in layouts
 
@@ -595,7 +594,7 @@ def test_lum_graph_egraph_flag(capsys):
             e = grp["egraph"]
             assert e["eclasses"] > 0 and e["enodes"] >= e["eclasses"] and e["seconds_saturate"] >= 0
             assert e["seconds_extract"] >= 0
-        assert groups[1]["egraph"]["gemms"] == (6 if entry == "prefill" else 4)   # decode: attention, not q·k / p·v
+        assert groups[1]["egraph"]["gemms"] == 4      # the projections; attention, not q·k / p·v GEMMs
     with pytest.raises(SystemExit):
         main(["graph", "--random", "tiny-llama", "--egraph"])
     out, _ = capsys.readouterr()

@@ -35,21 +35,6 @@ from tests.kernel_cases import compare, entry_for  # noqa: E402
 RNG = np.random.default_rng(17)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def flash_on():
-    """$LUM_FLASH_ATTENTION on for this module (off by default until its GPU tests pass on an H200), the packages
-    its module fixtures build and the emulated runs' subprocesses included."""
-    import os
-
-    before = os.environ.get("LUM_FLASH_ATTENTION")
-    os.environ["LUM_FLASH_ATTENTION"] = "1"
-    yield
-    if before is None:
-        del os.environ["LUM_FLASH_ATTENTION"]
-    else:
-        os.environ["LUM_FLASH_ATTENTION"] = before
-
-
 # ====================================================================== the rule, in prefill
 def _prefill_graph(variant: str = "prefill", dtype: str = "bf16", d: int = 16) -> tuple[Graph, dict]:
     """Prefill attention as the decoders write it: GQA 2 kv heads x 3, s new rows after a past of p, a [32, 2, d]

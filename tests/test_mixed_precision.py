@@ -19,10 +19,10 @@ from lum.format.llir import gemm_parts  # noqa: E402
 PROMPT = [3, 14, 15, 9, 2, 6]
 
 
-@pytest.fixture(scope="module", params=[("tiny-llama", "0"), ("tiny-gemma3", "0"), ("tiny-llama", "1")],
-                ids=["tiny-llama", "tiny-gemma3", "tiny-llama-flash"])
+@pytest.fixture(scope="module", params=[("tiny-llama", "1"), ("tiny-gemma3", "1"), ("tiny-llama", "0")],
+                ids=["tiny-llama", "tiny-gemma3", "tiny-llama-noflash"])
 def bf16_package(request, tmp_path_factory):
-    """(spec, package), built with prefill's flash attention ($LUM_FLASH_ATTENTION) off (the default) or on."""
+    """(spec, package), built with prefill's flash attention ($LUM_FLASH_ATTENTION) on (the default) or off."""
     model, flash = request.param
     mp = pytest.MonkeyPatch()
     mp.setenv("LUM_FLASH_ATTENTION", flash)
