@@ -1,10 +1,12 @@
 """Run the `gpu`-marked tests on this machine's GPU and record the outcome as JSON.
 
-    python benchmarks/gpu_tests.py [pytest args…] --out benchmarks/results
+    python benchmarks/gpu_tests.py [pytest args…] --out benchmarks/results [--time-limit S]
 
-The record (``gpu-tests-<date>.json``) holds the commit, GPU, driver, date and every test's outcome,
-duration and recorded properties (figures a test measures and reports with ``record_property``), so a
-GPU feature's "its tests passed there, on the committed code" is a committed fact.
+The record (``gpu-tests-<date>.json``) holds the commit, GPU, driver, date, the LUM_* settings and every test's
+outcome, duration and recorded properties (figures a test measures and reports with ``record_property``), so a
+GPU feature's "its tests passed there, on the committed code" is a committed fact. Outcomes stream to a file as
+each test ends (``gpu_tests_stream.py``): a run stopped by ``--time-limit`` or by a signal (a device call's
+own limit) still writes its record, with the tests it did not finish as ``not run`` and ``stopped`` saying why.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,52 +41,84 @@ def _gpu() -> tuple[str, str]:
         return "none", "none"
 
 
-def _number(text: str | None) -> float | str | None:
-    """A recorded property (``record_property`` in a test) as a number when it is one."""
+class _Stopped(Exception):
+    pass
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    raise _Stopped(f"stopped by signal {signal.Signals(signum).name}")
+
+
+def _run_pytest(cmd: list[str], env: dict[str, str], time_limit: float | None) -> tuple[int | None, str | None]:
+    """pytest's exit code, or None and why it was stopped (the time limit, SIGTERM / SIGINT): then its whole
+    process group is killed, so nothing it started outlives the record."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return float(text)
-    except (TypeError, ValueError):
-        return text
+        return proc.wait(timeout=time_limit), None
+    except subprocess.TimeoutExpired:
+        stopped = f"stopped at the {time_limit:g} s time limit"
+    except _Stopped as exc:
+        stopped = str(exc)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return None, stopped
+
+
+def _read_stream(path: Path) -> list[dict]:
+    """The tests in collection order: each finished one's line, the others ``not run``."""
+    collected, done = [], {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:            # a line cut by the kill
+                continue
+            if "collected" in d:
+                collected = d["collected"]
+            else:
+                done[d.pop("test")] = d
+    tests = []
+    for nodeid in collected + [n for n in done if n not in collected]:
+        d = done.get(nodeid, {"outcome": "not run", "seconds": 0.0, "message": ""})
+        module, _, name = nodeid.partition("::")
+        tests.append({"test": f"{module.removesuffix('.py').replace('/', '.')}::{name}", "outcome": d["outcome"],
+                      "seconds": round(d["seconds"], 3), **({"message": d["message"]} if d["message"] else {}),
+                      **({"properties": d["properties"]} if d.get("properties") else {})})
+    return tests
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--commit", default=None, help="commit hash (default: git rev-parse HEAD)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="stop pytest after S seconds and record what finished (default: no limit)")
     args, pytest_args = ap.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}",
+        stream = Path(tmp) / "tests.jsonl"
+        env = {**os.environ, "GPU_TESTS_STREAM": str(stream),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "gpu_tests_stream",
                *(pytest_args or ["tests"])]
-        proc = subprocess.run(cmd, cwd=ROOT)
-        tests = []
-        if xml.exists():
-            for case in ET.parse(xml).getroot().iter("testcase"):
-                outcome = "passed"
-                for tag in ("failure", "error", "skipped"):
-                    el = case.find(tag)
-                    if el is not None:
-                        outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                        message = (el.get("message") or "")[:300]
-                        break
-                else:
-                    message = ""
-                props = {p.get("name"): _number(p.get("value")) for p in case.iter("property")}
-                tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                              "seconds": float(case.get("time") or 0), **({"message": message} if message else {}),
-                              **({"properties": props} if props else {})})
+        code, stopped = _run_pytest(cmd, env, args.time_limit)
+        tests = _read_stream(stream)
     gpu, driver = _gpu()
-    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped", "not run")}
     now = dt.datetime.now(dt.timezone.utc)
     record = {"benchmark": "gpu-tests", "commit": args.commit or _git("rev-parse", "HEAD"),
               "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "gpu": gpu, "driver": driver,
-              "date": now.isoformat(timespec="seconds"), "command": " ".join(cmd[1:]), "exit_code": proc.returncode,
+              "date": now.isoformat(timespec="seconds"), "command": " ".join(cmd[1:]), "exit_code": code,
+              **({"stopped": stopped} if stopped else {}),
               "lum_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LUM_")}, **counts, "tests": tests}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gpu-tests-{now:%Y-%m-%d-%H%M}.json"
+    path = args.out / f"gpu-tests-{now:%Y-%m-%d-%H%M%S}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{counts} -> {path}")
-    return proc.returncode
+    print(f"{counts}{' (' + stopped + ')' if stopped else ''} -> {path}")
+    return 1 if code is None else code
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +36,64 @@ def test_record_keeps_outcomes_and_properties(tmp_path):
     assert set(tests) == {"test_measures", "test_fails"}            # only gpu-marked tests run
     assert tests["test_measures"]["properties"] == {"gemv_GBps": 3456.0, "note": "warm"}
     assert tests["test_fails"]["outcome"] == "failed" and "properties" not in tests["test_fails"]
+
+
+def _slow_tests(tmp_path: Path) -> Path:
+    path = tmp_path / "test_slow.py"
+    path.write_text(
+        "import time\nimport pytest\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_quick(record_property):\n"
+        "    record_property('ms', 1.5)\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_skipped():\n"
+        "    pytest.skip('one model is enough')\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_slow():\n"
+        f"    open({str(tmp_path / 'started')!r}, 'w').close()\n"
+        "    time.sleep(120)\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_after():\n"
+        "    pass\n")
+    return path
+
+
+def _record(out: Path) -> dict:
+    (path,) = out.glob("gpu-tests-*.json")
+    return json.loads(path.read_text())
+
+
+def _check_stopped(rec: dict, why: str) -> None:
+    assert why in rec["stopped"] and rec["exit_code"] is None, rec
+    tests = {t["test"].split("::")[-1]: t for t in rec["tests"]}
+    assert [t["test"].split("::")[-1] for t in rec["tests"]] == ["test_quick", "test_skipped", "test_slow",
+                                                                  "test_after"]   # collection order
+    assert tests["test_quick"]["outcome"] == "passed" and tests["test_quick"]["properties"] == {"ms": 1.5}
+    assert tests["test_skipped"]["outcome"] == "skipped" and tests["test_skipped"]["message"] == "one model is enough"
+    assert tests["test_slow"]["outcome"] == tests["test_after"]["outcome"] == "not run"
+    assert (rec["passed"], rec["skipped"], rec["not run"]) == (1, 1, 2)
+
+
+def test_a_run_stopped_by_its_time_limit_still_records_what_finished(tmp_path):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests.py"), "--out", str(out),
+                           "--commit", "abc123", "--time-limit", "15", "-q", str(_slow_tests(tmp_path))],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stdout + proc.stderr
+    _check_stopped(_record(out), "15 s time limit")
+
+
+def test_a_run_stopped_by_sigterm_still_records_what_finished(tmp_path):
+    """What an outer ``timeout`` (a device call's limit) does: SIGTERM to gpu_tests.py, whose pytest then stops."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_tests.py"), "--out", str(out),
+                             "--commit", "abc123", "-q", str(_slow_tests(tmp_path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:   # test_slow is running
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, text
+    _check_stopped(_record(out), "SIGTERM")
