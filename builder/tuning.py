@@ -1,6 +1,7 @@
 """Extraction by measurement (DESIGN.md step 6): per group, a genetic search over the e-graph's
 decision points and the kernel templates' tuning parameters (group-wide ones, :data:`TUNING_DECISIONS`,
-and the block size and split of each decode GEMV, :data:`GEMV_TUNING_DECISIONS`), every candidate
+the block size and split of each decode GEMV, :data:`GEMV_TUNING_DECISIONS`, and flash attention's key tile,
+:data:`FLASH_TUNING_DECISIONS`), every candidate
 timed on the GPU, results kept in a persistent tuning database.
 
 * :class:`TuningDB` — one JSON file per key in ``platformdirs.user_cache_dir("lum")/tuning`` (or
@@ -65,8 +66,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from lum.builder.attention_combine import attention_combine_enabled
-from lum.builder.codegen import (flash_attention_enabled, gemv_balance, gemv_inflight_default, gemv_kernel_ops,
-                                 gemv_preload_after_small, gemv_preload_default, row_early_default)
+from lum.builder.codegen import (flash_attention, flash_attention_enabled, gemv_balance, gemv_inflight_default,
+                                 gemv_kernel_ops, gemv_preload_after_small, gemv_preload_default, row_early_default)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
@@ -81,7 +82,8 @@ from lum.format.expr import as_expr
 from lum.format.llir import Program
 from lum.format.shapetracker import ShapeTracker
 
-__all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECISIONS", "CHECK_FLOPS", "cache_dir",
+__all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECISIONS", "FLASH_TUNING_DECISIONS",
+           "CHECK_FLOPS", "cache_dir",
            "TuningDB", "DeviceIdentity", "device_identity", "gpu_unavailable_reason", "GroupInfo", "GpuTimer",
            "MeasuredCompiler", "measured_compiler", "tolerance", "compare_outputs", "random_array"]
 
@@ -117,6 +119,12 @@ GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("max_blocks", (None, 132, 264)),   # grid cap: one or two blocks an SM (a prologue GEMV's blocks each
 )                                       # compute A; gemv_sweep --mode prologue: 132 best for gemma's gate-up)
 MAX_TUNED_GEMVS = 8
+# ... and, in a group whose program runs flash attention (prefill), its key tile (codegen.FLASH_TILE_KEYS; its
+# query rows a block follow the group-wide ``threads``): 64 on tensor cores and 32 with FMAs by default, the
+# others trading shared memory and registers against the passes over a block's rows
+FLASH_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("tile_keys", (None, 32, 64, 128)),
+)
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -714,11 +722,12 @@ class MeasuredCompiler:
         except Exception:  # noqa: BLE001 - no NVRTC: the kernels could not be built anyway
             return "none"
 
-    def group_tuning_decisions(self, n_gemv: int) -> tuple[tuple[str, tuple[Any, ...]], ...]:
-        """The template decisions of a group whose program has ``n_gemv`` GEMV kernels."""
+    def group_tuning_decisions(self, n_gemv: int, flash: bool = False) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """The template decisions of a group whose program has ``n_gemv`` GEMV kernels (and flash attention)."""
         per = tuple((f"gemv{i}.{k}", v) for i in range(min(n_gemv, MAX_TUNED_GEMVS))
                     for k, v in GEMV_TUNING_DECISIONS if f"gemv{i}.{k}" not in self.fixed)
-        return self.tuning_decisions + per
+        fa = tuple((k, v) for k, v in FLASH_TUNING_DECISIONS if flash and k not in self.fixed)
+        return self.tuning_decisions + fa + per
 
     def key_options(self, time_dyn: Mapping[str, int],
                     decisions: Sequence[tuple[str, tuple[Any, ...]]] | None = None) -> dict[str, Any]:
@@ -754,7 +763,8 @@ class MeasuredCompiler:
         points = decision_points(sat)
         cost_choice = choose_by_cost(sat, lambda op: op_cost(op, self.typical))
         cost_program = lower(sat, cost_choice, name=graph.name)
-        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(cost_program)))
+        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(cost_program)),
+                                            any(o.kind == "attention" and flash_attention(o) for o in cost_program.ops))
         decisions = [Decision(name, labels) for name, labels in points]
         decisions += [Decision(f"tune:{k}", tuple("default" if x is None else str(x) for x in v)) for k, v in tuned]
         space = SearchSpace(decisions)

@@ -160,7 +160,9 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
     from lum.builder.codegen import gemv_kernel_ops
     from lum.builder.extract import lower
 
-    firsts = {}
+    from lum.builder.codegen import flash_attention
+
+    firsts, flash_groups = {}, 0
     for h, g in FakeTimer.calls:
         firsts.setdefault(h, g)
     assert len(firsts) == 6
@@ -169,11 +171,14 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
         sat = saturate(info.graph)
         choice = choose_by_cost(sat, lambda op: op_cost(op, dyn))
         # the group-wide template decisions, then the per-GEMV ones of the cost model's program
-        n_gemv = len(gemv_kernel_ops(lower(sat, choice)))
+        program = lower(sat, choice)
+        n_gemv = len(gemv_kernel_ops(program))
         per_gemv += n_gemv
-        n_tune = len(T.TUNING_DECISIONS) + len(T.GEMV_TUNING_DECISIONS) * n_gemv
+        flash = any(o.kind == "attention" and flash_attention(o) for o in program.ops)     # prefill's attention
+        flash_groups += flash
+        n_tune = len(T.TUNING_DECISIONS) + len(T.FLASH_TUNING_DECISIONS) * flash + len(T.GEMV_TUNING_DECISIONS) * n_gemv
         assert firsts[info.hash] == choice_to_genome(sat, choice) + (0,) * n_tune
-    assert per_gemv > 0                           # decode groups have GEMVs to tune per shape
+    assert per_gemv > 0 and flash_groups > 0      # decode groups have GEMVs to tune per shape, prefill flash tiles
     for rec in comp.records:
         assert rec["seed_genome"] == list(firsts[rec["group"]])
         assert rec["trials"][0]["genome"] == rec["seed_genome"]
@@ -321,6 +326,32 @@ def test_the_search_picks_threads_per_gemv_and_the_package_has_them(spec, cache,
             for i, g in enumerate(gemvs[1:], 1):                    # the others: their own choice or default
                 want = rec["tuning"].get(f"gemv{i}.threads", rec["tuning"].get("threads"))
                 assert want is None or blocks[g.id] == want
+
+
+class FlashTimer(FakeTimer):
+    """Faster by half with flash attention's 32-key tiles (a little slower for every gene off its default)."""
+
+    def __call__(self, genome):
+        FakeTimer.calls.append((self.setup.info.hash, tuple(genome)))
+        _, tuning = self.setup.decode(genome)
+        return (1e-3 if tuning.get("tile_keys") == 32 else 2e-3) + 1e-6 * sum(1 for g in genome if g)
+
+
+def test_the_search_picks_flash_attention_tiles_and_the_package_has_them(spec, cache, tmp_path):
+    """Prefill's groups with flash attention search its key tile; decode's (split-K attention) do not."""
+    import lum.loader
+
+    comp, path = _build(spec, tmp_path / "f.lumpkg", budget=24, factory=FlashTimer)
+    flash = [rec for rec in comp.records if any(name == "tune:tile_keys" for name, _ in rec["decisions"])]
+    assert flash and all(rec["tuning"].get("tile_keys") == 32 for rec in flash), [r["tuning"] for r in flash]
+    with lum.loader.open(path) as pkg:
+        tiles = {}
+        for k, ref in enumerate(pkg.manifest.groups):
+            for o in ref.table.ops:
+                if o.kind == "attention":
+                    tiles.setdefault(ref.hash in {r["group"] for r in flash}, set()).add(o.tuning.get("tile_keys"))
+    assert tiles[True] == {32}                      # the chosen tile, in the package's launch table
+    assert tiles.get(False, {None}) == {None}       # decode's attention kernel has no key tile
 
 
 def test_generate_program_applies_gemv_keys_by_rank():
