@@ -252,12 +252,11 @@ def random_array(name: str, shape: Sequence[int], dtype: DType, seed: int = 0,
     shape = tuple(int(d) for d in shape)
     rng = np.random.default_rng(_seed_of(name, shape, dtype.value, seed))
     n = int(np.prod(shape, dtype=np.int64))
-    if dtype.is_float:   # float32 in place: a model's embedding table is ~10^9 values
+    if dtype.is_float:   # float32 in place, no masks: a model's embedding table is ~10^9 values
         u = rng.random(n, dtype=np.float32)
         u *= 2.0
-        neg = u < 1.0
-        u[neg] = -(u[neg] + 0.5)          # [0, 1) -> (-1.5, -0.5]
-        u[~neg] -= 0.5                    # [1, 2) -> [0.5, 1.5)
+        u -= 1.0                                     # [-1, 1)
+        u += np.copysign(np.float32(0.5), u)         # (-1.5, -0.5] and [0.5, 1.5)
         return u.reshape(shape).astype(dtype.np, copy=False)
     if dtype == DType.bool:
         return (rng.random(n) < 0.5).reshape(shape)
@@ -276,6 +275,15 @@ def tolerance(program: Program) -> float:
     return 2e-2 if low else 1e-4
 
 
+COMPARE_CHUNK = 1 << 22    # elements compared at a time: float64 copies of a whole embedding table (a group's
+                           # pass-through output) took 34 s and 4 GB for llama3-1b, a chunk at a time 2 s
+
+
+def _as_f64(a: np.ndarray) -> np.ndarray:
+    """``a`` in float64; bf16 through float32 (exact), which ml_dtypes converts several times faster."""
+    return (a.astype(np.float32) if a.dtype.itemsize < 4 else a).astype(np.float64)
+
+
 def compare_outputs(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], tol: float) -> str | None:
     """None when every output matches, else the first problem (one line). NaN/inf in a result never passes."""
     for name, w in want.items():
@@ -290,13 +298,17 @@ def compare_outputs(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray
             if bad:
                 return f"output {name!r}: {bad} integer elements differ"
             continue
-        g64, w64 = g.astype(np.float64), w.astype(np.float64)
-        if not np.isfinite(g64).all():
-            return f"output {name!r}: {int((~np.isfinite(g64)).sum())} NaN/inf values"
-        if not np.isfinite(w64).all():
-            return f"output {name!r}: the reference result is not finite on these inputs"
-        scale = max(float(np.abs(w64).max(initial=0.0)), 1e-30)
-        err = float(np.abs(g64 - w64).max(initial=0.0)) / scale
+        g, w = g.reshape(-1), w.reshape(-1)
+        diff = scale = 0.0
+        for i in range(0, g.size, COMPARE_CHUNK):
+            g64, w64 = _as_f64(g[i:i + COMPARE_CHUNK]), _as_f64(w[i:i + COMPARE_CHUNK])
+            if not np.isfinite(g64).all():
+                return f"output {name!r}: {int((~np.isfinite(_as_f64(g))).sum())} NaN/inf values"
+            if not np.isfinite(w64).all():
+                return f"output {name!r}: the reference result is not finite on these inputs"
+            diff = max(diff, float(np.abs(g64 - w64).max(initial=0.0)))
+            scale = max(scale, float(np.abs(w64).max(initial=0.0)))
+        err = diff / max(scale, 1e-30)
         if not err < tol and err != 0.0:
             return f"output {name!r}: relative error {err:.3g} >= {tol:g}"
     return None

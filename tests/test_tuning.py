@@ -120,6 +120,25 @@ def test_compare_outputs_rejects_nan_and_error():
     assert "integer" in T.compare_outputs({"i": np.arange(4)}, {"i": np.arange(4)[::-1]}, 1e-4)
 
 
+def test_compare_outputs_chunk_by_chunk_is_the_max_norm_error_of_the_whole(monkeypatch):
+    """Large outputs (an embedding table a group passes through) are compared a chunk at a time: the error is
+    still the largest difference over the largest reference value, wherever each falls; NaN in any chunk fails."""
+    import ml_dtypes
+
+    monkeypatch.setattr(T, "COMPARE_CHUNK", 4)
+    want = np.full(10, 0.01, np.float32)
+    want[1] = 100.0                                  # the scale, in the first chunk
+    got = want.copy()
+    got[9] += 1.5                                    # the difference, in the last (partial) chunk: 1.5e-2
+    assert T.compare_outputs({"y": got}, {"y": want}, 2e-2) is None
+    assert "relative error 0.015" in T.compare_outputs({"y": got}, {"y": want}, 1e-2)
+    bf = want.astype(ml_dtypes.bfloat16)
+    assert T.compare_outputs({"y": bf.copy()}, {"y": bf}, 1e-4) is None
+    bad = bf.copy()
+    bad[6] = np.nan
+    assert "1 NaN/inf" in T.compare_outputs({"y": bad}, {"y": bf}, 1e-4)
+
+
 def test_group_inputs_are_valid_for_every_tiny_llama_group(spec):
     """Real positions from the entry graph (distinct cache rows, no fully masked row), tokens in the
     vocabulary, and a finite reference result for every group at the timing and check maps."""
