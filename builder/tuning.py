@@ -578,7 +578,10 @@ class GpuTimer:
             got = sess.run("main", ins, s.check_dyn)
         except Exception as exc:  # noqa: BLE001 - a launch failure rejects the candidate
             raise CandidateRejected(f"run: {_one_line(exc)}") from None
-        problem = compare_outputs(got, want, tolerance(program))
+        # an output that is an input passed through (the embedding table, for the tied LM head) holds what was
+        # uploaded whatever the candidate: comparing it took most of an embedding group's evaluation
+        through = {o.params["name"] for o in program.outputs() if program.ops[o.args[0].src].kind == "input"}
+        problem = compare_outputs(got, {k: v for k, v in want.items() if k not in through}, tolerance(program))
         if problem:
             raise CandidateRejected(f"wrong result at {s.check_dyn}: {problem}")
 
