@@ -325,21 +325,24 @@ def test_cli_budget_without_gpu_prints_one_note(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- per-GEMV template decisions
-class GemvTimer(FakeTimer):
-    """Faster by half with 128-thread blocks for the first GEMV of a group (a little slower for every other
-    gene off its default), so the search's per-GEMV choice is visible in the package."""
+def favouring(key: str, value):
+    """A fake timer class faster by half where the tuning sets ``key`` to ``value`` (a little slower for every
+    other gene off its default), so the search's choice of that one parameter is visible in the package."""
 
-    def __call__(self, genome):
-        FakeTimer.calls.append((self.setup.info.hash, tuple(genome)))
-        _, tuning = self.setup.decode(genome)
-        return (1e-3 if tuning.get("gemv0.threads") == 128 else 2e-3) + 1e-6 * sum(1 for g in genome if g)
+    class Favouring(FakeTimer):
+        def __call__(self, genome):
+            FakeTimer.calls.append((self.setup.info.hash, tuple(genome)))
+            _, tuning = self.setup.decode(genome)
+            return (1e-3 if tuning.get(key) == value else 2e-3) + 1e-6 * sum(1 for g in genome if g)
+
+    return Favouring
 
 
 def test_the_search_picks_threads_per_gemv_and_the_package_has_them(spec, cache, tmp_path):
     import lum.loader
     from lum.builder.codegen import gemv_kernel_ops
 
-    comp, path = _build(spec, tmp_path / "g.lumpkg", budget=64, factory=GemvTimer)
+    comp, path = _build(spec, tmp_path / "g.lumpkg", budget=64, factory=favouring("gemv0.threads", 128))
     tuned = [rec for rec in comp.records if any(name.startswith("tune:gemv0.") for name, _ in rec["decisions"])]
     assert tuned
     with lum.loader.open(path) as pkg:
@@ -354,20 +357,11 @@ def test_the_search_picks_threads_per_gemv_and_the_package_has_them(spec, cache,
                 assert want is None or blocks[g.id] == want
 
 
-class FlashTimer(FakeTimer):
-    """Faster by half with flash attention's 32-key tiles (a little slower for every gene off its default)."""
-
-    def __call__(self, genome):
-        FakeTimer.calls.append((self.setup.info.hash, tuple(genome)))
-        _, tuning = self.setup.decode(genome)
-        return (1e-3 if tuning.get("tile_keys") == 32 else 2e-3) + 1e-6 * sum(1 for g in genome if g)
-
-
 def test_the_search_picks_flash_attention_tiles_and_the_package_has_them(spec, cache, tmp_path):
     """Prefill's groups with flash attention search its key tile; decode's (split-K attention) do not."""
     import lum.loader
 
-    comp, path = _build(spec, tmp_path / "f.lumpkg", budget=24, factory=FlashTimer)
+    comp, path = _build(spec, tmp_path / "f.lumpkg", budget=24, factory=favouring("tile_keys", 32))
     flash = [rec for rec in comp.records if any(name == "tune:tile_keys" for name, _ in rec["decisions"])]
     assert flash and all(rec["tuning"].get("tile_keys") == 32 for rec in flash), [r["tuning"] for r in flash]
     with lum.loader.open(path) as pkg:
