@@ -1,7 +1,8 @@
-"""Where a lum decode step spends its time: every kernel of the captured graph, timed by CUPTI.
+"""Where a lum decode step (or a prefill) spends its time: every kernel of the captured graph, timed by CUPTI.
 
     python benchmarks/profile_decode.py --model gemma3-4b --dtype bf16 [--steps 20] [--prompt-len 16]
                                         [--out DIR] [--pkg FILE] [--max-seq 512] [--top 40] [--plain]
+                                        [--entry prefill]
 
 Builds the package the way ``decode.py`` does (random HF weights saved as a folder, ``lum build``), or takes
 ``--pkg``. Opens a CUDA session, runs the prompt and some warm-up decode steps, then profiles ``--steps`` decode
@@ -13,6 +14,10 @@ Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's byt
 how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
 kernel time and the rest (launch gaps between graph nodes, host work): the two things fusion and better
 kernels each reduce. Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json``.
+
+``--entry prefill`` profiles ``--steps`` prefills of the ``--prompt-len`` prompt instead (``profile-prefill-…``;
+``--max-seq`` grows to the prompt): flash attention's kernels against the GEMMs, softmax and scores of a
+package built with ``LUM_FLASH_ATTENTION=0``. cuBLASLt's GEMMs show as kind ``library``.
 
 Under programmatic launch (the default) a kernel starts while the one before it runs and waits for it on
 the device, so its CUPTI duration includes that wait: kernel times overlap and their sum exceeds the
@@ -91,7 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=40, help="kernels printed (all are saved)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true", help="launch plainly (no programmatic dependent launch)")
+    ap.add_argument("--entry", default="decode", choices=("decode", "prefill"),
+                    help="what --steps runs: decode steps after the prompt, or prefills of the prompt")
     args = ap.parse_args(argv)
+    if args.entry == "prefill":
+        args.max_seq = max(args.max_seq, args.prompt_len)
 
     import numpy as np
     import torch
@@ -100,9 +109,9 @@ def main(argv=None) -> int:
     import lum.loader
 
     torch.cuda.init()
-    result, out_path, workdir = new_record("profile-decode", args, {
+    result, out_path, workdir = new_record(f"profile-{args.entry}", args, {
         "model": args.model, "dtype": args.dtype, "steps": args.steps, "prompt_len": args.prompt_len,
-        "max_seq": args.max_seq})
+        "max_seq": args.max_seq, "entry": args.entry})
     result["gpu"], target = gpu_and_target(torch, "cuda")
     pkg_path = Path(args.pkg) if args.pkg else workdir / "model.lumpkg"
     if not args.pkg:
@@ -130,7 +139,8 @@ def main(argv=None) -> int:
         lg = out["logits"].numpy()
         return np.asarray([int(np.argmax(lg.reshape(-1, lg.shape[-1])[-1]))], np.int32)
 
-    tok = next_input(sess.run_device("prefill", {"tokens": np.asarray(prompt, np.int32)}, {"s": len(prompt)}))
+    prompt_in = {"tokens": np.asarray(prompt, np.int32)}
+    tok = next_input(sess.run_device("prefill", prompt_in, {"s": len(prompt)}))
     pos = len(prompt)
 
     def steps(n: int) -> float:
@@ -138,6 +148,9 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(n):
+            if args.entry == "prefill":               # the same prompt again: its cache rows are rewritten
+                sess.run_device("prefill", prompt_in, {"s": len(prompt)})
+                continue
             tok = next_input(sess.run_device("decode", {"tokens": tok}, {"p": pos}))
             pos += 1
         torch.cuda.synchronize()
@@ -148,7 +161,8 @@ def main(argv=None) -> int:
     p_mid = pos + args.steps // 2
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         steps(args.steps)
-    ops = kernel_ops(pkg, "decode", {"p": p_mid})
+    dyn = {"s": len(prompt), "p": 0} if args.entry == "prefill" else {"p": p_mid}
+    ops = kernel_ops(pkg, args.entry, dyn)
     rows = []
     for evt in prof.key_averages():
         us = _device_us(evt)
@@ -176,7 +190,7 @@ def main(argv=None) -> int:
     result.update({
         "step_ms": round(step_s * 1e3, 3), "kernel_ms_per_step": round(kernel_us / 1e3, 3),
         "other_ms_per_step": round(step_s * 1e3 - kernel_us / 1e3, 3), "launches_per_step": launches,
-        "p": p_mid, "package_weight_bytes": weight_bytes,
+        "p": p_mid if args.entry == "decode" else 0, "package_weight_bytes": weight_bytes,
         "by_kind": {k: {**v, "us_per_step": round(v["us_per_step"], 1)} for k, v in
                     sorted(by_kind.items(), key=lambda kv: -kv[1]["us_per_step"])},
         "rows": rows})

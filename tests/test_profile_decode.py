@@ -40,3 +40,16 @@ def test_every_decode_kernel_maps_to_its_op(tmp_path, monkeypatch, tails):
     assert {"Gemm", "Gemm+prologue"} <= base and any(x.endswith("+epilogue") for x in base), labels
     # a kernel whose last block runs the ops after it (builder/tail.py) names them
     assert ("Gemm+tail(Fused)" in labels) == (tails == "exclusive"), labels
+
+
+def test_every_prefill_kernel_maps_to_its_op_flash_attention_included(tmp_path):
+    """``--entry prefill``: the prompt's kernels, flash attention's among them (on by default)."""
+    spec = load_spec(random_name="tiny-gemma3", dtype="bf16", max_seq=32)
+    pkg = lum.loader.open(build_package(spec, tmp_path / "m.lumpkg"))
+    ops = kernel_ops(pkg, "prefill", {"s": 9, "p": 0})
+    launched = {lc.kernel for call in pkg.entry("prefill").calls
+                for k in pkg.manifest.groups[call.group].table.ops for lc in k.launches}
+    assert launched and launched <= set(ops)
+    attention = [ops[n] for n in launched if ops[n]["kind"] == "attention"]
+    assert attention and all(i["bytes"] > 0 for i in attention)
+    assert {o["kind"] for o in ops.values()} >= {"attention", "reduce"}      # the partials and their combine
