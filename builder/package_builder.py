@@ -210,7 +210,7 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
         generation={"bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_id)},
     )
     w.set_manifest(manifest.to_json())
-    return w.write(out)
+    return w.write(out, (lambda done, total: progress("write", 100 * done // max(total, 1), 100)) if progress else None)
 
 
 def _compile_kernels(w: PackageWriter, programs: list[Program], entries: dict[str, Entry], max_seq: int,

@@ -224,15 +224,18 @@ class PackageWriter:
         self._sections.append(_PendingSection(name, data, codec, align, bool(required), kind, length))
 
     # -- writing
-    def write(self, path: Union[str, os.PathLike]) -> Path:
+    def write(self, path: Union[str, os.PathLike],
+              progress: Optional[Callable[[int, int], None]] = None) -> Path:
         """Write the package to ``path`` atomically: a temporary file in the same directory, written,
         flushed and fsynced, renamed over ``path``, then the directory fsynced. On any failure the
-        temporary file is removed and ``path`` is untouched. Returns ``path``."""
+        temporary file is removed and ``path`` is untouched. Returns ``path``. ``progress(done, total)``
+        is called with the sections' declared bytes written so far, after each section (a model's weights
+        take minutes to make and write)."""
         if self._manifest is None:
             raise ValueError("set_manifest() was not called")
         path = Path(path)
         with atomic_file(path, buffering=1 << 20) as f:
-            self._write_to(f)
+            self._write_to(f, progress)
         return path
 
     def _plan(self) -> tuple[list[_PendingSection], bytes, list[tuple[int, int, int, int]]]:
@@ -256,9 +259,12 @@ class PackageWriter:
             refs.append((put(n), len(n), put(k), len(k)))
         return sections, bytes(strings), [feat_ref] + refs
 
-    def _write_to(self, f) -> None:
+    def _write_to(self, f, progress: Optional[Callable[[int, int], None]] = None) -> None:
         sections, strings, refs = self._plan()
         feat_ref, refs = refs[0], refs[1:]
+        total, done = sum(s.length or 0 for s in sections), 0
+        if progress:
+            progress(0, total)
         index_len = len(sections) * ENTRY_SIZE + len(strings)
         pos = HEADER_SIZE + index_len
         _write_zeros(f, pos)                      # header + index, rewritten at the end
@@ -298,6 +304,9 @@ class PackageWriter:
                                      f"length={s.length} was declared")
             pos = start + stored
             flags = FLAG_REQUIRED if s.required else 0
+            done += s.length or 0
+            if progress:
+                progress(done, total)
             entries.append(_ENTRY.pack(start, stored, raw_len if codec == "zstd" else stored, noff, nlen, klen,
                                        koff, s.align, CODEC_IDS[codec], flags, h.digest()))
         index = b"".join(entries) + strings

@@ -198,8 +198,8 @@ def test_build_into_a_log_writes_its_progress_as_lines(capsys, tmp_path):
     got = [re.fullmatch(r"\[ *(\d+\.\d) s\] building tiny-llama: (\w+) (\d+)/(\d+)", ln) for ln in lines]
     assert all(got), lines
     stages = [m.group(2) for m in got]
-    assert {"compile", "kernels"} <= set(stages), stages
-    for stage in ("compile", "kernels"):          # each stage ends with its last step done
+    assert {"compile", "kernels", "write"} <= set(stages), stages     # write: percent of the package's bytes
+    for stage in ("compile", "kernels", "write"):          # each stage ends with its last step done
         last = [m for m in got if m.group(2) == stage][-1]
         assert last.group(3) == last.group(4) != "0", lines
     seconds = [float(m.group(1)) for m in got]

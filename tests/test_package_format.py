@@ -412,3 +412,15 @@ def test_large_alignment_and_zstd_chunk_sources(tmp_path):
     with open_package(w.write(tmp_path / "m.lumpkg"), verify="all") as pkg:
         assert pkg.section_bytes("meta") == b'{"a":1}'
         assert pkg.section("huge-align").offset == 1 << 22 and pkg.section_bytes("huge-align") == b"x"
+
+
+def test_write_reports_its_progress_by_section_bytes(tmp_path):
+    """``write(progress=)``: the sections' declared bytes, from 0 to the total, never going back."""
+    w = PackageWriter()
+    w.add_section("a", b"x" * 1000)
+    w.add_section("w", lambda: iter([np.ones(512, np.float32)] * 3), codec="none", length=3 * 2048)
+    w.set_manifest({"k": 1})
+    seen = []
+    w.write(tmp_path / "p.lumpkg", progress=lambda done, total: seen.append((done, total)))
+    assert seen[0] == (0, 1000 + 3 * 2048) and seen[-1] == (1000 + 3 * 2048,) * 2
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
