@@ -275,13 +275,8 @@ def tolerance(program: Program) -> float:
     return 2e-2 if low else 1e-4
 
 
-COMPARE_CHUNK = 1 << 22    # elements compared at a time: float64 copies of a whole embedding table (a group's
-                           # pass-through output) took 34 s and 4 GB for llama3-1b, a chunk at a time 3 s
-
-
-def _as_f64(a: np.ndarray) -> np.ndarray:
-    """``a`` in float64; bf16 through float32 (exact), which ml_dtypes converts several times faster."""
-    return (a.astype(np.float32) if a.dtype.itemsize < 4 else a).astype(np.float64)
+COMPARE_CHUNK = 1 << 22    # elements compared at a time: float64 copies of a whole embedding table (fresh
+                           # GB-sized arrays) took 34 s and 4 GB for llama3-1b on the CPU machine, 3 s a chunk at a time
 
 
 def compare_outputs(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], tol: float) -> str | None:
@@ -302,9 +297,9 @@ def compare_outputs(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray
         chunks = range(0, g.size, COMPARE_CHUNK)
         diff = scale = 0.0
         for i in chunks:
-            g64, w64 = _as_f64(g[i:i + COMPARE_CHUNK]), _as_f64(w[i:i + COMPARE_CHUNK])
+            g64, w64 = g[i:i + COMPARE_CHUNK].astype(np.float64), w[i:i + COMPARE_CHUNK].astype(np.float64)
             if not np.isfinite(g64).all():
-                bad = sum(int((~np.isfinite(_as_f64(g[j:j + COMPARE_CHUNK]))).sum()) for j in chunks)
+                bad = sum(int((~np.isfinite(g[j:j + COMPARE_CHUNK].astype(np.float64))).sum()) for j in chunks)
                 return f"output {name!r}: {bad} NaN/inf values"
             if not np.isfinite(w64).all():
                 return f"output {name!r}: the reference result is not finite on these inputs"
