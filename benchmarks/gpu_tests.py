@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
               "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "gpu": gpu, "driver": driver,
               "date": now.isoformat(timespec="seconds"), "command": " ".join(cmd[1:]), "exit_code": code,
               **({"stopped": stopped} if stopped else {}),
-              "lum_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LUM_")}, **counts, "tests": tests}
+              "lum_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LUM_")},
+              **counts, "tests": tests}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu-tests-{now:%Y-%m-%d-%H%M%S}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")

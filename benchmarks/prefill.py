@@ -58,7 +58,8 @@ from _common import (_graph_count, _hf_load, _named_config, _one_line,  # noqa: 
 set_log_tag("prefill-bench")
 SYSTEMS = ("lum", "lum-noflash", "hf-sdpa", "hf-compile")
 LUM_BUILD_ENV = {"lum": {}, "lum-noflash": {"LUM_FLASH_ATTENTION": "0"}}   # lum systems: their build environment
-CAP_S = {"lum": 120.0, "lum-noflash": 120.0, "hf-sdpa": 90.0, "hf-compile": 180.0}   # per-worker caps (the global limit wins)
+# per-worker caps (the global limit wins)
+CAP_S = {"lum": 120.0, "lum-noflash": 120.0, "hf-sdpa": 90.0, "hf-compile": 180.0}
 BUILD_CAP_S = 150.0
 DTYPES = ("bf16", "f32")                                        # what ``lum build --dtype`` takes
 HF_CACHE = "none (use_cache=False)"

@@ -176,10 +176,8 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
     FakeTimer.calls = []
     comp, _ = _build(spec, tmp_path / "a.lumpkg")
     dyn = typical_dyn(spec)
-    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.codegen import flash_attention, gemv_kernel_ops
     from lum.builder.extract import lower
-
-    from lum.builder.codegen import flash_attention
 
     firsts, flash_groups = {}, 0
     for h, g in FakeTimer.calls:
@@ -195,7 +193,8 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
         per_gemv += n_gemv
         flash = any(o.kind == "attention" and flash_attention(o) for o in program.ops)     # prefill's attention
         flash_groups += flash
-        n_tune = len(T.TUNING_DECISIONS) + len(T.FLASH_TUNING_DECISIONS) * flash + len(T.GEMV_TUNING_DECISIONS) * n_gemv
+        n_tune = (len(T.TUNING_DECISIONS) + len(T.FLASH_TUNING_DECISIONS) * flash
+                  + len(T.GEMV_TUNING_DECISIONS) * n_gemv)
         assert firsts[info.hash] == choice_to_genome(sat, choice) + (0,) * n_tune
     assert per_gemv > 0 and flash_groups > 0      # decode groups have GEMVs to tune per shape, prefill flash tiles
     for rec in comp.records:
