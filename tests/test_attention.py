@@ -142,17 +142,31 @@ def _inputs(g: Graph, dyn: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_the_rule_fires_on_decode_attention_and_the_cost_model_takes_it(dtype):
-    g, dyn = _attention_graph("decode", dtype)
+def attention_options(sat) -> list:
+    """The KAttention e-nodes among the reachable options of a saturated group."""
+    return [n for c in sat.reachable for n in sat.options[c] if n.op == "KAttention"]
+
+
+def attention_rule_program(g: Graph, dtype: str) -> tuple[list, Program]:
+    """The attention rule on ``g`` (``dtype``: the model's, "f32" or 16-bit): it fired once (the rounded form
+    for 16-bit), the views of each KAttention option (at least one), and the cost model's program, whose
+    kernels are one attention and no GEMM and which survives its text form."""
     sat = saturate(g)
     assert sat.fired("attention" if dtype == "f32" else "attention-rounded") == 1
-    nodes = [n for c in sat.reachable for n in sat.options[c] if n.op == "KAttention"]
-    assert nodes and all(attention_views(sat, n).group == (1, 2) for n in nodes)
+    views = [attention_views(sat, n) for n in attention_options(sat)]
+    assert views
     prog, _ = compile_group(g, sat=sat)
     kinds = [o.kind for o in prog.kernels()]
     assert kinds.count("attention") == 1 and "gemm" not in kinds
     assert Program.loads(prog.dumps()).ops == prog.ops
+    return views, prog
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_rule_fires_on_decode_attention_and_the_cost_model_takes_it(dtype):
+    g, dyn = _attention_graph("decode", dtype)
+    views, prog = attention_rule_program(g, dtype)
+    assert all(v.group == (1, 2) for v in views)
     inputs = _inputs(g, dyn)
     want = run_graph(g, inputs, dyn)["out"].astype(np.float64)
     got = execute(prog, inputs, dyn)["out"].astype(np.float64)
@@ -163,7 +177,7 @@ def test_the_rule_fires_on_decode_attention_and_the_cost_model_takes_it(dtype):
 def test_the_rule_does_not_fire_on_near_misses(variant):
     g, dyn = _attention_graph(variant)
     sat = saturate(g)
-    assert not any(n.op == "KAttention" for c in sat.reachable for n in sat.options[c])
+    assert not attention_options(sat)
     prog, _ = compile_group(g, sat=sat)
     inputs = _inputs(g, dyn)
     want = run_graph(g, inputs, dyn)["out"]

@@ -21,16 +21,16 @@ import lum.loader  # noqa: E402
 from lum.builder import frontend as F  # noqa: E402
 from lum.builder.codegen import CodegenError, flash_attention, generate  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
-from lum.builder.egraph import attention_views, saturate  # noqa: E402
+from lum.builder.egraph import saturate  # noqa: E402
 from lum.builder.extract import FLASH_ATTENTION_CHUNK  # noqa: E402
 from lum.builder.hlir import Graph  # noqa: E402
 from lum.builder.reference import run_graph  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
 from lum.format.expr import Var  # noqa: E402
-from lum.format.llir import Program  # noqa: E402
 from lum.loader.reference_backend import execute  # noqa: E402
 from tests.flash_cases import FlashCase, flash_inputs, flash_program, flash_reference  # noqa: E402
 from tests.kernel_cases import compare, entry_for  # noqa: E402
+from tests.test_attention import attention_options, attention_rule_program  # noqa: E402
 
 RNG = np.random.default_rng(17)
 
@@ -78,15 +78,10 @@ def _inputs(g: Graph, dyn: dict) -> dict:
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_the_rule_fires_on_prefill_attention_and_lowers_it_to_flash_attention(dtype):
     g, dyn = _prefill_graph("prefill", dtype)
-    sat = saturate(g)
-    assert sat.fired("attention" if dtype == "f32" else "attention-rounded") == 1
-    nodes = [n for c in sat.reachable for n in sat.options[c] if n.op == "KAttention"]
-    assert nodes and all(attention_views(sat, n).flash and attention_views(sat, n).group == (1, 2) for n in nodes)
-    prog, _ = compile_group(g, sat=sat)
-    att = [o for o in prog.kernels() if o.kind == "attention"]
-    assert len(att) == 1 and "gemm" not in [o.kind for o in prog.kernels()]
-    assert flash_attention(att[0]) and att[0].params["chunk"] == FLASH_ATTENTION_CHUNK
-    assert Program.loads(prog.dumps()).ops == prog.ops
+    views, prog = attention_rule_program(g, dtype)
+    assert all(v.flash and v.group == (1, 2) for v in views)
+    att = next(o for o in prog.kernels() if o.kind == "attention")
+    assert flash_attention(att) and att.params["chunk"] == FLASH_ATTENTION_CHUNK
     for s, p in ((9, 4), (1, 0), (20, 0)):
         dyn = {"s": s, "p": p}
         inputs = _inputs(g, dyn)
@@ -99,7 +94,7 @@ def test_the_rule_fires_on_prefill_attention_and_lowers_it_to_flash_attention(dt
 def test_the_rule_does_not_fire_on_prefill_near_misses(variant):
     g, dyn = _prefill_graph(variant, "f32")
     sat = saturate(g)
-    assert not any(n.op == "KAttention" for c in sat.reachable for n in sat.options[c])
+    assert not attention_options(sat)
 
 
 def test_features_flash_attention_does_not_take_stay_unfused():
@@ -107,7 +102,7 @@ def test_features_flash_attention_does_not_take_stay_unfused():
     g, dyn = _prefill_graph("prefill", "bf16", d=24)
     sat = saturate(g)
     assert sat.fired("attention-rounded") == 1
-    assert not any(n.op == "KAttention" for c in sat.reachable for n in sat.options[c])
+    assert not attention_options(sat)
     prog, _ = compile_group(g, sat=sat)
     assert "attention" not in [o.kind for o in prog.kernels()]
     inputs = _inputs(g, dyn)
