@@ -19,7 +19,7 @@ import pytest
 
 import lum.loader
 from lum.format.dtypes import DType
-from tests.flash_cases import FlashCase, flash_inputs, flash_program
+from tests.flash_cases import FlashCase, flash_inputs, flash_program, flash_reference
 from tests.kernel_cases import compare, entry_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_device")]
@@ -35,25 +35,6 @@ SHAPES = {
     "gemma3-4b-causal-f32": (GEMMA, DType.f32, 1024, 0),
 }
 TOL = {DType.bf16: 1e-2, DType.f32: 1e-4}
-
-
-def _reference(case: FlashCase, ins: dict[str, np.ndarray], dt: DType) -> np.ndarray:
-    """Softmax attention in float64 ([nkv, group, s, dv]), a (kv head, query head) at a time; the probabilities
-    rounded to ``dt`` before ·v (the LLIR's p_dtype), normalised by their unrounded sum."""
-    import ml_dtypes
-
-    q, k, v, mask = (ins[f"{case.name}.{x}"] for x in ("q", "k", "v", "mask"))
-    s, t = mask.shape
-    out = np.empty((case.nkv, case.group, s, case.dv))
-    for h in range(case.nkv):
-        kf, vf = k[:t, h, :case.d].astype(np.float64), v[:t, h, :case.dv].astype(np.float64)
-        for g in range(case.group):
-            logits = (q[h * case.group + g].astype(np.float64) @ kf.T) * case.d ** -0.5
-            logits[~mask] = -np.inf
-            e = np.exp(logits - logits.max(1, keepdims=True))
-            pr = e if dt == DType.f32 else e.astype(ml_dtypes.bfloat16).astype(np.float64)
-            out[h, g] = (pr @ vf) / e.sum(1, keepdims=True)
-    return out
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -108,7 +89,7 @@ def test_flash_kernel_at_model_shapes_matches_float64(shape, cuda_device, record
         c, l, acc = part[..., dv].astype(np.float64), part[..., dv + 1].astype(np.float64), part[..., :dv]
         w = np.exp2(c - c.max(-1, keepdims=True))                      # the combine of the chunks
         got = (w[..., None] * acc).sum(-2) / (w * l).sum(-1)[..., None]
-        err = compare(got, _reference(case, ins, dt), TOL[dt])
+        err = compare(got, flash_reference(case, ins, dt), TOL[dt])
         assert err is None, f"{shape}: {err}"
         # time it
         ev = [cu.Event(timing=True), cu.Event(timing=True)]
@@ -196,5 +177,5 @@ def test_flash_attention_program_through_the_cuda_backend(shape, tmp_path):
     with sess:
         sess.runner.fill_arena(0xFF)
         got = sess.run("main", ins, {"s": s, "p": p})[f"{case.name}.y"]
-    err = compare(got, _reference(case, ins, dt), TOL[dt])
+    err = compare(got, flash_reference(case, ins, dt), TOL[dt])
     assert err is None, f"{shape}: {err}"
