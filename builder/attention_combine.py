@@ -3,9 +3,14 @@
 Decode attention is two LLIR ops (:func:`~lum.builder.extract.attention_ops`): the attention op stores
 each chunk's partials, and a reduce over the chunk axis combines them. As two kernels, the combine is a
 launch of its own between attention and the o projection, whose work (a few KB through L2) is less than
-a kernel boundary costs. Here the attention kernel runs it (``templates/attention.cu`` COMBINE): the
-block that finishes a kv row's last chunk combines that row's query rows, counted on a per-kv-row
-counter, so a row's combine starts once its own chunks are done.
+a kernel boundary costs. Here the attention kernel runs it (``templates/attention.cu`` COMBINE), once a
+kv row's chunks have all stored their partials, in one of two ways (``$LUM_ATTENTION_COMBINE``):
+
+* ``1``, counted: the block that finishes a kv row's last chunk, counted on a per-kv-row counter (an
+  acquire-release atomic at GPU scope), combines that row's query rows;
+* ``cluster`` (sm_90): a thread block cluster per kv row (up to 8 blocks, the portable size), its blocks
+  taking the row's chunks in turn; after the cluster's hardware barrier its blocks each combine a part of
+  the row's query rows. No atomic, no block that runs after all the others, every block of the row busy.
 
 Unlike :mod:`lum.builder.tail`'s tails, which the last block of the whole grid runs, a combine here runs
 while other kv rows' chunks are still being computed; the LLIR is unchanged (the reference backend and
@@ -16,30 +21,38 @@ input the other blocks still read.
 
 Only the combine :func:`~lum.builder.extract.attention_ops` builds is fused: the reduce right after its
 attention op (nothing but constants between), its one reader, with exactly that tree over the partials
-and a constant −1. Off unless ``$LUM_ATTENTION_COMBINE`` is ``1``: **measured slower** on the H200
-(a4989c4, same runs: gemma3-4b bf16 339.3 tok/s against 355.4 without, llama3-1b 992.0 against 1,033.3),
-≈ 4 µs a layer more than the two kernels, as the kernel tails lost (benchmarks/NOTES.md).
+and a constant −1. An attention kernel that also runs its stage (:mod:`lum.builder.attention_stage`) keeps
+its combine. Off unless ``$LUM_ATTENTION_COMBINE`` says otherwise. The counted form **measured slower** on
+the H200 (a4989c4, same runs: gemma3-4b bf16 339.3 tok/s against 355.4 without, llama3-1b 992.0 against
+1,033.3), ≈ 4 µs a layer more than the two kernels, as the kernel tails lost (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import CodegenError, KernelSource, env_switch, generate, split_gemv_tuning
+from lum.builder.codegen import CodegenError, KernelSource, generate, split_gemv_tuning
 from lum.builder.extract import attention_ops
 from lum.builder.rewrite import readers
 from lum.format.dtypes import DType
 from lum.format.llir import LOp, Program
 
-__all__ = ["ENV_ATTENTION_COMBINE", "attention_combine_enabled", "combine_of", "fuse_attention_combines"]
+__all__ = ["ENV_ATTENTION_COMBINE", "COMBINE_MODES", "attention_combine_mode", "combine_of",
+           "fuse_attention_combines"]
 
 ENV_ATTENTION_COMBINE = "LUM_ATTENTION_COMBINE"
+COMBINE_MODES = {"0": None, "1": "counted", "cluster": "cluster"}
 
 
-def attention_combine_enabled() -> bool:
-    """``$LUM_ATTENTION_COMBINE``: ``1`` fuses each decode attention's combine into its kernel, ``0``
-    (the default) keeps it a kernel of its own."""
-    return env_switch(ENV_ATTENTION_COMBINE)
+def attention_combine_mode() -> str | None:
+    """``$LUM_ATTENTION_COMBINE``: ``1`` fuses each decode attention's combine into its kernel, counted;
+    ``cluster`` in a thread block cluster per kv row (sm_90; elsewhere the combine keeps its kernel); ``0``
+    (the default) keeps it a kernel of its own. Returns None, ``"counted"`` or ``"cluster"``."""
+    v = os.environ.get(ENV_ATTENTION_COMBINE, "0")
+    if v not in COMBINE_MODES:
+        raise ValueError(f"${ENV_ATTENTION_COMBINE} must be one of {', '.join(COMBINE_MODES)}, got {v!r}")
+    return COMBINE_MODES[v]
 
 
 def combine_of(program: Program, att: LOp) -> LOp | None:
@@ -67,10 +80,11 @@ def combine_of(program: Program, att: LOp) -> LOp | None:
 
 
 def fuse_attention_combines(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
-                            max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
-                            ) -> dict[int, KernelSource | None]:
-    """``sources`` with each attention kernel whose combine fuses (:func:`combine_of`) regenerated to run it,
-    and the combine's own entry dropped. ``tuning``: the group's (the attention kernel's own parameters)."""
+                            max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
+                            cluster: bool = False) -> dict[int, KernelSource | None]:
+    """``sources`` with each attention kernel whose combine fuses (:func:`combine_of`) regenerated to run it
+    (``cluster``: in a cluster per kv row, else counted), and the combine's own entry dropped. ``tuning``: the
+    group's (the attention kernel's own parameters)."""
     common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k != "max_dyn"}
     out = dict(sources)
     for op in program.ops:
@@ -79,7 +93,8 @@ def fuse_attention_combines(program: Program, sources: Mapping[int, KernelSource
             continue
         dts = [program.ops[a.src].dtype for a in op.args]
         try:
-            ks = generate(op, dyn_vars, arg_dtypes=dts, max_dyn=dict(max_dyn or {}) or None, combine=comb, **common)
+            ks = generate(op, dyn_vars, arg_dtypes=dts, max_dyn=dict(max_dyn or {}) or None, combine=comb,
+                          combine_cluster=cluster, **common)
         except CodegenError:
             continue
         out[op.id] = ks

@@ -111,6 +111,7 @@ GEMV_MAX_M = 8                                   # gemms with a static m up to t
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
+ATTENTION_MAX_CLUSTER = 8                       # blocks a cluster of a kv row's chunks (the portable cluster size)
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
@@ -147,6 +148,7 @@ class Launch:
     grid: tuple[Expr, Expr, Expr]                # over the dyn vars, each >= 1
     block: tuple[int, int, int]
     shared_mem: int = 0                          # dynamic shared memory bytes
+    cluster: int = 1                             # blocks a thread block cluster (grid x a multiple of it; sm_90)
 
     def evaluate(self, dyn_map: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
         return tuple(g.evaluate(dyn_map) for g in self.grid), self.block, self.shared_mem  # type: ignore[return-value]
@@ -726,13 +728,14 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             row_early: bool | None = None, combine: LOp | None = None,
+             row_early: bool | None = None, combine: LOp | None = None, combine_cluster: bool = False,
              stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
     the op's own dtype does not imply them. ``combine``: an attention op's combine reduce, which its kernel
-    then runs as its tail (:mod:`lum.builder.attention_combine`). ``stage``: the rows of the ops before it an
+    then runs as its tail (:mod:`lum.builder.attention_combine`), counted on per-kv-row counters or, with
+    ``combine_cluster`` (sm_90), in a thread block cluster per kv row. ``stage``: the rows of the ops before it an
     attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
@@ -765,7 +768,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
-               combine=combine, stage=stage, tile_keys=tile_keys)
+               combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys)
     if (combine is not None or stage is not None) and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a combine or a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
@@ -980,10 +983,12 @@ class _Gen:
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
-                 combine: LOp | None = None, stage: AttentionStage | None = None, tile_keys: int | None = None):
+                 combine: LOp | None = None, combine_cluster: bool = False, stage: AttentionStage | None = None,
+                 tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.combine = combine                     # an attention's combine reduce, run as its tail
+        self.combine_cluster = combine_cluster     # ... in a cluster of blocks per kv row, not counted
         self.stage = stage                         # the rows of the ops before it an attention computes
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
@@ -1779,11 +1784,16 @@ class _Gen:
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
             "KV_DECL": kv_decl, "KV_AHEAD": kv_ahead,
             "KEY": "\n".join(key), "STORE": ctx.c(out_idx)})
-        work = heads_n * ns
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size}
         if self.combine is not None:
             tuning["combine"] = True
-        return [src], [("", self.grid(work, 1), (self.threads, 1, 1))], tuning, self.max_blocks
+        cl = comb["CLUSTER"]
+        if comb["CLUSTERED"]:                      # a cluster per kv row, as many as fit max_blocks
+            tuning["cluster"] = cl
+            clusters = max(1, min(heads_n.value, self.max_blocks // cl))
+            return [src], [("", (as_expr(clusters * cl), as_expr(1), as_expr(1)), (self.threads, 1, 1), 0, cl)], \
+                tuning, self.max_blocks
+        return [src], [("", self.grid(heads_n * ns, 1), (self.threads, 1, 1))], tuning, self.max_blocks
 
     def _flash_attention(self):
         """templates/flash_attention.cu: a block per (tile of 16 * warps query rows, kv row, chunk), key tiles
@@ -1880,8 +1890,6 @@ class _Gen:
         st = self.stage
         if st is None:
             return {"STAGE_DECL": "", "STAGE_PRE": "", "STAGE": ""}
-        if self.combine is not None:
-            raise CodegenError("an attention kernel runs its combine or a stage, not both")
         if qd != as_expr(1) or not heads_n.is_const:
             raise CodegenError("an attention stage needs q's features contiguous and a static number of kv rows")
         warps = self.threads // 32
@@ -1940,19 +1948,28 @@ class _Gen:
         to be the one :func:`~lum.builder.extract.attention_ops` made for ``op`` by its caller)."""
         c = self.combine
         if c is None:
-            return {"COMBINE": 0, "COUNTERS": 1, "PART0": 0, "COMBINED": 0, "COMBINE_STORE": 0, "COMBINED_N": 0,
-                    "COMBINE_ZERO": 0}
+            return {"COMBINE": 0, "COUNTED": 0, "CLUSTERED": 0, "UNCLUSTERED": 1, "CLUSTER": 1, "COUNTERS": 1,
+                    "PART0": 0, "COMBINED": 0, "COMBINE_STORE": 0, "COMBINED_N": 0, "COMBINE_ZERO": 0}
         r = tuple(as_expr(x) for x in op.shape[:-2])
         if tuple(as_expr(x) for x in c.shape) != r + (as_expr(dv),) or not c.dtype.is_float:
             raise CodegenError("an attention combine stores float rows [R…, Dv]")
-        if not heads_n.is_const or not 1 <= heads_n.value <= ATTENTION_MAX_COUNTERS:
+        if self.combine_cluster:
+            if not heads_n.is_const:
+                raise CodegenError("an attention combine in clusters needs a static number of kv rows")
+        elif not heads_n.is_const or not 1 <= heads_n.value <= ATTENTION_MAX_COUNTERS:
             raise CodegenError(f"an attention combine counts chunks per kv row: needs a static number of them, "
                                f"at most {ATTENTION_MAX_COUNTERS}")
         zero = as_expr(0)
         out = ShapeTracker.contiguous(c.shape)
         self.ctx.exprs.append(out.physical_index(tuple(idx) + (as_expr(dv),)))
         part0 = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (zero, zero))
-        return {"COMBINE": 1, "COUNTERS": heads_n.value, "PART0": self.ctx.c(part0),
+        ns_max = cdiv(attention_dims(op)[1], int(op.params["chunk"])).bounds(self.ctx._dyn_bounds())[1]
+        cluster = 1      # a block a chunk, in a power of two up to the portable size
+        while cluster < min(ATTENTION_MAX_CLUSTER, ns_max):
+            cluster *= 2
+        cl = int(self.combine_cluster)
+        return {"COMBINE": 1, "COUNTED": 1 - cl, "CLUSTERED": cl, "UNCLUSTERED": 1 - cl, "CLUSTER": cluster if cl else 1,
+                "COUNTERS": 1 if self.combine_cluster else heads_n.value, "PART0": self.ctx.c(part0),
                 "COMBINED": self.ctx.c(out.physical_index(tuple(idx) + (zero,))),
                 "COMBINE_STORE": _store_conv("f", "lum_v", c.dtype), "COMBINED_N": self.ctx.c(numel(c.shape)),
                 "COMBINE_ZERO": _store_conv("f", "0.0f", c.dtype)}

@@ -26,9 +26,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lum.builder.codegen import SMS, KernelSource, env_switch, gemv_kernel_ops, generate_program, module_source
 from lum.format.llir import Program
-from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION   # a table with tails: 2
+from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
 
-__all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table", "group_kernel_sources",
+__all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table", "group_kernel_sources",
            "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
 
 
@@ -88,7 +88,8 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         entry = {
             "op": op.id, "kind": op.kind, "name": ks.name,
             "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
-                          "shared_mem": int(lc.shared_mem)} for lc in ks.launches],
+                          "shared_mem": int(lc.shared_mem), **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
+                         for lc in ks.launches],
             "params": [re.sub(r"^t(\d+)_(.*)$", lambda m: f"{m.group(2)}@{ks.tails[int(m.group(1))]}", p)
                        for p in params],
             "dyn_slots": dict(ks.dyn_slots),
@@ -99,10 +100,17 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         if ks.early:
             entry["early"] = list(ks.early)
         ops.append(entry)
-    version = TAIL_TABLE_VERSION if any("tail" in o for o in ops) else KERNEL_TABLE_VERSION
+    clusters = any("cluster" in lc for o in ops for lc in o["launches"])
+    version = CLUSTER_TABLE_VERSION if clusters else TAIL_TABLE_VERSION if any("tail" in o for o in ops) \
+        else KERNEL_TABLE_VERSION
     return {"version": version, "arch": arch, "dyn_vars": list(dyn_vars),
             "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops,
             "programmatic": all(_waits(ks) for ks in sources.values() if ks is not None)}
+
+
+def _sm(arch: str) -> int:
+    """The compute capability of ``arch`` as an int (``sm_90a`` → 90)."""
+    return int(re.fullmatch(r"sm_(\d+)[af]?", arch).group(1))     # type: ignore[union-attr]
 
 
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
@@ -135,14 +143,15 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one
     wave by their registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_COMBINE``
-    each attention kernel running its combine (:mod:`lum.builder.attention_combine`), with
+    each attention kernel running its combine (:mod:`lum.builder.attention_combine`; in clusters only for
+    sm_90 and newer), with
     ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
     (:mod:`lum.builder.attention_stage`) unless kernel tails are on, with
     ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`) unless kernel
     tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
     ``0``; they take the same small kernels, into the kernel before them), each keeping the
     register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
-    from lum.builder.attention_combine import attention_combine_enabled, fuse_attention_combines
+    from lum.builder.attention_combine import attention_combine_mode, fuse_attention_combines
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
@@ -150,8 +159,9 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
                                               weights)
     tuning, gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
-    if attention_combine_enabled():
-        gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning)
+    combine = attention_combine_mode()
+    if combine == "counted" or (combine == "cluster" and _sm(arch) >= 90):
+        gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
     tails = kernel_tails_enabled()
     if attention_stage_enabled() and not tails:     # both take the small kernels after the qkv GEMV
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)

@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.attention_combine import attention_combine_enabled
+from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.codegen import (flash_attention, flash_attention_enabled, gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_small, gemv_preload_default, row_early_default)
 from lum.builder.hlir import Edge, Graph
@@ -753,7 +753,7 @@ class MeasuredCompiler:
                 "gemv_inflight": gemv_inflight_default(), "gemv_preload": gemv_preload_default(),
                 "gemv_preload_after_small": gemv_preload_after_small(), "gemv_balance": gemv_balance(),
                 "flash_attention": flash_attention_enabled(),
-                "row_early": row_early_default(), "attention_combine": attention_combine_enabled(),
+                "row_early": row_early_default(), "attention_combine": {None: False, "counted": True}.get(attention_combine_mode(), "cluster"),
                 "sibling_kernels": sibling_kernels_enabled(),
                 "row_reads": row_reads_enabled(),
                 "prologue_max_cols": prologue_max_cols()}

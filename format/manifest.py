@@ -11,7 +11,8 @@ with one line, so a corrupt or hostile manifest never reaches the runtime.
 (``sm_<digits>`` with an optional ``a``/``f`` feature suffix) and, when kernels were compiled, the
 NVRTC version that compiled them (a driver older than its major version cannot load them).
 
-**Kernel tables** (``groups[k].kernels``, schema version 1, or 2 when a kernel has tails). An empty
+**Kernel tables** (``groups[k].kernels``, schema version 1, 2 when a kernel has tails, 3 when a launch
+runs in thread block clusters). An empty
 object means the group's kernels were not compiled (``BuildOptions.compile_kernels=False``); the CUDA
 backend then refuses the package and the reference backend runs it. Otherwise::
 
@@ -44,7 +45,10 @@ the op; for :mod:`lum.builder.siblings`, which reads none of the others' outputs
 own beside it), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
 "out@16", …``, the tails' buffers by the same rules. A tail op must follow its head in the program with
 no kernel op or library call between them, and what the head reads stays live (is not reused by the
-arena) until its last tail. Every op
+arena) until its last tail. Version 3 adds **clusters**: a launch with ``"cluster": 8`` runs its grid in
+thread block clusters of that many blocks along x (sm_90+; 2 to :data:`MAX_CLUSTER`, the portable size;
+the grid's x must be a multiple of it), which the kernel's blocks synchronise within
+(:mod:`lum.builder.attention_combine`'s combine in clusters). Every op
 of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs
 it (a small static m, see :func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call
 described by the LLIR alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build
@@ -87,6 +91,9 @@ SCHEMA = "lum.model"
 SCHEMA_VERSION = 1
 KERNEL_TABLE_VERSION = 1
 TAIL_TABLE_VERSION = 2              # adds kernel tails (an op entry's ``tail``)
+CLUSTER_TABLE_VERSION = 3           # adds thread block clusters (a launch's ``cluster``)
+TABLE_VERSIONS = (KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, CLUSTER_TABLE_VERSION)
+MAX_CLUSTER = 8                     # blocks a cluster, at most (the portable cluster size)
 # kinds that are always kernels
 KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention")
 TABLE_OP_KINDS = KERNEL_OP_KINDS + ("gemm",)   # kinds a launch table may hold (a gemm: when not cuBLASLt)
@@ -172,6 +179,7 @@ class KernelLaunch:
     grid: tuple[Expr, Expr, Expr]            # over the table's dyn_vars
     block: tuple[int, int, int]
     shared_mem: int = 0
+    cluster: int = 1                         # blocks a thread block cluster along x (version 3)
 
 
 @dataclass(frozen=True)
@@ -362,9 +370,9 @@ class _Parser:
 
     def kernel_table(self, d: dict, where: str, target: dict) -> KernelTable:
         version = d.get("version")
-        if version not in (KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION):
+        if version not in TABLE_VERSIONS:
             raise self.fail(where + ".version", f"unsupported kernel table version {version!r} "
-                                                f"(this loader reads {KERNEL_TABLE_VERSION} and {TAIL_TABLE_VERSION})")
+                                                f"(this loader reads {', '.join(map(str, TABLE_VERSIONS))})")
         arch = self.string(d.get("arch"), where + ".arch")
         if not SM_RE.fullmatch(arch):
             raise self.fail(where + ".arch", f"expected an architecture like 'sm_90', found {arch!r}")
@@ -412,7 +420,8 @@ class _Parser:
                         raise self.fail(lw + ".grid", f"uses {sorted(extra)}, which are not in dyn_vars")
                 shared = self.integer(lc.get("shared_mem", 0), lw + ".shared_mem", 0, MAX_SHARED_MEM)
                 name = self.ident(lc.get("kernel"), lw + ".kernel")
-                launches.append(KernelLaunch(name, grid, block, shared))  # type: ignore[arg-type]
+                cluster = self.cluster(lc, lw, version, arch)
+                launches.append(KernelLaunch(name, grid, block, shared, cluster))  # type: ignore[arg-type]
             params = tuple(self.string(x, ow + ".params") for x in self.lst(o.get("params"), ow + ".params"))
             tail = self.tail(o, ow, op_id, version, tails_seen)
             if params != _kernel_params(params, tail):
@@ -439,10 +448,20 @@ class _Parser:
             raise self.fail(where + ".programmatic", f"expected true or false, found {programmatic!r}")
         return KernelTable(arch, cubin, ptx, dyn_vars, max_dyn, tuple(ops), gemms, programmatic)
 
+    def cluster(self, lc: dict, where: str, version: Any, arch: str) -> int:
+        if "cluster" not in lc:
+            return 1
+        if version != CLUSTER_TABLE_VERSION:
+            raise self.fail(where + ".cluster", f"clusters need table version {CLUSTER_TABLE_VERSION}")
+        n = self.integer(lc["cluster"], where + ".cluster", 2, MAX_CLUSTER)
+        if int(SM_RE.fullmatch(arch).group(1)) < 90:    # type: ignore[union-attr]
+            raise self.fail(where + ".cluster", f"thread block clusters need sm_90 or newer, not {arch}")
+        return n
+
     def tail(self, o: dict, where: str, op_id: int, version: Any, seen: set[int]) -> tuple[int, ...]:
         if "tail" not in o:
             return ()
-        if version != TAIL_TABLE_VERSION:
+        if version not in (TAIL_TABLE_VERSION, CLUSTER_TABLE_VERSION):
             raise self.fail(where + ".tail", f"kernel tails need table version {TAIL_TABLE_VERSION}")
         ids = tuple(self.integer(x, where + ".tail") for x in self.lst(o["tail"], where + ".tail"))
         if not ids or any(b <= a for a, b in zip((op_id,) + ids, ids)):

@@ -270,6 +270,26 @@ LUM_D void lum_pdl_wait() {
 #endif
 }
 
+// ------------------------------------------------------------------------------ thread block clusters
+// Every thread of this block's cluster arrives, then waits for all the cluster's threads (sm_90: a hardware
+// barrier, no memory round trip); release / acquire at cluster scope, so the stores this block made before
+// it (global memory too) are visible to the cluster's blocks after it. Host emulation runs a grid's blocks
+// one after another in index order, so there a cluster's last block is the only one past the barrier with
+// every other block's stores done: LUM_CLUSTER_SHARE(n) is the number of a cluster's last blocks that may
+// share work that reads the others' stores (n on the GPU, 1 emulated).
+LUM_D void lum_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#elif !defined(__CUDA_ARCH__)
+  __syncthreads();
+#endif
+}
+#if defined(__CUDA_ARCH__)
+#define LUM_CLUSTER_SHARE(n) (n)
+#else
+#define LUM_CLUSTER_SHARE(n) 1
+#endif
+
 // ------------------------------------------------------------------------------ blocks counting done
 // One block's arrival on a counter in global memory: an acquire-release add at GPU scope, so the stores
 // this block's threads made before a __syncthreads are visible to whichever block counts last, and the

@@ -59,7 +59,7 @@ typedef void (*run_fn)(void **, unsigned, unsigned);
 typedef void (*host_fn)(void *);
 typedef struct {
   int kind;                       /* 0 kernel, 1 memcpy, 2 memset, 3 host */
-  run_fn fn; void **params; unsigned grid, block;
+  run_fn fn; void **params; unsigned grid, block, cluster;   /* cluster: blocks a cluster (0 or 1: none) */
   void *dst; const void *src; size_t n; unsigned char value;
   host_fn hfn; void *harg;
   int deps[MAX_DEPS]; int ndeps;  /* graph nodes this one waits for (stream order and event waits) */
@@ -123,7 +123,11 @@ static int guard_ok(Alloc *a) {
 
 static void run_node(Node *n) {
   switch (n->kind) {
-    case 0: { unsigned g = n->grid < max_grid() ? n->grid : max_grid(); n->fn(n->params, g, n->block); ++g_launches; break; }
+    case 0: {   /* the grid capped, in whole clusters: a clustered kernel's blocks take its clusters' work */
+      const unsigned c = n->cluster > 1 ? n->cluster : 1u, cap = max_grid() / c * c;
+      const unsigned g = n->grid < cap ? n->grid : (cap ? cap : c);
+      n->fn(n->params, g, n->block); ++g_launches; break;
+    }
     case 1: memmove(n->dst, n->src, n->n); break;
     case 2: memset(n->dst, n->value, n->n); break;
     case 3: n->hfn(n->harg); break;
@@ -383,34 +387,49 @@ CUresult cuFuncSetAttribute(void *func, int attr, int value) {
   ++g_shared_optins;
   return OK;
 }
-CUresult cuLaunchKernel(void *func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                        unsigned shmem, void *stream, void **params, void **extra) {
+static CUresult launch(void *func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       unsigned shmem, void *stream, void **params, void **extra, unsigned cluster) {
   Function *f = func; Stream *s = stream;
   if (!f || f->magic != MAGIC_FUNC) return E_INVALID_HANDLE;
   if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
   if (gx < 1 || gy != 1 || gz != 1 || by != 1 || bz != 1 || bx < 1 || bx > 1024 || (int)shmem > f->max_shared ||
       extra || !params)
     return E_INVALID_VALUE;
-  Node n = {0}; n.kind = 0; n.fn = f->fn; n.params = params; n.grid = gx; n.block = bx;
+  if (cluster > 1 && (cluster > 8 || gx % cluster)) return E_INVALID_VALUE;
+  Node n = {0}; n.kind = 0; n.fn = f->fn; n.params = params; n.grid = gx; n.block = bx; n.cluster = cluster;
   if (s && s->capturing) push(s, n); else run_node(&n);
   return OK;
 }
+CUresult cuLaunchKernel(void *func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shmem, void *stream, void **params, void **extra) {
+  return launch(func, gx, gy, gz, bx, by, bz, shmem, stream, params, extra, 1);
+}
 
-/* cuLaunchKernelEx: the CUlaunchConfig / CUlaunchAttribute layouts of cuda.h. The only attribute lum sets is
-   programmatic stream serialization (id 6); the emulated stream runs kernels in order either way. */
-typedef struct { int id; char pad[4]; union { char bytes[64]; int allowed; } value; } FakeLaunchAttribute;
+/* cuLaunchKernelEx: the CUlaunchConfig / CUlaunchAttribute layouts of cuda.h. The attributes lum sets are
+   programmatic stream serialization (id 6; the emulated stream runs kernels in order either way) and a
+   cluster dimension (id 4: x blocks, y = z = 1; the emulated grid is capped in whole clusters). */
+typedef struct { int id; char pad[4]; union { char bytes[64]; int allowed; unsigned dim[3]; } value; } FakeLaunchAttribute;
 typedef struct {
   unsigned gx, gy, gz, bx, by, bz, shmem; void *stream; FakeLaunchAttribute *attrs; unsigned nattrs;
 } FakeLaunchConfig;
-static long g_programmatic = 0;
+static long g_programmatic = 0, g_clustered = 0;
 long fake_programmatic_launches(void) { return g_programmatic; }
+long fake_clustered_launches(void) { return g_clustered; }
 CUresult cuLaunchKernelEx(const FakeLaunchConfig *c, void *func, void **params, void **extra) {
   if (!c || (c->nattrs && !c->attrs)) return E_INVALID_VALUE;
+  unsigned cluster = 1;
   for (unsigned i = 0; i < c->nattrs; ++i) {
-    if (c->attrs[i].id != 6 || c->attrs[i].value.allowed != 1) return E_INVALID_VALUE;
-    ++g_programmatic;
+    const FakeLaunchAttribute *a = &c->attrs[i];
+    if (a->id == 6 && a->value.allowed == 1) {
+      ++g_programmatic;
+    } else if (a->id == 4 && a->value.dim[0] >= 1 && a->value.dim[1] == 1 && a->value.dim[2] == 1) {
+      cluster = a->value.dim[0];
+      ++g_clustered;
+    } else {
+      return E_INVALID_VALUE;
+    }
   }
-  return cuLaunchKernel(func, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shmem, c->stream, params, extra);
+  return launch(func, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shmem, c->stream, params, extra, cluster);
 }
 
 /* ---------------------------------------------------------------- graphs */

@@ -122,7 +122,12 @@ def _manifest_with(tiny_pkg, mutate) -> dict:
 
 @needs_nvrtc
 @pytest.mark.parametrize("mutate,match", [
-    (lambda t, d: t.update(version=3), "kernel table version"),
+    (lambda t, d: t.update(version=4), "kernel table version"),
+    (lambda t, d: t["ops"][0]["launches"][0].update(cluster=2), "clusters need table version 3"),
+    (lambda t, d: (t.update(version=3), t["ops"][0]["launches"][0].update(cluster=16)), "integer in \\[2, 8\\]"),
+    (lambda t, d: (t.update(version=3), t["ops"][0]["launches"][0].update(cluster=1)), "integer in \\[2, 8\\]"),
+    (lambda t, d: ([g["kernels"].update(arch="sm_80") for g in d["groups"] if g["kernels"]], t.update(version=3),
+                   d["target"].update(sm="sm_80"), t["ops"][0]["launches"][0].update(cluster=2)), "need sm_90 or newer"),
     (lambda t, d: t.update(arch="sm_80"), "targets"),
     (lambda t, d: t["ops"][0]["launches"][0].update(kernel="bad name;"), "C identifier"),
     (lambda t, d: t["ops"][0]["launches"][0].update(grid=["q + 1", "1", "1"]), "not in dyn_vars"),

@@ -35,6 +35,7 @@ except ImportError:
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
 MAX_SEQ = 16
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
+         "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"}}
 
 
@@ -269,7 +270,10 @@ print(json.dumps(out))
 @pytest.mark.parametrize("variant", list(FUSED))
 def test_fused_kernel_variants_match_reference(env, variant):
     """Built with a kernel fusion: ``combine`` (``LUM_ATTENTION_COMBINE=1``, off by default: the kernel cases'
-    decode attention, two chunks, GQA groups of 3, both feature layouts, runs its combine as its tail),
+    decode attention, two chunks, GQA groups of 3, both feature layouts, runs its combine as its tail; the
+    tiny models' attention kernels run their stage and then their combine), ``combine-cluster``
+    (``LUM_ATTENTION_COMBINE=cluster``: the same in thread block clusters, the kernel cases' two chunks a
+    cluster of two blocks, which the emulated grid cap of two makes take both kv rows),
     ``stage`` (the default package: the tiny models' decode attention computes its q rows and kv-cache writes,
     builder/attention_stage.py; the kernel cases' independent kernels in a row run as one launch each),
     ``stage-ahead`` (``LUM_ATTENTION_STAGE_AHEAD=1``: the first keys loaded before the stage) or
@@ -310,20 +314,24 @@ for name in MODELS:
     with pkg.session(backend="cuda") as sess:
         out[name] = sess.generate(prompt, 8)
     out[name + ".want"] = pkg.session(backend="reference").generate(prompt, 8)
+out["clustered"] = fake_stats()["clustered_launches"]
 print(json.dumps(out))
 '''.replace("MODELS", repr(MODELS)).replace("VARIANT", variant))
     assert res["checked"] > 0 and not res["errors"], res["errors"]
     for dt in ("f32", "bf16"):
         fused = res["fused"][dt]
-        if variant == "combine":       # both attention cases run their combine
+        if variant.startswith("combine"):   # both attention cases run their combine
             assert [f for f in fused if f[0] == "attention"] == [["attention", 1], ["attention", 1]], fused
         else:                          # many runs of independent kernels, of several kinds
             assert len(fused) >= 5 and len({k for k, _ in fused}) >= 3, fused
+    assert (res["clustered"] > 0) == (variant == "combine-cluster"), res["clustered"]
     for name in MODELS:
-        want = ["attention"] if variant == "combine" else ["scatter_nocopy"]   # the k / v / q stage after qkv
+        want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
         if variant.startswith("stage"):     # q, k, v and the attention: one kernel under the first
             assert 3 in res["tails"][name], res["tails"]
+        elif variant.startswith("combine"):     # ... and the combine after them
+            assert 4 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
         elif variant == "siblings":    # q, k and v: one sibling kernel
             assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
         assert res[name] == res[name + ".want"], name

@@ -380,7 +380,13 @@ def _sibling_kernel(op) -> bool:       # q, k and v as one launch (builder/sibli
 
 
 # variant: (the fused package's build environment, the plain one's; None: the default package), its kernel
-FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, lambda op: op.kind == "attention" and op.tail),
+def _combining_kernel(op) -> bool:     # the attention (with its stage) then its combine, one kernel
+    return op.tuning.get("combine", False) and len(op.tail) >= 1
+
+
+FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _combining_kernel),
+                  "attention-combine-cluster": ({"LUM_ATTENTION_COMBINE": "cluster"}, None,
+                                                lambda op: _combining_kernel(op) and op.tuning.get("cluster")),
                   "attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _stage_kernel),
                   "attention-stage-ahead": ({"LUM_ATTENTION_STAGE_AHEAD": "1"}, None,
                                             lambda op: _stage_kernel(op) and op.tuning.get("stage_ahead")),
@@ -392,7 +398,8 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, la
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
 def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     """The tiny model with a kernel fusion against the package without it: each decode attention kernel
-    combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py), decode
+    combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py; ``cluster``:
+    in a thread block cluster a kv row), decode
     attention computing its q rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``,
     builder/attention_stage.py; with the first keys loaded before it at ``LUM_ATTENTION_STAGE_AHEAD=1``), or
     independent small kernels in a row as one launch (on by default; built without them at
@@ -633,20 +640,22 @@ def _attention_package(tmp_path, dt: DType, d: int, group: int, max_t: int):
     return lum.loader.open(path)
 
 
-@pytest.mark.parametrize("combine", [False, True], ids=["two-kernels", "combined"])
+@pytest.mark.parametrize("combine", ["0", "1", "cluster"], ids=["two-kernels", "combined", "clustered"])
 @pytest.mark.parametrize("dt,d,group", [(DType.bf16, 256, 2), (DType.f32, 64, 4)], ids=["bf16-d256-g2", "f32-d64-g4"])
 def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, combine, record_property, monkeypatch):
     """The split-K kernel and its combine over up to 256 chunks (p + 1 = 4,096 keys), the arena poisoned,
     against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16);
     ``combined``: the attention kernel runs the combine itself (``LUM_ATTENTION_COMBINE``), its per-kv-row
-    counters reset by each launch for the next (three launches, then the first p again)."""
+    counters reset by each launch for the next (three launches, then the first p again); ``clustered``: in a
+    cluster of 8 blocks a kv row, each taking 32 of the 256 chunks."""
     import ml_dtypes
 
     max_t = 4096
-    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "1" if combine else "0")
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", combine)
     pkg = _attention_package(tmp_path, dt, d, group, max_t)
-    tails = [op.tail for g in pkg.manifest.groups if g.table is not None for op in g.table.ops if op.kind == "attention"]
-    assert tails == [(6,)] if combine else tails == [()], tails
+    att = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops if op.kind == "attention"]
+    assert [op.tail for op in att] == ([()] if combine == "0" else [(6,)]), att
+    assert [lc.cluster for op in att for lc in op.launches] == [8 if combine == "cluster" else 1]
     rng = np.random.default_rng(5)
     np_dt = ml_dtypes.bfloat16 if dt == DType.bf16 else np.float32
     q = rng.normal(size=(2, group, 1, d)).astype(np_dt)

@@ -353,14 +353,15 @@ def memset(dst: int, value: int, nbytes: int, stream: Stream) -> None:
 
 
 def launch_kernel(function: Any, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                  stream: Stream, params_addr: int, programmatic: bool = False) -> None:
+                  stream: Stream, params_addr: int, programmatic: bool = False, cluster: int = 1) -> None:
     """``cuLaunchKernel`` with a pre-packed ``void**`` parameter array (see :class:`ParamPack`).
 
     ``programmatic``: ``cuLaunchKernelEx`` with programmatic stream serialization (sm_90+): the kernel may
     be scheduled once every block of the kernel before it has run ``griddepcontrol.launch_dependents``,
     and waits for that kernel itself (``lum_pdl_wait``, templates/common.cuh). Stream capture turns this
-    into a programmatic edge of the CUDA graph."""
-    if not programmatic:
+    into a programmatic edge of the CUDA graph. ``cluster`` > 1: the grid runs in thread block clusters of that
+    many blocks along x (sm_90+; ``cuLaunchKernelEx`` with a cluster dimension)."""
+    if not programmatic and cluster == 1:
         call(drv.cuLaunchKernel, function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
              stream.handle, params_addr, 0)
         return
@@ -369,9 +370,17 @@ def launch_kernel(function: Any, grid: tuple[int, int, int], block: tuple[int, i
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
     cfg.sharedMemBytes = shared_mem
     cfg.hStream = stream.handle
-    attr = drv.CUlaunchAttribute()
-    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    cfg.attrs = [attr]
-    cfg.numAttrs = 1
+    attrs = []
+    if programmatic:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster > 1:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        attrs.append(attr)
+    cfg.attrs = attrs
+    cfg.numAttrs = len(attrs)
     call(drv.cuLaunchKernelEx, cfg, function, params_addr, 0)

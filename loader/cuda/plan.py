@@ -131,6 +131,7 @@ class KernelStep:
     prefetcher: Any = None                     # its group's L2 prefetch kernel, None if the package has none
     hint: bool = False                         # an L2 prefetch: follows the step before it, precedes nothing
     programmatic: bool = False                 # launched with programmatic stream serialization (it waits itself)
+    cluster: int = 1                           # blocks a thread block cluster along x
 
 
 @dataclass
@@ -290,7 +291,7 @@ class EntryPlan:
     def concrete(self, key: tuple, gemm_plan: Callable[[GemmSpec], Any], steps: Sequence[Any] | None = None,
                  owners: list[int] | None = None) -> list[tuple]:
         """The device operations for ``key``: ``("kernel", function, grid, block, shared_mem, params,
-        programmatic)``,
+        programmatic, cluster)``,
         ``("gemm", plan, a, b, c)`` (a, b: the operands' buffer bases; the plan adds the offsets),
         ``("memset", ptr, nbytes)``, ``("copy", dst, src, nbytes)``, each
         with the step's description appended (for errors). ``gemm_plan`` makes (or fetches) the
@@ -301,7 +302,11 @@ class EntryPlan:
         for j, st in enumerate(self.steps if steps is None else steps):
             if isinstance(st, KernelStep):
                 g = tuple(grids[i] for i in st.grid)
+                if g[0] % st.cluster:
+                    raise BackendUnavailableError(f"{st.where}: grid {g[0]} is not a multiple of its clusters of "
+                                                  f"{st.cluster} blocks")
                 ops.append(("kernel", st.function, g, st.block, st.shared_mem, st.params.address, st.programmatic,
+                            st.cluster,
                             st.where))
             elif isinstance(st, GemmStep):
                 ops.extend(_gemm_ops(st, exact, gemm_plan))
@@ -541,7 +546,7 @@ def _kernel_steps(plan: EntryPlan, launch: _Launch, function: Callable[[int, str
         plan.steps.append(KernelStep(f"{launch.where} kernel {lc.kernel}", function(group, lc.kernel), grid,
                                      lc.block, lc.shared_mem, params, tuple(launch.reads),  # type: ignore[arg-type]
                                      tuple(launch.writes), tuple(launch.weights), pf,
-                                     programmatic=programmatic))
+                                     programmatic=programmatic, cluster=lc.cluster))
 
 
 def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, int]) -> list[tuple[Expr, int, str]]:

@@ -561,7 +561,7 @@ class CudaRunner:
             kind = op[0]
             try:
                 if kind == "kernel":
-                    cu.launch_kernel(op[1], op[2], op[3], op[4], stream, op[5], op[6])
+                    cu.launch_kernel(op[1], op[2], op[3], op[4], stream, op[5], op[6], op[7])
                 elif kind == "gemm":
                     op[1].run(stream.ptr, op[2], op[3], op[4], ws, wsn)
                 elif kind == "copy":
