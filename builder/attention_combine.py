@@ -22,9 +22,10 @@ input the other blocks still read.
 Only the combine :func:`~lum.builder.extract.attention_ops` builds is fused: the reduce right after its
 attention op (nothing but constants between), its one reader, with exactly that tree over the partials
 and a constant −1. An attention kernel that also runs its stage (:mod:`lum.builder.attention_stage`) keeps
-its combine. Off unless ``$LUM_ATTENTION_COMBINE`` says otherwise. The counted form **measured slower** on
-the H200 (a4989c4, same runs: gemma3-4b bf16 339.3 tok/s against 355.4 without, llama3-1b 992.0 against
-1,033.3), ≈ 4 µs a layer more than the two kernels, as the kernel tails lost (benchmarks/NOTES.md).
+its combine. Off unless ``$LUM_ATTENTION_COMBINE`` says otherwise: both forms **measured slower** on the H200
+than the two kernels under programmatic launch (benchmarks/NOTES.md). Counted: a4989c4, gemma3-4b bf16 339.3
+tok/s against 355.4, llama3-1b 992.0 against 1,033.3; with the stage, b39abf7, 362.8 against 381.9 and 1,052.3
+against 1,097.4. In clusters (b39abf7, same runs): 375.9 (−1.6%) and 1,056.7 (−3.7%), tokens equal.
 """
 
 from __future__ import annotations
