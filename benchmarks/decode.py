@@ -34,7 +34,8 @@ What it does, in one run on one GPU:
      ``lum-preload4`` / ``lum-preload8`` with ``LUM_GEMV_PRELOAD=1`` / ``2`` / ``4`` / ``8`` (each GEMV lane
      loads its first weight vectors, up to that many, into registers before it waits for the kernel before
      it, which under programmatic launch still runs; templates/gemv.cu PRELOAD), ``lum-preload-small`` with ``LUM_GEMV_PRELOAD_AFTER_SMALL=1`` (only the GEMVs whose kernel
-     before is not a GEMV preload), ``lum-twowaves`` with ``LUM_GEMV_PROLOGUE_ONE_WAVE=0`` (a prologue GEMV's
+     before is not a GEMV preload), ``lum-preload-aftergemv`` with ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (only those
+     whose kernel before is a GEMV, four vectors), ``lum-twowaves`` with ``LUM_GEMV_PROLOGUE_ONE_WAVE=0`` (a prologue GEMV's
      grid sized to 2,048 threads an SM whatever its registers, as before 2026-12-02: builder/kernels.py),
      ``lum-noevict`` with ``LUM_GEMV_EVICT_FIRST=0`` (GEMVs load their weights without the L2 evict-first
      policy that keeps the small tensors each step rereads in L2: templates/common.cuh lum_load_stream),
@@ -99,6 +100,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},
                  "lum-preload4": {"LUM_GEMV_PRELOAD": "4"}, "lum-preload8": {"LUM_GEMV_PRELOAD": "8"},
                  "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
+                 "lum-preload-aftergemv": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},

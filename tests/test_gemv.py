@@ -525,7 +525,7 @@ def test_preload_after_small_kernels(monkeypatch):
     reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
     not a GEMV; qkv follows down across the layer boundary, gate-up o and down gate-up. Those preload one
     vector a lane, the others none; a ``preload`` in the tuning wins over the rule, less what would spill; off by
-    default."""
+    default. ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the complement, N vectors."""
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
@@ -548,3 +548,14 @@ def test_preload_after_small_kernels(monkeypatch):
     # a preload of 2 everywhere, but the gate-up GEMV (1,024 threads, so 64 registers at most) spills at 2:
     # halved to 1 (builder/kernels.py _loads_ahead_without_spills)
     assert preloads(preload=2) == [("3072", 2), ("2048", 2), ("8192", 1), ("2048", 2), ("128256", 2)]
+    # ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the other GEMVs (qkv, gate-up, down) preload 4, less what would spill or
+    # crowd the SMs (gate-up halved to 1, as at LUM_GEMV_PRELOAD=4); both rules at once
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "4")
+    both = preloads()
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "0")
+    after = preloads()
+    assert [p for _, p in after][1::3] == [0, 0] and all(p > 0 for _, p in (after[0], after[2], after[3])), after
+    assert both == [(n, 1 if i in (1, 4) else p) for i, (n, p) in enumerate(after)], both
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "9")
+    with pytest.raises(ValueError):
+        preloads()
