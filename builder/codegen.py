@@ -91,7 +91,7 @@ from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
                              attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
                              gemm_parts, has_row_ops)
-from lum.format.manifest import L2_PREFETCH_CHUNK, MAX_SHARED_MEM
+from lum.format.manifest import L2_PREFETCH_CHUNK, MAX_CLUSTER, MAX_SHARED_MEM
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -112,7 +112,6 @@ GEMV_MAX_M = 8                                   # gemms with a static m up to t
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
-ATTENTION_MAX_CLUSTER = 8                       # blocks a cluster of a kv row's chunks (the portable cluster size)
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
@@ -940,11 +939,11 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
     rank = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
-    after_gemv = gemv_preload_after_gemv()
-    if (gemv_preload_after_small() or after_gemv) and "preload" not in common:
+    after_small, after_gemv = int(gemv_preload_after_small()), gemv_preload_after_gemv()
+    if (after_small or after_gemv) and "preload" not in common:
         small = gemv_after_small(program)
         for oid, r in rank.items():
-            n = (1 if gemv_preload_after_small() else 0) if oid in small else after_gemv
+            n = after_small if oid in small else after_gemv
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}
@@ -1801,9 +1800,8 @@ class _Gen:
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size}
         if self.combine is not None:
             tuning["combine"] = True
-        cl = comb["CLUSTER"]
         if comb["CLUSTERED"]:                      # a cluster per kv row, as many as fit max_blocks
-            tuning["cluster"] = cl
+            tuning["cluster"] = cl = comb["CLUSTER"]
             clusters = max(1, min(heads_n.value, self.max_blocks // cl))
             return [src], [("", (as_expr(clusters * cl), as_expr(1), as_expr(1)), (self.threads, 1, 1), 0, cl)], \
                 tuning, self.max_blocks
@@ -1977,13 +1975,14 @@ class _Gen:
         out = ShapeTracker.contiguous(c.shape)
         self.ctx.exprs.append(out.physical_index(tuple(idx) + (as_expr(dv),)))
         part0 = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (zero, zero))
-        ns_max = cdiv(attention_dims(op)[1], int(op.params["chunk"])).bounds(self.ctx._dyn_bounds())[1]
-        cluster = 1      # a block a chunk, in a power of two up to the portable size
-        while cluster < min(ATTENTION_MAX_CLUSTER, ns_max):
-            cluster *= 2
+        cluster = 1      # counted; in clusters, a block a chunk, in a power of two up to the portable size
+        if self.combine_cluster:
+            ns_max = cdiv(attention_dims(op)[1], int(op.params["chunk"])).bounds(self.ctx._dyn_bounds())[1]
+            while cluster < min(MAX_CLUSTER, ns_max):
+                cluster *= 2
         cl = int(self.combine_cluster)
-        return {"COMBINE": 1, "COUNTED": 1 - cl, "CLUSTERED": cl, "UNCLUSTERED": 1 - cl, "CLUSTER": cluster if cl else 1,
-                "COUNTERS": 1 if self.combine_cluster else heads_n.value, "PART0": self.ctx.c(part0),
+        return {"COMBINE": 1, "COUNTED": 1 - cl, "CLUSTERED": cl, "UNCLUSTERED": 1 - cl, "CLUSTER": cluster,
+                "COUNTERS": 1 if cl else heads_n.value, "PART0": self.ctx.c(part0),
                 "COMBINED": self.ctx.c(out.physical_index(tuple(idx) + (zero,))),
                 "COMBINE_STORE": _store_conv("f", "lum_v", c.dtype), "COMBINED_N": self.ctx.c(numel(c.shape)),
                 "COMBINE_ZERO": _store_conv("f", "0.0f", c.dtype)}

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lum.builder.codegen import SMS, KernelSource, env_switch, gemv_kernel_ops, generate_program, module_source
 from lum.format.llir import Program
-from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
+from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, sm_version
 
 __all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table", "group_kernel_sources",
            "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
@@ -108,11 +108,6 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             "programmatic": all(_waits(ks) for ks in sources.values() if ks is not None)}
 
 
-def _sm(arch: str) -> int:
-    """The compute capability of ``arch`` as an int (``sm_90a`` → 90)."""
-    return int(re.fullmatch(r"sm_(\d+)[af]?", arch).group(1))     # type: ignore[union-attr]
-
-
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
 
 
@@ -160,7 +155,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
                                               weights)
     tuning, gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
     combine = attention_combine_mode()
-    if combine == "counted" or (combine == "cluster" and _sm(arch) >= 90):
+    if combine == "counted" or (combine == "cluster" and sm_version(arch) >= 90):
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
     tails = kernel_tails_enabled()
     if attention_stage_enabled() and not tails:     # both take the small kernels after the qkv GEMV

@@ -109,6 +109,14 @@ MAX_SHARED_MEM = 227 * 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
+def sm_version(arch: str) -> int:
+    """The compute capability of an architecture name that :data:`SM_RE` matches, as an int (``sm_90a`` → 90)."""
+    m = SM_RE.fullmatch(arch)
+    if m is None:
+        raise ValueError(f"expected an architecture like 'sm_90', found {arch!r}")
+    return int(m.group(1))
+
+
 def _tail_inputs(params: tuple[str, ...], t: int) -> int:
     """How many ``in<k>@<t>`` parameters (tail op ``t``'s buffers) ``params`` holds."""
     return sum(1 for p in params if p.startswith("in") and p.partition("@")[2] == str(t))
@@ -454,7 +462,7 @@ class _Parser:
         if version != CLUSTER_TABLE_VERSION:
             raise self.fail(where + ".cluster", f"clusters need table version {CLUSTER_TABLE_VERSION}")
         n = self.integer(lc["cluster"], where + ".cluster", 2, MAX_CLUSTER)
-        if int(SM_RE.fullmatch(arch).group(1)) < 90:    # type: ignore[union-attr]
+        if sm_version(arch) < 90:
             raise self.fail(where + ".cluster", f"thread block clusters need sm_90 or newer, not {arch}")
         return n
 
