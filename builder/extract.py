@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel, epilogue, prologue, row_reads
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
+from lum.builder.rewrite import outputs_last
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, cdiv, smax
 from lum.format.llir import Arg, LOp, Program
@@ -543,4 +544,4 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
         program = prologue.fuse_gemv_prologues(program)
     if epilogue.gemv_epilogues_enabled():
         program = epilogue.fuse_gemv_epilogues(program)
-    return program
+    return outputs_last(program)

@@ -178,7 +178,9 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
     threads and so 64 registers at most, spilled 604 bytes a thread). A preload is halved too where its
     registers leave an SM fewer than :data:`PRELOAD_MIN_THREADS` resident threads: the preload covers the
     first tiles, the occupancy it costs slows every tile (gemma3-4b's gate-up at 4 vectors a lane took 128
-    registers, 512 threads an SM, and the step measured 11% slower). Unchanged without NVRTC."""
+    registers, 512 threads an SM, and the step measured 11% slower); and where those registers leave the
+    SMs too few blocks for the GEMV's grid to run as evenly as codegen sized it (:func:`_waves_unbalanced`).
+    Unchanged without NVRTC."""
     from lum.builder import nvrtc
 
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
@@ -193,12 +195,26 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
             return tuning, gen
         regs = nvrtc.ptxas_registers(log)
         threads = {ks.name: ks.block[0] for ks in gen.values() if ks is not None and ks.name in ahead}
+        by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in regs
-                   and resident_blocks(threads[name], regs[name]) * threads[name] < PRELOAD_MIN_THREADS]
+                   and (resident_blocks(threads[name], regs[name]) * threads[name] < PRELOAD_MIN_THREADS
+                        or _waves_unbalanced(by_name[name], SMS * resident_blocks(threads[name], regs[name])))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen
         tuning = {**tuning, **{f"gemv{rank}.{knob}": count // 2 for rank, knob, count in spilled}}
+
+
+def _waves_unbalanced(ks: KernelSource, wave: int) -> bool:
+    """A GEMV without a prologue whose static grid is more than ``wave`` blocks (what the SMs hold at its
+    registers) and would, capped there (:func:`_grids_in_one_wave`), give some blocks a tile more than others
+    by over a tenth of the average (codegen's ``_unbalanced`` criterion). gemma3-4b's down projection
+    (1,280 blocks of 128 threads, all resident without a preload) held 1,056 at a preload of 2: 224 blocks
+    walked two tiles, and the kernel took 21.3 µs against 14.2 (profile, e827744); the step lost 7.4%."""
+    if ks.tuning.get("prologue") or not ks.grid[0].is_const:
+        return False
+    blocks = ks.grid[0].value
+    return blocks > wave and -(-blocks // wave) * wave > 1.1 * blocks
 
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"

@@ -1,12 +1,13 @@
 """Rewriting a lowered LLIR program after extraction (the GEMV prologue and epilogue passes): who reads
-each op, and a program with some ops dropped and others replaced, ids renumbered in order."""
+each op, a program with some ops dropped and others replaced, ids renumbered in order, and the ops
+only the group's outputs read moved last."""
 
 from __future__ import annotations
 
 from lum.builder import costmodel
 from lum.format.llir import Arg, LOp, Program
 
-__all__ = ["readers", "rewritten"]
+__all__ = ["readers", "rewritten", "outputs_last"]
 
 
 def readers(program: Program) -> dict[int, list[LOp]]:
@@ -35,3 +36,35 @@ def rewritten(program: Program, drop: set[int], replace: dict[int, LOp]) -> Prog
         o = out.ops[new_id[old]]
         o.bytes, o.flops = costmodel.op_bytes(o, out), costmodel.op_flops(o)
     return out
+
+
+def outputs_last(program: Program) -> Program:
+    """``program`` with the ops that only Output ops read moved after the other ops (renumbered), or
+    ``program`` itself when nothing moves.
+
+    Why: the loader runs a group's kernels in program order, and its branch scheduler
+    (loader/cuda/branches.py) keeps a step on the stream of the step before it only when it depends on
+    that step. An op nothing in the group reads (a residual that only the next layer needs) emitted
+    between two ops of the group's chain pushes the rest of the chain onto a side stream behind an
+    event; emitted after the chain, it is the one that goes beside it. The moved ops go in the order of
+    their latest input, latest first, so the one that continues the chain stays next to it. Ops before
+    the last one that writes in place (``alias``) stay where they are: it could overwrite what they read."""
+    users = readers(program)
+    body = [o for o in program.ops if o.kind != "output"]
+    start = 1 + max((i for i, o in enumerate(body) if o.alias is not None), default=-1)
+    at = {o.id: i for i, o in enumerate(program.ops)}
+
+    def only_outputs(o: LOp) -> bool:
+        return o.kind not in ("input", "constant") and bool(users.get(o.id)) and all(
+            u.kind == "output" for u in users[o.id])
+
+    late = sorted((o for o in body[start:] if only_outputs(o)),
+                  key=lambda o: (-max((at[a.src] for a in o.args), default=-1), at[o.id]))
+    order = body[:start] + [o for o in body[start:] if not only_outputs(o)] + late
+    if [o.id for o in order] == [o.id for o in body]:
+        return program
+    order += [o for o in program.ops if o.kind == "output"]
+    new_id = {o.id: i for i, o in enumerate(order)}
+    ops = [LOp(new_id[o.id], o.kind, o.op, tuple(Arg(new_id[a.src], a.view) for a in o.args), o.shape, o.dtype,
+               o.params, o.alias, o.bytes, o.flops) for o in order]
+    return Program(program.name, ops)

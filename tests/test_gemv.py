@@ -559,3 +559,32 @@ def test_preload_after_small_kernels(monkeypatch):
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "9")
     with pytest.raises(ValueError):
         preloads()
+
+
+def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
+    """gemma3-4b's down GEMV: 1,280 blocks of 128 threads (two columns each), all resident at once without a
+    preload; a preload's registers let the SMs hold 1,056, and capped there 224 blocks would walk two tiles
+    (profiled 21.3 µs against 14.2). So its preload halves down to none and it keeps its grid; so does o's
+    (320 blocks of 512 threads, 264 resident at a preload); the qkv GEMV (a prologue GEMV, its grid one
+    wave anyway) and gate-up (5,120 blocks, capped at 1,056: under five tiles a block, evenly enough) keep
+    theirs (builder/kernels.py _waves_unbalanced)."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import group_kernel_sources, program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    cgs = compile_graph(build_entry(named_config("gemma3-4b"), "decode", 512, BF16))
+    dv = program_dyn_vars([cg.program for cg in cgs])
+    layer = max(cgs, key=lambda cg: cg.stats.get("chunks", 1)).program
+
+    def gemvs() -> list[tuple[int, int, int]]:
+        gen = group_kernel_sources(layer, dv, {"p": 512}, {})
+        return [(int(layer.ops[i].shape[-1]), k.tuning["preload"], k.grid[0].value) for i, k in gen.items()
+                if k is not None and k.kind == "gemm"]
+
+    plain = gemvs()
+    assert [n for n, _, _ in plain] == [4096, 2560, 10240, 2560] and plain[3] == (2560, 0, 1280), plain
+    monkeypatch.setenv("LUM_GEMV_PRELOAD", "2")
+    pre = gemvs()
+    assert pre[3] == (2560, 0, 1280) and pre[1] == (2560, 0, 320), pre     # down and o: no preload, grids whole
+    assert pre[0][1] == 2 and pre[2][1] >= 1, pre
