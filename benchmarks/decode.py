@@ -49,7 +49,8 @@ What it does, in one run on one GPU:
      builder/attention_combine.py), ``lum-clustercombine`` with ``LUM_ATTENTION_COMBINE=cluster`` (the same in a
      thread block cluster a kv row, after the cluster's barrier), ``lum-postnorm-next`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` (a Gemma layer's FFN post-norm residual computed in the next layer's
-     chunk, by the qkv GEMV's prologue: builder/models/transformer.py), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
+     chunk, by the qkv GEMV's prologue: builder/models/transformer.py), ``lum-postnorm-preload`` with that and
+     ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (qkv then follows down, a GEMV, and preloads), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
      rather than computed by the attention kernel: builder/attention_stage.py), ``lum-stageahead`` with
@@ -110,6 +111,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
                  "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-clustercombine": {"LUM_ATTENTION_COMBINE": "cluster"},
                  "lum-postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"},
+                 "lum-postnorm-preload": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"}, "lum-stageahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
