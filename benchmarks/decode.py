@@ -35,7 +35,8 @@ What it does, in one run on one GPU:
      loads its first weight vectors, up to that many, into registers before it waits for the kernel before
      it, which under programmatic launch still runs; templates/gemv.cu PRELOAD), ``lum-preload-small`` with ``LUM_GEMV_PRELOAD_AFTER_SMALL=1`` (only the GEMVs whose kernel
      before is not a GEMV preload), ``lum-preload-aftergemv`` with ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (only those
-     whose kernel before is a GEMV, four vectors), ``lum-twowaves`` with ``LUM_GEMV_PROLOGUE_ONE_WAVE=0`` (a prologue GEMV's
+     whose kernel before is a GEMV, four vectors: the default since 2026-12-03), ``lum-nopreload`` with it at 0
+     (no GEMV preloads, the default before), ``lum-twowaves`` with ``LUM_GEMV_PROLOGUE_ONE_WAVE=0`` (a prologue GEMV's
      grid sized to 2,048 threads an SM whatever its registers, as before 2026-12-02: builder/kernels.py),
      ``lum-noevict`` with ``LUM_GEMV_EVICT_FIRST=0`` (GEMVs load their weights without the L2 evict-first
      policy that keeps the small tensors each step rereads in L2: templates/common.cuh lum_load_stream),
@@ -104,6 +105,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload4": {"LUM_GEMV_PRELOAD": "4"}, "lum-preload8": {"LUM_GEMV_PRELOAD": "8"},
                  "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
                  "lum-preload-aftergemv": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
+                 "lum-nopreload": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "0"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},

@@ -99,7 +99,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
-           "ENV_GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
+           "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "ENV_FLASH_ATTENTION", "flash_attention_enabled",
            "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
@@ -646,8 +646,8 @@ def _pow2_floor(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
-def _env_count(name: str, hi: int) -> int:
-    raw = os.environ.get(name, "0")
+def _env_count(name: str, hi: int, default: int = 0) -> int:
+    raw = os.environ.get(name, str(default))
     if not raw.isdigit() or int(raw) > hi:
         raise CodegenError(f"${name} must be an integer in [0, {hi}], got {raw!r}")
     return int(raw)
@@ -910,12 +910,17 @@ def gemv_preload_after_small() -> bool:
     return env_switch(ENV_GEMV_PRELOAD_AFTER_SMALL)
 
 
+GEMV_PRELOAD_AFTER_GEMV = 4      # the default of $LUM_GEMV_PRELOAD_AFTER_GEMV
+
+
 def gemv_preload_after_gemv() -> int:
     """``$LUM_GEMV_PRELOAD_AFTER_GEMV`` (N: a GEMV whose kernel before is a GEMV, the complement of
-    :func:`gemv_after_small`, preloads N vectors a lane unless its tuning sets ``preload``), else 0. Measured
-    on llama3-1b at 4 (c9dfe46, same run): +2.9%, as much as every GEMV preloading (+3.0%); not yet on
-    gemma3-4b, where only its down GEMV preloads and a preload everywhere lost 10.6%, so off."""
-    return _env_count(ENV_GEMV_PRELOAD_AFTER_GEMV, GEMV_PRELOAD_VECTORS)
+    :func:`gemv_after_small`, preloads N vectors a lane unless its tuning sets ``preload``; 0: off), else
+    :data:`GEMV_PRELOAD_AFTER_GEMV`. Measured on llama3-1b at 4, same runs, tokens equal: +2.9% (c9dfe46), as
+    much as every GEMV preloading (+3.0%), and +2.9% again (e35cef7: 1,126.8 against 1,095.0 tok/s). In
+    gemma3-4b only its down GEMV follows a GEMV, and its preload is dropped (builder/kernels.py
+    ``_waves_unbalanced``; kept, it cost the step 7.4% at e827744), so gemma's kernels are unchanged."""
+    return _env_count(ENV_GEMV_PRELOAD_AFTER_GEMV, GEMV_PRELOAD_VECTORS, GEMV_PRELOAD_AFTER_GEMV)
 
 
 def gemv_after_small(program: Program) -> set[int]:

@@ -525,7 +525,7 @@ def test_preload_after_small_kernels(monkeypatch):
     reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
     not a GEMV; qkv follows down across the layer boundary, gate-up o and down gate-up. Those preload one
     vector a lane, the others none; a ``preload`` in the tuning wins over the rule, less what would spill; off by
-    default. ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the complement, N vectors."""
+    default. ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the complement, N vectors; 4 by default, 0 turns it off."""
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
@@ -542,6 +542,8 @@ def test_preload_after_small_kernels(monkeypatch):
                     if k is not None and k.kind == "gemm"]
         return out
 
+    default = preloads()
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     assert all(p == 0 for _, p in preloads())
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "1")
     assert preloads() == [("3072", 0), ("2048", 1), ("8192", 0), ("2048", 0), ("128256", 1)]
@@ -554,6 +556,8 @@ def test_preload_after_small_kernels(monkeypatch):
     both = preloads()
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "0")
     after = preloads()
+    assert after == default          # the default: qkv 2, gate-up 1, down 2 (halved for registers)
+    assert [p for _, p in default] == [2, 0, 1, 2, 0], default
     assert [p for _, p in after][1::3] == [0, 0] and all(p > 0 for _, p in (after[0], after[2], after[3])), after
     assert both == [(n, 1 if i in (1, 4) else p) for i, (n, p) in enumerate(after)], both
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "9")
