@@ -194,11 +194,11 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         if log is None:
             return tuning, gen
         regs = nvrtc.ptxas_registers(log)
-        threads = {ks.name: ks.block[0] for ks in gen.values() if ks is not None and ks.name in ahead}
         by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
-        crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in regs
-                   and (resident_blocks(threads[name], regs[name]) * threads[name] < PRELOAD_MIN_THREADS
-                        or _waves_unbalanced(by_name[name], SMS * resident_blocks(threads[name], regs[name])))]
+        resident = {name: resident_blocks(ks.block[0], regs[name]) for name, ks in by_name.items() if name in regs}
+        crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
+                   and (resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS
+                        or _waves_unbalanced(by_name[name], SMS * resident[name]))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen

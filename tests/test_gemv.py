@@ -389,13 +389,15 @@ def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
     """A prologue GEMV (each block computes all of A) gets at most the blocks its registers let the SMs hold:
     llama3-1b's gate-up (1,024 threads, 256 blocks by codegen's 2,048 threads an SM) keeps 256 at 32 registers
     (two blocks an SM), drops to 132 at 33; an explicit cap, ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0`` or a log
-    without the kernel keep codegen's grid; the GEMVs without a prologue keep theirs."""
+    without the kernel keep codegen's grid; the GEMVs without a prologue keep theirs. (No preloads here: a
+    preloading GEMV is capped too, whatever ``$LUM_GEMV_PROLOGUE_ONE_WAVE`` says.)"""
     import re
     from types import SimpleNamespace
 
     from lum.builder import kernels, nvrtc
     from lum.builder.codegen import gemv_kernel_ops
 
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     prog, dv = _llama_layer()
     gemvs = gemv_kernel_ops(prog)
     ranks = {o.id: i for i, o in enumerate(gemvs)}
