@@ -100,7 +100,8 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_ROW_EARLY", "row_early_default", "env_switch", "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
+           "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
+           "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "ENV_FLASH_ATTENTION", "flash_attention_enabled",
            "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
            "AttentionStage", "StageRow", "stage_row"]
@@ -111,6 +112,8 @@ KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", 
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
+ENV_ROW_REGS_BOUNDED = "LUM_ROW_REGS_BOUNDED"      # 1: a dynamic row too, by its bound (row_regs_bounded)
+ROW_REGS_BOUNDED = 16                            # ... up to this per lane (decode's combine at max_seq 4,096: 9)
 ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
@@ -671,6 +674,16 @@ def gemv_evict_first() -> bool:
     """``$LUM_GEMV_EVICT_FIRST`` (1, the default: a GEMV whose B is a weight loads it with an L2 evict-first
     policy, templates/common.cuh lum_load_stream; gemma3-4b bf16 decode +3.2%, llama3-1b −0.2%, 5f9afe5)."""
     return env_switch(ENV_GEMV_EVICT_FIRST, default=True)
+
+
+def row_regs_bounded() -> bool:
+    """``$LUM_ROW_REGS_BOUNDED`` (1: a row kernel whose row length is dynamic keeps the row in registers too,
+    sized by its bound at the package's dyn bounds, when that is at most :data:`ROW_REGS_BOUNDED` a lane), else off.
+    Why: decode attention's combine is such a row (the chunks, ``cdiv(p + 1, 16)``): read once per phase, it
+    loads the chunks' offsets and takes their maximum, then loads them and the sums for the denominator, then
+    the accumulators for the quotient, three dependent L2 round trips; in registers every load is issued
+    before the first phase. Not yet measured on a GPU."""
+    return env_switch(ENV_ROW_REGS_BOUNDED)
 
 
 def row_early_default() -> bool:
@@ -1540,8 +1553,11 @@ class _Gen:
                 setup.append(f"{ind}const bool lum_v{k} = {valid};")
             guards[k] = f"lum_v{k}" if valid else None
         # a static row of at most ROW_REGS elements per lane is loaded once, into registers; every phase then
-        # reads registers (one round of memory latency per row instead of one per phase)
-        regs = -(-n.value // group) if self.row_regs and n.is_const and -(-n.value // group) <= ROW_REGS else 0
+        # reads registers (one round of memory latency per row instead of one per phase); a dynamic row too,
+        # sized by its bound, with $LUM_ROW_REGS_BOUNDED (every register load and phase is guarded by lum_n)
+        n_hi = n.value if n.is_const else n.bounds(ctx._dyn_bounds())[1] if row_regs_bounded() else INF
+        most = ROW_REGS if n.is_const else ROW_REGS_BOUNDED
+        regs = -(-int(n_hi) // group) if self.row_regs and 0 < n_hi < INF and -(-int(n_hi) // group) <= most else 0
         early: list[str] = []                    # a weight's row that every row reads: loaded before the wait
         early_args: list[int] = []
         if regs:

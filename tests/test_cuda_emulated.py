@@ -37,7 +37,7 @@ MAX_SEQ = 16
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
-         "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}}
+         "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``stage-ahead`` (``LUM_ATTENTION_STAGE_AHEAD=1``: the first keys loaded before the stage),
     ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch) or
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
-    next layer's qkv prologue, its residual kernel last in the layer).
+    next layer's qkv prologue, its residual kernel last in the layer) or ``row-regs-bounded``
+    (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""
@@ -289,7 +290,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
 import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
-out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}}
+out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "regs": {}}
 for dt in (DType.f32, DType.bf16):
     pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
@@ -315,6 +316,8 @@ for name in MODELS:
                                  if op.tail})
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
+    out["regs"][name] = [sorted(op.tuning.get("regs", 0) for g in p.manifest.groups if g.table is not None
+                                for op in g.table.ops if op.kind == "reduce") for p in (pkg, L.open(PKGS[name]))]
     with pkg.session(backend="cuda") as sess:
         out[name] = sess.generate(prompt, 8)
     out[name + ".want"] = pkg.session(backend="reference").generate(prompt, 8)
@@ -343,6 +346,9 @@ print(json.dumps(out))
         elif variant == "siblings":    # q, k and v: one sibling kernel
             assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
         assert res[name] == res[name + ".want"], name
+        fused_regs, plain_regs = res["regs"][name]      # the combine's row in registers only in that variant
+        more = sum(r > 0 for r in fused_regs) > sum(r > 0 for r in plain_regs)
+        assert more == (variant == "row-regs-bounded"), res["regs"]
 
 
 def test_decode_loop_replays_graphs_with_flat_memory(env):

@@ -640,22 +640,28 @@ def _attention_package(tmp_path, dt: DType, d: int, group: int, max_t: int):
     return lum.loader.open(path)
 
 
-@pytest.mark.parametrize("combine", ["0", "1", "cluster"], ids=["two-kernels", "combined", "clustered"])
+@pytest.mark.parametrize("combine", ["0", "1", "cluster", "registers"], ids=["two-kernels", "combined", "clustered",
+                                                                     "registers"])
 @pytest.mark.parametrize("dt,d,group", [(DType.bf16, 256, 2), (DType.f32, 64, 4)], ids=["bf16-d256-g2", "f32-d64-g4"])
 def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, combine, record_property, monkeypatch):
     """The split-K kernel and its combine over up to 256 chunks (p + 1 = 4,096 keys), the arena poisoned,
     against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16);
     ``combined``: the attention kernel runs the combine itself (``LUM_ATTENTION_COMBINE``), its per-kv-row
     counters reset by each launch for the next (three launches, then the first p again); ``clustered``: in a
-    cluster of 8 blocks a kv row, each taking 32 of the 256 chunks."""
+    cluster of 8 blocks a kv row, each taking 32 of the 256 chunks; ``registers``: two kernels, the combine
+    holding its row of up to 256 chunks in registers (``LUM_ROW_REGS_BOUNDED=1``)."""
     import ml_dtypes
 
     max_t = 4096
-    monkeypatch.setenv("LUM_ATTENTION_COMBINE", combine)
+    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "0" if combine == "registers" else combine)
+    monkeypatch.setenv("LUM_ROW_REGS_BOUNDED", "1" if combine == "registers" else "0")
     pkg = _attention_package(tmp_path, dt, d, group, max_t)
-    att = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops if op.kind == "attention"]
-    assert [op.tail for op in att] == ([()] if combine == "0" else [(6,)]), att
+    ops = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops]
+    att = [op for op in ops if op.kind == "attention"]
+    assert [op.tail for op in att] == ([()] if combine in ("0", "registers") else [(6,)]), att
     assert [lc.cluster for op in att for lc in op.launches] == [8 if combine == "cluster" else 1]
+    assert [op.tuning.get("regs", 0) > 0 for op in ops if op.kind == "reduce"] == (
+        [True] if combine == "registers" else [False] if combine == "0" else []), ops
     rng = np.random.default_rng(5)
     np_dt = ml_dtypes.bfloat16 if dt == DType.bf16 else np.float32
     q = rng.normal(size=(2, group, 1, d)).astype(np_dt)
