@@ -109,12 +109,20 @@ MAX_SHARED_MEM = 227 * 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
-def sm_version(arch: str) -> int:
-    """The compute capability of an architecture name that :data:`SM_RE` matches, as an int (``sm_90a`` → 90)."""
-    m = SM_RE.fullmatch(arch)
+def parse_sm(arch: str) -> tuple[int, int, str]:
+    """An architecture name that :data:`SM_RE` matches as (major, minor, suffix): ``"sm_90"`` → (9, 0, ""),
+    ``"sm_90a"`` → (9, 0, "a"), ``"sm_120"`` → (12, 0, "")."""
+    m = SM_RE.fullmatch(arch or "")
     if m is None:
         raise ValueError(f"expected an architecture like 'sm_90', found {arch!r}")
-    return int(m.group(1))
+    digits = m.group(1)
+    return int(digits[:-1]), int(digits[-1]), m.group(2)
+
+
+def sm_version(arch: str) -> int:
+    """The compute capability of an architecture name as an int (``sm_90a`` → 90)."""
+    major, minor, _ = parse_sm(arch)
+    return 10 * major + minor
 
 
 def _tail_inputs(params: tuple[str, ...], t: int) -> int:

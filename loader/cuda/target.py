@@ -14,12 +14,11 @@ Rules (pure functions, unit-tested on the CPU):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-__all__ = ["Compatibility", "parse_sm", "parse_version", "check_target"]
+from lum.format.manifest import parse_sm
 
-_SM = re.compile(r"sm_(\d+)(\d)([af]?)")
+__all__ = ["Compatibility", "parse_sm", "parse_version", "check_target"]
 
 
 @dataclass(frozen=True)
@@ -27,14 +26,6 @@ class Compatibility:
     ok: bool
     use_ptx: bool          # load PTX (JIT) instead of the cubins
     reason: str            # one line: why it runs (and how) or why not
-
-
-def parse_sm(sm: str) -> tuple[int, int, str]:
-    """``"sm_90"`` → (9, 0, ""), ``"sm_90a"`` → (9, 0, "a"), ``"sm_120"`` → (12, 0, "")."""
-    m = _SM.fullmatch(sm or "")
-    if not m:
-        raise ValueError(f"bad target architecture {sm!r}; expected e.g. 'sm_90'")
-    return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
 def parse_version(text: str | None) -> tuple[int, int] | None:
