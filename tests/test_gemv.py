@@ -594,3 +594,7 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     pre = gemvs()
     assert pre[3] == (2560, 0, 1280) and pre[1] == (2560, 0, 320), pre     # down and o: no preload, grids whole
     assert pre[0][1] == 2 and pre[2][1] >= 1, pre
+    # ``$LUM_GEMV_PRELOAD_PROLOGUE``: only the GEMV with a prologue (qkv) preloads; the others as by default
+    monkeypatch.delenv("LUM_GEMV_PRELOAD")
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_PROLOGUE", "2")
+    assert [p for _, p, _ in gemvs()] == [2, 0, 0, 0]

@@ -58,6 +58,23 @@ def _build(spec, out, budget=6, factory=FakeTimer, **kw):
     return comp, path
 
 
+def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
+    """A search measured under one codegen is not reused under another: each switch that changes kernels is in
+    the key, and the off-by-default ones only when on (so turning one on does not orphan the default's
+    records)."""
+    comp = T.measured_compiler(spec, BuildOptions(budget=2), None, timer_factory=FakeTimer, device=FAKE)
+    base = comp.key_options({"p": 3})
+    assert "row_regs_bounded" not in base and "gemv_preload_prologue" not in base
+    assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
+    for env, key, value in (("LUM_ROW_REGS_BOUNDED", "row_regs_bounded", True),
+                            ("LUM_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", 2)):
+        monkeypatch.setenv(env, "1" if value is True else str(value))
+        assert comp.key_options({"p": 3}) == {**base, key: value}
+        monkeypatch.delenv(env)
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
+    assert "gemv_preload_after_gemv" not in comp.key_options({"p": 3})
+
+
 # ---------------------------------------------------------------- database
 def test_cache_dir_follows_env(cache):
     assert T.cache_dir() == cache
