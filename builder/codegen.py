@@ -103,6 +103,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
+           "blocks_unbalanced",
            "ENV_FLASH_ATTENTION", "flash_attention_enabled",
            "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
            "AttentionStage", "StageRow", "stage_row"]
@@ -613,7 +614,7 @@ def _default_threads(op: LOp) -> int:
     """Block size when the caller leaves it open: 256, except lum's decode GEMV (dot scheme), where
     benchmarks/gemv_sweep.py measured small blocks best for many columns (>= 8,192: 128 threads, e.g.
     3.54 vs 3.15 TB/s on gemma3-4b's gate projection) and large ones for few (512: 2.40 vs 2.15 TB/s on
-    its q projection), unless a large one's blocks would load the SMs unevenly (:func:`_unbalanced`)."""
+    its q projection), unless a large one's blocks would load the SMs unevenly (:func:`blocks_unbalanced`)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
@@ -623,7 +624,7 @@ def _default_threads(op: LOp) -> int:
         if cols.is_const and cols.value >= 8192:
             return 128
         k = as_expr(op.params["k"])
-        if (cols.is_const and k.is_const and cols.value * k.value >= _GEMV_LARGE and _unbalanced(cols.value // 8)
+        if (cols.is_const and k.is_const and cols.value * k.value >= _GEMV_LARGE and blocks_unbalanced(cols.value // 8)
                 and gemv_balance()):
             return 128
         return 512
@@ -635,16 +636,17 @@ _GEMV_LARGE = 1 << 24      # weights of a decode GEMV (elements) whose time is i
 
 def gemv_balance() -> bool:
     """``$LUM_GEMV_BALANCE`` (1, the default: a large decode GEMV whose 512-thread blocks would load the SMs
-    unevenly takes 128 threads, :func:`_unbalanced`), else off."""
+    unevenly takes 128 threads, :func:`blocks_unbalanced`), else off."""
     return env_switch(ENV_GEMV_BALANCE, default=True)
 
 
-def _unbalanced(blocks: int) -> bool:
-    """``blocks`` equal blocks leave some SMs a block more than others by more than a tenth of their work: a
+def blocks_unbalanced(blocks: int, slots: int = SMS) -> bool:
+    """``blocks`` equal blocks over ``slots`` places that run at once (the SMs; or the blocks a wave holds,
+    builder/kernels.py) leave some places a block more than others by more than a tenth of their work: a
     large GEMV at 512 threads (eight columns a block) then takes 128 (two), e.g. gemma3-4b's down projection,
     whose 320 blocks put three on some SMs and two on the others, 15.56 µs at 512 threads against 14.02 at 128
     (1,280 blocks; benchmarks/gemv_sweep.py at 893d4ba); llama3-1b's (256 blocks) stays at 512."""
-    return -(-blocks // SMS) * SMS > 1.1 * blocks
+    return -(-blocks // slots) * slots > 1.1 * blocks
 
 
 def _pow2_floor(x: int) -> int:

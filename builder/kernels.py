@@ -24,12 +24,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from lum.builder.codegen import SMS, KernelSource, env_switch, gemv_kernel_ops, generate_program, module_source
+from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switch, gemv_kernel_ops, generate_program,
+                                 module_source)
 from lum.format.llir import Program
 from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, sm_version
 
-__all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table", "group_kernel_sources",
-           "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
+__all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table",
+           "group_kernel_sources", "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
 
 
 @dataclass
@@ -208,13 +209,13 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
 def _waves_unbalanced(ks: KernelSource, wave: int) -> bool:
     """A GEMV without a prologue whose static grid is more than ``wave`` blocks (what the SMs hold at its
     registers) and would, capped there (:func:`_grids_in_one_wave`), give some blocks a tile more than others
-    by over a tenth of the average (codegen's ``_unbalanced`` criterion). gemma3-4b's down projection
+    by over a tenth of the average (:func:`~lum.builder.codegen.blocks_unbalanced` over the wave). gemma3-4b's down projection
     (1,280 blocks of 128 threads, all resident without a preload) held 1,056 at a preload of 2: 224 blocks
     walked two tiles, and the kernel took 21.3 µs against 14.2 (profile, e827744); the step lost 7.4%."""
     if ks.tuning.get("prologue") or not ks.grid[0].is_const:
         return False
     blocks = ks.grid[0].value
-    return blocks > wave and -(-blocks // wave) * wave > 1.1 * blocks
+    return blocks > wave and blocks_unbalanced(blocks, wave)
 
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"

@@ -22,16 +22,7 @@ def readers(program: Program) -> dict[int, list[LOp]]:
 def rewritten(program: Program, drop: set[int], replace: dict[int, LOp]) -> Program:
     """``program`` without the ops in ``drop`` and with ``replace[id]`` in place of op ``id`` (its args
     naming old ids), every op renumbered in order; the replaced ops' bytes and flops are recomputed."""
-    new_id: dict[int, int] = {}
-    ops: list[LOp] = []
-    for o in program.ops:
-        if o.id in drop:
-            continue
-        new_id[o.id] = len(ops)
-        o = replace.get(o.id, o)
-        ops.append(LOp(len(ops), o.kind, o.op, tuple(Arg(new_id[a.src], a.view) for a in o.args), o.shape, o.dtype,
-                       o.params, o.alias, o.bytes, o.flops))
-    out = Program(program.name, ops)
+    out, new_id = _renumbered(program.name, [(o.id, replace.get(o.id, o)) for o in program.ops if o.id not in drop])
     for old in replace:
         o = out.ops[new_id[old]]
         o.bytes, o.flops = costmodel.op_bytes(o, out), costmodel.op_flops(o)
@@ -64,7 +55,13 @@ def outputs_last(program: Program) -> Program:
     if [o.id for o in order] == [o.id for o in body]:
         return program
     order += [o for o in program.ops if o.kind == "output"]
-    new_id = {o.id: i for i, o in enumerate(order)}
-    ops = [LOp(new_id[o.id], o.kind, o.op, tuple(Arg(new_id[a.src], a.view) for a in o.args), o.shape, o.dtype,
-               o.params, o.alias, o.bytes, o.flops) for o in order]
-    return Program(program.name, ops)
+    return _renumbered(program.name, [(o.id, o) for o in order])[0]
+
+
+def _renumbered(name: str, ordered: list[tuple[int, LOp]]) -> tuple[Program, dict[int, int]]:
+    """A program of these ops in this order, each (old id, op whose args name old ids) numbered by its
+    place, and the map from old ids to new."""
+    new_id = {old: i for i, (old, _) in enumerate(ordered)}
+    ops = [LOp(i, o.kind, o.op, tuple(Arg(new_id[a.src], a.view) for a in o.args), o.shape, o.dtype, o.params,
+               o.alias, o.bytes, o.flops) for i, (_, o) in enumerate(ordered)]
+    return Program(name, ops), new_id

@@ -27,9 +27,8 @@ Measured on gemma3-4b bf16 (e35cef7, H200, same run): 379.5 against 381.6 tok/s,
 
 from __future__ import annotations
 
-import os
-
 from lum.builder import frontend as F
+from lum.builder.codegen import env_switch
 from lum.builder.frontend import GraphTensor
 from lum.builder.hlir import Graph
 from lum.builder.models.config import ModelConfig
@@ -42,7 +41,7 @@ ENV_POST_NORM_NEXT_LAYER = "LUM_POST_NORM_NEXT_LAYER"
 
 def post_norm_next_layer() -> bool:
     """Whether a Gemma layer's FFN post-norm residual goes into the next chunk (module docstring)."""
-    return os.environ.get(ENV_POST_NORM_NEXT_LAYER, "0") == "1"
+    return env_switch(ENV_POST_NORM_NEXT_LAYER)
 
 
 def cache_names(cfg: ModelConfig) -> list[str]:
