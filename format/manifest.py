@@ -478,7 +478,8 @@ class _Parser:
         if "tail" not in o:
             return ()
         if version not in (TAIL_TABLE_VERSION, CLUSTER_TABLE_VERSION):
-            raise self.fail(where + ".tail", f"kernel tails need table version {TAIL_TABLE_VERSION}")
+            raise self.fail(where + ".tail",
+                            f"kernel tails need table version {TAIL_TABLE_VERSION} or {CLUSTER_TABLE_VERSION}")
         ids = tuple(self.integer(x, where + ".tail") for x in self.lst(o["tail"], where + ".tail"))
         if not ids or any(b <= a for a, b in zip((op_id,) + ids, ids)):
             raise self.fail(where + ".tail", f"expected op ids after {op_id}, increasing, found {list(ids)}"[:200])
