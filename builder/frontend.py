@@ -419,7 +419,9 @@ def argmax(x: GraphTensor) -> GraphTensor:
         return first_max(x, constant_table(g, np.arange(n)))[1].cast(DType.i32)
     size = next((c for c in range(ARGMAX_CHUNK, ARGMAX_CHUNK // 4 - 1, -1) if n % c == 0), ARGMAX_CHUNK)
     chunks = -(-n // size)
-    idx = constant_table(g, np.arange(chunks) * size).unsqueeze(1) + constant_table(g, np.arange(size))
+    ones = [1] * len(lead)      # the index table in the rows' own rank, so that the reads of it are identities
+    idx = (constant_table(g, np.arange(chunks) * size).reshape(*ones, chunks, 1)   # and it fuses into them
+           + constant_table(g, np.arange(size)).reshape(*ones, 1, size))
     rows = x.pad(-1, 0, chunks * size - n).reshape(*lead, chunks, size)
     if chunks * size > n:
         rows = where(idx < float(n), rows, float("-inf"))

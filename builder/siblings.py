@@ -40,7 +40,8 @@ __all__ = ["ENV_SIBLING_KERNELS", "SIBLING_KINDS", "SIBLING_MAX_BLOCKS", "SIBLIN
 
 ENV_SIBLING_KERNELS = "LUM_SIBLING_KERNELS"
 SIBLING_KINDS = ("elementwise", "reduce", "scatter_nocopy", "scatter", "gather", "iota")
-SIBLING_MAX_BLOCKS = 64     # a sibling's grid at the dyn bounds, at most: small kernels, not a GEMV's stream
+SIBLING_MAX_BLOCKS = 256    # a sibling's grid at the dyn bounds, at most: small kernels, not a GEMV's stream
+#                             (gemma3-4b's argmax: its two chunk reductions of 68 and 136 blocks are one launch)
 SIBLING_MAX_OPS = 8
 
 

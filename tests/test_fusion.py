@@ -41,6 +41,8 @@ RNG = np.random.default_rng(11)
 FUSE_RULES = ("fuse-cast", "fuse-exp2", "fuse-log2", "fuse-sin", "fuse-sqrt", "fuse-recip", "fuse-add", "fuse-mul",
               "fuse-mod", "fuse-lessthan", "fuse-where")
 FUSE_VIEW_RULES = tuple(r.replace("fuse-", "fuse-view-") for r in FUSE_RULES)
+FUSE_MASKED_RULES = tuple(r.replace("fuse-", "fuse-masked-") for r in
+                          ("fuse-cast", "fuse-sin", "fuse-sqrt", "fuse-add", "fuse-mul", "fuse-lessthan", "fuse-where"))
 
 
 # ====================================================================== helpers
@@ -220,16 +222,47 @@ def test_a_producer_of_identity_reads_inlines_through_any_unmasked_view(case):
     _check(g, prog0)
 
 
-@pytest.mark.parametrize("case", ["padded", "permuted-operand", "broadcast-operand", "padded-operand"])
+ZERO_PRESERVING = {"cast": lambda x, y: x.cast("bf16"), "sin": lambda x, y: x.sin(), "sqrt": lambda x, y: x.sqrt(),
+                   "add": lambda x, y: x + y, "mul": lambda x, y: x * y, "lessthan": lambda x, y: x < y,
+                   "where": lambda x, y: F.where(x < y, x, y)}
+NOT_ZERO_PRESERVING = {"exp2": lambda x, y: x.exp2(), "log2": lambda x, y: x.log2(), "recip": lambda x, y: x.recip(),
+                       "mod": lambda x, y: x % y}
+
+
+@pytest.mark.parametrize("op", sorted(ZERO_PRESERVING))
+def test_a_zero_preserving_producer_inlines_through_a_padded_view(op):
+    """A padded element reads 0; a producer that maps zeros to zero (fuse-masked-*) recomputes 0 there from
+    its operands read through the same padded view, so it inlines into the consumer and is no kernel of its
+    own (RoPE's rotate_half reads its angle table through two masks)."""
+    g = Graph(op)
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    y = F.input_tensor(g, "y", [4, 8], "f32")
+    p = ZERO_PRESERVING[op](x, y)
+    view = p.pad(1, 1, 2)
+    out = view.cast("f32") + F.input_tensor(g, "w", [4, 11], "f32")
+    F.output(out, "out")
+    sat = saturate(g)
+    assert sat.fired(f"fuse-masked-{op}") >= 1 and not sat.fired(f"fuse-view-{op}")
+    prog, _ = compile_group(g, sat=sat)
+    assert [o.op for o in _kernels(prog) if o.kind == "elementwise"] == ["Fused"]   # p is recomputed
+    (k,) = _kernels(prog)
+    xy = [a for a in k.args if prog.ops[a.src].params.get("name") in ("x", "y")]
+    assert xy and all(a.view.mask is not None for a in xy)             # p's operands read through the pad
+    _check(g, prog, tol=1e-2 if op == "cast" else 1e-6)
+
+
+@pytest.mark.parametrize("case", ["padded-" + op for op in sorted(NOT_ZERO_PRESERVING)]
+                         + ["permuted-operand", "broadcast-operand", "padded-operand"])
 def test_no_inline_value_through_a_view_near_misses(case):
-    """Not inlined through a non-identity view: a masked (padded) consumer view (a padded element reads 0,
-    not p over 0s), and a producer with an operand read that is neither its own layout nor a scalar
-    (its index map would have to be composed with the consumer's view)."""
+    """Not inlined through a non-identity view: a masked (padded) consumer view of a producer that does not
+    map zeros to zero (a padded element reads 0, not exp2 / log2 / recip / mod of 0s), and a producer with
+    an operand read that is neither its own layout nor a scalar (its index map would have to be composed
+    with the consumer's view)."""
     g = Graph(case)
     x = F.input_tensor(g, "x", [4, 8], "f32")
     y = F.input_tensor(g, "y", [4, 8], "f32")
-    if case == "padded":
-        p = x * y
+    if case.startswith("padded-") and case != "padded-operand":
+        p = NOT_ZERO_PRESERVING[case.removeprefix("padded-")](x, y)
         view = p.pad(1, 1, 1)
     elif case == "permuted-operand":
         p = x * F.input_tensor(g, "yt", [8, 4], "f32").permute(1, 0)
@@ -245,9 +278,10 @@ def test_no_inline_value_through_a_view_near_misses(case):
     sat = saturate(g)
     cls = _edge_reading(sat, p, "Add")
     assert _inline_ops(sat, cls, raw=True) == set()
-    assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") == 0
+    name = g.nodes[p.node].op.lower()
+    assert not any(sat.fired(f"fuse-{form}{name}") for form in ("", "view-", "masked-"))
     prog, _ = compile_group(g, sat=sat)
-    assert any(o.op == "Mul" for o in prog.ops)          # the producer is its own kernel
+    assert any(o.op == g.nodes[p.node].op for o in prog.ops)     # the producer is its own kernel
     _check(g, prog)
 
 
@@ -366,12 +400,12 @@ def test_a_matvec_does_not_recompute_its_normalised_input_per_row(dtype):
     _check(g, prog, tol=1e-5 if dtype == "f32" else 2e-2)
 
 
-@pytest.mark.parametrize("case", ["padded", "permuted-operand"])
+@pytest.mark.parametrize("case", ["padded-exp2", "permuted-operand"])
 def test_a_reduction_reads_a_padded_view_or_a_non_lifting_producer_from_the_buffer(case):
     g = Graph(case)
     x = F.input_tensor(g, "x", [4, 8], "f32")
-    if case == "padded":
-        p = x * F.input_tensor(g, "y", [4, 8], "f32")
+    if case == "padded-exp2":                   # exp2 of a padded 0 is 1: no inline value through the mask
+        p = x.exp2()
         view = p.pad(1, 1, 1)
     else:
         p = x * F.input_tensor(g, "yt", [8, 4], "f32").permute(1, 0)
@@ -379,10 +413,27 @@ def test_a_reduction_reads_a_padded_view_or_a_non_lifting_producer_from_the_buff
     F.output(view.sum(-1), "s")
     F.output(view.max(0), "m")
     sat = saturate(g)
-    assert sat.fired("fuse-mul") == 0 and sat.fired("fuse-view-mul") == 0
+    name = g.nodes[p.node].op
+    assert not any(sat.fired(f"fuse-{form}{name.lower()}") for form in ("", "view-", "masked-"))
     prog, _ = compile_group(g, sat=sat)
-    assert [o.op for o in _kernels(prog) if o.kind == "elementwise"] == ["Mul"]   # the producer runs once
+    assert [o.op for o in _kernels(prog) if o.kind == "elementwise"] == [name]   # the producer runs once
     assert all("expr" not in o.params for o in _reduces(prog))
+    _check(g, prog)
+
+
+def test_a_reduction_recomputes_a_zero_preserving_producer_through_a_padded_view():
+    """sum / max over a padded x·y: the product of the padded reads is the padded product (0), so both
+    reductions compute it in their own kernels (fuse-masked-mul) and it is no kernel of its own."""
+    g = Graph("padded-mul")
+    x = F.input_tensor(g, "x", [4, 8], "f32")
+    view = (x * F.input_tensor(g, "y", [4, 8], "f32")).pad(1, 1, 1)
+    F.output(view.sum(-1), "s")
+    F.output(view.max(0), "m")
+    sat = saturate(g)
+    assert sat.fired("fuse-masked-mul") >= 1
+    prog, _ = compile_group(g, sat=sat)
+    assert not [o for o in _kernels(prog) if o.kind == "elementwise"]
+    assert len(_reduces(prog)) == 2 and all(o.params["expr"][0] == "Mul" for o in _reduces(prog))
     _check(g, prog)
 
 

@@ -7,7 +7,8 @@ extractions are lowered to LLIR and run by the loader's reference backend, and e
 compared with the HLIR reference interpreter (relative error < 1e-5 in f32, max-norm). Random
 extractions pick fuse / no-fuse per fusable read (rules/fuse.egg), so Fused ops and reductions with a
 fused prologue (reduce ops with ``params["expr"]``) are covered too, and so are producers inlined
-through a broadcast / permute / slice / reshape of their buffer (the fuse-view-* rules), row reductions
+through a broadcast / permute / slice / reshape of their buffer (the fuse-view-* rules) or through a
+padded one when they map zeros to zero (fuse-masked-*), row reductions
 recomputed in their consumer's row kernel (rules/rows.egg) and scatters that compute their rows (a
 fused prologue); each is counted.
 """
@@ -53,14 +54,17 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max()) / scale
 
 
-FUSED = {"programs": 0, "reduce": 0, "lifted": 0, "rows": 0, "scatter": 0}   # programs run that hold a Fused
-# op / a reduce with a fused prologue / an inline value read through a view other than the producer's
-# identity (fuse-view-*) / a row reduction inside a kernel / a scatter with a fused prologue
+FUSED = {"programs": 0, "reduce": 0, "lifted": 0, "masked": 0, "rows": 0, "scatter": 0}   # programs run that hold
+# a Fused op / a reduce with a fused prologue / an inline value read through a view other than the producer's
+# identity (fuse-view-*, fuse-masked-*) / one through a padded view (fuse-masked-*) / a row reduction inside a
+# kernel / a scatter with a fused prologue
 
 
-def _lifted(sat, choice) -> bool:
-    """The selection recomputes some producer through a non-identity view (rules/fuse.egg's fuse-view-*
-    rules: a broadcast, permute, slice or reshape of a producer whose operands read its own layout)."""
+def _lifted(sat, choice) -> set[str]:
+    """How the selection recomputes producers through non-identity views: ``lifted`` for any (rules/fuse.egg's
+    fuse-view-* rules: a broadcast, permute, slice or reshape of a producer whose operands read its own layout),
+    ``masked`` too for a padded one (fuse-masked-*: a producer that maps zeros to zero)."""
+    kinds: set[str] = set()
     reads = _Reads(sat, choice)
     for c in sat.reachable:
         node = chosen(sat, choice, c)
@@ -81,9 +85,9 @@ def _lifted(sat, choice) -> bool:
             ident = ShapeTracker.contiguous(shape)
             if not (v.shape == shape and v.offset == as_expr(0) and v.mask is None
                     and all(a == b or d == as_expr(1) for a, b, d in zip(v.strides, ident.strides, shape))):
-                return True
+                kinds |= {"lifted", "masked"} if v.mask is not None else {"lifted"}
             stack.extend(kid for kid in x.children() if sat.classes[kid].sort == "Op")
-    return False
+    return kinds
 
 
 def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 0,
@@ -102,7 +106,9 @@ def check_extractions(graph: Graph, inputs: dict, dyn: dict | None, seed: int = 
         prog = lower(sat, choice)
         FUSED["programs"] += any(o.op == "Fused" for o in prog.ops)
         FUSED["reduce"] += any(o.kind == "reduce" and "expr" in o.params for o in prog.ops)
-        FUSED["lifted"] += _lifted(sat, choice)
+        lifted = _lifted(sat, choice)
+        FUSED["lifted"] += "lifted" in lifted
+        FUSED["masked"] += "masked" in lifted
         FUSED["rows"] += any("expr" in o.params and has_row_ops(o.params["expr"]) for o in prog.ops)
         FUSED["scatter"] += any(o.kind in ("scatter", "scatter_nocopy") and "expr" in o.params for o in prog.ops)
         out = execute(prog, inputs, dyn)
@@ -428,6 +434,7 @@ def test_random_graphs_cover_decisions():
     assert FUSED["reduce"] >= STATS["programs"] // 4, (FUSED, STATS)     # many a fused reduce
     print(FUSED, STATS)
     assert FUSED["lifted"] >= STATS["programs"] // 5, (FUSED, STATS)     # many inline a broadcast / permute ...
+    assert FUSED["masked"] >= STATS["programs"] // 50, (FUSED, STATS)    # some through a pad / concat
     assert FUSED["rows"] >= STATS["programs"] // 20, (FUSED, STATS)      # softmax / norm-like rows
     assert FUSED["scatter"] >= 1, (FUSED, STATS)
 
@@ -455,7 +462,7 @@ def test_tiny_model_groups_every_extraction_matches_the_reference(model):
     weights = {n: np.asarray(spec.weights.get(n)) for n in spec.weights.names()}
     state = {n: rng.standard_normal((spec.max_seq, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
              for n in spec.state_names}
-    lifted, rows, scatter = FUSED["lifted"], FUSED["rows"], FUSED["scatter"]
+    lifted, masked, rows, scatter = FUSED["lifted"], FUSED["masked"], FUSED["rows"], FUSED["scatter"]
     for entry, dyn in (("prefill", {"s": 5}), ("decode", {"p": 9})):
         g = spec.graphs[entry]
         chunks = partition(g)
@@ -482,5 +489,6 @@ def test_tiny_model_groups_every_extraction_matches_the_reference(model):
                 if ci == grp.chunks[-1] == grp.chunks[0]:
                     break
     assert FUSED["lifted"] > lifted       # norms' rsqrt, softmax's 1/sum, rope tables inline through broadcasts
+    assert FUSED["masked"] > masked       # rotate_half's two padded reads of the rope angles
     assert FUSED["rows"] > rows           # norms and softmax as row kernels
     assert FUSED["scatter"] > scatter     # KV-cache writes that compute RoPE and the cast

@@ -57,8 +57,8 @@ def test_dependent_in_place_and_large_kernels_are_not_siblings():
     fused = fuse_siblings(inplace, generate_program(inplace, []), [], {})
     assert all(not k.tails for k in fused.values() if k is not None)
     big = _program()
-    big = Program("big", [replace(o, shape=(as_expr(N * 4096),), args=tuple(
-        Arg(a.src, ShapeTracker.contiguous((as_expr(N * 4096),))) for a in o.args)) for o in big.ops])
+    big = Program("big", [replace(o, shape=(as_expr(N * 16384),), args=tuple(
+        Arg(a.src, ShapeTracker.contiguous((as_expr(N * 16384),))) for a in o.args)) for o in big.ops])
     gen = generate_program(big, [])
     assert max(int(k.grid[0].value) for k in gen.values() if k is not None) > SIBLING_MAX_BLOCKS
     assert all(not k.tails for k in fuse_siblings(big, gen, [], {}).values() if k is not None)
