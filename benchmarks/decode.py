@@ -54,9 +54,7 @@ What it does, in one run on one GPU:
      ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (qkv then follows down, a GEMV, and preloads), ``lum-rowregs`` with
      ``LUM_ROW_REGS_BOUNDED=1`` (decode attention's combine loads its row of chunks into registers at once:
      one L2 round trip instead of one a phase; builder/codegen.py row_regs_bounded), ``lum-preload-prologue``
-     with ``LUM_GEMV_PRELOAD_PROLOGUE=2`` (GEMVs with a prologue preload 2 vectors: gemma3-4b's qkv),
-     ``lum-prologue-fill`` with ``LUM_GEMV_PROLOGUE_FILL=1`` (a prologue GEMV of fewer than 32 columns an SM in
-     smaller blocks, one on every SM: llama3-1b's qkv, 128 blocks of 768 threads for 96 of 1,024), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
+     with ``LUM_GEMV_PRELOAD_PROLOGUE=2`` (GEMVs with a prologue preload 2 vectors: gemma3-4b's qkv), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
      rather than computed by the attention kernel: builder/attention_stage.py), ``lum-stageahead`` with
@@ -119,7 +117,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-clustercombine": {"LUM_ATTENTION_COMBINE": "cluster"},
                  "lum-postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"},
                  "lum-postnorm-preload": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
-                 "lum-rowregs": {"LUM_ROW_REGS_BOUNDED": "1"}, "lum-prologue-fill": {"LUM_GEMV_PROLOGUE_FILL": "1"},
+                 "lum-rowregs": {"LUM_ROW_REGS_BOUNDED": "1"},
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"}, "lum-stageahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"},

@@ -102,7 +102,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
-           "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance", "ENV_GEMV_PROLOGUE_FILL", "gemv_prologue_fill",
+           "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
            "ENV_FLASH_ATTENTION", "flash_attention_enabled",
            "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
@@ -132,7 +132,6 @@ ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
-ENV_GEMV_PROLOGUE_FILL = "LUM_GEMV_PROLOGUE_FILL"  # 1: prologue GEMVs of few columns in smaller blocks, one an SM
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
@@ -619,7 +618,7 @@ def _default_threads(op: LOp) -> int:
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
-        return _prologue_threads(op)                  # --mode prologue: 1,024 or 512 threads, warp groups, best)
+        return 1024                                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         if cols.is_const and cols.value >= 8192:
@@ -633,27 +632,6 @@ def _default_threads(op: LOp) -> int:
 
 
 _GEMV_LARGE = 1 << 24      # weights of a decode GEMV (elements) whose time is its bytes, not its latency
-
-
-def _prologue_threads(op: LOp) -> int:
-    """A prologue GEMV's block size: 1,024 threads (a warp a column, 32 columns a block), or with
-    ``$LUM_GEMV_PROLOGUE_FILL=1`` fewer where 32 columns a block leave SMs without a block: a warp for each
-    of ``cdiv(columns, SMS)`` columns. Why: llama3-1b's qkv (3,072 columns) ran 96 blocks, one an SM, so 36
-    SMs streamed nothing and it reached 1.71 TB/s (7.36 µs for 12.6 MB, plain profile at 150e9f0); at 768
-    threads its 128 blocks each stream 96 KB instead of 128 KB. Not yet measured in a decode step."""
-    if not gemv_prologue_fill():
-        return 1024
-    cols = as_expr(op.params["n_out"] if "epilogue" in op.params else op.params["n"]) * as_expr(
-        op.params.get("batch", 1))
-    if not cols.is_const:
-        return 1024
-    return min(1024, 32 * -(-cols.value // SMS))
-
-
-def gemv_prologue_fill() -> bool:
-    """``$LUM_GEMV_PROLOGUE_FILL`` (1: a prologue GEMV with fewer than 32 columns an SM takes smaller blocks so
-    that every SM gets one, :func:`_prologue_threads`), else off."""
-    return env_switch(ENV_GEMV_PROLOGUE_FILL)
 
 
 def gemv_balance() -> bool:
@@ -1574,8 +1552,7 @@ class _Gen:
         group = self._row_group(rows, n)
         threads = self.threads if self.threads_given else self._row_threads(rows, group)
         group = min(group, threads)
-        whole_block = sink == "lum_as" and group == threads and group % 32 == 0   # a GEMV prologue: any warps
-        if group < 1 or group > threads or (group & (group - 1) and not whole_block):
+        if group < 1 or group > threads or group & (group - 1):
             raise CodegenError(f"group must be a power of two in [1, threads], got {group}")
         acc_kind = "d" if self.acc == "f64" else "f"
         ctx = self.ctx

@@ -198,7 +198,7 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
         resident = {name: resident_blocks(ks.block[0], regs[name]) for name, ks in by_name.items() if name in regs}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
-                   and (resident[name] * by_name[name].block[0] < _preload_min_threads(by_name[name])
+                   and (resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS
                         or _waves_unbalanced(by_name[name], SMS * resident[name]))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
@@ -220,15 +220,6 @@ def _waves_unbalanced(ks: KernelSource, wave: int) -> bool:
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
 PRELOAD_MIN_THREADS = 1024     # resident threads an SM a preloading GEMV's registers must leave (of 2,048)
-
-
-def _preload_min_threads(ks: KernelSource) -> int:
-    """The resident threads an SM a preloading GEMV's registers must leave: :data:`PRELOAD_MIN_THREADS`, or
-    fewer where its static grid never puts that many on an SM (a prologue GEMV of 128 blocks of 768 threads
-    runs one block an SM whatever its registers)."""
-    if not ks.grid[0].is_const:
-        return PRELOAD_MIN_THREADS
-    return min(PRELOAD_MIN_THREADS, -(-ks.grid[0].value // SMS) * ks.block[0])
 
 
 def resident_blocks(threads: int, registers: int) -> int:

@@ -37,8 +37,7 @@ MAX_SEQ = 16
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
-         "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"},
-         "prologue-fill": {"LUM_GEMV_PROLOGUE_FILL": "1"}}
+         "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +62,6 @@ def env(tmp_path_factory):
                 mp.setenv(k, v)
             pkgs[f"template_cases.{dt.value}.{variant}"] = write_case_package(
                 root / f"template_cases.{dt.value}.{variant}.lumpkg", prog, b)
-    for dt in (DType.f32, DType.bf16):      # prologue GEMVs of a warp a column: blocks of 96 threads (3 warps)
-        prog, _, b = gemv_cases(dt)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LUM_GEMV_PROLOGUE_FILL", "1")
-            pkgs[f"gemv_cases.{dt.value}.prologue-fill"] = write_case_package(
-                root / f"gemv_cases.{dt.value}.prologue-fill.lumpkg", prog, b)
     for dt in (DType.f32, DType.bf16):
         prog, _, b = gemv_replay_cases(dt)
         pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
@@ -160,36 +153,6 @@ print(json.dumps({"errors": errors, "checked": checked, "stats": fake_stats()}))
     assert res["errors"] == {}
     assert res["checked"] >= 200
     assert res["stats"]["live"] == [0] * 7 and res["stats"]["bad_guards"] == 0   # close() freed everything
-
-
-def test_prologue_gemvs_of_a_warp_a_column_match_reference(env):
-    """``LUM_GEMV_PROLOGUE_FILL=1``: a prologue GEMV with fewer than 32 columns an SM takes a block of a warp a
-    column (its whole block one row group, any number of warps): the GEMV cases' 300-column prologue GEMVs
-    run blocks of 96 threads, poisoned arena, with and without graphs, and match the reference backend."""
-    res = run(env, r'''
-import lum.loader as L
-from lum.format.dtypes import DType
-from tests.kernel_cases import BOUNDS, DYN, compare, gemv_cases
-errors, checked, threads = {}, 0, set()
-for dt in (DType.f32, DType.bf16):
-    pkg = L.open(PKGS[f"gemv_cases.{dt.value}.prologue-fill"])
-    threads |= {lc.block[0] for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
-                if op.tuning.get("prologue") for lc in op.launches}
-    prog, arrays, b = gemv_cases(dt)
-    want = pkg.session(dyn=BOUNDS, backend="reference").run("main", arrays, DYN)
-    for graphs in (True, False):
-        with pkg.session(dyn=BOUNDS, backend="cuda", graphs=graphs) as sess:
-            sess.runner.fill_arena(0xFF)
-            got = sess.run("main", arrays, DYN)
-        for k in want:
-            checked += 1
-            err = compare(got[k], want[k], b.tol.get(k) or 1e-2)
-            if err:
-                errors[f"{dt.value}:{graphs}:{k}"] = err
-print(json.dumps({"errors": errors, "checked": checked, "threads": sorted(threads)}))
-''')
-    assert res["errors"] == {} and res["checked"] >= 20
-    assert 96 in res["threads"] and 1024 in res["threads"], res["threads"]    # static 300 columns; dynamic n
 
 
 def test_gemv_graph_replays_as_p_grows(env):
@@ -319,9 +282,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch) or
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
     next layer's qkv prologue, its residual kernel last in the layer) or ``row-regs-bounded``
-    (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers)
-    or ``prologue-fill`` (``LUM_GEMV_PROLOGUE_FILL=1``: prologue GEMVs of few columns in blocks of a warp a
-    column, one block an SM; the GEMV cases: test_prologue_gemvs_of_a_warp_a_column_match_reference).
+    (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""

@@ -109,15 +109,14 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
     _check(gemv_cases, dt, name, tmp_path_factory)
 
 
-@pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"},
-                                 {"LUM_GEMV_PROLOGUE_FILL": "1"}], ids=["loads-ahead", "preload-pdl", "prologue-fill"])
+@pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"}],
+                         ids=["loads-ahead", "preload-pdl"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``) or
     with each block copying its first weights into shared memory before it waits for the kernel before it,
     launched programmatically (``LUM_GEMV_PRELOAD``, ``LUM_CUDA_PDL``; templates/gemv.cu, both off by
-    default), or with prologue GEMVs of few columns in blocks of a warp a column (``LUM_GEMV_PROLOGUE_FILL``:
-    the 300-column cases in 96-thread blocks), poisoned output arena, against the reference."""
+    default), poisoned output arena, against the reference."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)

@@ -210,38 +210,3 @@ def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path):
             assert ks[o.id].tuning["prologue"] and ks[o.id].tuning["group"] <= 32
         kernels += [k for k in ks.values() if k is not None]
     nvrtc.compile_cuda(module_source(kernels), "sm_90", ptx=False, cache_dir=tmp_path)
-
-
-def test_prologue_fill_gives_every_sm_a_block(monkeypatch, tmp_path):
-    """``LUM_GEMV_PROLOGUE_FILL=1``: llama3-1b's qkv GEMV (3,072 columns, a warp a column) ran 96 blocks of
-    1,024 threads, leaving 36 of 132 SMs without one; with the fill it takes 24 columns a block, 128 blocks of
-    768 threads, and keeps a preload (one block an SM whatever its registers: kernels._preload_min_threads).
-    gemma3-4b's (4,096 columns: 128 blocks of 1,024) is unchanged. NVRTC compiles the 768-thread kernel
-    (its prologue's block-wide row group of 24 warps)."""
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
-    try:
-        nvrtc.nvrtc_version()
-    except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
-        pytest.skip(str(e))
-    from lum.builder.compile import compile_graph
-    from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
-
-    def qkv(model: str):
-        cgs = compile_graph(build_entry(named_config(model), "decode", 512, DType.bf16))
-        dv = program_dyn_vars([cg.program for cg in cgs])
-        ks = group_kernel_sources(cgs[1].program, dv, default_max_dyn(dv, 512), cache_dir=tmp_path)
-        first = min(i for i, k in ks.items() if k.tuning.get("prologue"))
-        k = ks[first]
-        return int(k.grid[0].value), k.block[0], k.tuning.get("preload", 0), k
-
-    assert qkv("llama3-1b")[:3] == (96, 1024, 2)
-    gemma = qkv("gemma3-4b")[:2]
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_FILL", "1")
-    blocks, threads, preload, k = qkv("llama3-1b")
-    assert (blocks, threads) == (128, 768) and preload > 0
-    assert qkv("gemma3-4b")[:2] == gemma == (128, 1024)
-    from lum.builder.codegen import module_source
-
-    nvrtc.compile_cuda(module_source([k]), "sm_90", ptx=False, cache_dir=tmp_path)
