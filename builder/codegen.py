@@ -1577,6 +1577,7 @@ class _Gen:
         regs = -(-int(n_hi) // group) if self.row_regs and 0 < n_hi < INF and -(-int(n_hi) // group) <= most else 0
         early: list[str] = []                    # a weight's row that every row reads: loaded before the wait
         early_args: list[int] = []
+        scalars: set[int] = set()                # leaves with one value a row: loaded once, not once a slot
         if regs:
             loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
                     f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;", f"{ind}  if (lum_c < lum_n) {{"]
@@ -1595,6 +1596,12 @@ class _Gen:
                     early_args.append(k)
                     continue
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
+                col_view = splits[k][1]
+                if (guards[k] is None and col_view.mask is None and as_expr(col_view.strides[0]) == as_expr(0)
+                        and "lum_c" not in val):  # one value for the whole row (a broadcast scalar)
+                    setup.append(f"{ind}const {_KIND_C[kd]} lum_a{k} = lum_live ? {val} : {_ZERO[kd]};")
+                    scalars.add(k)
+                    continue
                 setup += [f"{ind}{_KIND_C[kd]} lum_a{k}[{regs}];", f"{ind}#pragma unroll",
                           f"{ind}for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
                           f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;",
@@ -1620,7 +1627,7 @@ class _Gen:
                 k = first + t[1]
                 kd = _kind(self.dts[k])
                 if regs:
-                    return f"lum_a{k}[lum_kk]", kd
+                    return (f"lum_a{k}", kd) if k in scalars else (f"lum_a{k}[lum_kk]", kd)
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                 names[key] = (f"lum_a{k}", kd)
                 lines.append(f"{ind3}const {_KIND_C[kd]} lum_a{k} = {val};")

@@ -469,6 +469,23 @@ def test_rmsnorm_is_one_row_kernel(rows, dtype, add_one):
         _check(g, lower(sat, random_choice(sat, seed)), tol=1e-6 if dtype == "f32" else 1e-2)
 
 
+def test_a_row_kernel_loads_a_scalar_leaf_once_a_row():
+    """The RMSNorm row kernel keeps its row in registers (a slot a lane per GROUP columns); a leaf with one
+    value for the whole row (the scalar eps and 1/n, read through all-zero strides) is loaded once into a
+    scalar, not once per slot, and the kernel computes what the HLIR does."""
+    from lum.builder.codegen import generate_program
+
+    g = _rmsnorm_graph(2, "f32", False)
+    prog, _ = compile_group(g)
+    (k,) = _kernels(prog)
+    src = generate_program(prog)[k.id].source
+    scalar = [j for j, a in enumerate(k.args) if all(st == as_expr(0) for st in a.view.strides)]
+    assert scalar and all(f"const float lum_a{j} = lum_live ? in{j}[" in src and f"lum_a{j}[" not in src
+                          for j in scalar)
+    assert "float lum_a0[" in src           # x: a slot a lane
+    _check(g, prog)
+
+
 def _softmax_graph(dtype: str = "f32") -> Graph:
     g = Graph("softmax")
     x = F.input_tensor(g, "x", [4, 8], dtype)
