@@ -41,8 +41,6 @@ RNG = np.random.default_rng(11)
 FUSE_RULES = ("fuse-cast", "fuse-exp2", "fuse-log2", "fuse-sin", "fuse-sqrt", "fuse-recip", "fuse-add", "fuse-mul",
               "fuse-mod", "fuse-lessthan", "fuse-where")
 FUSE_VIEW_RULES = tuple(r.replace("fuse-", "fuse-view-") for r in FUSE_RULES)
-FUSE_MASKED_RULES = tuple(r.replace("fuse-", "fuse-masked-") for r in
-                          ("fuse-cast", "fuse-sin", "fuse-sqrt", "fuse-add", "fuse-mul", "fuse-lessthan", "fuse-where"))
 
 
 # ====================================================================== helpers
