@@ -13,7 +13,7 @@ the device, when the package has it (``loop`` in the record), else the host take
 Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's bytes at this ``p``), so a row says
 how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
 kernel time and the rest (launch gaps between graph nodes, host work): the two things fusion and better
-kernels each reduce. Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json``.
+kernels each reduce. Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json`` (``…-plain.json`` with ``--plain``).
 
 ``--entry prefill`` profiles ``--steps`` prefills of the ``--prompt-len`` prompt instead (``profile-prefill-…``;
 ``--max-seq`` grows to the prompt): flash attention's kernels against the GEMMs, softmax and scores of a
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     result, out_path, workdir = new_record(f"profile-{args.entry}", args, {
         "model": args.model, "dtype": args.dtype, "steps": args.steps, "prompt_len": args.prompt_len,
         "max_seq": args.max_seq, "entry": args.entry})
+    if args.plain:                  # beside a profile of the same package under programmatic launch, not over it
+        out_path = out_path.with_name(f"{out_path.stem}-plain.json")
     result["gpu"], target = gpu_and_target(torch, "cuda")
     pkg_path = Path(args.pkg) if args.pkg else workdir / "model.lumpkg"
     if not args.pkg:
