@@ -42,8 +42,6 @@ What it does, in one run on one GPU:
      policy that keeps the small tensors each step rereads in L2: templates/common.cuh lum_load_stream),
      ``lum-nobalance`` with ``LUM_GEMV_BALANCE=0`` (a large GEMV keeps 512 threads even where its blocks
      fall unevenly on the SMs: builder/codegen.py blocks_unbalanced),
-     ``lum-nodefer`` with ``LUM_GEMV_DEFER_SCALE=0`` (a GEMV's input norm computed block-wide before the dot
-     product, as before 2026-12-03, rather than applied as a row scale after it: builder/deferred_scale.py),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
@@ -123,7 +121,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"}, "lum-stageahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"},
-                 "lum-nodefer": {"LUM_GEMV_DEFER_SCALE": "0"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options

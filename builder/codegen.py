@@ -86,7 +86,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.deferred_scale import ScaleSplit, defer_scale_enabled, split_row_scale
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
@@ -97,7 +96,7 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
-           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits", "gemv_deferred_scale",
+           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
@@ -586,11 +585,10 @@ def gemv_rows(op: LOp) -> int | None:
     return m.value
 
 
-def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[Expr], smem: bool = True) -> str | None:
+def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[Expr]) -> str | None:
     """Why lum's GEMV cannot compute its A operand as a fused prologue over domain ``dom`` (None: it can):
     the dot scheme (``RmCm``), no batch, A's buffer read from its start row-major, a static A of
-    ``m × k`` = numel(dom) floats that fits :data:`PROLOGUE_SMEM_BYTES` of shared memory (``smem``: a
-    deferred prologue, :func:`gemv_deferred_scale`, keeps none)."""
+    ``m × k`` = numel(dom) floats that fits :data:`PROLOGUE_SMEM_BYTES` of shared memory."""
     k = as_expr(p["k"])
     if layout != "RmCm":
         return f"needs layout RmCm (A row-major, B column-major), not {layout}"
@@ -602,30 +600,9 @@ def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[
         return "needs lda = k"
     if numel(tuple(dom)) != as_expr(m * k.value):
         return f"has a domain of {numel(tuple(dom))} elements for an A of {m} x {k.value}"
-    if smem and m * k.value * 4 > PROLOGUE_SMEM_BYTES:
+    if m * k.value * 4 > PROLOGUE_SMEM_BYTES:
         return f"A of {m} x {k.value} floats exceeds {PROLOGUE_SMEM_BYTES} bytes of shared memory"
     return None
-
-
-def gemv_deferred_scale(op: LOp) -> ScaleSplit | None:
-    """A decode GEMV's prologue as a per-element factor and a row scale applied after the dot product
-    (builder/deferred_scale.py), or None: no prologue, a leaf read through a mask, a tree that does not
-    split, or ``$LUM_GEMV_DEFER_SCALE=0``. Such a GEMV runs as a plain one (its grid, threads and group)."""
-    if op.kind != "gemm" or "expr" not in op.params or not defer_scale_enabled():
-        return None
-    leaves = op.args[:gemm_parts(op)[0]]
-    if any(a.view.mask is not None or not a.view.ndim for a in leaves):
-        return None
-    return split_row_scale(op.params["expr"], lambda k: as_expr(leaves[k].view.strides[-1]) == as_expr(0))
-
-
-def _args_of(t: list, out: set[int], outside_rows: bool = False) -> None:
-    """The leaf indices a Fused tree reads (``outside_rows``: not counting those inside row reductions)."""
-    if t[0] == "arg":
-        out.add(int(t[1]))
-    elif not (outside_rows and t[0] in ROW_OPS):
-        for x in t[2:]:
-            _args_of(x, out, outside_rows)
 
 
 def _f32_literal(x: float) -> str:
@@ -640,9 +617,8 @@ def _default_threads(op: LOp) -> int:
     its q projection), unless a large one's blocks would load the SMs unevenly (:func:`blocks_unbalanced`)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
-    if op.kind == "gemm" and "expr" in op.params and gemv_deferred_scale(op) is None:
-        return 1024     # a prologue per block wants few, large blocks (gemv_sweep.py --mode prologue: 1,024 or 512
-                        # threads, warp groups, best); a deferred one is a plain GEMV
+    if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
+        return 1024                                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         if cols.is_const and cols.value >= 8192:
@@ -1073,7 +1049,6 @@ class _Gen:
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
         self.threads_given = threads_given         # False: threads is generate()'s default, row kernels pick theirs
-        self.deferred = gemv_deferred_scale(op)    # a GEMV prologue applied as a row scale after the dot product
         if max_blocks < 1:
             raise CodegenError(f"max_blocks must be >= 1, got {max_blocks}")
 
@@ -2223,20 +2198,12 @@ class _Gen:
              for name in ("n", "k", "batch", "lda", "ldb", "stride_a", "stride_b", "offset_a", "offset_b")}
         layout = op.params["layout"]
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
-        deferred = self.deferred if prologue else None
-        dta, dtb = DType.f32 if prologue and not deferred else self.dts[0], self.dts[jb]
+        dta, dtb = DType.f32 if prologue else self.dts[0], self.dts[jb]
         code, a_ptr, b_ptr = "", "in0", f"in{jb}"
-        a_vec_ok = "!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t))"
-        defer, finish = "", ""
-        if prologue:                              # A computed per block into shared memory (lum_as), or deferred
+        if prologue:                              # A computed per block into shared memory (lum_as)
+            code = self._gemv_prologue(m, p, layout, jb)
+            a_ptr = "lum_as"
             p.update(lda=p["k"], offset_a=as_expr(0), stride_a=as_expr(0))
-            if deferred:                          # A's leaves read in the dot loop; in0 stands for A unread
-                why = gemv_prologue_fits(m, p, layout, tuple(as_expr(d) for d in op.args[0].view.shape), smem=False)
-                if why:
-                    raise CodegenError(f"a gemm prologue {why}")
-            else:
-                code = self._gemv_prologue(m, p, layout, jb)
-                a_ptr = "lum_as"
         n, k, batch = p["n"], p["k"], p["batch"]
         n_out, acc_cols, epi = n, [0], ""
         if epilogue:                              # NACC product columns per output column, then the tree
@@ -2248,14 +2215,11 @@ class _Gen:
             epi = self._gemv_epilogue(m, jb, n_out)
             ctx.exprs.append(as_expr(max(acc_cols)) * p["ldb"] + n * p["ldb"])
         vec, vec_ok = self._gemv_vec(p, a_kc, b_kc, dta, dtb)
-        if deferred:
-            a_vec_ok, defer, finish = self._gemv_deferred(m, jb, vec, deferred)
         group = self._gemv_group(p, b_kc, vec)
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
-        inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) \
-            if b_kc and not deferred else 0
+        inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight) if b_kc else 0
         self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
         b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
@@ -2277,9 +2241,7 @@ class _Gen:
         if b_stream:
             tuning["stream"] = True
         grid = self.grid(items, per_block)
-        if deferred:
-            tuning["deferred"] = len(deferred.reductions)
-        elif prologue:  # each block computes all of A: about one resident wave of blocks, walking the columns
+        if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
@@ -2296,9 +2258,7 @@ class _Gen:
             "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
             "B_STREAM": "true" if b_stream else "false",
-            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "A_VEC_OK": a_vec_ok.replace("{{A_PTR}}", a_ptr),
-            "NRED": len(deferred.reductions) if deferred else 0, "DEFER": defer, "DEFER_FINISH": finish,
-            "NACC": len(acc_cols),
+            "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
             "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
@@ -2371,129 +2331,6 @@ class _Gen:
             "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "ROWS": self.ctx.c(rp.rows),
             "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
 
-    def _gemv_deferred(self, m: int, jb: int, vec: int, split: ScaleSplit) -> tuple[str, str, str]:
-        """A deferred prologue (:func:`gemv_deferred_scale`) as templates/gemv.cu's A_VEC_OK, DEFER and
-        DEFER_FINISH: ``lum_defer_vec(i, q, av)`` / ``lum_defer_at(i, c)`` give the per-element factor of A's
-        row i at columns q .. q + VEC / at c and add each reduction's terms there to ``lum_rs[j * M + i]``;
-        the finish reduces ``lum_rs`` over the group and multiplies each row's products by its scale. Leaves
-        contiguous along the row are read in vectors where their row offsets keep VEC alignment."""
-        op, ctx = self.op, self.ctx
-        leaves = op.args[:jb]
-        dom = tuple(as_expr(d) for d in leaves[0].view.shape)
-        if any(tuple(a.view.shape) != dom for a in leaves):
-            raise CodegenError("a gemm prologue's leaves must share one view shape")
-        rshape, n = dom[:-1], dom[-1]
-        if n != as_expr(op.params["k"]) or numel(rshape) != as_expr(m):
-            raise CodegenError("a deferred gemm prologue needs a domain of m rows of k")
-        col = Var("lum_c")
-        ctx.bound_var("lum_c", n)
-        idx = index_vars(len(rshape))
-        rows = {k: ShapeTracker(rshape, a.view.strides[:-1], a.view.offset, None) for k, a in enumerate(leaves)}
-        cstride = {k: as_expr(a.view.strides[-1]) for k, a in enumerate(leaves)}
-        for k, rv in rows.items():
-            ctx.exprs.append(rv.physical_index(idx) + col * cstride[k])
-        reds = split.reductions
-        per_elem: set[int] = set()
-        for t in (split.elem, *(r[2] for r in reds)):
-            _args_of(t, per_elem)
-        vector = {k for k in per_elem if vec > 1 and cstride[k] == as_expr(1) and self.dts[k].is_float
-                  and all(e % vec == as_expr(0) for e in (rows[k].offset, *rows[k].strides))}
-        ok = [f"lum_aligned(in{k}, {min(16, vec * self.dts[k].itemsize)})" for k in sorted(vector)]
-
-        def bases(ind: str, flat: str, used: set[int]) -> list[str]:
-            lines = _unravel(ctx, flat, rshape, ind).rstrip("\n").split("\n")
-            for k in sorted(used):
-                lines.append(f"{ind}const idx_t lum_db{k} = {ctx.c(rows[k].physical_index(idx))};")
-            return [ln for ln in lines if ln]
-
-        def column(k: int) -> ShapeTracker:
-            return ShapeTracker((n,), (cstride[k],), as_expr(0), None)
-
-        def element(ind: str, vectors: bool) -> list[str]:
-            """The body at column lum_c: the reductions' terms added, lum_ae the per-element factor."""
-            lines: list[str] = []
-            names: dict[str, tuple[str, str]] = {}
-
-            def leaf(t: list, key: str) -> tuple[str, str] | None:
-                if t[0] != "arg":
-                    return None
-                k = int(t[1])
-                if vectors and k in vector:
-                    return f"lum_dv{k}[lum_e]", "f"
-                if key not in names:
-                    kd = _kind(self.dts[k])
-                    names[key] = (f"lum_da{k}", kd)
-                    lines.append(f"{ind}const {_KIND_C[kd]} lum_da{k} = {self.load(k, column(k), (col,), base=f'lum_db{k}')};")
-                return names[key]
-
-            for j, r in enumerate(reds):
-                x, kd = self._tree(r[2], names, lines, ind, True, leaf)
-                lines.append(f"{ind}lum_rs[{j} * M + i] = Lum{ROW_OPS[r[0]]}::apply(lum_rs[{j} * M + i], "
-                             f"{_to_kind(kd, 'f', x)});")
-            x, kd = self._tree(split.elem, names, lines, ind, False, leaf)
-            lines.append(f"{ind}lum_ae = {_to_kind(kd, 'f', x)};")
-            return lines
-
-        i6, i8, i10, i12 = (" " * w for w in (6, 8, 10, 12))
-        defer = [f"{i6}float lum_rs[NRED * M];   // the deferred reductions of A's rows, this lane's terms",
-                 f"{i6}#pragma unroll", f"{i6}for (int i = 0; i < M; ++i) {{"]
-        defer += [f"{i8}lum_rs[{j} * M + i] = {'0.0f' if ROW_OPS[r[0]] == 'Sum' else '-LUM_INF_F32'};"
-                  for j, r in enumerate(reds)]
-        defer += [f"{i6}}}", f"{i6}auto lum_defer_vec = [&](int i, idx_t lum_q, float (&lum_av)[VEC]) {{",
-                  *bases(i8, "i", per_elem)]
-        for k in sorted(vector):
-            dt = self.dts[k]
-            cvt = f"[](const {STORAGE_C[dt]} x) {{ return {_load_conv(dt, 'x')}; }}"
-            defer += [f"{i8}float lum_dv{k}[VEC];", f"{i8}lum_load_f32<VEC>(in{k} + lum_db{k} + lum_q, lum_dv{k}, {cvt});"]
-        defer += [f"{i8}#pragma unroll", f"{i8}for (int lum_e = 0; lum_e < VEC; ++lum_e) {{",
-                  f"{i10}const idx_t lum_c = lum_q + lum_e;", f"{i10}float lum_ae;", *element(i10, True),
-                  f"{i10}lum_av[lum_e] = lum_ae;", f"{i8}}}", f"{i6}}};",
-                  f"{i6}auto lum_defer_at = [&](int i, idx_t lum_c) -> float {{", *bases(i8, "i", per_elem),
-                  f"{i8}float lum_ae;", *element(i8, False), f"{i8}return lum_ae;", f"{i6}}};"]
-        # the finish: every lane's terms over the group (as the products), then each row's scale
-        fin = [f"{i6}#pragma unroll", f"{i6}for (int i = 0; i < M; ++i) {{"]
-        fin += [f"{i8}lum_rs[{j} * M + i] = lum_warp_reduce<Lum{ROW_OPS[r[0]]}, WARP_W>(lum_rs[{j} * M + i]);"
-                for j, r in enumerate(reds)]
-        fin += [f"{i6}}}", f"{i6}if (GROUP > 32) {{",
-                f"{i8}const int lum_warp = (int)threadIdx.x / 32;",
-                f"{i8}if ((threadIdx.x & 31) == 0) {{", f"{i8}#pragma unroll",
-                f"{i10}for (int r = 0; r < NRED * M; ++r) lum_part[lum_warp * NRED * M + r] = lum_rs[r];",
-                f"{i8}}}", f"{i8}__syncthreads();", f"{i8}if (lum_lane == 0) {{",
-                f"{i10}for (int w = 1; w < GROUP / 32; ++w) {{", f"{i10}#pragma unroll", f"{i12}for (int i = 0; i < M; ++i) {{"]
-        fin += [f"{i12}  lum_rs[{j} * M + i] = Lum{ROW_OPS[r[0]]}::apply(lum_rs[{j} * M + i], "
-                f"lum_part[(lum_warp + w) * NRED * M + {j} * M + i]);" for j, r in enumerate(reds)]
-        fin += [f"{i12}}}", f"{i10}}}", f"{i8}}}", f"{i8}__syncthreads();", f"{i6}}}",
-                f"{i6}if (lum_c < lum_cols && lum_lane == 0) {{", f"{i6}#pragma unroll",
-                f"{i8}for (int lum_ri = 0; lum_ri < M; ++lum_ri) {{"]
-        scale_leaves: set[int] = set()
-        _args_of(split.scale, scale_leaves, outside_rows=True)
-        fin += bases(i10, "lum_ri", scale_leaves)
-        lines: list[str] = []
-        names: dict[str, tuple[str, str]] = {}
-        rownames = {repr(r): f"lum_rv{j}" for j, r in enumerate(reds)}
-        for j, r in enumerate(reds):
-            dt = DType.parse(r[1])
-            lines.append(f"{i10}const float lum_rv{j} = {_load_conv(dt, _store_conv('f', f'lum_rs[{j} * M + lum_ri]', dt))};")
-
-        def scale_leaf(t: list, key: str) -> tuple[str, str] | None:
-            if key in rownames:
-                return rownames[key], "f"
-            if t[0] != "arg":
-                return None
-            if key not in names:
-                k = int(t[1])
-                kd = _kind(self.dts[k])
-                names[key] = (f"lum_ds{k}", kd)
-                lines.append(f"{i10}const {_KIND_C[kd]} lum_ds{k} = "
-                             f"{self.load(k, column(k), (as_expr(0),), base=f'lum_db{k}')};")
-            return names[key]
-
-        x, kd = self._tree(split.scale, names, lines, i10, False, scale_leaf)
-        fin += lines + [f"{i10}const float lum_sc = {_to_kind(kd, 'f', x)};", f"{i10}#pragma unroll",
-                        f"{i10}for (int t = 0; t < NACC; ++t) lum_acc[t * M + lum_ri] *= lum_sc;",
-                        f"{i8}}}", f"{i6}}}"]
-        return " && ".join(ok) or "true", "\n".join(defer), "\n".join(fin)
-
     def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool, dta: DType, dtb: DType) -> tuple[int, str]:
         """Elements per vector access of B (the widest of at most 16 bytes that no static offset, stride
         or leading dim rules out; ``vec`` caps it) and the C condition for what only run time can tell."""
@@ -2554,8 +2391,8 @@ class _Gen:
             return self.group
         n, k, batch = p["n"], p["k"], p["batch"]
         sized = n.is_const and batch.is_const
-        if "expr" in self.op.params and self.deferred is None:   # a prologue gemv: one warp per column (split-K
-            return min(32, t)       # across warps measured 1.1-1.7x slower there: each tile then waits on shared memory)
+        if "expr" in self.op.params:         # a prologue gemv: one warp per column (split-K across warps measured
+            return min(32, t)                # 1.1-1.7x slower there: each column tile then waits on shared memory)
         if b_kc:
             if not k.is_const:
                 return min(32, t)

@@ -13,9 +13,7 @@ llama3-1b's qkv 0.93×, llama3-1b's gate-up (16,384 columns) 0.95×, but gemma3-
 columns) 1.01×: past ~16K columns the few-block GEMV streams slower than the many-block one. The
 gated activation before down (2·k floats read per block, k = 8,192–10,240, no row reduction to save
 a round trip for) takes 1.04–1.23×. So only inputs with a row reduction (a norm) fuse, into GEMVs of
-at most :data:`PROLOGUE_MAX_COLS` columns (``$LUM_GEMV_PROLOGUE_MAX_COLS`` to measure others) — unless the
-norm only scales A's rows: then the GEMV applies it after the dot product (builder/deferred_scale.py) with
-no per-block prologue, and a GEMV of any width takes it (the LM head its final norm).
+at most :data:`PROLOGUE_MAX_COLS` columns (``$LUM_GEMV_PROLOGUE_MAX_COLS`` to measure others).
 
 :func:`fuse_gemv_prologues` rewrites a lowered program: such an elementwise op whose every reader is
 a GEMV of lum's kernel reading it as A becomes those GEMVs' ``params["expr"]`` (LLIR version 3, see
@@ -28,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from lum.builder.codegen import gemv_deferred_scale, gemv_prologue_fits, gemv_rows
+from lum.builder.codegen import gemv_prologue_fits, gemv_rows
 from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
 from lum.format.llir import GEMM_DEFAULTS, LOp, Program, has_row_ops
@@ -74,19 +72,10 @@ def _takes(gemm: LOp, producer: LOp) -> bool:
         return False
     m = gemv_rows(gemm)
     cols = as_expr(gemm.params.get("batch", 1)) * as_expr(gemm.params["n"])
-    if m is None or not cols.is_const:
+    if m is None or not cols.is_const or cols.value > prologue_max_cols():
         return False
     p = {k: gemm.params.get(k, GEMM_DEFAULTS.get(k)) for k in ("k", "lda", "batch", "offset_a")}
-    dom = tuple(as_expr(d) for d in producer.shape)
-    if gemv_deferred_scale(_fused(gemm, producer)) is not None:   # no block-wide prologue: any width, no A kept
-        return gemv_prologue_fits(m, p, gemm.params["layout"], dom, smem=False) is None
-    return cols.value <= prologue_max_cols() and gemv_prologue_fits(m, p, gemm.params["layout"], dom) is None
-
-
-def _fused(gemm: LOp, producer: LOp) -> LOp:
-    """``gemm`` computing ``producer`` (its A) as its prologue."""
-    return LOp(gemm.id, gemm.kind, gemm.op, (*producer.args, *gemm.args[1:]), gemm.shape, gemm.dtype,
-               {**gemm.params, "expr": _tree(producer)}, gemm.alias)
+    return gemv_prologue_fits(m, p, gemm.params["layout"], tuple(as_expr(d) for d in producer.shape)) is None
 
 
 def fuse_gemv_prologues(program: Program) -> Program:
@@ -104,5 +93,6 @@ def fuse_gemv_prologues(program: Program) -> Program:
     for o in program.ops:
         if o.kind == "gemm" and o.args[0].src in fused:
             f = fused[o.args[0].src]
-            replace[o.id] = _fused(o, f)
+            replace[o.id] = LOp(o.id, o.kind, o.op, (*f.args, o.args[1]), o.shape, o.dtype,
+                                {**o.params, "expr": _tree(f)}, o.alias)
     return rewritten(program, set(fused), replace)

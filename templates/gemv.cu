@@ -19,11 +19,7 @@
 //!    slices' partial sums meet in shared memory, one output row at a time. Tiles are walked grid-stride.
 //! With a fused prologue (dot scheme only) A is not read from a buffer: every block first computes it
 //! into shared memory (PROLOGUE: all threads walk A's rows, a row kernel's phases included — the input's
-//! RMSNorm), then runs the dot product on it. A prologue whose row reductions only scale its rows
-//! (builder/deferred_scale.py: x · rsqrt(Σx²/n + eps) · w) is deferred instead (NRED > 0): DEFER defines
-//! lum_defer_vec / lum_defer_at, which compute A's per-element factor (x · w) where the dot loop reads A
-//! and add each reduction's terms to the lane's lum_rs; DEFER_FINISH reduces those over the group and
-//! scales each row's products by the row's factor before the store. No block-wide step precedes the loop. With a fused epilogue (dot scheme only) a group computes
+//! RMSNorm), then runs the dot product on it. With a fused epilogue (dot scheme only) a group computes
 //! NACC product columns j + ACC_COLS[t] at once (A read once for all) and EPILOGUE stores a function of
 //! them for output column j < N_OUT — gelu(gate)·up from the stacked gate/up weight.
 //! VEC_OK is the part of the alignment condition codegen could not decide (offsets, strides, leading
@@ -39,8 +35,7 @@
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
-//!   (empty, or the code that fills lum_as); A_VEC_OK (C bool: A may be read in vectors); NRED DEFER
-//!   DEFER_FINISH (0 and empty without a deferred prologue, above); NACC ACC_COLS N_OUT HAS_EPILOGUE (1, 0, N, false without an
+//!   (empty, or the code that fills lum_as); NACC ACC_COLS N_OUT HAS_EPILOGUE (1, 0, N, false without an
 //!   epilogue), EPILOGUE (empty, or the code that stores output column lum_j of every row from lum_acc);
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
@@ -64,7 +59,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int WARP_W = GROUP < 32 ? GROUP : 32;
   constexpr int A_PIECE = (int)(16 / sizeof(a_t)) < VEC ? (int)(16 / sizeof(a_t)) : VEC;  // A elements per access
   constexpr int NACC = {{NACC}};                 // product columns per output column (dot scheme)
-  constexpr int NRED = {{NRED}};                 // a deferred prologue's row reductions (dot scheme)
   constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
@@ -79,9 +73,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
                 "GROUP must be a power of two <= THREADS, THREADS a multiple of 32");
   static_assert(VEC >= 1 && (VEC & (VEC - 1)) == 0 && VEC * sizeof(b_t) <= 16, "VEC: a power of two, <= 16 bytes");
-  static_assert(NRED == 0 || (B_KCONTIG && INFLIGHT == 0), "a deferred prologue feeds the plain dot loop");
-  __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * (NACC > NRED ? NACC : NRED) : 1)
-                                      : (GROUP > 1 ? THREADS * VEC : 1)];
+  __shared__ float lum_part[B_KCONTIG ? (GROUP > 32 ? THREADS / 32 * M * NACC : 1) : (GROUP > 1 ? THREADS * VEC : 1)];
 {{DYN_LOADS}}
   const idx_t lum_n = {{N}};
   const idx_t lum_k = {{K}};
@@ -132,7 +124,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
     }
   }
   lum_pdl_wait();   // common.cuh: what earlier kernels wrote (A, the prologue's inputs) is visible from here
-{{PROLOGUE}}  const bool lum_vec_ok = lum_b_vec && ({{A_VEC_OK}});
+{{PROLOGUE}}  const bool lum_vec_ok = lum_b_vec && (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)
     if (A_KCONTIG) {
       lum_load_f32<VEC>(lum_ap + i * lum_lda + lum_q, lum_av, lum_ca);
@@ -151,7 +143,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       float lum_acc[NACC * M];  // [t * M + i]: row i of product column j + ACC_COLS[t]
 #pragma unroll
       for (int r = 0; r < NACC * M; ++r) lum_acc[r] = 0.0f;
-{{DEFER}}
       if (lum_c < lum_cols) {
         const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
         const a_t* lum_ap = {{A_PTR}} + (lum_oa + lum_b * lum_sa);
@@ -160,11 +151,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 #pragma unroll
           for (int i = 0; i < M; ++i) {
             float lum_av[VEC];
-#if {{NRED}} > 0
-            lum_defer_vec(i, lum_q, lum_av);
-#else
             lum_a_vec(lum_ap, i, lum_q, lum_av);
-#endif
 #pragma unroll
             for (int t = 0; t < NACC; ++t) {
 #pragma unroll
@@ -246,20 +233,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
           }
         }
         for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {
-          float lum_ak[M];
-#pragma unroll
-          for (int i = 0; i < M; ++i) {
-#if {{NRED}} > 0
-            lum_ak[i] = lum_defer_at(i, lum_kk);
-#else
-            lum_ak[i] = lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]);
-#endif
-          }
 #pragma unroll
           for (int t = 0; t < NACC; ++t) {
             const float lum_bs = lum_cb(lum_bp[ACC_COLS[t] * lum_ldb + lum_kk]);
 #pragma unroll
-            for (int i = 0; i < M; ++i) lum_acc[t * M + i] += lum_ak[i] * lum_bs;
+            for (int i = 0; i < M; ++i) lum_acc[t * M + i] += lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]) * lum_bs;
           }
         }
       }
@@ -280,7 +258,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         }
         __syncthreads();
       }
-{{DEFER_FINISH}}
       if (lum_c < lum_cols && lum_lane == 0) {
         if (!HAS_EPILOGUE) {
 #pragma unroll

@@ -38,7 +38,6 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
-BLOCK_PROLOGUE = ("LUM_GEMV_DEFER_SCALE", "0")      # GEMV norms computed block-wide before the dot product
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +52,6 @@ def env(tmp_path_factory):
         for dt in (DType.f32, DType.bf16):
             prog, _, b = fn(dt)
             pkgs[f"{fn.__name__}.{dt.value}"] = write_case_package(root / f"{fn.__name__}.{dt.value}.lumpkg", prog, b)
-    for dt in (DType.f32, DType.bf16):         # the GEMV prologues block-wide, not deferred (the default)
-        prog, _, b = gemv_cases(dt)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(*BLOCK_PROLOGUE)
-            pkgs[f"gemv_cases.{dt.value}.block"] = write_case_package(root / f"gemv_cases.{dt.value}.block.lumpkg",
-                                                                      prog, b)
     for (variant, var_env), dt in itertools.product(FUSED.items(), (DType.f32, DType.bf16)):
         if not var_env:
             pkgs[f"template_cases.{dt.value}.{variant}"] = pkgs[f"template_cases.{dt.value}"]
@@ -97,8 +90,6 @@ def env(tmp_path_factory):
             if name.endswith(".early"):
                 mp.setenv("LUM_ROW_EARLY", "1")
                 mp.setenv("LUM_GEMV_PRELOAD", "1")
-            if name.endswith(".block"):
-                mp.setenv(*BLOCK_PROLOGUE)
             for variant, var_env in FUSED.items():
                 if name.endswith("." + variant):
                     for k, v in var_env.items():
@@ -136,16 +127,14 @@ def run(env, script: str, **extra_env: str):
 
 
 def test_every_template_and_gemm_matches_reference(env):
-    """Every kernel case, and the GEMV cases again with their RMSNorm prologues block-wide (``.block``: the
-    default defers them, builder/deferred_scale.py), against the reference backend."""
     res = run(env, r'''
 import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, gemm_cases, gemv_cases, template_cases
 errors, checked = {}, 0
-for fn, tag in ((template_cases, ""), (gemm_cases, ""), (gemv_cases, ""), (gemv_cases, ".block")):
+for fn in (template_cases, gemm_cases, gemv_cases):
     for dt in (DType.f32, DType.bf16):
-        pkg = L.open(PKGS[f"{fn.__name__}.{dt.value}{tag}"])
+        pkg = L.open(PKGS[f"{fn.__name__}.{dt.value}"])
         prog, arrays, b = fn(dt)
         ref = pkg.session(dyn=BOUNDS, backend="reference"); ref.load_state(b.state_init)
         want = ref.run("main", arrays, DYN); want.update(ref.state)
@@ -158,7 +147,7 @@ for fn, tag in ((template_cases, ""), (gemm_cases, ""), (gemv_cases, ""), (gemv_
                 checked += 1
                 err = compare(got[k], want[k], b.tol.get(k) or 1e-2)
                 if err:
-                    errors[f"{fn.__name__}.{dt.value}{tag}:{graphs}:{k}"] = err
+                    errors[f"{fn.__name__}.{dt.value}:{graphs}:{k}"] = err
 print(json.dumps({"errors": errors, "checked": checked, "stats": fake_stats()}))
 ''')
     assert res["errors"] == {}

@@ -333,7 +333,6 @@ def test_bf16_rounding_of_the_float_sum(host_lib):
 def test_loads_ahead_that_would_spill_are_halved(monkeypatch):
     """A group's GEMVs whose loads ahead spill (``ptxas -v`` through NVRTC) are rebuilt with half as many
     until they do not (here: a fake compile that reports a spill for more than one load ahead)."""
-    monkeypatch.setenv("LUM_GEMV_DEFER_SCALE", "0")    # block-wide prologues (deferred ones: test_deferred_scale.py)
     import re
     from types import SimpleNamespace
 
@@ -392,7 +391,6 @@ def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
     (two blocks an SM), drops to 132 at 33; an explicit cap, ``$LUM_GEMV_PROLOGUE_ONE_WAVE=0`` or a log
     without the kernel keep codegen's grid; the GEMVs without a prologue keep theirs. (No preloads here: a
     preloading GEMV is capped too, whatever ``$LUM_GEMV_PROLOGUE_ONE_WAVE`` says.)"""
-    monkeypatch.setenv("LUM_GEMV_DEFER_SCALE", "0")    # block-wide prologues (deferred ones: test_deferred_scale.py)
     import re
     from types import SimpleNamespace
 
@@ -437,10 +435,9 @@ def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
     assert grids()[gate_up.id] == 256
 
 
-def test_llama_gate_up_runs_in_one_wave(nvrtc, monkeypatch):
+def test_llama_gate_up_runs_in_one_wave(nvrtc):
     """With ptxas's real count, llama3-1b's gate-up prologue GEMV takes more than 32 registers at 1,024 threads
     (one block an SM), so its grid is the 132 SMs, one wave."""
-    monkeypatch.setenv("LUM_GEMV_DEFER_SCALE", "0")    # block-wide prologues (deferred ones: test_deferred_scale.py)
     from lum.builder import kernels
     from lum.builder.codegen import SMS, gemv_kernel_ops
 
@@ -470,14 +467,13 @@ def test_large_gemvs_take_blocks_that_load_the_sms_evenly(monkeypatch):
     assert threads(2560, 10240) == 512
 
 
-def test_preloading_gemvs_in_one_wave_without_spills(nvrtc, monkeypatch):
+def test_preloading_gemvs_in_one_wave_without_spills(nvrtc):
     """A preload of 8 weight vectors a lane in llama3-1b's decode layer: no GEMV spills (ptxas), each keeps the
     registers ptxas gives it (no ``__launch_bounds__`` minimum: capped at one wave they spilled), so that an SM
     still holds at least PRELOAD_MIN_THREADS of its threads, its grid is at most the blocks those registers let
     the SMs hold (every block's first tile is preloaded while the kernel before runs), and the GEMVs whose
     preload would spill or crowd the SM preload less: the 1,024-thread ones (64 registers at most) 2 vectors at
     most, where the 512-thread o GEMV takes its first tile's 4."""
-    monkeypatch.setenv("LUM_GEMV_DEFER_SCALE", "0")    # block-wide prologues (deferred ones: test_deferred_scale.py)
     from lum.builder import kernels
     from lum.builder.codegen import SMS, gemv_kernel_ops
 
@@ -532,7 +528,6 @@ def test_preload_after_small_kernels(monkeypatch):
     not a GEMV; qkv follows down across the layer boundary, gate-up o and down gate-up. Those preload one
     vector a lane, the others none; a ``preload`` in the tuning wins over the rule, less what would spill; off by
     default. ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the complement, N vectors; 4 by default, 0 turns it off."""
-    monkeypatch.setenv("LUM_GEMV_DEFER_SCALE", "0")    # block-wide prologues (deferred ones: test_deferred_scale.py)
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config

@@ -18,9 +18,7 @@ import pytest
 pytest.importorskip("egglog")
 
 from lum.builder import prologue  # noqa: E402
-from lum.builder.codegen import gemv_deferred_scale  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
-from lum.builder.deferred_scale import ENV_DEFER_SCALE  # noqa: E402
 from lum.builder.models import load_spec  # noqa: E402
 from lum.builder.partition import chunk_graph, group_chunks, partition  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
@@ -118,10 +116,7 @@ def _norm_then_gemv(extra_reader: str | None = None, layout: str = "RmCm", k: in
 
 
 @pytest.mark.parametrize("case", ["kernel", "output", "layout", "too_big", "no_rows", "wide"])
-def test_inputs_that_another_op_reads_or_the_kernel_cannot_compute_stay(case, monkeypatch):
-    """As block-wide prologues (``too_big``: A exceeds the shared memory; ``wide``: past the column limit);
-    deferred, those two fuse (the test after)."""
-    monkeypatch.setenv(ENV_DEFER_SCALE, "0")
+def test_inputs_that_another_op_reads_or_the_kernel_cannot_compute_stay(case):
     prog = {"kernel": lambda: _norm_then_gemv("kernel"), "output": lambda: _norm_then_gemv("output"),
             "layout": lambda: _norm_then_gemv(layout="RmRm"), "too_big": lambda: _norm_then_gemv(k=16384),
             "no_rows": lambda: _norm_then_gemv(rows=False),
@@ -129,22 +124,7 @@ def test_inputs_that_another_op_reads_or_the_kernel_cannot_compute_stay(case, mo
     assert prologue.fuse_gemv_prologues(prog) is prog
 
 
-@pytest.mark.parametrize("case", ["too_big", "wide"])
-def test_a_norm_that_only_scales_rows_fuses_into_any_gemv(case):
-    """x·Σx² scales x's row by one value: deferred (a scale after the dot product, builder/deferred_scale.py),
-    it keeps no A in shared memory and no block-wide prologue, so a k too large for shared memory and a GEMV
-    past the column limit take it too; the fused program's outputs equal the unfused one's."""
-    prog = _norm_then_gemv(k=16384) if case == "too_big" else _norm_then_gemv(n=prologue.PROLOGUE_MAX_COLS + 8, k=8)
-    fused = prologue.fuse_gemv_prologues(prog)
-    (gemm,) = _prologue_gemms(fused)
-    assert gemv_deferred_scale(gemm) is not None
-    inputs = _random_inputs(prog, {})
-    want, have = execute(prog, inputs, {}), execute(fused, inputs, {})
-    assert all(np.array_equal(want[k], have[k]) for k in want)
-
-
 def test_the_column_limit_follows_the_environment(monkeypatch):
-    monkeypatch.setenv(ENV_DEFER_SCALE, "0")
     wide = _norm_then_gemv(n=prologue.PROLOGUE_MAX_COLS + 8, k=8)
     assert prologue.fuse_gemv_prologues(wide) is wide
     monkeypatch.setenv(prologue.ENV_PROLOGUE_MAX_COLS, str(2 * prologue.PROLOGUE_MAX_COLS))
@@ -214,29 +194,19 @@ def test_reference_semantics_of_the_kernel_cases_match_float64():
         assert seen == (7 if dt == DType.f32 else 14)   # (3 shapes x 2 kinds + 1 static n) per result dtype
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path, monkeypatch, deferred):
-    """tiny-gemma3's decode GEMVs with their norms as block-wide prologues, and deferred (a row scale after the
-    dot product, builder/deferred_scale.py): NVRTC compiles both."""
-    monkeypatch.setenv("LUM_GEMV_DEFER_SCALE", "1" if deferred else "0")
+def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path):
     nvrtc = pytest.importorskip("lum.builder.nvrtc")
     try:
         nvrtc.nvrtc_version()
     except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
         pytest.skip(str(e))
-    from lum.builder.codegen import gemv_deferred_scale, generate_program, module_source
+    from lum.builder.codegen import generate_program, module_source
 
     kernels = []
-    seen_deferred = 0
     for cg in _groups("tiny-gemma3", "decode"):
         prog = compile_group(cg)[0]
         ks = generate_program(prog)
         for o in _prologue_gemms(prog):
-            if deferred and gemv_deferred_scale(o) is not None:     # gate-up's two chained norms stay block-wide
-                assert ks[o.id].tuning["deferred"] == 1 and "prologue" not in ks[o.id].tuning
-                seen_deferred += 1
-            else:
-                assert ks[o.id].tuning["prologue"] and ks[o.id].tuning["group"] <= 32
+            assert ks[o.id].tuning["prologue"] and ks[o.id].tuning["group"] <= 32
         kernels += [k for k in ks.values() if k is not None]
-    assert (seen_deferred > 0) == deferred
     nvrtc.compile_cuda(module_source(kernels), "sm_90", ptx=False, cache_dir=tmp_path)
