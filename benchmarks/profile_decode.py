@@ -22,6 +22,11 @@ package built with ``LUM_FLASH_ATTENTION=0``. cuBLASLt's GEMMs show as kind ``li
 Under programmatic launch (the default) a kernel starts while the one before it runs and waits for it on
 the device, so its CUPTI duration includes that wait: kernel times overlap and their sum exceeds the
 step. ``--plain`` launches plainly (``programmatic_launch=False``), for per-kernel times that add up.
+
+``--ncu`` marks one step, after the warm-up, for Nsight Compute's hardware counters and writes no record:
+``ncu --profile-from-start off -k regex:^lum_ -c N [--section …] -o REP python benchmarks/profile_decode.py
+--ncu …`` profiles that step's first N lum kernels, each graph node on its own (``--clock-control none``
+leaves the clocks alone, as the device notes ask).
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=40, help="kernels printed (all are saved)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true", help="launch plainly (no programmatic dependent launch)")
+    ap.add_argument("--ncu", action="store_true",
+                    help="run one step between cudaProfilerStart / Stop for Nsight Compute and write no record")
     ap.add_argument("--entry", default="decode", choices=("decode", "prefill"),
                     help="what --steps runs: decode steps after the prompt, or prefills of the prompt")
     args = ap.parse_args(argv)
@@ -159,6 +166,12 @@ def main(argv=None) -> int:
         return (time.perf_counter() - t) / n
 
     steps(args.warmup)
+    if args.ncu:                                      # the step ncu --profile-from-start off profiles
+        torch.cuda.profiler.start()
+        steps(1)
+        torch.cuda.profiler.stop()
+        log("ran one step for Nsight Compute; no record written")
+        return 0
     step_s = steps(args.steps)                        # unprofiled wall time per step
     p_mid = pos + args.steps // 2
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
