@@ -133,6 +133,7 @@ ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
+ENV_STAGE_BRANCH = "LUM_ATTENTION_STAGE_BRANCH"  # 0: every warp runs every stage row, predicated off but its own
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -1943,9 +1944,12 @@ class _Gen:
 
     def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, dv: int) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
-        :class:`AttentionStage`): every warp calls each row function once per round (their reductions are
-        warp shuffles, which every thread of the block must reach alike); task ``t = round · WARPS + warp``
-        is query row ``t`` (t < M), the k row (t = M) or the v row (t = M + 1)."""
+        :class:`AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row ``t`` (t < M),
+        the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a stage
+        row reduces with warp shuffles only: its group is a warp). With ``$LUM_ATTENTION_STAGE_BRANCH=0``
+        every warp calls every row function, the others' predicated off: the compiler cannot tell the
+        condition is warp-uniform, so each warp issued all three rows' instructions (Nsight Compute on
+        gemma3-4b: 823 instructions a warp before the barrier, 175 of them loads)."""
         st = self.stage
         if st is None:
             return {"STAGE_DECL": "", "STAGE_PRE": "", "STAGE": ""}
@@ -1957,9 +1961,18 @@ class _Gen:
 
         ka, va = (", lum_ks, &lum_sdk", ", lum_vs, &lum_sdv") if st.ahead else ("", "")
 
+        branch = env_switch(ENV_STAGE_BRANCH, default=True)
+
+        def call(ind: str, live: str, fn: str) -> str:
+            """Row function call ``fn(…, live, …)``: only in the warps whose task it is (``branch``), else in
+            every warp with ``live`` as its flag."""
+            return f"{ind}if ({live}) {fn.format(live='true')}" if branch else f"{ind}{fn.format(live=live)}"
+
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
-            return [f"{ind}lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {k_live}, {window}{ka});",
-                    f"{ind}lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {v_live}, {window}{va});"]
+            return [call(ind, k_live, f"lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {{live}}, "
+                                      f"{window}{ka});"),
+                    call(ind, v_live, f"lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {{live}}, "
+                                      f"{window}{va});")]
 
         def patch(var: str, dest: str, src: str, per_lane: str, width: int) -> list[str]:
             """The row this block wrote, from the stage's shared copy into the first step's registers."""
@@ -1980,8 +1993,8 @@ class _Gen:
                  f"{ind}  for (int lum_r = 0; lum_r < {-(-(m_size + 2) // warps)}; ++lum_r) {{",
                  f"{ind3}const int lum_task = lum_r * WARPS + lum_warp;",
                  f"{ind3}const int lum_mq = lum_task < M ? lum_task : 0;",
-                 f"{ind3}lum_qrow((long long)({q0} + {qh} * (long long)lum_h + {qm} * lum_mq), lum_task < M, "
-                 f"LumSink{{&lum_qs[lum_mq][0], (long long)({b0} + {bh} * (long long)lum_h + {bm} * lum_mq)}});",
+                 call(ind3, "lum_task < M", f"lum_qrow((long long)({q0} + {qh} * (long long)lum_h + {qm} * lum_mq), "
+                      f"{{live}}, LumSink{{{{&lum_qs[lum_mq][0], (long long)({b0} + {bh} * (long long)lum_h + {bm} * lum_mq)}}}});"),
                  *kv(ind3, "lum_task == M", "lum_task == M + 1",
                      "(long long)lum_w0, (long long)lum_w1, (long long)lum_T, lum_j == 0"),
                  f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
