@@ -118,6 +118,7 @@ ENV_ROW_REGS_BOUNDED = "LUM_ROW_REGS_BOUNDED"      # 1: a dynamic row too, by it
 ROW_REGS_BOUNDED = 16                            # ... up to this per lane (decode's combine at max_seq 4,096: 9)
 ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
+ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
 GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
@@ -134,6 +135,7 @@ ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
 ENV_STAGE_BRANCH = "LUM_ATTENTION_STAGE_BRANCH"  # 0: every warp runs every stage row, predicated off but its own
+ENV_MERGE_ALL_ROWS = "LUM_ATTENTION_MERGE_ALL"   # 0: decode attention merges its warps' partials a query row at a time
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -1838,14 +1840,22 @@ class _Gen:
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
         comb = self._attention_combine(heads_n, idx, op, DV)
+        # the warps' partials of all M query rows merged after one barrier pair where they fit in static shared
+        # memory beside the stage's rows (48 KB a block), else a row at a time
+        other = 4 * 32 * (m_size * dpl + (dpl + vpl if self.stage is not None and self.stage.ahead else 0)) \
+            if self.stage is not None else 0
+        fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
+        merge_rows = m_size if fits and env_switch(ENV_MERGE_ALL_ROWS, default=True) else 1
         src = render(load_template("attention.cu"), {**comb, **stage,
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
+            "MERGE_ROWS": merge_rows,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
             "KV_DECL": kv_decl, "KV_AHEAD": kv_ahead,
             "KEY": "\n".join(key), "STORE": ctx.c(out_idx)})
-        tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size}
+        tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
+                  "merge_rows": merge_rows}
         if self.combine is not None:
             tuning["combine"] = True
         if comb["CLUSTERED"]:                      # a cluster per kv row, as many as fit max_blocks

@@ -8,7 +8,8 @@
 //! WARPS*UNROLL keys (loads of UNROLL keys in flight, then their math). Per query row and warp an online
 //! softmax in the log2 domain keeps an integer offset c (raised to ceil(x) when a logit x exceeds it: the
 //! rescale 2^(c_old - c_new) is exact), l = sum 2^(x - c) and acc = sum round_p(2^(x - c)) * v. The warps'
-//! partials are combined through shared memory and stored as [acc[0..DV), c, l]. Every warp runs the same
+//! partials are combined through shared memory, MERGE_ROWS query rows after one barrier pair (all M
+//! where they fit), and stored as [acc[0..DV), c, l]. Every warp runs the same
 //! number of steps, so every thread reaches each warp shuffle and __syncthreads.
 //!
 //!
@@ -25,7 +26,7 @@
 //!   last SHARE blocks each combine a part of h's query rows (SHARE = CLUSTER on the GPU; 1 in host
 //!   emulation, which runs blocks one after another). No counter, no atomic, no kernel of its own.
 //!
-//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK; T (keys), NS (chunks),
+//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS; T (keys), NS (chunks),
 //!   HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
 //!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
 //!   row for key lum_t of slot u), STORE (the out offset of query row lum_m's chunk lum_j); COMBINE (0 | 1),
@@ -58,7 +59,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int UNROLL = {{UNROLL}};
   constexpr int CHUNK = {{CHUNK}};
   static_assert(THREADS % 32 == 0 && M >= 1, "THREADS must be a multiple of 32");
-  __shared__ float lum_part[WARPS][VPL * 32 + 2];
+  constexpr int MR = {{MERGE_ROWS}};     // query rows whose warps' partials are merged at once (M, or 1)
+  __shared__ float lum_part[MR][WARPS][VPL * 32 + 2];
 {{STAGE_DECL}}
 #if {{COUNTED}}
   __shared__ unsigned int lum_last;      // this block counted last for its kv row
@@ -102,12 +104,12 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     __syncthreads();                     // lum_part is free: every warp has combined its rows
     if (lum_lane == 0) {
 #pragma unroll
-      for (int lum_m = 0; lum_m < M; ++lum_m) lum_part[lum_warp][lum_m] = lum_mx[lum_m];
+      for (int lum_m = 0; lum_m < M; ++lum_m) lum_part[0][lum_warp][lum_m] = lum_mx[lum_m];
     }
     __syncthreads();
 #pragma unroll
     for (int lum_m = 0; lum_m < M; ++lum_m) {
-      for (int w = 0; w < WARPS; ++w) lum_mx[lum_m] = fmaxf(lum_mx[lum_m], lum_part[w][lum_m]);
+      for (int w = 0; w < WARPS; ++w) lum_mx[lum_m] = fmaxf(lum_mx[lum_m], lum_part[0][w][lum_m]);
     }
     constexpr int E = (M * DV + SHARE * THREADS - 1) / (SHARE * THREADS);
     const int lum_e0 = lum_si * THREADS + (int)threadIdx.x;
@@ -182,27 +184,39 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
 {{KEY}}
       }
     }
-    // the warps' partials of each query row, combined through shared memory
+    // the warps' partials of the query rows, merged through shared memory MR rows at a time (one barrier
+    // pair for them), each warp's factor 2^(c_w - c*) once a row
 #pragma unroll
-    for (int lum_m = 0; lum_m < M; ++lum_m) {
+    for (int lum_m0 = 0; lum_m0 < M; lum_m0 += MR) {
       __syncthreads();
 #pragma unroll
-      for (int i = 0; i < VPL; ++i) lum_part[lum_warp][lum_lane * VPL + i] = lum_acc[lum_m][i];
-      if (lum_lane == 0) {
-        lum_part[lum_warp][VPL * 32] = lum_c[lum_m];
-        lum_part[lum_warp][VPL * 32 + 1] = lum_l[lum_m];
+      for (int r = 0; r < MR && lum_m0 + r < M; ++r) {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) lum_part[r][lum_warp][lum_lane * VPL + i] = lum_acc[lum_m0 + r][i];
+        if (lum_lane == 0) {
+          lum_part[r][lum_warp][VPL * 32] = lum_c[lum_m0 + r];
+          lum_part[r][lum_warp][VPL * 32 + 1] = lum_l[lum_m0 + r];
+        }
       }
       __syncthreads();
-      float lum_cs = -LUM_INF_F32;
-      for (int w = 0; w < WARPS; ++w) lum_cs = fmaxf(lum_cs, lum_part[w][VPL * 32]);
-      const idx_t lum_ob = {{STORE}};
-      for (int d = (int)threadIdx.x; d < DV + 2; d += THREADS) {
-        float lum_val = d == DV ? lum_cs : 0.0f;
-        if (lum_cs != -LUM_INF_F32 && d != DV) {
-          const int col = d < DV ? d : VPL * 32 + 1;
-          for (int w = 0; w < WARPS; ++w) lum_val += exp2f(lum_part[w][VPL * 32] - lum_cs) * lum_part[w][col];
+#pragma unroll
+      for (int r = 0; r < MR && lum_m0 + r < M; ++r) {
+        const int lum_m = lum_m0 + r;
+        float lum_cs = -LUM_INF_F32;
+        for (int w = 0; w < WARPS; ++w) lum_cs = fmaxf(lum_cs, lum_part[r][w][VPL * 32]);
+        float lum_f[WARPS];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) lum_f[w] = exp2f(lum_part[r][w][VPL * 32] - lum_cs);
+        const idx_t lum_ob = {{STORE}};
+        for (int d = (int)threadIdx.x; d < DV + 2; d += THREADS) {
+          float lum_val = d == DV ? lum_cs : 0.0f;
+          if (lum_cs != -LUM_INF_F32 && d != DV) {
+            const int col = d < DV ? d : VPL * 32 + 1;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) lum_val += lum_f[w] * lum_part[r][w][col];
+          }
+          out[lum_ob + (idx_t)d] = lum_val;
         }
-        out[lum_ob + (idx_t)d] = lum_val;
       }
     }
 #if {{COUNTED}}

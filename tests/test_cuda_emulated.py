@@ -37,7 +37,7 @@ MAX_SEQ = 16
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
-         "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"},
+         "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
 
 
@@ -281,6 +281,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
     builder/attention_stage.py; the kernel cases' independent kernels in a row run as one launch each),
     ``stage-ahead`` (``LUM_ATTENTION_STAGE_AHEAD=1``: the first keys loaded before the stage),
     ``stage-predicated`` (``LUM_ATTENTION_STAGE_BRANCH=0``: every warp runs every stage row, predicated),
+    ``merge-by-row`` (``LUM_ATTENTION_MERGE_ALL=0``: the warps' partials merged a query row at a time),
     ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch) or
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
     next layer's qkv prologue, its residual kernel last in the layer) or ``row-regs-bounded``
