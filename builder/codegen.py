@@ -136,6 +136,7 @@ ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 thread
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
 ENV_STAGE_BRANCH = "LUM_ATTENTION_STAGE_BRANCH"  # 0: every warp runs every stage row, predicated off but its own
 ENV_MERGE_ALL_ROWS = "LUM_ATTENTION_MERGE_ALL"   # 0: decode attention merges its warps' partials a query row at a time
+ENV_ATTENTION_KEY_BATCH = "LUM_ATTENTION_KEY_BATCH"  # 1: decode attention updates its softmax once a step of keys
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -1818,24 +1819,12 @@ class _Gen:
         p_dt = DType.parse(op.params["p_dtype"])
         rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
         scale = float(op.params["scale"])
-        key = [f"{ind4}#pragma unroll", f"{ind4}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
-               f"{ind4}  float lum_s = 0.0f;", f"{ind4}#pragma unroll",
-               f"{ind4}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
-               f"{ind4}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
-               f"{ind4}  const bool lum_keep = lum_in && {mval};",
-               f"{ind4}  const float lum_x = lum_keep ? (lum_s * {_f32_literal(scale)}) * "
-               f"{_f32_literal(1.4426950408889634)} : -LUM_INF_F32;",
-               f"{ind4}  if (lum_x > lum_c[lum_m]) {{",
-               f"{ind4}    const float lum_cn = ceilf(lum_x), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
-               f"{ind4}    lum_l[lum_m] *= lum_f;", f"{ind4}#pragma unroll",
-               f"{ind4}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
-               f"{ind4}    lum_c[lum_m] = lum_cn;", f"{ind4}  }}",
-               f"{ind4}  if (lum_keep) {{",
-               f"{ind4}    const float lum_e = exp2f(lum_x - lum_c[lum_m]);",
-               f"{ind4}    const float lum_p = {rnd};",
-               f"{ind4}    lum_l[lum_m] += lum_e;", f"{ind4}#pragma unroll",
-               f"{ind4}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
-               f"{ind4}  }}", f"{ind4}}}"]
+        logit = f"(lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)}"
+        keys_before, keys_after = "", ""
+        if env_switch(ENV_ATTENTION_KEY_BATCH):   # a step's logits first, then one update a query row
+            key, keys_before, keys_after = self._attention_key_batch(ind4, mval, logit, rnd)
+        else:
+            key = self._attention_key(ind4, mval, logit, rnd)
         out_idx = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), zero))
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
@@ -1853,7 +1842,7 @@ class _Gen:
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
             "KV_DECL": kv_decl, "KV_AHEAD": kv_ahead,
-            "KEY": "\n".join(key), "STORE": ctx.c(out_idx)})
+            "KEY": "\n".join(key), "KEYS_BEFORE": keys_before, "KEYS_AFTER": keys_after, "STORE": ctx.c(out_idx)})
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
                   "merge_rows": merge_rows}
         if self.combine is not None:
@@ -1951,6 +1940,61 @@ class _Gen:
         tuning = {"threads": self.threads, "tile_rows": br, "tile_keys": bc, "max_blocks": self.max_blocks,
                   "flash": "mma" if mma else "fma"}
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1), smem)], tuning, self.max_blocks
+
+    @staticmethod
+    def _attention_key(ind: str, mval: str, logit: str, rnd: str) -> list[str]:
+        """attention.cu's KEY: every query row's online-softmax update for key lum_t of slot u."""
+        return [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
+                f"{ind}  float lum_s = 0.0f;", f"{ind}#pragma unroll",
+                f"{ind}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
+                f"{ind}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
+                f"{ind}  const bool lum_keep = lum_in && {mval};",
+                f"{ind}  const float lum_x = lum_keep ? {logit} : -LUM_INF_F32;",
+                f"{ind}  if (lum_x > lum_c[lum_m]) {{",
+                f"{ind}    const float lum_cn = ceilf(lum_x), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
+                f"{ind}    lum_l[lum_m] *= lum_f;", f"{ind}#pragma unroll",
+                f"{ind}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
+                f"{ind}    lum_c[lum_m] = lum_cn;", f"{ind}  }}",
+                f"{ind}  if (lum_keep) {{",
+                f"{ind}    const float lum_e = exp2f(lum_x - lum_c[lum_m]);",
+                f"{ind}    const float lum_p = {rnd};",
+                f"{ind}    lum_l[lum_m] += lum_e;", f"{ind}#pragma unroll",
+                f"{ind}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
+                f"{ind}  }}", f"{ind}}}"]
+
+    @staticmethod
+    def _attention_key_batch(ind: str, mval: str, logit: str, rnd: str) -> tuple[list[str], str, str]:
+        """attention.cu's KEY, KEYS_BEFORE and KEYS_AFTER with ``$LUM_ATTENTION_KEY_BATCH``: the step's
+        UNROLL logits of every query row first (their warp reductions independent of each other), then per
+        row one maximum, one rescale and the UNROLL keys' terms in key order. The offsets are integers, so
+        2^(x − c) · 2^(c − c') = 2^(x − c') and rounding commutes with the rescale: the same partials as
+        the update after every key (outside subnormal results)."""
+        key = [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
+               f"{ind}  float lum_s = 0.0f;", f"{ind}#pragma unroll",
+               f"{ind}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
+               f"{ind}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
+               f"{ind}  lum_kp[u][lum_m] = lum_in && {mval};",
+               f"{ind}  lum_xs[u][lum_m] = lum_kp[u][lum_m] ? {logit} : -LUM_INF_F32;", f"{ind}}}"]
+        i6 = ind[:-2]
+        before = f"{i6}float lum_xs[UNROLL][M];   // the step's logits (log2 domain), and which keys count\n" \
+                 f"{i6}bool lum_kp[UNROLL][M];"
+        after = "\n".join([
+            f"{i6}#pragma unroll", f"{i6}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
+            f"{i6}  float lum_xm = lum_xs[0][lum_m];", f"{i6}#pragma unroll",
+            f"{i6}  for (int u = 1; u < UNROLL; ++u) lum_xm = lum_xs[u][lum_m] > lum_xm ? lum_xs[u][lum_m] : lum_xm;",
+            f"{i6}  if (lum_xm > lum_c[lum_m]) {{",
+            f"{i6}    const float lum_cn = ceilf(lum_xm), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
+            f"{i6}    lum_l[lum_m] *= lum_f;", f"{i6}#pragma unroll",
+            f"{i6}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
+            f"{i6}    lum_c[lum_m] = lum_cn;", f"{i6}  }}",
+            f"{i6}#pragma unroll", f"{i6}  for (int u = 0; u < UNROLL; ++u) {{",
+            f"{i6}    if (lum_kp[u][lum_m]) {{",
+            f"{i6}      const float lum_e = exp2f(lum_xs[u][lum_m] - lum_c[lum_m]);",
+            f"{i6}      const float lum_p = {rnd};",
+            f"{i6}      lum_l[lum_m] += lum_e;", f"{i6}#pragma unroll",
+            f"{i6}      for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
+            f"{i6}    }}", f"{i6}  }}", f"{i6}}}"])
+        return key, before, after
 
     def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, dv: int) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see

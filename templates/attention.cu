@@ -29,7 +29,8 @@
 //! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS; T (keys), NS (chunks),
 //!   HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
 //!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
-//!   row for key lum_t of slot u), STORE (the out offset of query row lum_m's chunk lum_j); COMBINE (0 | 1),
+//!   row for key lum_t of slot u; or, batched, only its logits, with KEYS_BEFORE declaring them and
+//!   KEYS_AFTER updating each query row once for the step's UNROLL keys: one maximum, one rescale), STORE (the out offset of query row lum_m's chunk lum_j); COMBINE (0 | 1),
 //!   COUNTED, CLUSTERED (0 | 1: which combine), UNCLUSTERED (1 - CLUSTERED), CLUSTER (blocks a cluster when
 //!   CLUSTERED, else 1), COUNTERS (kv rows: the counters' length, 1 unless COUNTED), PART0 (the out offset of query row
 //!   lum_m's chunk 0), COMBINED (the t0_out offset of query row lum_m), COMBINE_STORE (the storage value of
@@ -177,12 +178,14 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
         const bool lum_in = lum_t < lum_t1;
 {{LOAD_KV}}
       }
+{{KEYS_BEFORE}}
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);
         const bool lum_in = lum_t < lum_t1;
 {{KEY}}
       }
+{{KEYS_AFTER}}
     }
     // the warps' partials of the query rows, merged through shared memory MR rows at a time (one barrier
     // pair for them), each warp's factor 2^(c_w - c*) once a row

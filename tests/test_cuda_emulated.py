@@ -38,6 +38,7 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
+         "key-batch": {"LUM_ATTENTION_KEY_BATCH": "1"},
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
 
 
@@ -270,6 +271,35 @@ print(json.dumps(out))
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
 
+BIT_EQUAL = ("key-batch", "merge-by-row", "stage-predicated")   # the same arithmetic as the default's
+
+
+def test_variants_that_reorder_no_arithmetic_are_bit_equal(env):
+    """The attention kernels' variants that change only how the work is scheduled (the stage rows predicated
+    in every warp, the warps' partials merged a row at a time, a step's keys' softmax updated at once: its
+    offsets are integers, so the rescales are exact) give every kernel case's outputs bit for bit as the
+    default package does."""
+    res = run(env, r'''
+import numpy as np
+import lum.loader as L
+from lum.format.dtypes import DType
+from tests.kernel_cases import BOUNDS, DYN, template_cases
+out = {}
+for dt in (DType.f32, DType.bf16):
+    prog, arrays, b = template_cases(dt)
+    got = {}
+    for v in ("stage",) + tuple(BITEQ):
+        with L.open(PKGS[f"template_cases.{dt.value}.{v}"]).session(dyn=BOUNDS, backend="cuda") as sess:
+            sess.load_state(b.state_init)
+            r = sess.run("main", arrays, DYN); r.update(sess.state)
+            got[v] = {k: np.asarray(x).tobytes() for k, x in r.items()}
+    for v in BITEQ:
+        out[f"{dt.value}.{v}"] = [k for k in got["stage"] if got[v][k] != got["stage"][k]]
+print(json.dumps(out))
+'''.replace("BITEQ", repr(BIT_EQUAL)))
+    assert len(res) == 2 * len(BIT_EQUAL) and all(not diff for diff in res.values()), res
+
+
 @pytest.mark.parametrize("variant", list(FUSED))
 def test_fused_kernel_variants_match_reference(env, variant):
     """Built with a kernel fusion: ``combine`` (``LUM_ATTENTION_COMBINE=1``, off by default: the kernel cases'
@@ -282,6 +312,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``stage-ahead`` (``LUM_ATTENTION_STAGE_AHEAD=1``: the first keys loaded before the stage),
     ``stage-predicated`` (``LUM_ATTENTION_STAGE_BRANCH=0``: every warp runs every stage row, predicated),
     ``merge-by-row`` (``LUM_ATTENTION_MERGE_ALL=0``: the warps' partials merged a query row at a time),
+    ``key-batch`` (``LUM_ATTENTION_KEY_BATCH=1``: one softmax update a query row for a step's keys),
     ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch) or
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
     next layer's qkv prologue, its residual kernel last in the layer) or ``row-regs-bounded``
