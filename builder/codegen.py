@@ -1829,8 +1829,8 @@ class _Gen:
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
         comb = self._attention_combine(heads_n, idx, op, DV)
-        # the warps' partials of all M query rows merged after one barrier pair where they fit in static shared
-        # memory beside the stage's rows (48 KB a block), else a row at a time
+        # the warps' partials of all M query rows merged after one barrier pair where they and the stage's rows
+        # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
         other = 4 * 32 * (m_size * dpl + (dpl + vpl if self.stage is not None and self.stage.ahead else 0)) \
             if self.stage is not None else 0
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
@@ -1942,39 +1942,49 @@ class _Gen:
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1), smem)], tuning, self.max_blocks
 
     @staticmethod
-    def _attention_key(ind: str, mval: str, logit: str, rnd: str) -> list[str]:
-        """attention.cu's KEY: every query row's online-softmax update for key lum_t of slot u."""
+    def _attention_logit(ind: str, mval: str, logit: str, keep: str, x: str, declare: bool) -> list[str]:
+        """The loop over query rows lum_m, left open: each row's logit (log2 domain) of key lum_t of slot u
+        into ``x``, whether it counts into ``keep`` (locals of those names with ``declare``, else lvalues)."""
         return [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
                 f"{ind}  float lum_s = 0.0f;", f"{ind}#pragma unroll",
                 f"{ind}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
                 f"{ind}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
-                f"{ind}  const bool lum_keep = lum_in && {mval};",
-                f"{ind}  const float lum_x = lum_keep ? {logit} : -LUM_INF_F32;",
-                f"{ind}  if (lum_x > lum_c[lum_m]) {{",
-                f"{ind}    const float lum_cn = ceilf(lum_x), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
-                f"{ind}    lum_l[lum_m] *= lum_f;", f"{ind}#pragma unroll",
-                f"{ind}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
-                f"{ind}    lum_c[lum_m] = lum_cn;", f"{ind}  }}",
-                f"{ind}  if (lum_keep) {{",
-                f"{ind}    const float lum_e = exp2f(lum_x - lum_c[lum_m]);",
-                f"{ind}    const float lum_p = {rnd};",
-                f"{ind}    lum_l[lum_m] += lum_e;", f"{ind}#pragma unroll",
-                f"{ind}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
-                f"{ind}  }}", f"{ind}}}"]
+                f"{ind}  {'const bool ' if declare else ''}{keep} = lum_in && {mval};",
+                f"{ind}  {'const float ' if declare else ''}{x} = {keep} ? {logit} : -LUM_INF_F32;"]
 
     @staticmethod
-    def _attention_key_batch(ind: str, mval: str, logit: str, rnd: str) -> tuple[list[str], str, str]:
+    def _attention_rescale(ind: str, pind: str, xmax: str) -> list[str]:
+        """Query row lum_m's offset raised to ceil(``xmax``) when that exceeds it, its sums rescaled by the
+        exact power of two (``pind``: the pragmas' indent)."""
+        return [f"{ind}if ({xmax} > lum_c[lum_m]) {{",
+                f"{ind}  const float lum_cn = ceilf({xmax}), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
+                f"{ind}  lum_l[lum_m] *= lum_f;", f"{pind}#pragma unroll",
+                f"{ind}  for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
+                f"{ind}  lum_c[lum_m] = lum_cn;", f"{ind}}}"]
+
+    @staticmethod
+    def _attention_term(ind: str, pind: str, keep: str, x: str, rnd: str) -> list[str]:
+        """Key slot u's term (logit ``x``) in query row lum_m's sums when ``keep``."""
+        return [f"{ind}if ({keep}) {{",
+                f"{ind}  const float lum_e = exp2f({x} - lum_c[lum_m]);",
+                f"{ind}  const float lum_p = {rnd};",
+                f"{ind}  lum_l[lum_m] += lum_e;", f"{pind}#pragma unroll",
+                f"{ind}  for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
+                f"{ind}}}"]
+
+    def _attention_key(self, ind: str, mval: str, logit: str, rnd: str) -> list[str]:
+        """attention.cu's KEY: every query row's online-softmax update for key lum_t of slot u."""
+        return [*self._attention_logit(ind, mval, logit, "lum_keep", "lum_x", True),
+                *self._attention_rescale(ind + "  ", ind, "lum_x"),
+                *self._attention_term(ind + "  ", ind, "lum_keep", "lum_x", rnd), f"{ind}}}"]
+
+    def _attention_key_batch(self, ind: str, mval: str, logit: str, rnd: str) -> tuple[list[str], str, str]:
         """attention.cu's KEY, KEYS_BEFORE and KEYS_AFTER with ``$LUM_ATTENTION_KEY_BATCH``: the step's
         UNROLL logits of every query row first (their warp reductions independent of each other), then per
         row one maximum, one rescale and the UNROLL keys' terms in key order. The offsets are integers, so
         2^(x − c) · 2^(c − c') = 2^(x − c') and rounding commutes with the rescale: the same partials as
         the update after every key (outside subnormal results)."""
-        key = [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
-               f"{ind}  float lum_s = 0.0f;", f"{ind}#pragma unroll",
-               f"{ind}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
-               f"{ind}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
-               f"{ind}  lum_kp[u][lum_m] = lum_in && {mval};",
-               f"{ind}  lum_xs[u][lum_m] = lum_kp[u][lum_m] ? {logit} : -LUM_INF_F32;", f"{ind}}}"]
+        key = [*self._attention_logit(ind, mval, logit, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", False), f"{ind}}}"]
         i6 = ind[:-2]
         before = f"{i6}float lum_xs[UNROLL][M];   // the step's logits (log2 domain), and which keys count\n" \
                  f"{i6}bool lum_kp[UNROLL][M];"
@@ -1982,18 +1992,9 @@ class _Gen:
             f"{i6}#pragma unroll", f"{i6}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
             f"{i6}  float lum_xm = lum_xs[0][lum_m];", f"{i6}#pragma unroll",
             f"{i6}  for (int u = 1; u < UNROLL; ++u) lum_xm = lum_xs[u][lum_m] > lum_xm ? lum_xs[u][lum_m] : lum_xm;",
-            f"{i6}  if (lum_xm > lum_c[lum_m]) {{",
-            f"{i6}    const float lum_cn = ceilf(lum_xm), lum_f = exp2f(lum_c[lum_m] - lum_cn);",
-            f"{i6}    lum_l[lum_m] *= lum_f;", f"{i6}#pragma unroll",
-            f"{i6}    for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] *= lum_f;",
-            f"{i6}    lum_c[lum_m] = lum_cn;", f"{i6}  }}",
+            *self._attention_rescale(i6 + "  ", i6, "lum_xm"),
             f"{i6}#pragma unroll", f"{i6}  for (int u = 0; u < UNROLL; ++u) {{",
-            f"{i6}    if (lum_kp[u][lum_m]) {{",
-            f"{i6}      const float lum_e = exp2f(lum_xs[u][lum_m] - lum_c[lum_m]);",
-            f"{i6}      const float lum_p = {rnd};",
-            f"{i6}      lum_l[lum_m] += lum_e;", f"{i6}#pragma unroll",
-            f"{i6}      for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
-            f"{i6}    }}", f"{i6}  }}", f"{i6}}}"])
+            *self._attention_term(i6 + "    ", i6, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", rnd), f"{i6}  }}", f"{i6}}}"])
         return key, before, after
 
     def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, dv: int) -> dict[str, str]:
