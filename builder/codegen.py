@@ -136,7 +136,7 @@ ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 thread
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
 ENV_STAGE_BRANCH = "LUM_ATTENTION_STAGE_BRANCH"  # 0: every warp runs every stage row, predicated off but its own
 ENV_MERGE_ALL_ROWS = "LUM_ATTENTION_MERGE_ALL"   # 0: decode attention merges its warps' partials a query row at a time
-ENV_ATTENTION_KEY_BATCH = "LUM_ATTENTION_KEY_BATCH"  # 1: decode attention updates its softmax once a step of keys
+ENV_ATTENTION_KEY_BATCH = "LUM_ATTENTION_KEY_BATCH"  # 0: decode attention updates its softmax after every key (default 1: once a step)
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -1821,7 +1821,9 @@ class _Gen:
         scale = float(op.params["scale"])
         logit = f"(lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)}"
         keys_before, keys_after = "", ""
-        if env_switch(ENV_ATTENTION_KEY_BATCH):   # a step's logits first, then one update a query row
+        # a step's logits first, then one update a query row (not by default beside the clustered combine, off
+        # and measured slower: with both, llama3-1b's kernel spills 16 bytes)
+        if env_switch(ENV_ATTENTION_KEY_BATCH, default=not self.combine_cluster):
             key, keys_before, keys_after = self._attention_key_batch(ind4, mval, logit, rnd)
         else:
             key = self._attention_key(ind4, mval, logit, rnd)
@@ -1979,7 +1981,7 @@ class _Gen:
                 *self._attention_term(ind + "  ", ind, "lum_keep", "lum_x", rnd), f"{ind}}}"]
 
     def _attention_key_batch(self, ind: str, mval: str, logit: str, rnd: str) -> tuple[list[str], str, str]:
-        """attention.cu's KEY, KEYS_BEFORE and KEYS_AFTER with ``$LUM_ATTENTION_KEY_BATCH``: the step's
+        """attention.cu's KEY, KEYS_BEFORE and KEYS_AFTER (unless ``$LUM_ATTENTION_KEY_BATCH`` is 0): the step's
         UNROLL logits of every query row first (their warp reductions independent of each other), then per
         row one maximum, one rescale and the UNROLL keys' terms in key order. The offsets are integers, so
         2^(x − c) · 2^(c − c') = 2^(x − c') and rounding commutes with the rescale: the same partials as
