@@ -33,13 +33,17 @@ _SHIM = r"""
 #include <cstring>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <vector>
 #include <functional>
 #include <csetjmp>
 #include <ucontext.h>
-// CUDA threads of a block as coroutines on one OS thread: a barrier (__syncthreads, or a warp shuffle,
-// which lum's templates always call with every thread of the block) yields to the scheduler, which
-// resumes each thread in turn; a round ends when every thread has reached the barrier or finished.
+// CUDA threads of a block as coroutines on one OS thread: a barrier yields to the scheduler, which
+// resumes a thread only once every live thread its barrier spans has reached it: the block's for
+// __syncthreads (and the vote), the warp's for a shuffle or __syncwarp. So warps may call different row
+// functions with different numbers of shuffles (the attention stage's branch), as on the GPU, and a
+// warp cannot pass a __syncthreads before the others reach it; threads stuck at different barriers are a
+// deadlock on the GPU, and abort here.
 // A coroutine starts on its own stack through setcontext (makecontext's entry) and then switches with
 // _setjmp / _longjmp, which leave the signal mask alone: swapcontext's system call per switch made
 // kernels with many barriers (flash attention) spend most of their emulated time in the kernel.
@@ -53,9 +57,12 @@ static std::vector<lum_jmp> lum_jb;
 static std::vector<char*> lum_stacks;
 static std::vector<uint64_t> lum_slots;
 static std::vector<char> lum_done, lum_started;
+static std::vector<char> lum_wait;   // 0: may run; 1: at a block barrier; 2: at a warp barrier
 static const std::function<void()>* lum_fn = nullptr;
 static unsigned lum_cur = 0;
-static void lum_yield() { if (!_setjmp(lum_jb[lum_cur].b)) _longjmp(lum_sched_jb, 1); }
+static void lum_yield_at(char kind) { lum_wait[lum_cur] = kind; if (!_setjmp(lum_jb[lum_cur].b)) _longjmp(lum_sched_jb, 1); }
+static void lum_yield() { lum_yield_at(1); }
+static void lum_warp_yield() { lum_yield_at(2); }
 static void __syncthreads() { lum_yield(); }
 // A block-wide vote: every thread posts its predicate, then reads everyone's (two rounds, as a shuffle).
 static int __syncthreads_or(int pred) {
@@ -66,20 +73,19 @@ static int __syncthreads_or(int pred) {
   lum_yield();
   return any;
 }
-// A warp's barrier: a round of the block's (lum's templates call it with every thread of the block, as
-// __syncthreads), so the warp's stores before it are seen by its lanes after it.
-static void __syncwarp(unsigned = 0xffffffffu) { lum_yield(); }
+// A warp's barrier: the warp's stores before it are seen by its lanes after it.
+static void __syncwarp(unsigned = 0xffffffffu) { lum_warp_yield(); }
 static void __threadfence() {}   // blocks run one after another: every store is already visible
 static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
   lum_slots[tid] = bits;
-  lum_yield();
+  lum_warp_yield();
   int src = lane ^ lane_mask;
   if (src / width != lane / width) src = lane;
   uint64_t got = lum_slots[warp * 32 + src];
-  lum_yield();
+  lum_warp_yield();
   T out; std::memcpy(&out, &got, sizeof(T)); return out;
 }
 static void lum_entry() { (*lum_fn)(); lum_done[lum_cur] = 1; _longjmp(lum_sched_jb, 1); }   // never returns
@@ -100,6 +106,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
     blockIdx.x = b;
     lum_done.assign(block, 0);
     lum_started.assign(block, 0);
+    lum_wait.assign(block, 0);
     for (unsigned t = 0; t < block; ++t) {
       getcontext(&lum_ctx[t]);
       lum_ctx[t].uc_stack.ss_sp = lum_stacks[t];
@@ -107,17 +114,32 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
       lum_ctx[t].uc_link = &lum_sched;
       makecontext(&lum_ctx[t], lum_entry, 0);
     }
-    for (bool left = true; left;) {
-      left = false;
+    for (;;) {
+      bool all_at_block = true;          // release a barrier that every live thread it spans has reached
+      for (unsigned t = 0; t < block; ++t) all_at_block &= lum_done[t] || lum_wait[t] == 1;
+      for (unsigned w = 0; w < block; w += 32) {
+        bool all_at_warp = true;
+        for (unsigned t = w; t < block && t < w + 32; ++t) all_at_warp &= lum_done[t] || lum_wait[t] == 2;
+        for (unsigned t = w; t < block && t < w + 32; ++t)
+          if (all_at_warp || (all_at_block && lum_wait[t] == 1)) lum_wait[t] = 0;
+      }
+      bool left = false, ran = false;
       for (unsigned t = 0; t < block; ++t) {
         if (lum_done[t]) continue;
+        left = true;
+        if (lum_wait[t]) continue;
+        ran = true;
         lum_cur = t; threadIdx.x = t;
         if (!_setjmp(lum_sched_jb)) {      // back here when thread t yields or finishes
           if (lum_started[t]) _longjmp(lum_jb[t].b, 1);
           lum_started[t] = 1;
           setcontext(&lum_ctx[t]);
         }
-        if (!lum_done[t]) left = true;
+      }
+      if (!left) break;
+      if (!ran) {
+        std::fprintf(stderr, "emulated block %u: its threads wait at different barriers (a deadlock on a GPU)\n", b);
+        std::abort();
       }
     }
   }

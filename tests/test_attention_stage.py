@@ -141,3 +141,23 @@ def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
     assert body.index("lum_load_f32") < body.index("lum_qrow(") and "if (lum_tb != lum_t0) {" in body
     assert "lum_k[u][i] = lum_d < 256 ? lum_ks[lum_d]" in body and "*lum_hit = (" in ahead.body
     assert not any(x in default.body for x in ("lum_ks", "lum_hit", "lum_tb != lum_t0"))
+
+
+@pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
+def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, block):
+    """``LUM_ATTENTION_STAGE_ONE_ROUND=1``: a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a
+    power of two of warps, all its rows in one round, and UNROLL so that WARPS · UNROLL stays the chunk (16);
+    a stage that fits four warps (gemma3-4b: 2 query rows) keeps 4 warps of 4 keys. Off, every one keeps them."""
+    from lum.builder.codegen import attention_stage_block
+
+    prog, dv = _layer(model, DType.bf16)
+    att = _attention(prog)
+    assert attention_stage_block(att) is None
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "1")
+    assert attention_stage_block(att) == block
+    ks = [k for k in group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ)).values()
+          if k is not None and att.id in k.tails]
+    threads, unroll = block or (128, 4)
+    assert len(ks) == 1 and ks[0].block[0] == threads and ks[0].tuning["unroll"] == unroll
+    if block is not None:                  # one round of stage rows
+        assert "for (int lum_r = 0; lum_r < 1; ++lum_r)" in ks[0].body

@@ -327,7 +327,7 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
                          rope=replace(_LLAMA3_ROPE_1B, original_max_position_embeddings=64),
                          tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=1, eos_token_id=(2,)),
     "tiny-qwen3": _llama(arch="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                         num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
                          rope=RopeSpec(theta=1_000_000.0), qk_norm=True, tie_word_embeddings=False,
                          max_position_embeddings=256, bos_token_id=1, eos_token_id=(2,)),
     "tiny-gemma3": _gemma(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
