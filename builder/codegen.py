@@ -134,7 +134,7 @@ ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
-ENV_STAGE_ONE_ROUND = "LUM_ATTENTION_STAGE_ONE_ROUND"  # 1: a stage's rows in one round of warps (attention_stage_block)
+ENV_STAGE_ONE_ROUND = "LUM_ATTENTION_STAGE_ONE_ROUND"  # 0: a stage's rows take two rounds of 4 warps where they are more than 4
 ENV_STAGE_BRANCH = "LUM_ATTENTION_STAGE_BRANCH"  # 0: every warp runs every stage row, predicated off but its own
 ENV_MERGE_ALL_ROWS = "LUM_ATTENTION_MERGE_ALL"   # 0: decode attention merges its warps' partials a query row at a time
 ENV_ATTENTION_KEY_BATCH = "LUM_ATTENTION_KEY_BATCH"  # 0: decode attention updates its softmax after every key (default 1: once a step)
@@ -726,12 +726,14 @@ def attention_group_rows(op: LOp) -> Expr:
 
 
 def attention_stage_block(op: LOp) -> tuple[int, int] | None:
-    """(threads, unroll) of a decode attention kernel that runs its stage, with ``$LUM_ATTENTION_STAGE_ONE_ROUND=1``:
-    enough warps (a power of two, at least 4) for the stage's M query rows and its k and v rows to take one round,
-    and UNROLL keys a warp so that WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six
-    rows) ran in two rounds, warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips.
-    ``None`` where the default (4 warps, 4 keys) already takes one round, or the chunk cannot be split so."""
-    if not env_switch(ENV_STAGE_ONE_ROUND):
+    """(threads, unroll) of a decode attention kernel that runs its stage: enough warps (a power of two, at least
+    4) for the stage's M query rows and its k and v rows to take one round, and UNROLL keys a warp so that
+    WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six rows) ran in two rounds,
+    warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips (one round measured
+    +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round, where the
+    chunk cannot be split so, or with ``$LUM_ATTENTION_STAGE_ONE_ROUND=0``. A kernel that also runs its
+    combine (``$LUM_ATTENTION_COMBINE``, off) keeps 4 warps too: llama3-1b's spilled."""
+    if not env_switch(ENV_STAGE_ONE_ROUND, default=True):
         return None
     rows, chunk = attention_group_rows(op), int(op.params["chunk"])
     if not rows.is_const or rows.value + 2 <= 4:
@@ -789,7 +791,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if len(set(dyn_vars)) != len(dyn_vars):
         raise CodegenError(f"duplicate names in dyn_vars {list(dyn_vars)}")
     threads_given = threads is not None
-    if op.kind == "attention" and stage is not None and not threads_given and unroll is None:
+    if op.kind == "attention" and stage is not None and combine is None and not threads_given and unroll is None:
         threads, unroll = attention_stage_block(op) or (None, None)
     if threads is None:
         threads = _default_threads(op)

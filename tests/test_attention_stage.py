@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages, stage_ops
-from lum.builder.codegen import AttentionStage, generate_program
+from lum.builder.codegen import AttentionStage, attention_stage_block, generate_program
 from lum.builder.kernels import default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
@@ -53,7 +53,9 @@ def test_decode_attention_runs_its_stage(monkeypatch, model, group):
     assert ks.tails == (*run[1:], att.id) and not ({q.id, k.id, v.id, att.id} - {run[0]}) & set(fused)
     assert ks.tuning["stage"] == run and ks.tuning["group_rows"] == group
     plain = generate_program(prog, dv, max_dyn=max_dyn)
-    assert ks.grid == plain[att.id].grid and ks.block == plain[att.id].block
+    stage_block = attention_stage_block(att)       # llama3-1b's six stage rows: 8 warps, one round
+    assert ks.grid == plain[att.id].grid
+    assert ks.block == ((stage_block[0], 1, 1) if stage_block else plain[att.id].block)
     table = launch_table(prog, fused, arch="sm_90", dyn_vars=dv, max_dyn=max_dyn)
     (entry,) = [e for e in table["ops"] if e.get("tail")]
     assert table["version"] == 2 and table["programmatic"] and entry["tail"] == [*run[1:], att.id]
@@ -145,15 +147,12 @@ def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
 
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
 def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, block):
-    """``LUM_ATTENTION_STAGE_ONE_ROUND=1``: a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a
+    """By default a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a
     power of two of warps, all its rows in one round, and UNROLL so that WARPS · UNROLL stays the chunk (16);
-    a stage that fits four warps (gemma3-4b: 2 query rows) keeps 4 warps of 4 keys. Off, every one keeps them."""
-    from lum.builder.codegen import attention_stage_block
-
+    a stage that fits four warps (gemma3-4b: 2 query rows) keeps 4 warps of 4 keys. With
+    ``LUM_ATTENTION_STAGE_ONE_ROUND=0`` every one keeps them."""
     prog, dv = _layer(model, DType.bf16)
     att = _attention(prog)
-    assert attention_stage_block(att) is None
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "1")
     assert attention_stage_block(att) == block
     ks = [k for k in group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ)).values()
           if k is not None and att.id in k.tails]
@@ -161,3 +160,5 @@ def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, blo
     assert len(ks) == 1 and ks[0].block[0] == threads and ks[0].tuning["unroll"] == unroll
     if block is not None:                  # one round of stage rows
         assert "for (int lum_r = 0; lum_r < 1; ++lum_r)" in ks[0].body
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")
+    assert attention_stage_block(att) is None

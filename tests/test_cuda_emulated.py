@@ -38,7 +38,7 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
-         "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-one-round": {"LUM_ATTENTION_STAGE_ONE_ROUND": "1"},
+         "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-two-rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
 
 
@@ -313,8 +313,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``stage-predicated`` (``LUM_ATTENTION_STAGE_BRANCH=0``: every warp runs every stage row, predicated),
     ``merge-by-row`` (``LUM_ATTENTION_MERGE_ALL=0``: the warps' partials merged a query row at a time),
     ``key-by-key`` (``LUM_ATTENTION_KEY_BATCH=0``: a softmax update after every key, not one a step),
-    ``stage-one-round`` (``LUM_ATTENTION_STAGE_ONE_ROUND=1``: tiny-qwen3's stage of 4 query rows, k and v on 8
-    warps of 2 keys; the kernel cases run no stage),
+    ``stage-two-rounds`` (``LUM_ATTENTION_STAGE_ONE_ROUND=0``: tiny-qwen3's stage of 4 query rows, k and v on 4
+    warps of 4 keys, two rounds, rather than 8 warps of 2; the kernel cases run no stage),
     ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch) or
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
     next layer's qkv prologue, its residual kernel last in the layer) or ``row-regs-bounded``
