@@ -21,7 +21,9 @@ package built with ``LUM_FLASH_ATTENTION=0``. cuBLASLt's GEMMs show as kind ``li
 
 Under programmatic launch (the default) a kernel starts while the one before it runs and waits for it on
 the device, so its CUPTI duration includes that wait: kernel times overlap and their sum exceeds the
-step. ``--plain`` launches plainly (``programmatic_launch=False``), for per-kernel times that add up.
+step. ``--plain`` launches plainly (``programmatic_launch=False``), for per-kernel times that add up. Either
+way each row also says how far its launches push the step's timeline on (``advance_us_per_launch``,
+:func:`critical_advance`): under programmatic launch, what a kernel really costs the step.
 
 ``--ncu`` marks one step, after the warm-up, for Nsight Compute's hardware counters and writes no record:
 ``ncu --profile-from-start off -k regex:^lum_ -c N [--section …] -o REP python benchmarks/profile_decode.py
@@ -76,6 +78,32 @@ def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
             for lc in k.launches:
                 out.setdefault(lc.kernel, info)
     return out
+
+
+def critical_advance(spans: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Kernel name -> the time its launches extend the step's timeline: with kernels in start order, each adds
+    how far its end passes the latest end before it (0 when it ends inside another's span). Under programmatic
+    launch a kernel starts while the one before it runs, so its duration is not what it costs the step; this is.
+    The advances sum to the time some kernel is running, the step less its idle gaps. ``spans``: (name, start,
+    end), any time unit."""
+    out: dict[str, float] = defaultdict(float)
+    latest = None
+    for name, start, end in sorted(spans, key=lambda x: (x[1], x[2])):
+        gain = end - (start if latest is None else max(latest, start))
+        out[name] += max(0.0, gain)
+        latest = end if latest is None else max(latest, end)
+    return dict(out)
+
+
+def _kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every device kernel the profiler saw."""
+    spans = set()                # once each, however the profiler nests them
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA") and getattr(evt, "time_range", None) is not None:
+            tr = evt.time_range
+            if tr.end > tr.start:
+                spans.add((evt.key, float(tr.start), float(tr.end)))
+    return sorted(spans)
 
 
 def _device_us(evt) -> float:
@@ -178,6 +206,9 @@ def main(argv=None) -> int:
         steps(args.steps)
     dyn = {"s": len(prompt), "p": 0} if args.entry == "prefill" else {"p": p_mid}
     ops = kernel_ops(pkg, args.entry, dyn)
+    spans = _kernel_spans(prof)
+    advance = critical_advance(spans)
+    log(f"{len(spans)} kernel spans on the timeline")
     rows = []
     for evt in prof.key_averages():
         us = _device_us(evt)
@@ -190,6 +221,7 @@ def main(argv=None) -> int:
         rows.append({"kernel": evt.key, "kind": info.get("kind", "library"), "op": info.get("op", ""),
                      "shape": info.get("shape"), "dtype": info.get("dtype"), "launches_per_step": launches,
                      "us_per_step": round(per_step_us, 2), "us_per_launch": round(per_step_us / max(launches, 1e-9), 2),
+                     "advance_us_per_launch": round(advance.get(evt.key, 0.0) / args.steps / max(launches, 1e-9), 2),
                      "bytes_per_step": nbytes,
                      "GBps": round(nbytes / (per_step_us * 1e-6) / 1e9, 1) if nbytes and per_step_us else None})
     rows.sort(key=lambda r: -r["us_per_step"])
@@ -204,6 +236,7 @@ def main(argv=None) -> int:
     weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in pkg.manifest.weights.values())
     result.update({
         "step_ms": round(step_s * 1e3, 3), "kernel_ms_per_step": round(kernel_us / 1e3, 3),
+        "advance_ms_per_step": round(sum(advance.values()) / args.steps / 1e3, 3),
         "other_ms_per_step": round(step_s * 1e3 - kernel_us / 1e3, 3), "launches_per_step": launches,
         "p": p_mid if args.entry == "decode" else 0, "package_weight_bytes": weight_bytes,
         "by_kind": {k: {**v, "us_per_step": round(v["us_per_step"], 1)} for k, v in
@@ -218,6 +251,7 @@ def main(argv=None) -> int:
         print(f"  {k:28s} {v['us_per_step']:9.1f} us  {v['launches_per_step']:7.1f} launches  {gbps:7.0f} GB/s")
     for r in rows[:args.top]:
         print(f"  {r['us_per_step']:8.1f} us {r['launches_per_step']:5.1f}x {r['us_per_launch']:7.2f} us/launch "
+              f"(+{r['advance_us_per_launch']:6.2f} on the timeline) "
               f"{str(r['GBps']):>7} GB/s  {r['kind']}/{r['op']} {r['dtype']} {r['shape']}  {r['kernel'][:40]}")
     log(f"wrote {out_path}")
     sess.close()

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("lum.builder.nvrtc")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from profile_decode import kernel_ops  # noqa: E402
+from profile_decode import critical_advance, kernel_ops  # noqa: E402
 
 import lum.loader  # noqa: E402
 from lum.builder.models import load_spec  # noqa: E402
@@ -53,3 +53,14 @@ def test_every_prefill_kernel_maps_to_its_op_flash_attention_included(tmp_path):
     attention = [ops[n] for n in launched if ops[n]["kind"] == "attention"]
     assert attention and all(i["bytes"] > 0 for i in attention)
     assert {o["kind"] for o in ops.values()} >= {"attention", "reduce"}      # the partials and their combine
+
+
+def test_critical_advance_charges_each_kernel_what_it_adds_to_the_timeline():
+    """A kernel that starts early and ends 1 after the one before it adds 1, not its duration; one inside
+    another's span adds 0; after an idle gap a kernel adds its own duration; the advances sum to the busy time."""
+    spans = [("gemv", 0.0, 10.0), ("attn", 4.0, 13.0), ("hint", 5.0, 6.0), ("comb", 12.0, 14.5),
+             ("gemv", 20.0, 30.0)]
+    adv = critical_advance(spans)
+    assert adv == {"gemv": 20.0, "attn": 3.0, "hint": 0.0, "comb": 1.5}
+    assert sum(adv.values()) == 14.5 + 10.0
+    assert critical_advance(list(reversed(spans))) == adv          # start order, not list order
