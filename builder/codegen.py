@@ -63,6 +63,8 @@ the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, el
 dot scheme: vectors of the weights, per product column, that each lane loads from its column of the
 block's first tile into registers before the kernel waits for its predecessor, together at most
 :data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also :func:`gemv_after_small`),
+``preload_shared`` (gemv: the preload goes to shared memory, up to :data:`GEMV_SHARED_PRELOAD_VECTORS`, so it
+may hold every vector of a lane's first column; see :func:`gemv_preload_shared`),
 ``row_early`` (row kernels load the rows of their ``weight_args`` — the arguments
 :func:`generate_program` knows to be weights — that every row reads before they wait for their
 predecessor; default ``$LUM_ROW_EARLY``, else off), ``tile_keys`` (flash attention: keys a tile, one of
@@ -100,7 +102,8 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue",
+           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
+           "GEMV_SHARED_PRELOAD_VECTORS",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
@@ -126,6 +129,9 @@ GEMV_MAX_ACC = 4                                 # product columns a gemv epilog
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
+GEMV_SHARED_PRELOAD_VECTORS = 16                 # ... into shared memory (preload_shared)
+GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most (227 KB an SM on sm_90)
+ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
@@ -768,7 +774,7 @@ def flash_features_fit(d: Expr, dv: Expr) -> bool:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, inflight: int | None = None, preload: int | None = None,
-             max_blocks: int = 65536,
+             preload_shared: bool = False, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              row_early: bool | None = None, combine: LOp | None = None, combine_cluster: bool = False,
@@ -810,7 +816,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
-               preload=gemv_preload_default() if preload is None else preload, max_blocks=max_blocks,
+               preload=gemv_preload_default() if preload is None else preload, preload_shared=preload_shared,
+               max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
                combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys)
@@ -978,6 +985,18 @@ def gemv_preload_prologue() -> int:
     return _env_count(ENV_GEMV_PRELOAD_PROLOGUE, GEMV_PRELOAD_VECTORS)
 
 
+def gemv_preload_shared() -> bool:
+    """``$LUM_GEMV_PRELOAD_SHARED`` (1: a GEMV with a prologue preloads every weight vector of its lanes' first
+    columns into shared memory, :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, unless its tuning sets
+    ``preload``), else off. Such a GEMV (gemma3-4b's qkv: 128 blocks of 1,024 threads, 10 vectors a lane) is
+    one resident block an SM that computes its input norm before it can issue a weight load, and it follows a
+    one-block row kernel, during which its blocks are resident and waiting under programmatic launch: its
+    whole 21 MB could stream then. Registers hold only 2 of its 10 vectors (a preload of 8 spilled 604 bytes
+    a thread); shared memory holds all 160 KB a block. The decode profile's timeline (cb3e48b) has that GEMV
+    10.3 µs a layer against a 4.9 µs floor."""
+    return env_switch(ENV_GEMV_PRELOAD_SHARED)
+
+
 def gemv_after_small(program: Program) -> set[int]:
     """Ids of the GEMV ops whose kernel before, in program order, is not a GEMV; for the first kernel, the
     program's last (a decoder layer's group follows itself). Only there can a preload's blocks become
@@ -1000,13 +1019,15 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     common, per = split_gemv_tuning(tuning)
     rank = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     after_small, after_gemv = int(gemv_preload_after_small()), gemv_preload_after_gemv()
-    prologue_n = gemv_preload_prologue()
-    if (after_small or after_gemv or prologue_n) and "preload" not in common:
+    prologue_n, shared = gemv_preload_prologue(), gemv_preload_shared()
+    if (after_small or after_gemv or prologue_n or shared) and "preload" not in common:
         small = gemv_after_small(program)
         for oid, r in rank.items():
             n = after_small if oid in small else after_gemv
             if "expr" in program.ops[oid].params:
                 n = max(n, prologue_n)
+                if shared and "preload" not in per.get(r, {}):
+                    per.setdefault(r, {}).update(preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}
@@ -1057,7 +1078,7 @@ class _RowParts:
 class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
-                 preload: int = 0, threads_given: bool = True,
+                 preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
                  combine: LOp | None = None, combine_cluster: bool = False, stage: AttentionStage | None = None,
                  tile_keys: int | None = None):
@@ -1069,6 +1090,7 @@ class _Gen:
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
         self.preload = preload
+        self.preload_shared = preload_shared       # gemv: the preload into shared memory
         self.weight_args = weight_args             # the op's arguments that are weights (generate_program)
         self.row_early = row_early                 # row kernels load weight rows before the wait
         self.early: tuple[str, ...] = ()           # parameters read before the wait (KernelSource.early)
@@ -2312,7 +2334,9 @@ class _Gen:
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
-        preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight) if b_kc else 0
+        shared = self.preload_shared and b_kc and vec * dtb.itemsize == 16    # 16-byte copies only
+        preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight, shared) if b_kc else 0
+        shared = shared and preload > 0
         self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
         b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
         span = self.threads // group
@@ -2328,6 +2352,8 @@ class _Gen:
         tuning = {"scheme": "dot" if b_kc else "cols", "threads": self.threads, "group": group, "vec": vec,
                   "unroll": unroll, "inflight": inflight, "preload": preload, "cols": tile,
                   "max_blocks": self.max_blocks}
+        if shared:
+            tuning["preload_shared"] = True
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
         if b_stream:
@@ -2349,6 +2375,7 @@ class _Gen:
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS_NOWAIT@", "M": m, "GROUP": group, "VEC": vec,
             "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
+            "PRELOAD_SHARED": "true" if shared else "false",
             "B_STREAM": "true" if b_stream else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
@@ -2359,7 +2386,8 @@ class _Gen:
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
-        return [src], [("", grid, (self.threads, 1, 1))], tuning, margin
+        smem = self.threads * preload * len(acc_cols) * 16 if shared else 0
+        return [src], [("", grid, (self.threads, 1, 1), smem)], tuning, margin
 
     def _gemv_min_blocks(self, ahead: int, blocks: Expr) -> str:
         """``__launch_bounds__``' second argument for a GEMV whose lanes load ahead (``ahead``; ``, b``, else
@@ -2449,15 +2477,20 @@ class _Gen:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
 
-    def _gemv_preload(self, k: Expr, group: int, vec: int, nacc: int, inflight: int) -> int:
+    def _gemv_preload(self, k: Expr, group: int, vec: int, nacc: int, inflight: int, shared: bool = False) -> int:
         """Weight vectors per lane and product column that it loads into registers before the wait
         (``preload``; dot scheme, plain loop, vector loads): at most those of its first column, and
-        :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns; 0 beside loads ahead (``inflight``)."""
-        if not 0 <= self.preload <= GEMV_PRELOAD_VECTORS:
-            raise CodegenError(f"preload must be in [0, {GEMV_PRELOAD_VECTORS}], got {self.preload}")
+        :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns (``shared``: into shared memory,
+        :data:`GEMV_SHARED_PRELOAD_VECTORS` and :data:`GEMV_SHARED_PRELOAD_BYTES` a block); 0 beside loads
+        ahead (``inflight``)."""
+        hi = GEMV_SHARED_PRELOAD_VECTORS if shared else GEMV_PRELOAD_VECTORS
+        if not 0 <= self.preload <= hi:
+            raise CodegenError(f"preload must be in [0, {hi}], got {self.preload}")
         if not self.preload or inflight or vec == 1:
             return 0
-        asked = max(1, min(self.preload, GEMV_PRELOAD_VECTORS // nacc))
+        if shared:
+            hi = min(hi, GEMV_SHARED_PRELOAD_BYTES // (16 * self.threads))
+        asked = max(1, min(self.preload, hi // nacc))
         return min(asked, -(-k.value // (vec * group))) if k.is_const else asked
 
     @staticmethod

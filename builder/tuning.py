@@ -68,7 +68,8 @@ import numpy as np
 from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.codegen import (flash_attention, flash_attention_enabled, gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
-                                 gemv_preload_default, gemv_preload_prologue, row_early_default, row_regs_bounded)
+                                 gemv_preload_default, gemv_preload_prologue, gemv_preload_shared, row_early_default,
+                                 row_regs_bounded)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
@@ -755,6 +756,7 @@ class MeasuredCompiler:
                 "gemv_preload_after_small": gemv_preload_after_small(), "gemv_balance": gemv_balance(),
                 **({"gemv_preload_after_gemv": n} if (n := gemv_preload_after_gemv()) else {}),
                 **({"gemv_preload_prologue": n} if (n := gemv_preload_prologue()) else {}),
+                **({"gemv_preload_shared": True} if gemv_preload_shared() else {}),
                 **({"row_regs_bounded": True} if row_regs_bounded() else {}),
                 "flash_attention": flash_attention_enabled(),
                 "row_early": row_early_default(), "attention_combine": {None: False, "counted": True}.get(attention_combine_mode(), "cluster"),

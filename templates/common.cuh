@@ -251,6 +251,31 @@ LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
   lum_load_raw<N>(p, out);                         // other widths, and the host emulation (tests)
 }
 
+// 16 bytes from global memory at g to shared memory at s (both 16-byte aligned) without a register: an
+// asynchronous copy (cp.async, sm_80+; through L2 only, with the weights' evict-first policy) that the
+// issuing thread completes with lum_copy_wait_all. A GEMV preloads its first weights so (gemv.cu
+// PRELOAD_SHARED), as many as its lanes have, where registers would hold a few. Host emulation: a memcpy.
+LUM_D void lum_copy16_async(void* s, const void* g) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned lum_s;
+  asm("{ .reg .u64 lum_t; cvta.to.shared.u64 lum_t, %1; cvt.u32.u64 %0, lum_t; }" : "=r"(lum_s) : "l"(s));
+  unsigned long long lum_policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(lum_policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               :: "r"(lum_s), "l"(g), "l"(lum_policy) : "memory");
+#elif defined(__CUDA_ARCH__)
+  *reinterpret_cast<lum_vec<unsigned, 4>*>(s) = *reinterpret_cast<const lum_vec<unsigned, 4>*>(g);
+#else
+  std::memcpy(s, g, 16);
+#endif
+}
+// Every lum_copy16_async this thread issued has landed and is visible to it.
+LUM_D void lum_copy_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------------------ launch order
 // Programmatic dependent launch (sm_90+). Every lum kernel begins with lum_pdl_trigger() (the next
 // kernel of the stream may be scheduled once every block of this one has run it) and calls

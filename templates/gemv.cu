@@ -30,8 +30,12 @@
 //! PRELOAD vectors of its column of the block's first tile into registers before it waits for the previous
 //! kernel (lum_pdl_wait, common.cuh) and before any prologue: under programmatic launch those loads are in
 //! flight while that kernel still runs, and they overlap the prologue's row either way; the loop then
-//! starts after them. (Weight prefetch hints, per-thread cp.async staging and a bulk-copy preload into
-//! shared memory were tried here and measured slower: benchmarks/NOTES.md.)
+//! starts after them. With PRELOAD_SHARED the preload goes to dynamic shared memory instead (per-thread
+//! asynchronous copies, common.cuh lum_copy16_async: no register holds them, so PRELOAD may be every vector
+//! of the lane's first column), slot [u][t][thread] of 16 bytes; each thread reads back only its own slots,
+//! after lum_copy_wait_all, so no barrier orders them. The sums are the plain loop's, in its order. (Weight
+//! prefetch hints, per-thread cp.async staging of every tile and a bulk-copy preload into shared memory were
+//! tried here and measured slower: benchmarks/NOTES.md.)
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
@@ -40,7 +44,8 @@
 //!   M (rows, 1..8), GROUP (threads reducing one output, a power of two <= THREADS), VEC (elements per
 //!   vector access of B, VEC * sizeof(B_T) <= 16), UNROLL (k-loop unroll), INFLIGHT (vector loads of B a
 //!   lane issues ahead; 0: the unrolled loop), PRELOAD (dot scheme, plain loop: vectors of B per lane of
-//!   its first column that it loads into registers before the wait; 0: none), B_STREAM (dot scheme: B's
+//!   its first column that it loads into registers before the wait; 0: none), PRELOAD_SHARED (true: into
+//!   the launch's dynamic shared memory, THREADS * PRELOAD * NACC * 16 bytes), B_STREAM (dot scheme: B's
 //!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
@@ -65,9 +70,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr bool B_STREAM = {{B_STREAM}};        // dot scheme: B is a weight, read once: lum_load_stream
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
   constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane loads before the wait
+  constexpr bool PRELOAD_SHARED = {{PRELOAD_SHARED}};   // ... into shared memory (16-byte vectors), not registers
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert(PRELOAD == 0 || (INFLIGHT == 0 && B_KCONTIG), "PRELOAD feeds the plain dot loop");
+  static_assert(!PRELOAD_SHARED || (PRELOAD > 0 && VEC * sizeof(b_t) == 16), "a shared preload moves 16-byte vectors");
   static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
   static_assert(M >= 1 && M <= 8, "M must be in [1, 8]");
   static_assert(GROUP >= 1 && GROUP <= THREADS && (GROUP & (GROUP - 1)) == 0 && THREADS % 32 == 0,
@@ -107,7 +114,13 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   // depend on the kernels before this one, so each lane issues the loads of its first PRELOAD vectors of
   // its column of the first tile now, into registers that nothing reads until after the wait.
   const bool lum_pre_ok = PRELOAD > 0 && B_KCONTIG && lum_b_vec;
-  b_t lum_pre[PRELOAD > 0 ? PRELOAD : 1][NACC][VEC];
+  b_t lum_pre[PRELOAD > 0 && !PRELOAD_SHARED ? PRELOAD : 1][NACC][VEC];
+#if defined(__CUDA_ARCH__)
+  extern __shared__ lum_vec<unsigned, 4> lum_pre_s[];    // [PRELOAD][NACC][THREADS] with PRELOAD_SHARED
+#else
+  static lum_vec<unsigned, 4> lum_pre_s[PRELOAD_SHARED ? PRELOAD * NACC * THREADS : 1];
+#endif
+  auto lum_pre_slot = [&](int u, int t) -> lum_vec<unsigned, 4>* { return &lum_pre_s[(u * NACC + t) * THREADS + threadIdx.x]; };
   if (lum_pre_ok) {
     const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + lum_g;   // this group's first column
     if (lum_pc < lum_batch * lum_nout) {
@@ -118,7 +131,10 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
         if (lum_q < lum_kvec) {
 #pragma unroll
-          for (int t = 0; t < NACC; ++t) lum_b_raw(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
+          for (int t = 0; t < NACC; ++t) {
+            if constexpr (PRELOAD_SHARED) lum_copy16_async(lum_pre_slot(u, t), lum_pp + ACC_COLS[t] * lum_ldb + lum_q);
+            else lum_b_raw(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
+          }
         }
       }
     }
@@ -214,6 +230,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             }
           };
           if (PRELOAD > 0 && lum_pre_ok && lum_c0 == (idx_t)blockIdx.x * SPAN) {   // the preloaded ones first
+            if (PRELOAD_SHARED) lum_copy_wait_all();
 #pragma unroll
             for (int u = 0; u < PRELOAD; ++u) {
               const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
@@ -221,8 +238,14 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
                 float lum_bv[NACC][VEC];
 #pragma unroll
                 for (int t = 0; t < NACC; ++t) {
+                  if constexpr (PRELOAD_SHARED) {
+                    const lum_vec<b_t, VEC> lum_w = *reinterpret_cast<const lum_vec<b_t, VEC>*>(lum_pre_slot(u, t));
 #pragma unroll
-                  for (int e = 0; e < VEC; ++e) lum_bv[t][e] = lum_cb(lum_pre[u][t][e]);
+                    for (int e = 0; e < VEC; ++e) lum_bv[t][e] = lum_cb(lum_w.v[e]);
+                  } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) lum_bv[t][e] = lum_cb(lum_pre[u][t][e]);
+                  }
                 }
                 lum_fma(lum_q, lum_bv);
               }

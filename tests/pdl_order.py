@@ -16,7 +16,7 @@ import re
 _PTX_ENTRY = re.compile(r"\.entry\s+(\w+)")
 _PARAM = re.compile(r"ld\.param\.u64\s+(%rd\d+),\s*\[\w+_param_(\d+)\]")
 _CVTA = re.compile(r"cvta\.to\.global\.u64\s+(%rd\d+),\s*(%rd\d+)")
-_LOAD = re.compile(r"ld\.global[\w.]*\s+[^\[]*\[(%rd\d+)(?:\+\d+)?\]")
+_LOAD = re.compile(r"(?:ld\.global[\w.]*\s+[^\[]*|cp\.async[\w.:]*\s+\[[^\]]*\],\s*)\[(%rd\d+)(?:\+\d+)?\]")
 
 
 def dyn_param_index(source: str, name: str) -> int:
@@ -51,10 +51,12 @@ def ptx_loads_above_wait(ptx: str) -> dict[str, list[tuple[str, int | None]]]:
 def bad_ptx_loads(loads: dict[str, list[tuple[str, int | None]]], dyn: dict[str, int],
                   early: dict[str, bool]) -> dict[str, list[str]]:
     """The loads above a wait that break the rule: neither a read of the dyn buffer (parameter ``dyn[name]``)
-    nor, in a kernel that reads early (``early[name]``), a read-only one."""
+    nor, in a kernel that reads early (``early[name]``: weights), a read-only one or a copy to shared memory
+    (``cp.async``, a shared preload)."""
     bad = {}
     for name, lds in loads.items():
-        wrong = [ln for ln, p in lds if p != dyn.get(name) and not (early.get(name) and ".nc" in ln)]
+        wrong = [ln for ln, p in lds if p != dyn.get(name)
+                 and not (early.get(name) and (".nc" in ln or ln.startswith("cp.async")))]
         if wrong:
             bad[name] = wrong
     return bad

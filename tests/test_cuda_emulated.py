@@ -39,7 +39,8 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
          "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-two-rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
-         "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"}}
+         "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"},
+         "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "1"}}
 
 
 @pytest.fixture(scope="module")
@@ -271,14 +272,14 @@ print(json.dumps(out))
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
 
-BIT_EQUAL = ("key-by-key", "merge-by-row", "stage-predicated")   # the same arithmetic as the default's
+BIT_EQUAL = ("key-by-key", "merge-by-row", "stage-predicated", "preload-shared")   # the default's arithmetic
 
 
 def test_variants_that_reorder_no_arithmetic_are_bit_equal(env):
-    """The attention kernels' variants that change only how the work is scheduled (the stage rows predicated
-    in every warp, the warps' partials merged a row at a time, a step's keys' softmax updated at once: its
-    offsets are integers, so the rescales are exact) give every kernel case's outputs bit for bit as the
-    default package does."""
+    """The variants that change only how the work is scheduled (the attention stage rows predicated in every
+    warp, the warps' partials merged a row at a time, a step's keys' softmax updated at once: its offsets are
+    integers, so the rescales are exact; prologue GEMVs' first weights preloaded into shared memory, summed in
+    the same order) give every kernel case's outputs bit for bit as the default package does."""
     res = run(env, r'''
 import numpy as np
 import lum.loader as L
@@ -315,10 +316,12 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``key-by-key`` (``LUM_ATTENTION_KEY_BATCH=0``: a softmax update after every key, not one a step),
     ``stage-two-rounds`` (``LUM_ATTENTION_STAGE_ONE_ROUND=0``: tiny-qwen3's stage of 4 query rows, k and v on 4
     warps of 4 keys, two rounds, rather than 8 warps of 2; the kernel cases run no stage),
-    ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch) or
+    ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch),
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
-    next layer's qkv prologue, its residual kernel last in the layer) or ``row-regs-bounded``
-    (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers).
+    next layer's qkv prologue, its residual kernel last in the layer), ``row-regs-bounded``
+    (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers)
+    or ``preload-shared`` (``LUM_GEMV_PRELOAD_SHARED=1``: GEMVs with a prologue copy their lanes' first weights
+    into shared memory before they wait, builder/codegen.py gemv_preload_shared).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""
@@ -326,9 +329,13 @@ def test_fused_kernel_variants_match_reference(env, variant):
 import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
-out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "regs": {}}
+out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "regs": {}, "shared_preloads": 0}
+def shared_preloads(pkg):
+    return sum(bool(op.tuning.get("preload_shared")) for g in pkg.manifest.groups if g.table is not None
+               for op in g.table.ops)
 for dt in (DType.f32, DType.bf16):
     pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
+    out["shared_preloads"] += shared_preloads(pkg)
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
                               for op in g.table.ops if op.tail]
     prog, arrays, b = template_cases(dt)
@@ -350,6 +357,7 @@ for name in MODELS:
     pkg = L.open(PKGS[name + ".VARIANT"])
     out["fused"][name] = sorted({op.kind for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
                                  if op.tail})
+    out["shared_preloads"] += shared_preloads(pkg)
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     out["regs"][name] = [sorted(op.tuning.get("regs", 0) for g in p.manifest.groups if g.table is not None
@@ -372,6 +380,7 @@ print(json.dumps(out))
     # tiny-gemma3's residual kernel captured on a side stream beside the FFN, and the emulated graphs ran
     # their nodes out of capture order wherever the edges allowed (tests/fake_cuda.c): the tokens hold
     assert (res["joins"] > 0) == (variant == "postnorm-next"), res["joins"]
+    assert (res["shared_preloads"] > 0) == (variant == "preload-shared"), res["shared_preloads"]
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]

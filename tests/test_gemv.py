@@ -296,6 +296,59 @@ def test_preload_changes_no_bit(host_lib, tmp_path):
         generate(o_proj, [], arg_dtypes=[BF16, BF16], preload=9)
 
 
+def test_shared_preload_changes_no_bit(tmp_path):
+    """``preload_shared``: a lane's first weight vectors copied into shared memory before the wait (templates/gemv.cu
+    PRELOAD_SHARED, common.cuh lum_copy16_async), each thread reading back only its own slots, are summed first
+    in the order of k: bit-equal to the plain loop, for grids of one to several tiles a block, bf16 and f32.
+    It takes up to GEMV_SHARED_PRELOAD_VECTORS (a lane's whole first column where registers held 8), and the
+    launch's dynamic shared memory is their bytes; vectors under 16 bytes keep the plain loop."""
+    from lum.builder.codegen import GEMV_SHARED_PRELOAD_VECTORS
+
+    for case, dts, tun in ((".preload", [BF16, BF16], {"threads": 64}), (".preload_f32", [F32, F32], {}),
+                           (".preload_part", [BF16, BF16], {"threads": 64})):
+        op = next(c[1] for c in CASES if c[0] == "RmCm" + case)
+        shared = generate(op, ["p"], arg_dtypes=dts, preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True, **tun)
+        plain = generate(op, ["p"], arg_dtypes=dts, **tun)
+        t = shared.tuning
+        assert t["preload_shared"] and t["preload"] > 0 and shared.early == ("in1",), (case, t)
+        assert shared.shared_mem == shared.block[0] * t["preload"] * 16 and plain.shared_mem == 0
+        lib = ctypes.CDLL(str(emu.kernel_library([shared], tmp_path / case)))
+        _assert_same_bits(lib, shared, plain, op, dts, {}, tmp_path / (case + ".plain"), grids=(1, 3, 40))
+    part = generate(next(c[1] for c in CASES if c[0] == "RmCm.preload_part"), ["p"], arg_dtypes=[BF16, BF16],
+                    threads=64, preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)
+    assert part.tuning["preload"] == min(GEMV_SHARED_PRELOAD_VECTORS, 4096 // (8 * part.tuning["group"]))
+    vec2 = generate(next(c[1] for c in CASES if c[0] == "RmCm.preload_vec2"), ["p"], arg_dtypes=[BF16, BF16],
+                    preload=4, preload_shared=True)
+    assert "preload_shared" not in vec2.tuning and vec2.shared_mem == 0
+    qkv = generate(gemm_op("RmCm", 1, 4096, 2560, BF16), [], arg_dtypes=[BF16, BF16], threads=1024, group=32,
+                   preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)       # gemma3-4b's qkv: all 10
+    assert qkv.tuning["preload"] == 10 and qkv.shared_mem == 10 * 16 * 1024
+
+
+def test_shared_preload_switch_takes_the_prologue_gemvs(nvrtc, monkeypatch):
+    """``$LUM_GEMV_PRELOAD_SHARED=1``: in llama3-1b's decode layer the two GEMVs with a prologue (qkv, gate-up;
+    1,024 threads) preload into shared memory, qkv its lanes' whole first column (8 vectors, 128 KB a block),
+    gate-up 6 of each of its two product columns' 8 (192 KB at most); the others keep the default register
+    preload; no spills (ptxas). Off by default."""
+    from lum.builder import kernels
+    from lum.builder.codegen import gemv_kernel_ops
+
+    prog, dv = _llama_layer()
+
+    def gemvs():
+        got = kernels.group_kernel_sources(prog, dv)
+        return [got[o.id] for o in gemv_kernel_ops(prog)]
+
+    assert not any(ks.tuning.get("preload_shared") or ks.shared_mem for ks in gemvs())
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "1")
+    on = gemvs()
+    shared = [(ks.tuning["preload"], ks.shared_mem) for ks in on if ks.tuning.get("preload_shared")]
+    assert shared == [(8, 8 * 16 * 1024), (6, 2 * 6 * 16 * 1024)], shared
+    assert all(bool(ks.tuning.get("prologue")) == bool(ks.tuning.get("preload_shared")) for ks in on)
+    log = nvrtc.compile_cuda(kernels.module_source(on), ptx=False, extra_options=["--ptxas-options=-v"]).log
+    assert nvrtc.ptxas_spills(log) == {}, log
+
+
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
     """``inflight`` is capped by the vectors a lane has; a static grid of one wave bounds the registers
     (``__launch_bounds__`` with the blocks an SM must hold) and then keeps A's loads where they are used;

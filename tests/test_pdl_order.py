@@ -51,19 +51,26 @@ def test_decode_kernels_read_only_dyn_and_early_weights_before_the_wait(nvrtc, c
         assert any(k.early for k in kernels)
 
 
-def test_gemv_preload_cases_read_only_weights_before_the_wait(nvrtc, cache_dir):
+@pytest.mark.parametrize("shared", [False, True], ids=["registers", "shared"])
+def test_gemv_preload_cases_read_only_weights_before_the_wait(nvrtc, cache_dir, shared):
+    """The GEMVs' preloads above the wait, into registers or copied into shared memory (cp.async), read
+    only their weights."""
     from tests.kernel_cases import gemv_cases
 
     for dt in (DType.f32, DType.bf16):
-        ks = [k for k in generate_program(gemv_cases(dt)[0], preload=1).values() if k is not None]
+        ks = [k for k in generate_program(gemv_cases(dt)[0], preload=8 if shared else 1,
+                                          preload_shared=shared).values() if k is not None]
         assert any(k.early and k.tuning.get("prologue") for k in ks)
+        assert any(k.tuning.get("preload_shared") for k in ks) == shared
         bad, _ = ptx_violations(nvrtc, ks, cache_dir)
         assert bad == {}
+        above = ptx_loads_above_wait(nvrtc.compile_cuda(module_source(ks), "sm_90", cache_dir=cache_dir).ptx)
+        assert any(ln.startswith("cp.async") for lds in above.values() for ln, _ in lds) == shared
 
 
 def test_the_rule_fails_on_a_read_above_the_wait():
-    """A coherent load of an input above the wait, and a read-only one in a kernel that reads nothing early,
-    are both reported; the dyn buffer's load is not."""
+    """A coherent load of an input above the wait, and a read-only one or a copy to shared memory in a kernel
+    that reads nothing early, are reported; the dyn buffer's load is not."""
     ptx = """.visible .entry k(
     .param .u64 k_param_0, .param .u64 k_param_1, .param .u64 k_param_2)
     ld.param.u64 %rd1, [k_param_1];
@@ -73,10 +80,11 @@ def test_the_rule_fails_on_a_read_above_the_wait():
     cvta.to.global.u64 %rd5, %rd1;
     ld.global.f32 %f1, [%rd5];
     ld.global.nc.f32 %f2, [%rd6];
+    cp.async.cg.shared.global.L2::cache_hint [%r1], [%rd7], 16, %rd8;
     griddepcontrol.wait;
     ld.global.f32 %f3, [%rd5];
 }"""
     loads = ptx_loads_above_wait(ptx)
-    assert [p for _, p in loads["k"]] == [2, 1, None]
+    assert [p for _, p in loads["k"]] == [2, 1, None, None]          # the copy to shared memory too
     assert bad_ptx_loads(loads, {"k": 2}, {"k": False}) == {"k": [ln for ln, _ in loads["k"][1:]]}
     assert bad_ptx_loads(loads, {"k": 2}, {"k": True}) == {"k": [loads["k"][1][0]]}

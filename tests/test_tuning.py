@@ -64,10 +64,11 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     records)."""
     comp = T.measured_compiler(spec, BuildOptions(budget=2), None, timer_factory=FakeTimer, device=FAKE)
     base = comp.key_options({"p": 3})
-    assert "row_regs_bounded" not in base and "gemv_preload_prologue" not in base
+    assert not {"row_regs_bounded", "gemv_preload_prologue", "gemv_preload_shared"} & set(base)
     assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
     for env, key, value in (("LUM_ROW_REGS_BOUNDED", "row_regs_bounded", True),
-                            ("LUM_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", 2)):
+                            ("LUM_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", 2),
+                            ("LUM_GEMV_PRELOAD_SHARED", "gemv_preload_shared", True)):
         monkeypatch.setenv(env, "1" if value is True else str(value))
         assert comp.key_options({"p": 3}) == {**base, key: value}
         monkeypatch.delenv(env)
