@@ -985,16 +985,23 @@ def gemv_preload_prologue() -> int:
     return _env_count(ENV_GEMV_PRELOAD_PROLOGUE, GEMV_PRELOAD_VECTORS)
 
 
-def gemv_preload_shared() -> bool:
-    """``$LUM_GEMV_PRELOAD_SHARED`` (1: a GEMV with a prologue preloads every weight vector of its lanes' first
-    columns into shared memory, :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, unless its tuning sets
-    ``preload``), else off. Such a GEMV (gemma3-4b's qkv: 128 blocks of 1,024 threads, 10 vectors a lane) is
-    one resident block an SM that computes its input norm before it can issue a weight load, and it follows a
-    one-block row kernel, during which its blocks are resident and waiting under programmatic launch: its
-    whole 21 MB could stream then. Registers hold only 2 of its 10 vectors (a preload of 8 spilled 604 bytes
-    a thread); shared memory holds all 160 KB a block. The decode profile's timeline (cb3e48b) has that GEMV
-    10.3 µs a layer against a 4.9 µs floor."""
-    return env_switch(ENV_GEMV_PRELOAD_SHARED)
+def gemv_preload_shared() -> str | None:
+    """``$LUM_GEMV_PRELOAD_SHARED`` (``1``: a GEMV with a prologue whose kernel before is not a GEMV,
+    :func:`gemv_after_small`, preloads every weight vector of its lanes' first columns into shared memory,
+    :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, unless its tuning sets ``preload``), else off. Such a GEMV
+    (gemma3-4b's qkv: 128 blocks of 1,024 threads, 10 vectors a lane) is one resident block an SM that computes
+    its input norm before it can issue a weight load; behind a one-block row kernel its blocks are resident and
+    waiting under programmatic launch, the bus idle, so its whole 21 MB can stream then. Registers hold only 2
+    of its 10 vectors (a preload of 8 spilled 604 bytes a thread); shared memory holds all 160 KB a block.
+    Measured (5bfcf52, same runs, tokens equal over 145): gemma3-4b 397.6 against 389.1 tok/s (+2.2%; its qkv
+    10.3 → 5.7 µs on the step's timeline, down before it 13.7 → 17.3: the early blocks' loads share the bus
+    with down's tail); llama3-1b, whose prologue GEMVs (qkv, gate-up) follow GEMVs, 1,126.8 against 1,175.8
+    (−4.2%): hence only after small kernels, where llama3-1b has none. ``all``: every GEMV (tests: the
+    mechanism on every shape and layout). Returns ``"after_small"``, ``"all"`` or ``None``."""
+    raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "0")
+    if raw not in ("0", "1", "all"):
+        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1 or all, got {raw!r}")
+    return {"0": None, "1": "after_small", "all": "all"}[raw]
 
 
 def gemv_after_small(program: Program) -> set[int]:
@@ -1026,8 +1033,9 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
             n = after_small if oid in small else after_gemv
             if "expr" in program.ops[oid].params:
                 n = max(n, prologue_n)
-                if shared and "preload" not in per.get(r, {}):
-                    per.setdefault(r, {}).update(preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)
+            if ((shared == "after_small" and oid in small and "expr" in program.ops[oid].params) or shared == "all") \
+                    and "preload" not in per.get(r, {}):
+                per.setdefault(r, {}).update(preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}
@@ -2483,13 +2491,13 @@ class _Gen:
         :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns (``shared``: into shared memory,
         :data:`GEMV_SHARED_PRELOAD_VECTORS` and :data:`GEMV_SHARED_PRELOAD_BYTES` a block); 0 beside loads
         ahead (``inflight``)."""
-        hi = GEMV_SHARED_PRELOAD_VECTORS if shared else GEMV_PRELOAD_VECTORS
+        hi = GEMV_SHARED_PRELOAD_VECTORS if self.preload_shared else GEMV_PRELOAD_VECTORS
         if not 0 <= self.preload <= hi:
             raise CodegenError(f"preload must be in [0, {hi}], got {self.preload}")
         if not self.preload or inflight or vec == 1:
             return 0
-        if shared:
-            hi = min(hi, GEMV_SHARED_PRELOAD_BYTES // (16 * self.threads))
+        # asked for shared memory where it cannot be (vectors under 16 bytes): registers, as many as they take
+        hi = min(hi, GEMV_SHARED_PRELOAD_BYTES // (16 * self.threads)) if shared else GEMV_PRELOAD_VECTORS
         asked = max(1, min(self.preload, hi // nacc))
         return min(asked, -(-k.value // (vec * group))) if k.is_const else asked
 

@@ -756,7 +756,7 @@ class MeasuredCompiler:
                 "gemv_preload_after_small": gemv_preload_after_small(), "gemv_balance": gemv_balance(),
                 **({"gemv_preload_after_gemv": n} if (n := gemv_preload_after_gemv()) else {}),
                 **({"gemv_preload_prologue": n} if (n := gemv_preload_prologue()) else {}),
-                **({"gemv_preload_shared": True} if gemv_preload_shared() else {}),
+                **({"gemv_preload_shared": m} if (m := gemv_preload_shared()) else {}),
                 **({"row_regs_bounded": True} if row_regs_bounded() else {}),
                 "flash_attention": flash_attention_enabled(),
                 "row_early": row_early_default(), "attention_combine": {None: False, "counted": True}.get(attention_combine_mode(), "cluster"),

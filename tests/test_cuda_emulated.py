@@ -40,7 +40,7 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
          "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-two-rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"},
-         "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "1"}}
+         "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"}}
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +278,8 @@ BIT_EQUAL = ("key-by-key", "merge-by-row", "stage-predicated", "preload-shared")
 def test_variants_that_reorder_no_arithmetic_are_bit_equal(env):
     """The variants that change only how the work is scheduled (the attention stage rows predicated in every
     warp, the warps' partials merged a row at a time, a step's keys' softmax updated at once: its offsets are
-    integers, so the rescales are exact; prologue GEMVs' first weights preloaded into shared memory, summed in
-    the same order) give every kernel case's outputs bit for bit as the default package does."""
+    integers, so the rescales are exact; GEMVs' first weights preloaded into shared memory, summed in the same
+    order) give every kernel case's outputs bit for bit as the default package does."""
     res = run(env, r'''
 import numpy as np
 import lum.loader as L
@@ -320,8 +320,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``postnorm-next`` (``LUM_POST_NORM_NEXT_LAYER=1``: tiny-gemma3's FFN post-norm residual computed in the
     next layer's qkv prologue, its residual kernel last in the layer), ``row-regs-bounded``
     (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers)
-    or ``preload-shared`` (``LUM_GEMV_PRELOAD_SHARED=1``: GEMVs with a prologue copy their lanes' first weights
-    into shared memory before they wait, builder/codegen.py gemv_preload_shared).
+    or ``preload-shared`` (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into
+    shared memory before it waits, builder/codegen.py gemv_preload_shared).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""
