@@ -67,7 +67,9 @@ What it does, in one run on one GPU:
      4 warps of 4 keys, its stage's rows in two rounds where they are more than 4: llama3-1b's six, as
      before 2026-12-04; by default 8 warps of 2 keys),
      ``lum-preload-shared`` with ``LUM_GEMV_PRELOAD_SHARED=1`` (GEMVs with a prologue copy every weight vector of
-     their lanes' first column into shared memory before they wait: gemma3-4b's qkv 160 KB a block),
+     their lanes' first column into shared memory before they wait, where the kernel before is not a GEMV:
+     gemma3-4b's qkv 160 KB a block), ``lum-preload-shared-small`` with ``LUM_GEMV_PRELOAD_SHARED=small`` (every
+     GEMV behind a kernel that is not a GEMV: gemma3-4b's o and gate-up too),
      ``lum-stageahead`` with
      ``LUM_ATTENTION_STAGE_AHEAD=1`` (the first keys' loads issued before that stage); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
@@ -135,6 +137,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-stagepred": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "lum-merge1": {"LUM_ATTENTION_MERGE_ALL": "0"},
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "1"},
+                 "lum-preload-shared-small": {"LUM_GEMV_PRELOAD_SHARED": "small"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options

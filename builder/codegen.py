@@ -996,12 +996,15 @@ def gemv_preload_shared() -> str | None:
     Measured (5bfcf52, same runs, tokens equal over 145): gemma3-4b 397.6 against 389.1 tok/s (+2.2%; its qkv
     10.3 → 5.7 µs on the step's timeline, down before it 13.7 → 17.3: the early blocks' loads share the bus
     with down's tail); llama3-1b, whose prologue GEMVs (qkv, gate-up) follow GEMVs, 1,126.8 against 1,175.8
-    (−4.2%): hence only after small kernels, where llama3-1b has none. ``all``: every GEMV (tests: the
-    mechanism on every shape and layout). Returns ``"after_small"``, ``"all"`` or ``None``."""
+    (−4.2%): hence only after small kernels, where llama3-1b has none. ``small``: every GEMV after a small
+    kernel, prologue or not (gemma3-4b's o and gate-up too, llama3-1b's o and LM head; not yet measured).
+    ``all``: every GEMV (tests: the mechanism on every shape and layout). Returns the mode
+    (``"prologue_after_small"``, ``"after_small"``, ``"all"``) or ``None``."""
+    modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "all": "all"}
     raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "0")
-    if raw not in ("0", "1", "all"):
-        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1 or all, got {raw!r}")
-    return {"0": None, "1": "after_small", "all": "all"}[raw]
+    if raw not in modes:
+        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small or all, got {raw!r}")
+    return modes[raw]
 
 
 def gemv_after_small(program: Program) -> set[int]:
@@ -1033,8 +1036,9 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
             n = after_small if oid in small else after_gemv
             if "expr" in program.ops[oid].params:
                 n = max(n, prologue_n)
-            if ((shared == "after_small" and oid in small and "expr" in program.ops[oid].params) or shared == "all") \
-                    and "preload" not in per.get(r, {}):
+            takes = {None: False, "all": True, "after_small": oid in small,
+                     "prologue_after_small": oid in small and "expr" in program.ops[oid].params}[shared]
+            if takes and "preload" not in per.get(r, {}):
                 per.setdefault(r, {}).update(preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)

@@ -329,7 +329,8 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
     """``$LUM_GEMV_PRELOAD_SHARED=1``: a GEMV with a prologue whose kernel before is not a GEMV preloads into shared
     memory: gemma3-4b's qkv (after the layer's last residual row kernel; 1,024 threads) its lanes' whole first
     column, 10 vectors, 160 KB a block, no spills (ptxas). llama3-1b's prologue GEMVs (qkv after down, gate-up
-    after o) keep their kernels: there it measured −4.2%. Off by default."""
+    after o) keep their kernels: there it measured −4.2%. ``small``: every GEMV after a kernel that is not a
+    GEMV (gemma3-4b's qkv, o and gate-up; llama3-1b's o); ``all``: every GEMV. Off by default."""
     from lum.builder import kernels
     from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
@@ -350,10 +351,13 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
         [ks.name for ks in plain["gemma"] if not ks.tuning.get("prologue")]
     log = nvrtc.compile_cuda(kernels.module_source(on), ptx=False, extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small")      # every GEMV after a small kernel: llama's o
+    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)] == [False, True, False, False]
+    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*gemma)] == [True, True, True, False]
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
     assert sum(bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")
-    with pytest.raises(CodegenError, match="must be 0, 1 or all"):
+    with pytest.raises(CodegenError, match="must be 0, 1, small or all"):
         gemvs(*llama)
 
 
