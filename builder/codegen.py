@@ -130,7 +130,7 @@ GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may 
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
 GEMV_SHARED_PRELOAD_VECTORS = 16                 # ... into shared memory (preload_shared)
-GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most (227 KB an SM on sm_90)
+GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
 ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
@@ -2346,9 +2346,12 @@ class _Gen:
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
-        shared = self.preload_shared and b_kc and vec * dtb.itemsize == 16    # 16-byte copies only
+        shared = 0           # bytes a block's shared preload may take: 16-byte copies only, beside the static
+        if self.preload_shared and b_kc and vec * dtb.itemsize == 16:     # arrays (the prologue's A, the sums)
+            static = (m * k.value * 4 if prologue and k.is_const else 0) + 4096
+            shared = max(0, min(GEMV_SHARED_PRELOAD_BYTES, MAX_SHARED_MEM - static))
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight, shared) if b_kc else 0
-        shared = shared and preload > 0
+        shared = shared if preload > 0 else 0
         self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
         b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
         span = self.threads // group
@@ -2398,7 +2401,7 @@ class _Gen:
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
-        smem = self.threads * preload * len(acc_cols) * 16 if shared else 0
+        smem = self.threads * preload * len(acc_cols) * 16 if shared else 0      # within ``shared``
         return [src], [("", grid, (self.threads, 1, 1), smem)], tuning, margin
 
     def _gemv_min_blocks(self, ahead: int, blocks: Expr) -> str:
@@ -2489,19 +2492,20 @@ class _Gen:
                 return w, " && ".join(terms) or "true"
         return 1, "false"
 
-    def _gemv_preload(self, k: Expr, group: int, vec: int, nacc: int, inflight: int, shared: bool = False) -> int:
+    def _gemv_preload(self, k: Expr, group: int, vec: int, nacc: int, inflight: int, shared: int = 0) -> int:
         """Weight vectors per lane and product column that it loads into registers before the wait
         (``preload``; dot scheme, plain loop, vector loads): at most those of its first column, and
-        :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns (``shared``: into shared memory,
-        :data:`GEMV_SHARED_PRELOAD_VECTORS` and :data:`GEMV_SHARED_PRELOAD_BYTES` a block); 0 beside loads
-        ahead (``inflight``)."""
+        :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns (``shared`` > 0: into shared memory,
+        :data:`GEMV_SHARED_PRELOAD_VECTORS` and ``shared`` bytes a block); 0 beside loads ahead (``inflight``)."""
         hi = GEMV_SHARED_PRELOAD_VECTORS if self.preload_shared else GEMV_PRELOAD_VECTORS
         if not 0 <= self.preload <= hi:
             raise CodegenError(f"preload must be in [0, {hi}], got {self.preload}")
         if not self.preload or inflight or vec == 1:
             return 0
         # asked for shared memory where it cannot be (vectors under 16 bytes): registers, as many as they take
-        hi = min(hi, GEMV_SHARED_PRELOAD_BYTES // (16 * self.threads)) if shared else GEMV_PRELOAD_VECTORS
+        hi = min(hi, shared // (16 * self.threads)) if shared else GEMV_PRELOAD_VECTORS
+        if hi < nacc:
+            return 0
         asked = max(1, min(self.preload, hi // nacc))
         return min(asked, -(-k.value // (vec * group))) if k.is_const else asked
 

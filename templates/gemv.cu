@@ -289,6 +289,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 {{EPILOGUE}}
       }
     }
+    if constexpr (PRELOAD_SHARED) lum_copy_wait_all();   // copies no tile read (A misaligned: the scalar loop)
   } else {  // ------------------------------------------------------------------------ cols
     constexpr int TILE = SPAN * VEC;  // columns per block tile
     const idx_t lum_tiles_b = (lum_n + TILE - 1) / TILE;
