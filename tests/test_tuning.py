@@ -72,6 +72,14 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
         monkeypatch.setenv(env, raw)
         assert comp.key_options({"p": 3}) == {**base, key: value}
         monkeypatch.delenv(env)
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "1")          # a switch at its default: the same key
+    assert comp.key_options({"p": 3}) == base
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")          # ... set the other way: named
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_AHEAD", "1")
+    assert comp.key_options({"p": 3}) == {**base, "switches": {"LUM_ATTENTION_STAGE_ONE_ROUND": False,
+                                                               "LUM_ATTENTION_STAGE_AHEAD": True}}
+    monkeypatch.delenv("LUM_ATTENTION_STAGE_ONE_ROUND")
+    monkeypatch.delenv("LUM_ATTENTION_STAGE_AHEAD")
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     assert "gemv_preload_after_gemv" not in comp.key_options({"p": 3})
 
