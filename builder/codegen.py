@@ -988,7 +988,7 @@ def gemv_preload_prologue() -> int:
 def gemv_preload_shared() -> str | None:
     """``$LUM_GEMV_PRELOAD_SHARED`` (``1``: a GEMV with a prologue whose kernel before is not a GEMV,
     :func:`gemv_after_small`, preloads every weight vector of its lanes' first columns into shared memory,
-    :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, unless its tuning sets ``preload``), else off. Such a GEMV
+    :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` its tuning sets), else off. Such a GEMV
     (gemma3-4b's qkv: 128 blocks of 1,024 threads, 10 vectors a lane) is one resident block an SM that computes
     its input norm before it can issue a weight load; behind a one-block row kernel its blocks are resident and
     waiting under programmatic launch, the bus idle, so its whole 21 MB can stream then. Registers hold only 2
@@ -1038,8 +1038,9 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
                 n = max(n, prologue_n)
             takes = {None: False, "all": True, "after_small": oid in small,
                      "prologue_after_small": oid in small and "expr" in program.ops[oid].params}[shared]
-            if takes and "preload" not in per.get(r, {}):
-                per.setdefault(r, {}).update(preload=GEMV_SHARED_PRELOAD_VECTORS, preload_shared=True)
+            if takes:      # a preload the tuning sets (or builder/kernels.py halves) stays in shared memory
+                per.setdefault(r, {}).setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
+                per[r]["preload_shared"] = True
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}

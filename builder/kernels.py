@@ -196,7 +196,8 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
             return tuning, gen
         regs = nvrtc.ptxas_registers(log)
         by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
-        resident = {name: resident_blocks(ks.block[0], regs[name]) for name, ks in by_name.items() if name in regs}
+        resident = {name: resident_blocks(ks.block[0], regs[name], ks.shared_mem) for name, ks in by_name.items()
+                    if name in regs}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
                    and (resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS
                         or _waves_unbalanced(by_name[name], SMS * resident[name]))]
@@ -222,10 +223,15 @@ ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
 PRELOAD_MIN_THREADS = 1024     # resident threads an SM a preloading GEMV's registers must leave (of 2,048)
 
 
-def resident_blocks(threads: int, registers: int) -> int:
-    """Blocks of ``threads`` threads taking ``registers`` each that one SM of sm_90 holds at once: 2,048
-    threads and 65,536 registers an SM, registers allocated 8 a thread at a time (256 a warp)."""
-    return max(1, min(2048 // threads, 65536 // (-(-registers // 8) * 8 * threads)))
+SM_SHARED_MEM = 228 * 1024      # shared memory an SM of sm_90 holds for its blocks, 1 KB of it reserved a block
+
+
+def resident_blocks(threads: int, registers: int, shared_mem: int = 0) -> int:
+    """Blocks of ``threads`` threads taking ``registers`` each and ``shared_mem`` bytes of dynamic shared memory
+    (a shared preload's) that one SM of sm_90 holds at once: 2,048 threads, 65,536 registers (allocated 8 a
+    thread at a time, 256 a warp) and :data:`SM_SHARED_MEM` an SM."""
+    by_smem = SM_SHARED_MEM // (shared_mem + 1024) if shared_mem else 32
+    return max(1, min(2048 // threads, 65536 // (-(-registers // 8) * 8 * threads), by_smem))
 
 
 def _grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
@@ -259,7 +265,7 @@ def _grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mappi
     regs = nvrtc.ptxas_registers(log)
     caps = {}
     for i, ks in heads.items():
-        cap = SMS * resident_blocks(ks.block[0], regs[ks.name]) if ks.name in regs else ks.grid[0].value
+        cap = SMS * resident_blocks(ks.block[0], regs[ks.name], ks.shared_mem) if ks.name in regs else ks.grid[0].value
         if ks.grid[0].value > cap:
             caps[f"gemv{ranks[i]}.max_blocks"] = cap
     if not caps:

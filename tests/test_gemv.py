@@ -436,6 +436,8 @@ def test_resident_blocks():
 
     assert resident_blocks(1024, 32) == 2 and resident_blocks(1024, 33) == 1 and resident_blocks(1024, 200) == 1
     assert resident_blocks(512, 64) == 2 and resident_blocks(512, 40) == 3 and resident_blocks(128, 32) == 16
+    # a shared preload's bytes bound them too (228 KB an SM, 1 KB reserved a block)
+    assert resident_blocks(128, 32, 20 * 1024) == 10 and resident_blocks(1024, 32, 160 * 1024) == 1
 
 
 def _llama_layer():
