@@ -225,6 +225,21 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   }
 }
 
+#if defined(__CUDA_ARCH__)
+// An L2 evict-first cache policy (for the cache_hint of a load or copy of data read once: a GEMV's weights).
+LUM_D unsigned long long lum_evict_first_policy() {
+  unsigned long long lum_policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(lum_policy));
+  return lum_policy;
+}
+// The shared-state-space address of a generic pointer into shared memory (for cp.async, ldmatrix).
+LUM_D unsigned lum_shared_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 lum_t; cvta.to.shared.u64 lum_t, %1; cvt.u32.u64 %0, lum_t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+#endif
+
 // lum_load_raw for data each step reads once and nothing rereads (a decode GEMV's weights): its 16-byte
 // accesses carry an L2 evict-first policy and skip L1, so that streaming gigabytes of weights through the
 // L2 does not evict the small tensors the next kernels and the next step read again (norm weights, the KV
@@ -234,8 +249,7 @@ LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
 #if defined(__CUDA_ARCH__)
   constexpr int P = (int)(16 / sizeof(T));
   if constexpr (N % P == 0 && P * sizeof(T) == 16) {
-    unsigned long long lum_policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(lum_policy));
+    const unsigned long long lum_policy = lum_evict_first_policy();
 #pragma unroll
     for (int q = 0; q < N / P; ++q) {
       lum_vec<unsigned, 4> w;
@@ -257,12 +271,8 @@ LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
 // PRELOAD_SHARED), as many as its lanes have, where registers would hold a few. Host emulation: a memcpy.
 LUM_D void lum_copy16_async(void* s, const void* g) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  unsigned lum_s;
-  asm("{ .reg .u64 lum_t; cvta.to.shared.u64 lum_t, %1; cvt.u32.u64 %0, lum_t; }" : "=r"(lum_s) : "l"(s));
-  unsigned long long lum_policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(lum_policy));
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               :: "r"(lum_s), "l"(g), "l"(lum_policy) : "memory");
+               :: "r"(lum_shared_addr(s)), "l"(g), "l"(lum_evict_first_policy()) : "memory");
 #elif defined(__CUDA_ARCH__)
   *reinterpret_cast<lum_vec<unsigned, 4>*>(s) = *reinterpret_cast<const lum_vec<unsigned, 4>*>(g);
 #else

@@ -48,19 +48,11 @@
 
 LUM_D unsigned lum_fa_pack(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
 
-#if LUM_FA_TC
-LUM_D unsigned lum_fa_saddr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 lum_t; cvta.to.shared.u64 lum_t, %1; cvt.u32.u64 %0, lum_t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-#endif
-
 // 16 bytes from global src to shared dst, or zeros where !valid (src is then not read). cp.async on sm_80+:
 // complete once the lum_fa_wait after its lum_fa_commit has returned.
 LUM_D void lum_fa_cp16(void* dst, const void* src, bool valid) {
 #if LUM_FA_TC
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(lum_fa_saddr(dst)), "l"(src),
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(lum_shared_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0) : "memory");
 #else
   lum_vec<unsigned, 4> v = {};
@@ -110,7 +102,7 @@ LUM_D void lum_fa_lda(unsigned (&a)[4], const unsigned short* s, int ld, int r0,
 #if LUM_FA_TC
   const unsigned short* p = s + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8;
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(lum_fa_saddr(p)));
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(lum_shared_addr(p)));
 #else
   const unsigned short* p = s + (r0 + (lane >> 2)) * ld + c0 + 2 * (lane & 3);
   a[0] = lum_fa_pack(p[0], p[1]);
@@ -127,7 +119,7 @@ LUM_D void lum_fa_ldb(unsigned (&b)[4], const unsigned short* s, int ld, int n0,
 #if LUM_FA_TC
   const unsigned short* p = s + (n0 + (lane >> 4) * 8 + (lane & 7)) * ld + c0 + ((lane >> 3) & 1) * 8;
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(lum_fa_saddr(p)));
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(lum_shared_addr(p)));
 #else
   const unsigned short* p = s + (n0 + (lane >> 2)) * ld + c0 + 2 * (lane & 3);
   b[0] = lum_fa_pack(p[0], p[1]);
@@ -144,7 +136,7 @@ LUM_D void lum_fa_ldbt(unsigned (&b)[4], const unsigned short* s, int ld, int k0
 #if LUM_FA_TC
   const unsigned short* p = s + (k0 + ((lane >> 3) & 1) * 8 + (lane & 7)) * ld + n0 + (lane >> 4) * 8;
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(lum_fa_saddr(p)));
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(lum_shared_addr(p)));
 #else
   const unsigned short* p = s + (k0 + 2 * (lane & 3)) * ld + n0 + (lane >> 2);
   b[0] = lum_fa_pack(p[0], p[ld]);
