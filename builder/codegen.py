@@ -986,7 +986,7 @@ def gemv_preload_prologue() -> int:
 
 
 def gemv_preload_shared() -> str | None:
-    """``$LUM_GEMV_PRELOAD_SHARED`` (``1``: a GEMV with a prologue whose kernel before is not a GEMV,
+    """``$LUM_GEMV_PRELOAD_SHARED`` (``1``, the default: a GEMV with a prologue whose kernel before is not a GEMV,
     :func:`gemv_after_small`, preloads every weight vector of its lanes' first columns into shared memory,
     :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` its tuning sets), else off. Such a GEMV
     (gemma3-4b's qkv: 128 blocks of 1,024 threads, 10 vectors a lane) is one resident block an SM that computes
@@ -996,14 +996,18 @@ def gemv_preload_shared() -> str | None:
     Measured (5bfcf52, same runs, tokens equal over 145): gemma3-4b 397.6 against 389.1 tok/s (+2.2%; its qkv
     10.3 → 5.7 µs on the step's timeline, down before it 13.7 → 17.3: the early blocks' loads share the bus
     with down's tail); llama3-1b, whose prologue GEMVs (qkv, gate-up) follow GEMVs, 1,126.8 against 1,175.8
-    (−4.2%): hence only after small kernels, where llama3-1b has none. ``small``: every GEMV after a small
-    kernel, prologue or not (gemma3-4b's o and gate-up too, llama3-1b's o and LM head; not yet measured).
-    ``all``: every GEMV (tests: the mechanism on every shape and layout). Returns the mode
-    (``"prologue_after_small"``, ``"after_small"``, ``"all"``) or ``None``."""
-    modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "all": "all"}
-    raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "0")
+    (−4.2%): hence only after small kernels, where llama3-1b has none. On by default since 2026-12-04 (6214d7f:
+    394.9 against 386.9 tok/s, +2.1%, and the GPU suite passed with it). ``small``: every GEMV after a small
+    kernel, prologue or not (gemma3-4b's o and gate-up too, llama3-1b's o and LM head): measured −4.2% on
+    gemma3-4b (370.6, same run). ``prologue``: every GEMV with a prologue, whatever runs before it (to measure it
+    behind a GEMV: gemma3-4b's qkv with ``$LUM_POST_NORM_NEXT_LAYER``, its gate-up with a wider
+    ``$LUM_GEMV_PROLOGUE_MAX_COLS``). ``all``: every GEMV (tests: the mechanism on every shape and layout).
+    ``0``: off. Returns the mode (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"all"``) or
+    ``None``."""
+    modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "prologue": "prologue", "all": "all"}
+    raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "1")
     if raw not in modes:
-        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small or all, got {raw!r}")
+        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small, prologue or all, got {raw!r}")
     return modes[raw]
 
 
@@ -1036,8 +1040,9 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
             n = after_small if oid in small else after_gemv
             if "expr" in program.ops[oid].params:
                 n = max(n, prologue_n)
-            takes = {None: False, "all": True, "after_small": oid in small,
-                     "prologue_after_small": oid in small and "expr" in program.ops[oid].params}[shared]
+            prologue = "expr" in program.ops[oid].params
+            takes = {None: False, "all": True, "after_small": oid in small, "prologue": prologue,
+                     "prologue_after_small": oid in small and prologue}[shared]
             if takes:      # a preload the tuning sets (or builder/kernels.py halves) stays in shared memory
                 per.setdefault(r, {}).setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
                 per[r]["preload_shared"] = True

@@ -330,7 +330,7 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
     memory: gemma3-4b's qkv (after the layer's last residual row kernel; 1,024 threads) its lanes' whole first
     column, 10 vectors, 160 KB a block, no spills (ptxas). llama3-1b's prologue GEMVs (qkv after down, gate-up
     after o) keep their kernels: there it measured −4.2%. ``small``: every GEMV after a kernel that is not a
-    GEMV (gemma3-4b's qkv, o and gate-up; llama3-1b's o); ``all``: every GEMV. Off by default."""
+    GEMV (gemma3-4b's qkv, o and gate-up; llama3-1b's o); ``all``: every GEMV; ``0``: none. ``1`` is the default."""
     from lum.builder import kernels
     from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
@@ -340,11 +340,16 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
         return [got[o.id] for o in gemv_kernel_ops(prog)]
 
     llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
+    monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED", raising=False)
+    default = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")
     plain = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     assert not any(ks.tuning.get("preload_shared") or ks.shared_mem for v in plain.values() for ks in v)
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "1")
     assert [ks.name for ks in gemvs(*llama)] == [ks.name for ks in plain["llama"]]
     on = gemvs(*gemma)
+    assert {m: [ks.name for ks in v] for m, v in default.items()} == \
+        {"llama": [ks.name for ks in plain["llama"]], "gemma": [ks.name for ks in on]}
     shared = [(ks.block[0], ks.tuning["preload"], ks.shared_mem) for ks in on if ks.tuning.get("preload_shared")]
     assert shared == [(1024, 10, 10 * 16 * 1024)], shared
     assert [ks.name for ks in on if not ks.tuning.get("preload_shared")] == \
@@ -354,10 +359,13 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small")      # every GEMV after a small kernel: llama's o
     assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)] == [False, True, False, False]
     assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*gemma)] == [True, True, True, False]
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "prologue")   # every GEMV with a prologue: llama's qkv and gate-up
+    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)] == [True, False, True, False]
+    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*gemma)] == [True, False, False, False]
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
     assert sum(bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")
-    with pytest.raises(CodegenError, match="must be 0, 1, small or all"):
+    with pytest.raises(CodegenError, match="must be 0, 1, small, prologue or all"):
         gemvs(*llama)
 
 
@@ -649,6 +657,7 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     cgs = compile_graph(build_entry(named_config("gemma3-4b"), "decode", 512, BF16))
     dv = program_dyn_vars([cg.program for cg in cgs])
     layer = max(cgs, key=lambda cg: cg.stats.get("chunks", 1)).program
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (qkv's shared one: below)
 
     def gemvs() -> list[tuple[int, int, int]]:
         gen = group_kernel_sources(layer, dv, {"p": 512}, {})

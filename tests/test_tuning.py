@@ -64,14 +64,18 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     records)."""
     comp = T.measured_compiler(spec, BuildOptions(budget=2), None, timer_factory=FakeTimer, device=FAKE)
     base = comp.key_options({"p": 3})
-    assert not {"row_regs_bounded", "gemv_preload_prologue", "gemv_preload_shared"} & set(base)
+    assert not {"row_regs_bounded", "gemv_preload_prologue"} & set(base)
     assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
+    assert base["gemv_preload_shared"] == "prologue_after_small"     # the default since 2026-12-04
     for env, raw, key, value in (("LUM_ROW_REGS_BOUNDED", "1", "row_regs_bounded", True),
                                  ("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
-                                 ("LUM_GEMV_PRELOAD_SHARED", "1", "gemv_preload_shared", "prologue_after_small")):
+                                 ("LUM_GEMV_PRELOAD_SHARED", "small", "gemv_preload_shared", "after_small")):
         monkeypatch.setenv(env, raw)
         assert comp.key_options({"p": 3}) == {**base, key: value}
         monkeypatch.delenv(env)
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")               # off: named by its absence
+    assert comp.key_options({"p": 3}) == {k: v for k, v in base.items() if k != "gemv_preload_shared"}
+    monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED")
     monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "1")          # a switch at its default: the same key
     assert comp.key_options({"p": 3}) == base
     monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")          # ... set the other way: named
