@@ -998,8 +998,9 @@ def gemv_preload_shared() -> str | None:
     with down's tail); llama3-1b, whose prologue GEMVs (qkv, gate-up) follow GEMVs, 1,126.8 against 1,175.8
     (−4.2%): hence only after small kernels, where llama3-1b has none. On by default since 2026-12-04 (6214d7f:
     394.9 against 386.9 tok/s, +2.1%, and the GPU suite passed with it). ``small``: every GEMV after a small
-    kernel, prologue or not (gemma3-4b's o and gate-up too, llama3-1b's o and LM head): measured −4.2% on
-    gemma3-4b (370.6, same run). ``prologue``: every GEMV with a prologue, whatever runs before it (to measure it
+    kernel, prologue or not, whose grid the SMs hold at once (gemma3-4b's and llama3-1b's o): with gemma3-4b's
+    gate-up too, its grid capped from 5,120 blocks to 1,320, it measured −4.2% (370.6, same run), and
+    builder/kernels.py now drops a shared preload whose grid is past one wave. ``prologue``: every GEMV with a prologue, whatever runs before it (to measure it
     behind a GEMV: gemma3-4b's qkv with ``$LUM_POST_NORM_NEXT_LAYER``, its gate-up with a wider
     ``$LUM_GEMV_PROLOGUE_MAX_COLS``). ``all``: every GEMV (tests: the mechanism on every shape and layout).
     ``0``: off. Returns the mode (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"all"``) or

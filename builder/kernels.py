@@ -200,7 +200,8 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
                     if name in regs}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
                    and (resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS
-                        or _waves_unbalanced(by_name[name], SMS * resident[name]))]
+                        or _waves_unbalanced(by_name[name], SMS * resident[name])
+                        or _shared_preload_past_one_wave(by_name[name], SMS * resident[name]))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen
@@ -217,6 +218,17 @@ def _waves_unbalanced(ks: KernelSource, wave: int) -> bool:
         return False
     blocks = ks.grid[0].value
     return blocks > wave and blocks_unbalanced(blocks, wave)
+
+
+def _shared_preload_past_one_wave(ks: KernelSource, wave: int) -> bool:
+    """A GEMV without a prologue that preloads into shared memory and whose static grid is more blocks than
+    the SMs hold at once (``wave``). Capped to one wave, its blocks would walk the grid's tiles in a loop and
+    only the first tile of each is preloaded: gemma3-4b's gate-up (5,120 blocks of 128 threads) went to 1,320
+    under ``$LUM_GEMV_PRELOAD_SHARED=small``, which measured −4.2% (6214d7f). So such a preload is halved
+    until it is gone."""
+    if not ks.tuning.get("preload_shared") or ks.tuning.get("prologue") or not ks.grid[0].is_const:
+        return False
+    return ks.grid[0].value > wave
 
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
