@@ -66,11 +66,11 @@ What it does, in one run on one GPU:
      keys after their logits), ``lum-stage2rounds`` with ``LUM_ATTENTION_STAGE_ONE_ROUND=0`` (decode attention's block keeps
      4 warps of 4 keys, its stage's rows in two rounds where they are more than 4: llama3-1b's six, as
      before 2026-12-04; by default 8 warps of 2 keys),
-     ``lum-nopreload-shared`` with ``LUM_GEMV_PRELOAD_SHARED=0`` (GEMVs with a prologue keep their weights in
-     registers, as before 2026-12-04; by default, where the kernel before is not a GEMV, they copy every weight
-     vector of their lanes' first column into shared memory before they wait: gemma3-4b's qkv 160 KB a block),
-     ``lum-preload-shared-small`` with ``LUM_GEMV_PRELOAD_SHARED=small`` (every
-     GEMV behind a kernel that is not a GEMV: gemma3-4b's o and gate-up too), ``lum-postnorm-shared`` with
+     ``lum-nopreload-shared`` with ``LUM_GEMV_PRELOAD_SHARED=0`` (GEMVs keep their early weights in registers, as
+     before 2026-12-04; by default every GEMV behind a kernel that is not a GEMV, its grid one wave, copies every
+     weight vector of its lanes' first column into shared memory before it waits: gemma3-4b's qkv 160 KB a
+     block, its o and llama3-1b's o), ``lum-preload-shared-prologue`` with ``LUM_GEMV_PRELOAD_SHARED=1`` (only
+     such GEMVs with a prologue: gemma3-4b's qkv), ``lum-postnorm-shared`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's qkv, computing the
      post-FFN norm too, follows down and still copies its weights into shared memory early),
      ``lum-wideprologue-shared`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and that (gemma3-4b's gate-up computes
@@ -142,7 +142,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-stagepred": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "lum-merge1": {"LUM_ATTENTION_MERGE_ALL": "0"},
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
-                 "lum-preload-shared-small": {"LUM_GEMV_PRELOAD_SHARED": "small"},
+                 "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
                  "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-postnorm-wide-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768",

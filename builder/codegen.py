@@ -986,27 +986,26 @@ def gemv_preload_prologue() -> int:
 
 
 def gemv_preload_shared() -> str | None:
-    """``$LUM_GEMV_PRELOAD_SHARED`` (``1``, the default: a GEMV with a prologue whose kernel before is not a GEMV,
-    :func:`gemv_after_small`, preloads every weight vector of its lanes' first columns into shared memory,
-    :data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` its tuning sets), else off. Such a GEMV
-    (gemma3-4b's qkv: 128 blocks of 1,024 threads, 10 vectors a lane) is one resident block an SM that computes
-    its input norm before it can issue a weight load; behind a one-block row kernel its blocks are resident and
-    waiting under programmatic launch, the bus idle, so its whole 21 MB can stream then. Registers hold only 2
-    of its 10 vectors (a preload of 8 spilled 604 bytes a thread); shared memory holds all 160 KB a block.
-    Measured (5bfcf52, same runs, tokens equal over 145): gemma3-4b 397.6 against 389.1 tok/s (+2.2%; its qkv
-    10.3 → 5.7 µs on the step's timeline, down before it 13.7 → 17.3: the early blocks' loads share the bus
-    with down's tail); llama3-1b, whose prologue GEMVs (qkv, gate-up) follow GEMVs, 1,126.8 against 1,175.8
-    (−4.2%): hence only after small kernels, where llama3-1b has none. On by default since 2026-12-04 (6214d7f:
-    394.9 against 386.9 tok/s, +2.1%, and the GPU suite passed with it). ``small``: every GEMV after a small
-    kernel, prologue or not, whose grid the SMs hold at once (gemma3-4b's and llama3-1b's o): with gemma3-4b's
-    gate-up too, its grid capped from 5,120 blocks to 1,320, it measured −4.2% (370.6, same run), and
-    builder/kernels.py now drops a shared preload whose grid is past one wave. ``prologue``: every GEMV with a prologue, whatever runs before it (to measure it
-    behind a GEMV: gemma3-4b's qkv with ``$LUM_POST_NORM_NEXT_LAYER``, its gate-up with a wider
-    ``$LUM_GEMV_PROLOGUE_MAX_COLS``). ``all``: every GEMV (tests: the mechanism on every shape and layout).
-    ``0``: off. Returns the mode (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"all"``) or
-    ``None``."""
+    """``$LUM_GEMV_PRELOAD_SHARED``: which decode GEMVs copy every weight vector of their lanes' first columns
+    into shared memory before their wait (:data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` their
+    tuning sets) rather than up to a few into registers. ``small``, the default: every GEMV whose kernel before
+    is not a GEMV (:func:`gemv_after_small`) and whose grid the SMs hold at once (builder/kernels.py drops the
+    rest): gemma3-4b's qkv and o, llama3-1b's o. Behind a small kernel such a GEMV's blocks are resident and
+    waiting under programmatic launch while the bus idles, so its weights can stream then. gemma3-4b's qkv (128
+    blocks of 1,024 threads, 10 vectors a lane, one block an SM, its input norm computed before it could issue
+    a load) holds only 2 of its 10 vectors in registers (a preload of 8 spilled 604 bytes a thread); shared
+    memory holds all 160 KB a block. ``1``: only such GEMVs with a prologue (gemma3-4b's qkv): measured
+    (5bfcf52 and 6214d7f, same runs, tokens equal over 145) +2.2% and +2.1% on gemma3-4b (qkv 10.3 → 5.7 µs on
+    the step's timeline, down before it 13.7 → 17.3: the early copies share the bus with down's tail).
+    ``small`` against ``1`` (48ddaa6, same runs, tokens equal): gemma3-4b 399.3 against 397.4 tok/s (+0.5%),
+    llama3-1b 1,184.0 against 1,176.9 (+0.6%); with gemma3-4b's gate-up too, its grid capped from 5,120 blocks
+    to 1,320, it had measured −4.2%. Every prologue GEMV whatever runs before it (``prologue``): llama3-1b,
+    whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with
+    ``$LUM_POST_NORM_NEXT_LAYER``, −0.7% (8b4598a). ``all``: every GEMV (tests: the mechanism on every shape and
+    layout). ``0``: none. Returns the mode (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``,
+    ``"all"``) or ``None``."""
     modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "prologue": "prologue", "all": "all"}
-    raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "1")
+    raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "small")
     if raw not in modes:
         raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small, prologue or all, got {raw!r}")
     return modes[raw]

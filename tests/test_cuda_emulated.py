@@ -321,7 +321,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     next layer's qkv prologue, its residual kernel last in the layer), ``row-regs-bounded``
     (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers)
     or ``preload-shared`` (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into
-    shared memory before it waits, builder/codegen.py gemv_preload_shared).
+    shared memory before it waits, where by default only those behind small kernels do: builder/codegen.py
+    gemv_preload_shared).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""
@@ -329,13 +330,15 @@ def test_fused_kernel_variants_match_reference(env, variant):
 import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
-out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "regs": {}, "shared_preloads": 0}
+out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "regs": {}, "shared_preloads": 0,
+       "shared_preloads_default": 0}
 def shared_preloads(pkg):
     return sum(bool(op.tuning.get("preload_shared")) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
 for dt in (DType.f32, DType.bf16):
     pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
     out["shared_preloads"] += shared_preloads(pkg)
+    out["shared_preloads_default"] += shared_preloads(L.open(PKGS[f"template_cases.{dt.value}"]))
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
                               for op in g.table.ops if op.tail]
     prog, arrays, b = template_cases(dt)
@@ -358,6 +361,7 @@ for name in MODELS:
     out["fused"][name] = sorted({op.kind for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
                                  if op.tail})
     out["shared_preloads"] += shared_preloads(pkg)
+    out["shared_preloads_default"] += shared_preloads(L.open(PKGS[name]))
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     out["regs"][name] = [sorted(op.tuning.get("regs", 0) for g in p.manifest.groups if g.table is not None

@@ -325,13 +325,14 @@ def test_shared_preload_changes_no_bit(tmp_path):
     assert qkv.tuning["preload"] == 10 and qkv.shared_mem == 10 * 16 * 1024
 
 
-def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrtc, monkeypatch):
-    """``$LUM_GEMV_PRELOAD_SHARED=1``: a GEMV with a prologue whose kernel before is not a GEMV preloads into shared
-    memory: gemma3-4b's qkv (after the layer's last residual row kernel; 1,024 threads) its lanes' whole first
-    column, 10 vectors, 160 KB a block, no spills (ptxas). llama3-1b's prologue GEMVs (qkv after down, gate-up
-    after o) keep their kernels: there it measured −4.2%. ``small``: every GEMV after a kernel that is not a
-    GEMV whose grid the SMs hold at once (gemma3-4b's qkv and o, not gate-up's 5,120 blocks; llama3-1b's o);
-    ``prologue``: every GEMV with a prologue; ``all``: every GEMV; ``0``: none. ``1`` is the default."""
+def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkeypatch):
+    """``$LUM_GEMV_PRELOAD_SHARED``. ``small``, the default: every GEMV whose kernel before is not a GEMV and whose
+    grid the SMs hold at once preloads into shared memory: gemma3-4b's qkv (after the layer's last residual row
+    kernel; 1,024 threads) its lanes' whole first column, 10 vectors, 160 KB a block, no spills (ptxas), and
+    o (after the attention combine); not gate-up's 5,120 blocks; llama3-1b's o. ``1``: only those with a
+    prologue (gemma3-4b's qkv; llama3-1b's prologue GEMVs, qkv after down and gate-up after o, keep their
+    kernels: there a shared preload measured −4.2%). ``prologue``: every GEMV with a prologue; ``all``: every
+    GEMV; ``0``: none."""
     from lum.builder import kernels
     from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
@@ -339,6 +340,9 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
     def gemvs(prog, dv):
         got = kernels.group_kernel_sources(prog, dv)
         return [got[o.id] for o in gemv_kernel_ops(prog)]
+
+    def taken(ks_list):
+        return [bool(ks.tuning.get("preload_shared")) for ks in ks_list]
 
     llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
     monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED", raising=False)
@@ -349,22 +353,26 @@ def test_shared_preload_switch_takes_the_prologue_gemvs_after_small_kernels(nvrt
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "1")
     assert [ks.name for ks in gemvs(*llama)] == [ks.name for ks in plain["llama"]]
     on = gemvs(*gemma)
-    assert {m: [ks.name for ks in v] for m, v in default.items()} == \
-        {"llama": [ks.name for ks in plain["llama"]], "gemma": [ks.name for ks in on]}
     shared = [(ks.block[0], ks.tuning["preload"], ks.shared_mem) for ks in on if ks.tuning.get("preload_shared")]
     assert shared == [(1024, 10, 10 * 16 * 1024)], shared
     assert [ks.name for ks in on if not ks.tuning.get("preload_shared")] == \
         [ks.name for ks in plain["gemma"] if not ks.tuning.get("prologue")]
     log = nvrtc.compile_cuda(kernels.module_source(on), ptx=False, extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small")      # every GEMV after a small kernel: llama's o
-    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)] == [False, True, False, False]
-    got = gemvs(*gemma)        # ... and o; gate-up's 5,120 blocks are past one wave: it drops its shared preload
-    assert [bool(ks.tuning.get("preload_shared")) for ks in got] == [True, True, False, False]
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small")      # the default: llama's o ...
+    small = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    assert {m: [ks.name for ks in v] for m, v in default.items()} == {m: [ks.name for ks in v] for m, v in small.items()}
+    assert taken(small["llama"]) == [False, True, False, False]
+    got = small["gemma"]       # ... and gemma's qkv and o; gate-up's 5,120 blocks are past one wave: no preload
+    assert taken(got) == [True, True, False, False]
+    assert got[0].name == on[0].name and got[1].shared_mem == 4 * 16 * 512, got[1].shared_mem
     assert got[2].grid[0].value == 5120 and not got[2].tuning.get("preload"), got[2].tuning
+    log = nvrtc.compile_cuda(kernels.module_source(got + small["llama"]), ptx=False,
+                             extra_options=["--ptxas-options=-v"]).log
+    assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "prologue")   # every GEMV with a prologue: llama's qkv and gate-up
-    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)] == [True, False, True, False]
-    assert [bool(ks.tuning.get("preload_shared")) for ks in gemvs(*gemma)] == [True, False, False, False]
+    assert taken(gemvs(*llama)) == [True, False, True, False]
+    assert taken(gemvs(*gemma)) == [True, False, False, False]
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
     assert sum(bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")

@@ -66,10 +66,10 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     base = comp.key_options({"p": 3})
     assert not {"row_regs_bounded", "gemv_preload_prologue"} & set(base)
     assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
-    assert base["gemv_preload_shared"] == "prologue_after_small"     # the default since 2026-12-04
+    assert base["gemv_preload_shared"] == "after_small"              # the default since 2026-12-04
     for env, raw, key, value in (("LUM_ROW_REGS_BOUNDED", "1", "row_regs_bounded", True),
                                  ("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
-                                 ("LUM_GEMV_PRELOAD_SHARED", "small", "gemv_preload_shared", "after_small")):
+                                 ("LUM_GEMV_PRELOAD_SHARED", "1", "gemv_preload_shared", "prologue_after_small")):
         monkeypatch.setenv(env, raw)
         assert comp.key_options({"p": 3}) == {**base, key: value}
         monkeypatch.delenv(env)
