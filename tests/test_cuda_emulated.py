@@ -384,7 +384,10 @@ print(json.dumps(out))
     # tiny-gemma3's residual kernel captured on a side stream beside the FFN, and the emulated graphs ran
     # their nodes out of capture order wherever the edges allowed (tests/fake_cuda.c): the tokens hold
     assert (res["joins"] > 0) == (variant == "postnorm-next"), res["joins"]
-    assert (res["shared_preloads"] > 0) == (variant == "preload-shared"), res["shared_preloads"]
+    # the default preloads some GEMVs into shared memory (those behind small kernels); ``all`` every one
+    assert res["shared_preloads_default"] > 0, res
+    if variant == "preload-shared":
+        assert res["shared_preloads"] > res["shared_preloads_default"], res
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
