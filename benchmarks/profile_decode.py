@@ -25,6 +25,14 @@ step. ``--plain`` launches plainly (``programmatic_launch=False``), for per-kern
 way each row also says how far its launches push the step's timeline on (``advance_us_per_launch``,
 :func:`critical_advance`): under programmatic launch, what a kernel really costs the step.
 
+``--stamps`` builds the package with ``LUM_STAMPS=1`` (or takes a ``--pkg`` built so) and, after the warm-up, runs
+one step whose kernels stamp, block by block, when a block started and when its wait for the kernel before
+returned (templates/common.cuh "stamps"; 32 evenly spaced blocks a kernel, each kernel's last launch of the
+step, so a decoder layer's kernels come from its last layer): :func:`stamp_timeline` orders them into
+``…-stamps.json``. Under programmatic launch it says what CUPTI cannot: how long before its wait returned a
+kernel's blocks were resident (what a preload had to stream in), and how long after the wait of one kernel
+the next one's wait returned (its work after the wait plus the dependency's round trip).
+
 ``--ncu`` marks one step, after the warm-up, for Nsight Compute's hardware counters and writes no record:
 ``ncu --profile-from-start off -k regex:^lum_ -c N [--section …] -o REP python benchmarks/profile_decode.py
 --ncu …`` profiles that step's first N lum kernels, each graph node on its own (``--clock-control none``
@@ -40,6 +48,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
+from lum.builder.codegen import stamp_tag
 from lum.format.manifest import L2_PREFETCH_ENTRY
 
 HERE = Path(__file__).resolve().parent
@@ -106,6 +117,55 @@ def _kernel_spans(prof) -> list[tuple[str, float, float]]:
     return sorted(spans)
 
 
+def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dict]:
+    """Kernels in the order of their first block's start, each with its sampled blocks' start and wait-return
+    times in µs from the earliest start: ``records`` are the modules' ``lum_stamps`` arrays (uint64, fields of
+    codegen.STAMP_FIELDS: tag, block, SM, start ns, waited ns), ``names`` maps codegen.stamp_tag to kernel
+    names. A kernel that never waited (no wait stamp) has ``waited_*`` None."""
+    from lum.builder.codegen import STAMP_FIELDS
+
+    by_kernel: dict[int, list[np.ndarray]] = defaultdict(list)
+    for arr in records:
+        for rec in np.asarray(arr, np.uint64).reshape(-1, STAMP_FIELDS):
+            if rec[0] and rec[3]:
+                by_kernel[int(rec[0])].append(rec)
+    if not by_kernel:
+        return []
+    t0 = min(int(r[3]) for recs in by_kernel.values() for r in recs)
+    rows = []
+    for tag, recs in by_kernel.items():
+        start = sorted((int(r[3]) - t0) / 1e3 for r in recs)
+        waited = sorted((int(r[4]) - t0) / 1e3 for r in recs if r[4])
+        rows.append({"kernel": names.get(tag, f"tag {tag:x}"), "blocks_sampled": len(recs),
+                     "sms": len({int(r[2]) for r in recs}),
+                     "start_us": [round(start[0], 3), round(start[len(start) // 2], 3), round(start[-1], 3)],
+                     "waited_us": [round(waited[0], 3), round(waited[len(waited) // 2], 3), round(waited[-1], 3)]
+                     if waited else None})
+    rows.sort(key=lambda r: r["start_us"][0])
+    return rows
+
+
+def _read_stamps(sess, zero: bool = False) -> list[np.ndarray]:
+    """Every loaded module's ``lum_stamps`` array (zeroed instead when ``zero``); none in a package built
+    without ``LUM_STAMPS=1``."""
+    from lum.loader.cuda.driver import CudaError, call, drv
+
+    out = []
+    for mod in sess.runner.modules.values():
+        try:
+            ptr, nbytes = call(drv.cuModuleGetGlobal, mod.handle, b"lum_stamps")
+        except CudaError:
+            continue
+        if zero:
+            call(drv.cuMemsetD8, ptr, 0, nbytes)
+            call(drv.cuCtxSynchronize)
+            continue
+        host = np.zeros(int(nbytes) // 8, np.uint64)
+        call(drv.cuMemcpyDtoH, host.ctypes.data, ptr, nbytes)
+        out.append(host)
+    return out
+
+
 def _device_us(evt) -> float:
     for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
         v = getattr(evt, attr, None)
@@ -131,13 +191,15 @@ def main(argv=None) -> int:
     ap.add_argument("--plain", action="store_true", help="launch plainly (no programmatic dependent launch)")
     ap.add_argument("--ncu", action="store_true",
                     help="run one step between cudaProfilerStart / Stop for Nsight Compute and write no record")
+    ap.add_argument("--stamps", action="store_true",
+                    help="build with LUM_STAMPS=1 and record when each kernel's blocks start and finish waiting "
+                         "in one step (…-stamps.json)")
     ap.add_argument("--entry", default="decode", choices=("decode", "prefill"),
                     help="what --steps runs: decode steps after the prompt, or prefills of the prompt")
     args = ap.parse_args(argv)
     if args.entry == "prefill":
         args.max_seq = max(args.max_seq, args.prompt_len)
 
-    import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -149,13 +211,16 @@ def main(argv=None) -> int:
         "max_seq": args.max_seq, "entry": args.entry})
     if args.plain:                  # beside a profile of the same package under programmatic launch, not over it
         out_path = out_path.with_name(f"{out_path.stem}-plain.json")
+    if args.stamps:
+        out_path = out_path.with_name(f"{out_path.stem}-stamps.json")
     result["gpu"], target = gpu_and_target(torch, "cuda")
     pkg_path = Path(args.pkg) if args.pkg else workdir / "model.lumpkg"
     if not args.pkg:
         hf = workdir / "hf"
         result["weight_bytes"] = make_hf_folder(args.model, args.dtype, hf, args.seed)["weight_bytes"]
         torch.cuda.empty_cache()
-        dt, err = build_package(hf, pkg_path, args.dtype, args.max_seq, target, 900, workdir / "build.log")
+        dt, err = build_package(hf, pkg_path, args.dtype, args.max_seq, target, 900, workdir / "build.log",
+                                env={"LUM_STAMPS": "1"} if args.stamps else None)   # codegen.module_source
         if err:
             raise SystemExit(err)
         result["timings_s"]["build"] = round(dt, 2)
@@ -199,6 +264,29 @@ def main(argv=None) -> int:
         steps(1)
         torch.cuda.profiler.stop()
         log("ran one step for Nsight Compute; no record written")
+        return 0
+    if args.stamps:                                   # one step's kernels, block by block
+        if not _read_stamps(sess):
+            raise SystemExit(f"error: {pkg_path} was not built with LUM_STAMPS=1 (no lum_stamps in its modules)")
+        _read_stamps(sess, zero=True)
+        steps(1)
+        names = {stamp_tag(name): name for name in kernel_ops(pkg, args.entry, {"p": pos})}
+        timeline = stamp_timeline(_read_stamps(sess), names)
+        ops = kernel_ops(pkg, args.entry, {"p": pos - 1})
+        for r in timeline:
+            info = ops.get(r["kernel"], {})
+            r.update({"kind": info.get("kind"), "op": info.get("op"), "shape": info.get("shape")})
+        result.update({"p": pos - 1, "programmatic_launch": bool(sess.runner.programmatic), "timeline": timeline})
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1))
+        print(f"  {'start µs (min / median / max)':>30}  {'waited µs (min / median / max)':>30}  blocks  kernel")
+        for r in timeline:
+            w = "/".join(f"{x:.2f}" for x in r["waited_us"]) if r["waited_us"] else "-"
+            print(f"  {'/'.join(f'{x:.2f}' for x in r['start_us']):>30}  {w:>30}  {r['blocks_sampled']:6d}  "
+                  f"{r['kind']}/{r['op']} {r['shape']}")
+        log(f"wrote {out_path}")
+        sess.close()
+        pkg.close()
         return 0
     step_s = steps(args.steps)                        # unprofiled wall time per step
     p_mid = pos + args.steps // 2

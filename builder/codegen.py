@@ -1057,18 +1057,41 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     return out
 
 
-def module_source(kernels: Sequence[KernelSource]) -> str:
+def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:
     """One NVRTC module holding several kernels (common.cuh once; identical kernels once), and the L2
-    prefetch entry the loader launches before a weight's GEMV (``lum.format.manifest.L2_PREFETCH_ENTRY``)."""
-    seen: set[str] = set()
-    parts = [common_header()]
+    prefetch entry the loader launches before a weight's GEMV (``lum.format.manifest.L2_PREFETCH_ENTRY``).
+    With ``stamps`` (default ``$LUM_STAMPS`` is ``1``) the module also records when each kernel's sampled
+    blocks start and finish waiting (templates/common.cuh "stamps"; read by benchmarks/profile_decode.py
+    --stamps): a probe build, never a default one. The kernels' own text, and so their names, stay the same."""
+    if stamps is None:
+        stamps = env_switch(ENV_STAMPS, default=False)
+    unique: dict[str, KernelSource] = {}
     for k in kernels:
-        if k.name in seen:
-            continue
-        seen.add(k.name)
-        parts.append(k.body)
-    parts.append(render(load_template("l2_prefetch.cu"), {"CHUNK": L2_PREFETCH_CHUNK}))
-    return "\n".join(parts)
+        unique.setdefault(k.name, k)
+    if not stamps:
+        return "\n".join([common_header(), *(k.body for k in unique.values()), _l2_prefetch_source()])
+    head = [f"#define LUM_STAMPS 1\n#define LUM_STAMP_BLOCKS {STAMP_BLOCKS}\n#define LUM_STAMP_FIELDS {STAMP_FIELDS}",
+            f"__device__ unsigned long long lum_stamps[{max(1, len(unique)) * STAMP_BLOCKS * STAMP_FIELDS}];"]
+    parts = [*head, common_header()]
+    for i, k in enumerate(unique.values()):
+        parts += [f"#define LUM_STAMP_KERNEL {i}\n#define LUM_STAMP_TAG {stamp_tag(k.name)}ull", k.body,
+                  "#undef LUM_STAMP_KERNEL\n#undef LUM_STAMP_TAG"]
+    return "\n".join([*parts, _l2_prefetch_source()])
+
+
+ENV_STAMPS = "LUM_STAMPS"
+STAMP_BLOCKS = 32          # blocks sampled a kernel, evenly spaced over its grid
+STAMP_FIELDS = 8           # a sampled block's record: tag, block, SM, start ns, waited ns, 3 spare
+
+
+def stamp_tag(name: str) -> int:
+    """The number a stamped kernel records as its own (60 bits of its name's SHA-256), which the reader maps
+    back to the kernel's name."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
+
+
+def _l2_prefetch_source() -> str:
+    return render(load_template("l2_prefetch.cu"), {"CHUNK": L2_PREFETCH_CHUNK})
 
 
 # ============================================================================ generators

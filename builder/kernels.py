@@ -287,11 +287,12 @@ def _grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mappi
 
 
 def _ptxas_log(kernels: list[KernelSource], arch: str, cache_dir: Any) -> str | None:
-    """The ``ptxas -v`` log of these kernels compiled as one module for ``arch``; None without NVRTC."""
+    """The ``ptxas -v`` log of these kernels compiled as one module for ``arch``; None without NVRTC. Never
+    stamped (``$LUM_STAMPS``): a probe build must choose the kernels a plain build chooses."""
     from lum.builder import nvrtc
 
     try:
-        return nvrtc.compile_cuda(module_source(kernels), arch, name="ptxas.cu", ptx=False,
+        return nvrtc.compile_cuda(module_source(kernels, stamps=False), arch, name="ptxas.cu", ptx=False,
                                   extra_options=["--ptxas-options=-v"], cache_dir=cache_dir).log
     except nvrtc.NvrtcNotFound:
         return None

@@ -305,6 +305,35 @@ LUM_D void lum_pdl_wait() {
 #endif
 }
 
+// ------------------------------------------------------------------------------ stamps (probe builds only)
+// A package built with $LUM_STAMPS=1 (benchmarks/profile_decode.py --stamps; builder/codegen.py module_source)
+// defines LUM_STAMPS, the module's array lum_stamps and, around each kernel, LUM_STAMP_KERNEL (its index in the
+// module) and LUM_STAMP_TAG (codegen.stamp_tag of its name). Then thread 0 of up to LUM_STAMP_BLOCKS evenly
+// spaced blocks of each kernel records %globaltimer (ns) as the block starts (after lum_pdl_trigger) and as its
+// wait for the kernel before returns (after lum_pdl_wait), with the block's index and SM. Each launch
+// overwrites the one before, so after a step the array holds each kernel's last launch: a decoder layer's
+// timeline, block by block. A package built without it has none of this (the section compiles to nothing).
+#if defined(LUM_STAMPS) && defined(__CUDA_ARCH__)
+LUM_D void lum_stamp(int kernel, unsigned long long tag, int event) {
+  if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+  const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const unsigned stride = (gridDim.x * gridDim.y * gridDim.z + LUM_STAMP_BLOCKS - 1) / LUM_STAMP_BLOCKS;
+  if (block % stride) return;
+  unsigned long long t;
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  unsigned long long* s = lum_stamps + ((unsigned long long)kernel * LUM_STAMP_BLOCKS + block / stride) * LUM_STAMP_FIELDS;
+  s[0] = tag;
+  s[1] = block;
+  s[2] = sm;
+  s[3 + event] = t;
+}
+// A macro does not expand inside its own expansion, so these call the functions above, then stamp.
+#define lum_pdl_trigger() (lum_pdl_trigger(), lum_stamp(LUM_STAMP_KERNEL, LUM_STAMP_TAG, 0))
+#define lum_pdl_wait() (lum_pdl_wait(), lum_stamp(LUM_STAMP_KERNEL, LUM_STAMP_TAG, 1))
+#endif
+
 // ------------------------------------------------------------------------------ thread block clusters
 // Every thread of this block's cluster arrives, then waits for all the cluster's threads (sm_90: a hardware
 // barrier, no memory round trip); release / acquire at cluster scope, so the stores this block made before

@@ -64,3 +64,50 @@ def test_critical_advance_charges_each_kernel_what_it_adds_to_the_timeline():
     assert adv == {"gemv": 20.0, "attn": 3.0, "hint": 0.0, "comb": 1.5}
     assert sum(adv.values()) == 14.5 + 10.0
     assert critical_advance(list(reversed(spans))) == adv          # start order, not list order
+
+
+def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tmp_path, monkeypatch):
+    """``$LUM_STAMPS=1`` (``profile_decode.py --stamps``): the package's modules define ``lum_stamps`` and stamp
+    each kernel's start and wait (two ``%globaltimer`` reads an entry, PTX), and nothing else changes: the launch
+    tables (kernel names, grids, tuning) are the plain build's, and a module built without it has no stamp.
+    :func:`stamp_timeline` maps the records back to kernel names, in start order, times from the earliest."""
+    import numpy as np
+
+    from profile_decode import stamp_timeline
+
+    from lum.builder.codegen import STAMP_BLOCKS, STAMP_FIELDS, stamp_tag
+
+    spec = load_spec(random_name="tiny-llama", dtype="bf16", max_seq=32)
+    monkeypatch.delenv("LUM_STAMPS", raising=False)
+    plain = lum.loader.open(build_package(spec, tmp_path / "plain.lumpkg"))
+    monkeypatch.setenv("LUM_STAMPS", "1")
+    stamped = lum.loader.open(build_package(spec, tmp_path / "stamped.lumpkg"))
+
+    def tables(pkg):
+        return [[(k.name, [(lc.kernel, lc.grid, lc.block) for lc in k.launches], k.tuning) for k in g.table.ops]
+                for g in pkg.manifest.groups if g.table is not None]
+
+    assert tables(plain) == tables(stamped)
+
+    def ptx(pkg):
+        return [pkg.reader.section_bytes(g.table.ptx).decode() for g in pkg.manifest.groups
+                if g.table is not None and g.table.ptx]
+
+    plain_ptx, stamped_ptx = ptx(plain), ptx(stamped)
+    assert plain_ptx and not any("globaltimer" in p or "lum_stamps" in p for p in plain_ptx)
+    for p in stamped_ptx:
+        entries = p.count(".entry lum_") - p.count(".entry lum_l2_prefetch")
+        assert "lum_stamps" in p and p.count("%globaltimer") >= 2 * entries > 0, entries
+
+    # two modules' records: kernel B starts 1 µs after A, waits 3 µs in; A never stamped its wait
+    names = {stamp_tag(n): n for n in ("lum_a", "lum_b")}
+    a = np.zeros(2 * STAMP_BLOCKS * STAMP_FIELDS, np.uint64)
+    a[:STAMP_FIELDS] = [stamp_tag("lum_a"), 0, 5, 1_000_000, 0, 0, 0, 0]
+    a[STAMP_FIELDS:2 * STAMP_FIELDS] = [stamp_tag("lum_a"), 4, 6, 1_000_500, 0, 0, 0, 0]
+    b = np.zeros(STAMP_BLOCKS * STAMP_FIELDS, np.uint64)
+    b[:STAMP_FIELDS] = [stamp_tag("lum_b"), 0, 7, 1_001_000, 1_003_000, 0, 0, 0]
+    rows = stamp_timeline([b, a], names)
+    assert [r["kernel"] for r in rows] == ["lum_a", "lum_b"]
+    assert rows[0]["start_us"] == [0.0, 0.5, 0.5] and rows[0]["waited_us"] is None and rows[0]["sms"] == 2
+    assert rows[1]["start_us"] == [1.0, 1.0, 1.0] and rows[1]["waited_us"] == [3.0, 3.0, 3.0]
+    assert stamp_timeline([np.zeros(STAMP_FIELDS, np.uint64)], names) == []
