@@ -461,14 +461,9 @@ def test_resident_blocks():
 
 def _llama_layer():
     """llama3-1b's decode layer program (its gate-up GEMV has the post-attention norm as prologue) and dyn slots."""
-    from lum.builder.compile import compile_graph
-    from lum.builder.kernels import program_dyn_vars
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
+    from tests.test_attention_stage import _layer
 
-    cgs = compile_graph(build_entry(named_config("llama3-1b"), "decode", 64, BF16))
-    prog = max((cg.program for cg in cgs), key=lambda p: sum(o.kind == "scatter_nocopy" for o in p.ops))
-    return prog, program_dyn_vars([cg.program for cg in cgs])
+    return _layer("llama3-1b", BF16)
 
 
 def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
@@ -621,6 +616,7 @@ def test_preload_after_small_kernels(monkeypatch):
 
     cgs = compile_graph(build_entry(named_config("llama3-1b"), "decode", 4096, BF16))
     dv = program_dyn_vars([cg.program for cg in cgs])
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (o's shared one by default)
 
     def preloads(**tuning) -> list[tuple[str, int]]:
         out = []
