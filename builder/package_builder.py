@@ -9,6 +9,7 @@ Weights are streamed into raw, page-aligned sections (one per tensor) so the loa
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from dataclasses import dataclass, field
@@ -204,7 +205,7 @@ def build_package(spec: ModelSpec, out: str | Path, compile_group: Callable[[Gra
                 **({"cublaslt_version": lt_version} if lt_version is not None else {})},
         provenance={"lum": LUM_VERSION, "python": platform.python_version(), "numpy": np.__version__,
                     "source": spec.source, "extraction": extraction,
-                    **_tool_versions(), **kernel_info, **measured_prov, **options.provenance},
+                    **_tool_versions(), **kernel_info, **measured_prov, **_build_switches(), **options.provenance},
         groups=groups, entries=entries, state=state, weights=weights,
         tokenizer="tokenizer" if tokenizer_json is not None else None,
         generation={"bos_token_id": cfg.bos_token_id, "eos_token_ids": list(cfg.eos_token_id)},
@@ -270,6 +271,14 @@ def _tool_versions() -> dict[str, str]:
     return out
 
 
+def _build_switches() -> dict[str, str]:
+    """The ``LUM_*`` environment the build ran under (codegen's kernel switches, a stamped probe build's
+    ``LUM_STAMPS``), as one provenance entry that ``lum inspect`` prints; none when nothing is set. Paths
+    (``LUM_CACHE_DIR``) are left out: they do not change what is built."""
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("LUM_") and k != "LUM_CACHE_DIR")
+    return {"switches": " ".join(f"{k}={v}" for k, v in env)} if env else {}
+
+
 def _weight_inputs(prog: Program, group: int, entries: dict[str, Entry], weight_names: set[str]) -> frozenset[int]:
     """The op ids of ``prog``'s inputs that every call of ``group`` binds to a weight."""
     calls = [c for e in entries.values() for c in e.calls if c.group == group]
@@ -305,7 +314,8 @@ def write_program_package(out: str | Path, programs: list[Program], entries: dic
     manifest = Manifest(
         model={"name": "programs", **model},
         target={"sm": options.target, **({"nvrtc": kernel_info["nvrtc"]} if kernel_info else {})},
-        provenance={"lum": LUM_VERSION, "source": "programs", **kernel_info, **options.provenance},
+        provenance={"lum": LUM_VERSION, "source": "programs", **kernel_info, **_build_switches(),
+                    **options.provenance},
         groups=groups, entries=entries, state=dict(state or {}), weights=wrefs)
     w.set_manifest(manifest.to_json())
     return w.write(out)

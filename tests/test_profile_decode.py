@@ -88,6 +88,9 @@ def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tm
                 for g in pkg.manifest.groups if g.table is not None]
 
     assert tables(plain) == tables(stamped)
+    # the package says it is a probe build (lum inspect prints its provenance)
+    assert "LUM_STAMPS=1" in stamped.manifest.provenance["switches"]
+    assert "LUM_STAMPS" not in plain.manifest.provenance.get("switches", "")
 
     def ptx(pkg):
         return [pkg.reader.section_bytes(g.table.ptx).decode() for g in pkg.manifest.groups
