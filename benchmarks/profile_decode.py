@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lum.builder.codegen import stamp_tag
+from lum.builder.codegen import STAMP_FIELDS, stamp_tag
 from lum.format.manifest import L2_PREFETCH_ENTRY
 
 HERE = Path(__file__).resolve().parent
@@ -122,8 +122,6 @@ def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dic
     times in µs from the earliest start: ``records`` are the modules' ``lum_stamps`` arrays (uint64, fields of
     codegen.STAMP_FIELDS: tag, block, SM, start ns, waited ns), ``names`` maps codegen.stamp_tag to kernel
     names. A kernel that never waited (no wait stamp) has ``waited_*`` None."""
-    from lum.builder.codegen import STAMP_FIELDS
-
     by_kernel: dict[int, list[np.ndarray]] = defaultdict(list)
     for arr in records:
         for rec in np.asarray(arr, np.uint64).reshape(-1, STAMP_FIELDS):
