@@ -70,7 +70,9 @@ What it does, in one run on one GPU:
      before 2026-12-04; by default every GEMV behind a kernel that is not a GEMV, its grid one wave, copies every
      weight vector of its lanes' first column into shared memory before it waits: gemma3-4b's qkv 160 KB a
      block, its o and llama3-1b's o), ``lum-preload-shared-prologue`` with ``LUM_GEMV_PRELOAD_SHARED=1`` (only
-     such GEMVs with a prologue: gemma3-4b's qkv), ``lum-postnorm-shared`` with
+     such GEMVs with a prologue: gemma3-4b's qkv), ``lum-small-prologue-shared`` with
+     ``LUM_GEMV_PRELOAD_SHARED=small-prologue`` (the default's and every prologue GEMV whose blocks run one tile
+     each: llama3-1b's qkv too, behind down), ``lum-postnorm-shared`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's qkv, computing the
      post-FFN norm too, follows down and still copies its weights into shared memory early),
      ``lum-wideprologue-shared`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and that (gemma3-4b's gate-up computes
@@ -142,6 +144,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-stagepred": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "lum-merge1": {"LUM_ATTENTION_MERGE_ALL": "0"},
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
+                 "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
                  "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
                  "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},

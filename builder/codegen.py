@@ -1001,13 +1001,19 @@ def gemv_preload_shared() -> str | None:
     llama3-1b 1,184.0 against 1,176.9 (+0.6%); with gemma3-4b's gate-up too, its grid capped from 5,120 blocks
     to 1,320, it had measured −4.2%. Every prologue GEMV whatever runs before it (``prologue``): llama3-1b,
     whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with
-    ``$LUM_POST_NORM_NEXT_LAYER``, −0.7% (8b4598a). ``all``: every GEMV (tests: the mechanism on every shape and
-    layout). ``0``: none. Returns the mode (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``,
-    ``"all"``) or ``None``."""
-    modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "prologue": "prologue", "all": "all"}
+    ``$LUM_POST_NORM_NEXT_LAYER``, −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every prologue
+    GEMV (llama3-1b's qkv behind down beside its o). ``all``: every GEMV (tests: the mechanism on every shape
+    and layout). ``0``: none. A prologue GEMV whose blocks walk more than one tile (llama3-1b's gate-up, 132
+    blocks for 256 tiles) keeps its register preload in every mode but ``all``: only a block's first tile would
+    be copied, as with the grids past one wave that builder/kernels.py drops. Returns the mode
+    (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``, ``"all"``) or
+    ``None``."""
+    modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "prologue": "prologue",
+             "small-prologue": "after_small_prologue", "all": "all"}
     raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "small")
     if raw not in modes:
-        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small, prologue or all, got {raw!r}")
+        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small, prologue, small-prologue or all, "
+                           f"got {raw!r}")
     return modes[raw]
 
 
@@ -1034,6 +1040,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     rank = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     after_small, after_gemv = int(gemv_preload_after_small()), gemv_preload_after_gemv()
     prologue_n, shared = gemv_preload_prologue(), gemv_preload_shared()
+    in_registers: dict[int, dict[str, Any]] = {}     # rank -> its tuning with the preload in registers instead
     if (after_small or after_gemv or prologue_n or shared) and "preload" not in common:
         small = gemv_after_small(program)
         for oid, r in rank.items():
@@ -1042,19 +1049,34 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
                 n = max(n, prologue_n)
             prologue = "expr" in program.ops[oid].params
             takes = {None: False, "all": True, "after_small": oid in small, "prologue": prologue,
-                     "prologue_after_small": oid in small and prologue}[shared]
+                     "prologue_after_small": oid in small and prologue,
+                     "after_small_prologue": oid in small or prologue}[shared]
             if takes:      # a preload the tuning sets (or builder/kernels.py halves) stays in shared memory
-                per.setdefault(r, {}).setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
-                per[r]["preload_shared"] = True
+                mine = per.setdefault(r, {})
+                in_registers[r] = {**mine, **({"preload": n} if n and "preload" not in mine else {})}
+                mine.setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
+                mine["preload_shared"] = True
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
         dts = [program.ops[a.src].dtype for a in o.args]
         wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
-        out[o.id] = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs,
-                             **{**common, **per.get(rank.get(o.id, -1), {})})
+        r = rank.get(o.id, -1)
+        ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})})
+        if r in in_registers and shared != "all" and ks is not None and _prologue_walks_tiles(o, ks):
+            ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
+        out[o.id] = ks
     return out
+
+
+def _prologue_walks_tiles(op: LOp, ks: KernelSource) -> bool:
+    """A prologue GEMV with a shared preload whose static grid is fewer blocks than its tiles (the dot scheme's
+    ``cols`` output columns a tile), so that its blocks walk tiles and only each one's first is preloaded."""
+    if not (ks.tuning.get("preload_shared") and ks.tuning.get("prologue") and ks.grid[0].is_const):
+        return False
+    cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params.get("n_out", op.params["n"]))
+    return cols.is_const and ks.grid[0].value * ks.tuning["cols"] < cols.value
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:

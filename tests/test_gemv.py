@@ -331,8 +331,9 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     kernel; 1,024 threads) its lanes' whole first column, 10 vectors, 160 KB a block, no spills (ptxas), and
     o (after the attention combine); not gate-up's 5,120 blocks; llama3-1b's o. ``1``: only those with a
     prologue (gemma3-4b's qkv; llama3-1b's prologue GEMVs, qkv after down and gate-up after o, keep their
-    kernels: there a shared preload measured −4.2%). ``prologue``: every GEMV with a prologue; ``all``: every
-    GEMV; ``0``: none."""
+    kernels: there a shared preload measured −4.2%). ``prologue``: every GEMV with a prologue whose blocks run
+    one tile each (llama3-1b's gate-up walks tiles: registers); ``small-prologue``: both; ``all``: every GEMV;
+    ``0``: none."""
     from lum.builder import kernels
     from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
@@ -370,13 +371,23 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     log = nvrtc.compile_cuda(kernels.module_source(got + small["llama"]), ptx=False,
                              extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "prologue")   # every GEMV with a prologue: llama's qkv and gate-up
-    assert taken(gemvs(*llama)) == [True, False, True, False]
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "prologue")   # every GEMV with a prologue: llama's qkv; its
+    got = gemvs(*llama)                                          # gate-up's 132 blocks walk 256 tiles: registers
+    assert taken(got) == [True, False, False, False]
+    assert got[0].shared_mem == 8 * 16 * 1024 and got[0].tuning["preload"] == 8, (got[0].shared_mem, got[0].tuning)
+    assert got[2].name == plain["llama"][2].name
     assert taken(gemvs(*gemma)) == [True, False, False, False]
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small-prologue")   # both: llama's qkv and o; gemma's as small
+    got = gemvs(*llama)
+    assert taken(got) == [True, True, False, False]
+    assert [ks.name for ks in got[1:]] == [ks.name for ks in small["llama"][1:]]
+    assert [ks.name for ks in gemvs(*gemma)] == [ks.name for ks in small["gemma"]]
+    log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
+    assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
     assert sum(bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")
-    with pytest.raises(CodegenError, match="must be 0, 1, small, prologue or all"):
+    with pytest.raises(CodegenError, match="must be 0, 1, small, prologue, small-prologue or all"):
         gemvs(*llama)
 
 
