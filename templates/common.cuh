@@ -287,8 +287,7 @@ LUM_D void lum_copy_wait_all() {
 }
 
 // L2 prefetch hints for byte ranges {first, bytes} of `p` (each a multiple of 128), thread `t` of `nt` taking
-// every nt-th chunk of 2 KB (number the threads block-minor, so that the chunks spread over every SM's
-// bulk-copy unit): one bulk prefetch each on sm_90 (cp.async.bulk.prefetch.L2), 128-byte line
+// every nt-th chunk of 2 KB: one bulk prefetch each on sm_90 (cp.async.bulk.prefetch.L2), 128-byte line
 // prefetches before. No value is read or written, so a hint can neither fault on its timing nor change a
 // result. A GEMV issues them for a later GEMV's first weights (gemv.cu PREFETCH). Host emulation: nothing.
 template <int R>

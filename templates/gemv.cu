@@ -146,8 +146,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   // hints, no value read, so the bus streams them while the small kernels before this GEMV's wait run.
   {
     constexpr unsigned long long PF_RANGES[][2] = {{{PF_RANGES}}};
-    lum_l2_prefetch_ranges(pf, PF_RANGES, (unsigned long long)threadIdx.x * gridDim.x + blockIdx.x,
-                           (unsigned long long)gridDim.x * THREADS);   // consecutive chunks on other blocks
+    lum_l2_prefetch_ranges(pf, PF_RANGES, (unsigned long long)blockIdx.x * THREADS + threadIdx.x,
+                           (unsigned long long)gridDim.x * THREADS);
   }
 #endif
   lum_pdl_wait();   // common.cuh: what earlier kernels wrote (A, the prologue's inputs) is visible from here
