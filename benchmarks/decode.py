@@ -72,9 +72,7 @@ What it does, in one run on one GPU:
      block, its o and llama3-1b's o), ``lum-preload-shared-prologue`` with ``LUM_GEMV_PRELOAD_SHARED=1`` (only
      such GEMVs with a prologue: gemma3-4b's qkv), ``lum-small-prologue-shared`` with
      ``LUM_GEMV_PRELOAD_SHARED=small-prologue`` (the default's and every prologue GEMV whose blocks run one tile
-     each: llama3-1b's qkv too, behind down), ``lum-prefetch-next16`` / ``-next32`` with
-     ``LUM_GEMV_PREFETCH_NEXT=16`` / ``32`` (o's blocks ask L2 for gate-up's first 16 / 32 MB before their wait),
-     ``lum-postnorm-shared`` with
+     each: llama3-1b's qkv too, behind down), ``lum-postnorm-shared`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's qkv, computing the
      post-FFN norm too, follows down and still copies its weights into shared memory early),
      ``lum-wideprologue-shared`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and that (gemma3-4b's gate-up computes
@@ -147,8 +145,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
                  "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
-                 "lum-prefetch-next16": {"LUM_GEMV_PREFETCH_NEXT": "16"},
-                 "lum-prefetch-next32": {"LUM_GEMV_PREFETCH_NEXT": "32"},
                  "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
                  "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},

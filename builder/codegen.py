@@ -103,7 +103,6 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
-           "ENV_GEMV_PREFETCH_NEXT", "gemv_prefetch_next", "L2Prefetch",
            "GEMV_SHARED_PRELOAD_VECTORS",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
@@ -133,8 +132,6 @@ GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product c
 GEMV_SHARED_PRELOAD_VECTORS = 16                 # ... into shared memory (preload_shared)
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
 ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
-ENV_GEMV_PREFETCH_NEXT = "LUM_GEMV_PREFETCH_NEXT"
-GEMV_PREFETCH_NEXT_MAX_MB = 64                   # half an H200's L2 and more: $LUM_GEMV_PREFETCH_NEXT at most
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
@@ -185,19 +182,6 @@ class Param:
 
 
 @dataclass(frozen=True)
-class L2Prefetch:
-    """Byte ranges of a later op's weight that a GEMV's blocks ask L2 for before their wait (hints: no value
-    read), passed as the kernel's last parameter ``pf`` (the weight ``op.args[arg]``'s buffer)."""
-
-    op: int                                      # LLIR id of the GEMV whose weight it warms
-    arg: int                                     # which of its arguments (its B)
-    ranges: tuple[tuple[int, int], ...]          # (first byte, bytes), each a multiple of 128
-
-    def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "arg": self.arg, "ranges": [list(r) for r in self.ranges]}
-
-
-@dataclass(frozen=True)
 class KernelSource:
     name: str                                    # stable: derived from a hash of the source
     kind: str
@@ -211,7 +195,6 @@ class KernelSource:
     tuning: dict[str, Any] = field(default_factory=dict)
     tails: tuple[int, ...] = ()                  # op ids its last block runs (builder/tail.py), in order
     early: tuple[str, ...] = ()                  # parameters it reads before waiting for its predecessor (weights)
-    prefetch: L2Prefetch | None = None           # the later GEMV weight its blocks ask L2 for before their wait
 
     @property
     def grid(self) -> tuple[Expr, Expr, Expr]:
@@ -795,16 +778,14 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              row_early: bool | None = None, combine: LOp | None = None, combine_cluster: bool = False,
-             stage: AttentionStage | None = None, tile_keys: int | None = None,
-             prefetch: L2Prefetch | None = None) -> KernelSource | None:
+             stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
     the op's own dtype does not imply them. ``combine``: an attention op's combine reduce, which its kernel
     then runs as its tail (:mod:`lum.builder.attention_combine`), counted on per-kv-row counters or, with
     ``combine_cluster`` (sm_90), in a thread block cluster per kv row. ``stage``: the rows of the ops before it an
-    attention kernel computes (:class:`AttentionStage`). ``prefetch``: a decode GEMV's L2 prefetch of a later
-    GEMV's weight (:func:`gemv_prefetch_next`). See the module docstring for the tuning parameters."""
+    attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -839,7 +820,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
-               combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys, prefetch=prefetch)
+               combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys)
     if (combine is not None or stage is not None) and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a combine or a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
@@ -858,7 +839,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     params = gen.params() + gen.tail_params()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
-                        early=gen.early, tails=() if combine is None else (combine.id,), prefetch=prefetch)
+                        early=gen.early, tails=() if combine is None else (combine.id,))
 
 
 @dataclass(frozen=True)
@@ -1036,32 +1017,6 @@ def gemv_preload_shared() -> str | None:
     return modes[raw]
 
 
-def gemv_prefetch_next() -> int:
-    """``$LUM_GEMV_PREFETCH_NEXT`` (MB, default 0: off): a decode GEMV with a shared preload (its blocks resident
-    and waiting while the small kernels before it run, the bus nearly idle) also asks L2, before its wait, for
-    the first that many MB of the next GEMV's weight when that one has no shared preload of its own (gemma3-4b's
-    and llama3-1b's o for gate-up, whose 105 / 67 MB stream only once o and the residual are done), split over
-    its product columns' ranges (gate and up). Hints from every thread of the grid, not a kernel of their own
-    (the loader's ``LUM_CUDA_PREFETCH`` branch measured −3.6% / −1.1% under programmatic launch, f15d3ac)."""
-    return _env_count(ENV_GEMV_PREFETCH_NEXT, GEMV_PREFETCH_NEXT_MAX_MB)
-
-
-def _prefetch_ranges(op: LOp, dtb: DType, nbytes: int) -> L2Prefetch | None:
-    """The first ``nbytes`` of a decode GEMV's weight (its B) as the blocks of its first wave read them: split
-    evenly over its product columns' ranges (``acc_cols``), in 128-byte lines; None where a size is dynamic."""
-    jb, _ = gemm_parts(op)
-    ldb, n, off = (as_expr(op.params.get(k, GEMM_DEFAULTS.get(k))) for k in ("ldb", "n", "offset_b"))
-    n_out = as_expr(op.params.get("n_out", op.params["n"]))
-    if not all(e.is_const for e in (ldb, n, off, n_out)) or op.params["layout"][2:] != "Cm":
-        return None
-    cols = [int(c) for c in op.params["acc_cols"]] if "epilogue" in op.params else [0]
-    span = n_out.value * ldb.value * dtb.itemsize           # bytes of one product column range
-    each = min(nbytes // len(cols), span) // 128 * 128
-    if each <= 0:
-        return None
-    return L2Prefetch(op.id, jb, tuple(((off.value + c * ldb.value) * dtb.itemsize, each) for c in cols))
-
-
 def gemv_after_small(program: Program) -> set[int]:
     """Ids of the GEMV ops whose kernel before, in program order, is not a GEMV; for the first kernel, the
     program's last (a decoder layer's group follows itself). Only there can a preload's blocks become
@@ -1104,24 +1059,14 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}
-    used: dict[int, dict[str, Any]] = {}       # op id -> the keyword arguments its kernel was generated with
     for o in program.ops:
+        dts = [program.ops[a.src].dtype for a in o.args]
+        wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
         r = rank.get(o.id, -1)
-        base = {"arg_dtypes": [program.ops[a.src].dtype for a in o.args],
-                "weight_args": frozenset(k for k, a in enumerate(o.args) if a.src in weights), **common}
-        kw = {**base, **per.get(r, {})}
-        ks = generate(o, dyn_vars, **kw)
+        ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})})
         if r in in_registers and shared != "all" and ks is not None and _prologue_walks_tiles(o, ks):
-            kw = {**base, **in_registers[r]}
-            ks = generate(o, dyn_vars, **kw)
-        out[o.id], used[o.id] = ks, kw
-    mb = gemv_prefetch_next()
-    order = [o for o in gemv_kernel_ops(program) if out.get(o.id) is not None]
-    for o, nxt in zip(order, order[1:]) if mb else ():
-        b = program.ops[nxt.args[gemm_parts(nxt)[0]].src]
-        if (out[o.id].tuning.get("preload_shared") and not out[nxt.id].tuning.get("preload_shared")
-                and b.id in weights and (pf := _prefetch_ranges(nxt, b.dtype, mb << 20)) is not None):
-            out[o.id] = generate(o, dyn_vars, prefetch=pf, **used[o.id])
+            ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
+        out[o.id] = ks
     return out
 
 
@@ -1199,9 +1144,8 @@ class _Gen:
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
                  combine: LOp | None = None, combine_cluster: bool = False, stage: AttentionStage | None = None,
-                 tile_keys: int | None = None, prefetch: L2Prefetch | None = None):
+                 tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
-        self.prefetch = prefetch                   # gemv: a later GEMV's weight ranges into L2 before the wait
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.combine = combine                     # an attention's combine reduce, run as its tail
         self.combine_cluster = combine_cluster     # ... in a cluster of blocks per kv row, not counted
@@ -1260,8 +1204,6 @@ class _Gen:
             else:
                 ps.append(Param(f"in{k}", "arg", k, dt, f"const {STORAGE_C[dt]}* __restrict__ in{k}"))
         ps.append(Param("dyn", "dyn", None, None, "const long long* __restrict__ dyn"))
-        if self.prefetch is not None:    # the warmed weight: hints only, never read (format.manifest "prefetch")
-            ps.append(Param("pf", "prefetch", self.prefetch.arg, None, "const char* pf"))
         return tuple(ps)
 
     def tail_params(self) -> tuple[Param, ...]:
@@ -2509,9 +2451,7 @@ class _Gen:
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
-            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok,
-            "PREFETCH": int(self.prefetch is not None),
-            "PF_RANGES": ", ".join(f"{{{a}ull, {b}ull}}" for a, b in self.prefetch.ranges) if self.prefetch else "{0ull, 0ull}"})
+            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         smem = self.threads * preload * len(acc_cols) * 16 if shared else 0      # within ``shared``
         return [src], [("", grid, (self.threads, 1, 1), smem)], tuning, margin
 

@@ -84,10 +84,6 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         want = ["out"] + [f"in{k}" for k in range(len(op.args))] + ["dyn"]
         for j, t in enumerate(ks.tails):
             want += [f"t{j}_out"] + [f"t{j}_in{k}" for k in range(len(by_id[t].args))]
-        if ks.prefetch is not None:
-            if ks.tails:
-                raise ValueError(f"op {op.id}: a kernel with tails cannot also prefetch")
-            want.append("pf")
         if params != want:
             raise ValueError(f"op {op.id}: kernel parameters {params} do not follow the convention {want}")
         entry = {
@@ -104,8 +100,6 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             entry["tail"] = list(ks.tails)
         if ks.early:
             entry["early"] = list(ks.early)
-        if ks.prefetch is not None:
-            entry["prefetch"] = ks.prefetch.to_json()
         ops.append(entry)
     clusters = any("cluster" in lc for o in ops for lc in o["launches"])
     version = CLUSTER_TABLE_VERSION if clusters else TAIL_TABLE_VERSION if any("tail" in o for o in ops) \

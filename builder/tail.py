@@ -146,8 +146,7 @@ def fuse_tails(program: Program, sources: Mapping[int, KernelSource | None], dyn
                 continue
         close()
         head, head_id, chain, produced = None, -1, [], set()
-        if ks is not None and len(ks.launches) == 1 and not ks.tails and ks.prefetch is None:   # not a kernel
-            # that runs others already, nor one whose last parameter is a prefetch's
+        if ks is not None and len(ks.launches) == 1 and not ks.tails:    # not a kernel that runs others already
             head, head_id, produced = ks, op.id, {op.id}
     close()
     regs = registers([h for _, h, _ in chains]) if registers is not None and chains else {}

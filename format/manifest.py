@@ -31,8 +31,7 @@ backend then refuses the package and the reference backend runs it. Otherwise::
               "params": ["out", "in0", "in1", "dyn"],             # out, one per op.args, dyn
               "dyn_slots": {"s": 1},  # the vars this kernel reads
               "tuning": {…},          # informational: the template parameters used
-              "early": ["in1"],       # optional: parameters read before the wait (see below)
-              "prefetch": {"op": 20, "arg": 1, "ranges": [[0, 8388608]]}}],   # optional, see below
+              "early": ["in1"]}],     # optional: parameters read before the wait (see below)
      "programmatic": true}            # optional (default false), see below
 
 A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1); launches of one op
@@ -76,12 +75,6 @@ which it starts copying into shared memory while its predecessor runs). A CUDA l
 the table's kernels with programmatic stream serialization (sm_90+), each only where every ``early``
 buffer is a weight (nothing in the package writes one); tables without the flag (older builds) launch
 plainly.
-
-An op entry with ``prefetch`` (a decode GEMV, :func:`lum.builder.codegen.gemv_prefetch_next`) takes one more
-parameter, ``pf``, last: the buffer of argument ``arg`` of the later LLIR op ``op`` of the same program,
-which must be a weight. Before its wait the kernel asks L2 for the byte ranges ``[first, first + bytes)`` of
-it (hints: nothing is read or written, so no ordering is involved); the loader checks that they lie within
-the buffer. A kernel with tails has none.
 """
 
 from __future__ import annotations
@@ -206,16 +199,6 @@ class KernelLaunch:
 
 
 @dataclass(frozen=True)
-class L2PrefetchSpec:
-    """An op entry's ``prefetch``: byte ranges of ``op.args[arg]``'s buffer (a weight) that the kernel asks L2
-    for before its wait; the loader passes that buffer as the parameter ``pf``."""
-
-    op: int                                  # LLIR id of a later op of the program
-    arg: int                                 # which of its arguments
-    ranges: tuple[tuple[int, int], ...]      # (first byte, bytes)
-
-
-@dataclass(frozen=True)
 class KernelOp:
     op: int                                  # LLIR op id
     kind: str
@@ -226,7 +209,6 @@ class KernelOp:
     tuning: dict[str, Any] = field(default_factory=dict, compare=False)
     tail: tuple[int, ...] = ()               # LLIR ops its last block runs after it, in order (version 2)
     early: tuple[str, ...] = ()              # its parameters read before it waits (programmatic tables)
-    prefetch: L2PrefetchSpec | None = None   # a later op's weight it warms in L2 (its last parameter, "pf")
 
     def tail_arities(self) -> tuple[int, ...]:
         """Buffers each tail op takes (its ``in@T`` parameters)."""
@@ -458,11 +440,6 @@ class _Parser:
                 launches.append(KernelLaunch(name, grid, block, shared, cluster))  # type: ignore[arg-type]
             params = tuple(self.string(x, ow + ".params") for x in self.lst(o.get("params"), ow + ".params"))
             tail = self.tail(o, ow, op_id, version, tails_seen)
-            prefetch = self.prefetch(o, ow, op_id, tail)
-            if prefetch is not None:
-                if params[-1:] != ("pf",):
-                    raise self.fail(ow + ".params", "an op with a prefetch takes 'pf' last")
-                params = params[:-1]
             if params != _kernel_params(params, tail):
                 raise self.fail(ow + ".params", "expected ['out', 'in0', …, 'dyn'] then ['out@T', 'in0@T', …] per "
                                                 f"tail op T, found {list(params)}"[:300])
@@ -474,9 +451,8 @@ class _Parser:
             early = tuple(self.string(x, ow + ".early") for x in self.lst(o.get("early", []), ow + ".early"))
             if not set(early) <= set(params[:params.index("dyn")]) - {"out"}:
                 raise self.fail(ow + ".early", f"names {list(early)}, not input parameters of the kernel")
-            ops.append(KernelOp(op_id, kind, self.string(o.get("name"), ow + ".name"), tuple(launches),
-                                params + (("pf",) if prefetch is not None else ()), slots,
-                                self.obj(o.get("tuning", {}), ow + ".tuning"), tail, early, prefetch))
+            ops.append(KernelOp(op_id, kind, self.string(o.get("name"), ow + ".name"), tuple(launches), params,
+                                slots, self.obj(o.get("tuning", {}), ow + ".tuning"), tail, early))
         clash = tails_seen & {k.op for k in ops}
         if clash:
             raise self.fail(where + ".ops", f"op {min(clash)} is both a kernel of its own and another's tail")
@@ -497,26 +473,6 @@ class _Parser:
         if sm_version(arch) < 90:
             raise self.fail(where + ".cluster", f"thread block clusters need sm_90 or newer, not {arch}")
         return n
-
-    def prefetch(self, o: dict, where: str, op_id: int, tail: tuple[int, ...]) -> L2PrefetchSpec | None:
-        if "prefetch" not in o:
-            return None
-        w = where + ".prefetch"
-        d = self.obj(o["prefetch"], w)
-        if tail:
-            raise self.fail(w, "a kernel with tails cannot also prefetch")
-        target = self.integer(d.get("op"), w + ".op", op_id + 1, 1 << 31)
-        arg = self.integer(d.get("arg"), w + ".arg", 0, 1 << 16)
-        ranges = []
-        for i, r in enumerate(self.lst(d.get("ranges"), w + ".ranges")):
-            pair = self.lst(r, f"{w}.ranges[{i}]")
-            if len(pair) != 2:
-                raise self.fail(f"{w}.ranges[{i}]", "expected [first byte, bytes]")
-            ranges.append((self.integer(pair[0], f"{w}.ranges[{i}]", 0, 1 << 62),
-                           self.integer(pair[1], f"{w}.ranges[{i}]", 1, 1 << 62)))
-        if not ranges:
-            raise self.fail(w + ".ranges", "names no range")
-        return L2PrefetchSpec(target, arg, tuple(ranges))
 
     def tail(self, o: dict, where: str, op_id: int, version: Any, seen: set[int]) -> tuple[int, ...]:
         if "tail" not in o:

@@ -286,32 +286,6 @@ LUM_D void lum_copy_wait_all() {
 #endif
 }
 
-// L2 prefetch hints for byte ranges {first, bytes} of `p` (each a multiple of 128), thread `t` of `nt` taking
-// every nt-th chunk of 2 KB: one bulk prefetch each on sm_90 (cp.async.bulk.prefetch.L2), 128-byte line
-// prefetches before. No value is read or written, so a hint can neither fault on its timing nor change a
-// result. A GEMV issues them for a later GEMV's first weights (gemv.cu PREFETCH). Host emulation: nothing.
-template <int R>
-LUM_D void lum_l2_prefetch_ranges(const char* p, const unsigned long long (&ranges)[R][2], unsigned long long t,
-                                  unsigned long long nt) {
-#if defined(__CUDA_ARCH__)
-  constexpr unsigned long long CHUNK = 2048;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    for (unsigned long long off = t * CHUNK; off < ranges[r][1]; off += nt * CHUNK) {
-      const char* q = p + ranges[r][0] + off;
-      const unsigned size = (unsigned)(ranges[r][1] - off < CHUNK ? ranges[r][1] - off : CHUNK);
-#if __CUDA_ARCH__ >= 900
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(q), "r"(size) : "memory");
-#else
-      for (unsigned b = 0; b < size; b += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(q + b));
-#endif
-    }
-  }
-#else
-  (void)p; (void)ranges; (void)t; (void)nt;
-#endif
-}
-
 // ------------------------------------------------------------------------------ launch order
 // Programmatic dependent launch (sm_90+). Every lum kernel begins with lum_pdl_trigger() (the next
 // kernel of the stream may be scheduled once every block of this one has run it) and calls

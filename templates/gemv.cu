@@ -49,9 +49,7 @@
 //!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
-//!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression);
-//!   PREFETCH (0 | 1: the kernel's last parameter `pf` is a later GEMV's weight, whose PF_RANGES, {first
-//!   byte, bytes} pairs, every thread of the grid asks L2 for before the wait).
+//!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{A_T}} a_t;
@@ -141,15 +139,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       }
     }
   }
-#if {{PREFETCH}}
-  // The next GEMV's first weights into L2 (codegen gemv_prefetch_next), spread over every thread of the grid:
-  // hints, no value read, so the bus streams them while the small kernels before this GEMV's wait run.
-  {
-    constexpr unsigned long long PF_RANGES[][2] = {{{PF_RANGES}}};
-    lum_l2_prefetch_ranges(pf, PF_RANGES, (unsigned long long)blockIdx.x * THREADS + threadIdx.x,
-                           (unsigned long long)gridDim.x * THREADS);
-  }
-#endif
   lum_pdl_wait();   // common.cuh: what earlier kernels wrote (A, the prologue's inputs) is visible from here
 {{PROLOGUE}}  const bool lum_vec_ok = lum_b_vec && (!(A_KCONTIG && B_KCONTIG) || lum_aligned({{A_PTR}}, A_PIECE * sizeof(a_t)));
   auto lum_a_vec = [&](const a_t* lum_ap, int i, idx_t lum_q, float (&lum_av)[VEC]) {  // A(i, q .. q + VEC)

@@ -40,7 +40,7 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
          "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-two-rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"},
-         "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"}, "prefetch-next": {"LUM_GEMV_PREFETCH_NEXT": "1"}}
+         "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"}}
 
 
 @pytest.fixture(scope="module")
@@ -322,9 +322,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
     (``LUM_ROW_REGS_BOUNDED=1``: the attention combine, a row over the dynamic number of chunks, in registers)
     or ``preload-shared`` (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into
     shared memory before it waits, where by default only those behind small kernels do: builder/codegen.py
-    gemv_preload_shared) or ``prefetch-next`` (``LUM_GEMV_PREFETCH_NEXT=1``: a GEMV with a shared preload also
-    asks L2 for the next GEMV's first weights before it waits, its last parameter that weight: tiny-llama's o
-    for its gate-up; hints, so the host emulation runs none, and what it checks is the parameter's plumbing).
+    gemv_preload_shared).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""
@@ -333,7 +331,7 @@ import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
 out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "regs": {}, "shared_preloads": 0,
-       "shared_preloads_default": 0, "prefetches": 0}
+       "shared_preloads_default": 0}
 def shared_preloads(pkg):
     return sum(bool(op.tuning.get("preload_shared")) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
@@ -364,8 +362,6 @@ for name in MODELS:
                                  if op.tail})
     out["shared_preloads"] += shared_preloads(pkg)
     out["shared_preloads_default"] += shared_preloads(L.open(PKGS[name]))
-    out["prefetches"] += sum(op.prefetch is not None for g in pkg.manifest.groups if g.table is not None
-                             for op in g.table.ops)
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     out["regs"][name] = [sorted(op.tuning.get("regs", 0) for g in p.manifest.groups if g.table is not None
@@ -392,7 +388,6 @@ print(json.dumps(out))
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":
         assert res["shared_preloads"] > res["shared_preloads_default"], res
-    assert (res["prefetches"] > 0) == (variant == "prefetch-next"), res["prefetches"]
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]

@@ -492,8 +492,6 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             step = _Launch(kop, where, [], [], [])
             step.add(op, ptr, cap, readonly)
             step.values.append(dyn_ptr)                # the head's buffers, then dyn, then each tail's
-            if kop.prefetch is not None:               # ... or the weight it warms in L2
-                step.values.append(_prefetch_target(where, prog, kop.prefetch, ptr, cap, readonly))
             if kop.tail:
                 head = step                     # launched once its tails' buffers are known
             else:
@@ -512,21 +510,6 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     plan.size_checks = _dedupe_checks(plan.size_checks, max_dyn)
     plan.finish(prefetch_bytes, max_dyn)
     return plan
-
-
-def _prefetch_target(where: str, prog: Any, pf: Any, ptr: Mapping[int, int], cap: Mapping[int, int],
-                     readonly: set[int]) -> int:
-    """The device address of the weight an op's kernel warms in L2 (its ``prefetch``), checked: an argument of a
-    later op of the program, a weight, the ranges within its buffer."""
-    target = prog.ops[pf.op] if 0 <= pf.op < len(prog.ops) and prog.ops[pf.op].id == pf.op else None
-    if target is None or pf.arg >= len(target.args):
-        raise PackageFormatError(f"{where}: its prefetch names argument {pf.arg} of op {pf.op}, which does not exist")
-    src = target.args[pf.arg].src
-    if ptr.get(src) not in readonly:
-        raise PackageFormatError(f"{where}: its prefetch names argument {pf.arg} of op {pf.op}, which is not a weight")
-    if max(first + n for first, n in pf.ranges) > cap[src]:
-        raise PackageFormatError(f"{where}: its prefetch ranges pass the end of the weight ({cap[src]} bytes)")
-    return ptr[src]
 
 
 @dataclass
