@@ -103,6 +103,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
+           "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a",
            "GEMV_SHARED_PRELOAD_VECTORS",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
@@ -132,6 +133,7 @@ GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product c
 GEMV_SHARED_PRELOAD_VECTORS = 16                 # ... into shared memory (preload_shared)
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
 ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
+ENV_GEMV_PROLOGUE_NARROW_A = "LUM_GEMV_PROLOGUE_NARROW_A"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
@@ -689,6 +691,15 @@ def gemv_evict_first() -> bool:
     """``$LUM_GEMV_EVICT_FIRST`` (1, the default: a GEMV whose B is a weight loads it with an L2 evict-first
     policy, templates/common.cuh lum_load_stream; gemma3-4b bf16 decode +3.2%, llama3-1b −0.2%, 5f9afe5)."""
     return env_switch(ENV_GEMV_EVICT_FIRST, default=True)
+
+
+def gemv_prologue_narrow_a() -> bool:
+    """``$LUM_GEMV_PROLOGUE_NARROW_A`` (1: a prologue GEMV whose A is bf16 or f16 keeps it so in shared memory,
+    else as floats; off by default, not yet measured). The prologue rounds A to its dtype before storing it, so
+    the values, and the sums, are the same; what changes is the shared memory the dot reads: each warp reads
+    all of A, one column a warp (gemma3-4b's qkv: 32 warps × 10 KB = 320 KB an SM beside its 160 KB of weights,
+    ≈ 1.9 µs of 128 bytes a clock in a 5.5 µs link, benchmarks/NOTES.md 2026-12-04), halved in bf16."""
+    return env_switch(ENV_GEMV_PROLOGUE_NARROW_A)
 
 
 def row_regs_bounded() -> bool:
@@ -1603,10 +1614,11 @@ class _Gen:
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
     def _row_parts(self, sink: str | None = None, writer: str | None = None, also: str | None = None,
-                   hit: str | None = None) -> _RowParts:
+                   hit: str | None = None, sink_stored: bool = False) -> _RowParts:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
-        stores each element, as a float of the op's dtype, into that C array (a gemm prologue's shared
-        memory) at the element's physical index in ``out``, instead of into ``out``. ``writer``: a C
+        stores each element, as a float of the op's dtype (``sink_stored``: as the dtype's storage), into that
+        C array (a gemm prologue's shared memory) at the element's physical index in ``out``, instead of into
+        ``out``. ``writer``: a C
         condition on the scatter's dest row ``lum_dr`` a row must also meet to be written (an attention
         stage writes a kv row from the one block that reads it); ``also``: a float array a written scatter row
         also goes to, at its column (that block's shared copy of the row); ``hit``: a pointer every lane of a
@@ -1807,7 +1819,8 @@ class _Gen:
                 if also is not None:
                     final.append(f"{ind3}{also}[lum_c] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
             else:
-                final.append(f"{ind3}{sink}[{dest}] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
+                stored = _store_conv(kd, x, op.dtype)
+                final.append(f"{ind3}{sink}[{dest}] = {stored if sink_stored else _load_conv(op.dtype, stored)};")
             final += close
         return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
                          group, threads, regs, acc_kind, "\n".join(early), tuple(early_args), tuple(cshape),
@@ -2375,10 +2388,11 @@ class _Gen:
              for name in ("n", "k", "batch", "lda", "ldb", "stride_a", "stride_b", "offset_a", "offset_b")}
         layout = op.params["layout"]
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
-        dta, dtb = DType.f32 if prologue else self.dts[0], self.dts[jb]
+        narrow = prologue and gemv_prologue_narrow_a() and DType.parse(op.params["expr"][1]) in (DType.bf16, DType.f16)
+        dta, dtb = (DType.parse(op.params["expr"][1]) if narrow else DType.f32) if prologue else self.dts[0], self.dts[jb]
         code, a_ptr, b_ptr = "", "in0", f"in{jb}"
         if prologue:                              # A computed per block into shared memory (lum_as)
-            code = self._gemv_prologue(m, p, layout, jb)
+            code = self._gemv_prologue(m, p, layout, jb, dta)
             a_ptr = "lum_as"
             p.update(lda=p["k"], offset_a=as_expr(0), stride_a=as_expr(0))
         n, k, batch = p["n"], p["k"], p["batch"]
@@ -2424,6 +2438,8 @@ class _Gen:
             tuning["epilogue"] = len(acc_cols)
         if b_stream:
             tuning["stream"] = True
+        if narrow:
+            tuning["narrow_a"] = True
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
@@ -2496,10 +2512,10 @@ class _Gen:
         ctx.exprs.append(as_expr(m) * n_out * as_expr(op.params.get("batch", 1)))
         return "\n".join(ln for ln in lines if ln)
 
-    def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str, jb: int) -> str:
+    def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str, jb: int, dta: DType = DType.f32) -> str:
         """The code that computes a gemm's A (its fused prologue tree, ``params["expr"]``) into the shared
-        array ``lum_as`` (templates/gemv_prologue.cuh); CodegenError where the kernel cannot (see
-        :func:`gemv_prologue_fits`)."""
+        array ``lum_as`` (templates/gemv_prologue.cuh), of floats or (``dta``, the tree's own dtype) of its
+        storage; CodegenError where the kernel cannot (see :func:`gemv_prologue_fits`)."""
         op = self.op
         expr = op.params["expr"]
         dom = tuple(as_expr(d) for d in op.args[0].view.shape)
@@ -2512,9 +2528,10 @@ class _Gen:
         tree = LOp(0, "elementwise", "Fused", op.args[:jb], dom, a_dt, {"expr": expr})
         sub = _Gen(tree, self.dts[:jb], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
                    unroll=None, inflight=0, max_blocks=1, acc=self.acc, math=self.math)
-        rp = sub._row_parts(sink="lum_as")
+        rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32)
         return render(load_template("gemv_prologue.cuh"), {
-            "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "ROWS": self.ctx.c(rp.rows),
+            "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "A_FLOAT": int(dta == DType.f32),
+            "A_NARROW": int(dta != DType.f32), "A_T": STORAGE_C[dta], "A_BYTES": m * p["k"].value * dta.itemsize, "ROWS": self.ctx.c(rp.rows),
             "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
 
     def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool, dta: DType, dtb: DType) -> tuple[int, str]:

@@ -65,6 +65,10 @@ def env(tmp_path_factory):
                 mp.setenv(k, v)
             pkgs[f"template_cases.{dt.value}.{variant}"] = write_case_package(
                 root / f"template_cases.{dt.value}.{variant}.lumpkg", prog, b)
+    with pytest.MonkeyPatch.context() as mp:          # prologue GEMVs' bf16 A kept as bf16 (off by default)
+        mp.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "1")
+        prog, _, b = gemv_cases(DType.bf16)
+        pkgs["gemv_cases.bf16.narrow-a"] = write_case_package(root / "gemv_cases.bf16.narrow-a.lumpkg", prog, b)
     for dt in (DType.f32, DType.bf16):
         prog, _, b = gemv_replay_cases(dt)
         pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
@@ -93,6 +97,8 @@ def env(tmp_path_factory):
             if name.endswith(".early"):
                 mp.setenv("LUM_ROW_EARLY", "1")
                 mp.setenv("LUM_GEMV_PRELOAD", "1")
+            if name.endswith(".narrow-a"):
+                mp.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "1")
             for variant, var_env in FUSED.items():
                 if name.endswith("." + variant):
                     for k, v in var_env.items():
@@ -299,6 +305,29 @@ for dt in (DType.f32, DType.bf16):
 print(json.dumps(out))
 '''.replace("BITEQ", repr(BIT_EQUAL)))
     assert len(res) == 2 * len(BIT_EQUAL) and all(not diff for diff in res.values()), res
+
+
+def test_narrow_prologue_a_is_bit_equal(env):
+    """``LUM_GEMV_PROLOGUE_NARROW_A=1``: the bf16 gemv cases' prologue GEMVs keep A as bf16 in shared memory, the
+    values the default stores as floats, so every case's output is the default package's bit for bit."""
+    res = run(env, r'''
+import numpy as np
+import lum.loader as L
+from tests.kernel_cases import BOUNDS, DYN, gemv_cases
+from lum.format.dtypes import DType
+prog, arrays, b = gemv_cases(DType.bf16)
+got, narrow = {}, 0
+for v in ("gemv_cases.bf16", "gemv_cases.bf16.narrow-a"):
+    pkg = L.open(PKGS[v])
+    narrow += sum(bool(op.tuning.get("narrow_a")) for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
+    with pkg.session(dyn=BOUNDS, backend="cuda") as sess:
+        sess.load_state(b.state_init)
+        sess.runner.fill_arena(0xFF)
+        got[v] = {k: np.asarray(x).tobytes() for k, x in sess.run("main", arrays, DYN).items()}
+print(json.dumps({"narrow": narrow, "outputs": len(got["gemv_cases.bf16"]),
+                  "diff": [k for k in got["gemv_cases.bf16"] if got["gemv_cases.bf16"][k] != got["gemv_cases.bf16.narrow-a"][k]]}))
+''')
+    assert res["narrow"] > 0 and res["outputs"] > 0 and res["diff"] == [], res
 
 
 @pytest.mark.parametrize("variant", list(FUSED))

@@ -110,15 +110,17 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
 
 
 @pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"},
-                                 {"LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"}],
-                         ids=["loads-ahead", "preload-pdl", "preload-shared-pdl"])
+                                 {"LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"},
+                                 {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}],
+                         ids=["loads-ahead", "preload-pdl", "preload-shared-pdl", "narrow-a"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``), with
     each lane loading its first weights into registers before it waits for the kernel before it (``LUM_GEMV_PRELOAD``),
     or with every GEMV's lanes copying their first column's weights into shared memory before it
     (``LUM_GEMV_PRELOAD_SHARED=all``), launched programmatically (``LUM_CUDA_PDL``; templates/gemv.cu, all off by
-    default), poisoned output arena, against the reference."""
+    default), or with the prologue cases' bf16 A kept as bf16 in shared memory (``LUM_GEMV_PROLOGUE_NARROW_A``),
+    poisoned output arena, against the reference."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)

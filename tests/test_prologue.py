@@ -31,8 +31,8 @@ from tests.kernel_cases import DYN, gemv_cases  # noqa: E402
 RNG = np.random.default_rng(5)
 
 
-def _groups(model: str, entry: str):
-    spec = load_spec(random_name=model, dtype="bf16", max_seq=64)
+def _groups(model: str, entry: str, dtype: DType = DType.bf16):
+    spec = load_spec(random_name=model, dtype=dtype.value, max_seq=64)
     g = spec.graphs[entry]
     return [chunk_graph(g, grp.representative) for grp in group_chunks(g, partition(g))]
 
@@ -210,3 +210,35 @@ def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path):
             assert ks[o.id].tuning["prologue"] and ks[o.id].tuning["group"] <= 32
         kernels += [k for k in ks.values() if k is not None]
     nvrtc.compile_cuda(module_source(kernels), "sm_90", ptx=False, cache_dir=tmp_path)
+
+
+def test_narrow_a_switch_keeps_a_in_its_dtype(monkeypatch, tmp_path):
+    """``$LUM_GEMV_PROLOGUE_NARROW_A=1``: a prologue GEMV whose A is bf16 keeps A so in shared memory (half the
+    bytes the dot reads; the values are the rounded floats the default stores, so the sums are the same: the
+    emulated driver's bit-equality test), one whose A is f32 keeps floats; off, the kernels are the default's."""
+    nvrtc = pytest.importorskip("lum.builder.nvrtc")
+    try:
+        nvrtc.nvrtc_version()
+    except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
+        pytest.skip(str(e))
+    from lum.builder.codegen import generate_program, module_source
+
+    def prologue_kernels(dtype):
+        out = []
+        for cg in _groups("tiny-gemma3", "decode", dtype):
+            prog = compile_group(cg)[0]
+            ks = generate_program(prog)
+            out += [ks[o.id] for o in _prologue_gemms(prog)]
+        return out
+
+    monkeypatch.delenv("LUM_GEMV_PROLOGUE_NARROW_A", raising=False)
+    plain = {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)}
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "1")
+    narrow = {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)}
+    assert plain[DType.bf16] and all(k.tuning.get("narrow_a") for k in narrow[DType.bf16])
+    assert all("lum_bf16* const lum_as" in k.source and "float* const lum_as" not in k.source
+               for k in narrow[DType.bf16])
+    assert [k.name for k in narrow[DType.f32]] == [k.name for k in plain[DType.f32]]
+    assert not any(k.tuning.get("narrow_a") or "lum_bf16* const lum_as" in k.source
+                   for k in plain[DType.bf16] + plain[DType.f32])
+    nvrtc.compile_cuda(module_source(narrow[DType.bf16]), "sm_90", ptx=False, cache_dir=tmp_path)
