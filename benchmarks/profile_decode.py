@@ -121,7 +121,9 @@ def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dic
     """Kernels in the order of their first block's start, each with its sampled blocks' start and wait-return
     times in µs from the earliest start: ``records`` are the modules' ``lum_stamps`` arrays (uint64, fields of
     codegen.STAMP_FIELDS: tag, block, SM, start ns, waited ns), ``names`` maps codegen.stamp_tag to kernel
-    names. A kernel that never waited (no wait stamp) has ``waited_*`` None."""
+    names. A kernel that never waited (no wait stamp) has ``waited_*`` None. ``link_us``: from its wait's first
+    return to the next one's among the kernels (its work after the wait, its grid's drain and the next kernel's
+    wait: the links sum to the step), None for the last and for a kernel that never waited."""
     by_kernel: dict[int, list[np.ndarray]] = defaultdict(list)
     for arr in records:
         for rec in np.asarray(arr, np.uint64).reshape(-1, STAMP_FIELDS):
@@ -139,6 +141,11 @@ def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dic
                      "start_us": [round(start[0], 3), round(start[len(start) // 2], 3), round(start[-1], 3)],
                      "waited_us": [round(waited[0], 3), round(waited[len(waited) // 2], 3), round(waited[-1], 3)]
                      if waited else None})
+    chain = sorted((r for r in rows if r["waited_us"]), key=lambda r: r["waited_us"][0])
+    for r in rows:
+        r["link_us"] = None
+    for r, nxt in zip(chain, chain[1:]):
+        r["link_us"] = round(nxt["waited_us"][0] - r["waited_us"][0], 3)
     rows.sort(key=lambda r: r["start_us"][0])
     return rows
 
@@ -277,10 +284,12 @@ def main(argv=None) -> int:
         result.update({"p": pos - 1, "programmatic_launch": bool(sess.runner.programmatic), "timeline": timeline})
         Path(args.out).mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1))
-        print(f"  {'start µs (min / median / max)':>30}  {'waited µs (min / median / max)':>30}  blocks  kernel")
+        print(f"  {'start µs (min / median / max)':>30}  {'waited µs (min / median / max)':>30}  link µs  blocks  "
+              "kernel")
         for r in timeline:
             w = "/".join(f"{x:.2f}" for x in r["waited_us"]) if r["waited_us"] else "-"
-            print(f"  {'/'.join(f'{x:.2f}' for x in r['start_us']):>30}  {w:>30}  {r['blocks_sampled']:6d}  "
+            link = f"{r['link_us']:.2f}" if r["link_us"] is not None else "-"
+            print(f"  {'/'.join(f'{x:.2f}' for x in r['start_us']):>30}  {w:>30}  {link:>7}  {r['blocks_sampled']:6d}  "
                   f"{r['kind']}/{r['op']} {r['shape']}")
         log(f"wrote {out_path}")
         sess.close()

@@ -113,4 +113,10 @@ def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tm
     assert [r["kernel"] for r in rows] == ["lum_a", "lum_b"]
     assert rows[0]["start_us"] == [0.0, 0.5, 0.5] and rows[0]["waited_us"] is None and rows[0]["sms"] == 2
     assert rows[1]["start_us"] == [1.0, 1.0, 1.0] and rows[1]["waited_us"] == [3.0, 3.0, 3.0]
+    assert rows[0]["link_us"] is None and rows[1]["link_us"] is None       # no wait / the chain's last
+    c = np.zeros(STAMP_BLOCKS * STAMP_FIELDS, np.uint64)                   # a kernel waiting 2.5 µs after B's wait
+    names[stamp_tag("lum_c")] = "lum_c"
+    c[:STAMP_FIELDS] = [stamp_tag("lum_c"), 0, 8, 1_000_200, 1_005_500, 0, 0, 0]
+    rows = stamp_timeline([b, a, c], names)
+    assert [(r["kernel"], r["link_us"]) for r in rows] == [("lum_a", None), ("lum_c", None), ("lum_b", 2.5)]
     assert stamp_timeline([np.zeros(STAMP_FIELDS, np.uint64)], names) == []
