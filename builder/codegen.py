@@ -1618,11 +1618,10 @@ class _Gen:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
         stores each element, as a float of the op's dtype (``sink_stored``: as the dtype's storage), into that
         C array (a gemm prologue's shared memory) at the element's physical index in ``out``, instead of into
-        ``out``. ``writer``: a C
-        condition on the scatter's dest row ``lum_dr`` a row must also meet to be written (an attention
-        stage writes a kv row from the one block that reads it); ``also``: a float array a written scatter row
-        also goes to, at its column (that block's shared copy of the row); ``hit``: a pointer every lane of a
-        live row sets to the dest row when the row is written, else to -1."""
+        ``out``. ``writer``: a C condition on the scatter's dest row ``lum_dr`` a row must also meet to be
+        written (an attention stage writes a kv row from the one block that reads it); ``also``: a float array a
+        written scatter row also goes to, at its column (that block's shared copy of the row); ``hit``: a
+        pointer every lane of a live row sets to the dest row when the row is written, else to -1."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -2388,8 +2387,9 @@ class _Gen:
              for name in ("n", "k", "batch", "lda", "ldb", "stride_a", "stride_b", "offset_a", "offset_b")}
         layout = op.params["layout"]
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
-        narrow = prologue and gemv_prologue_narrow_a() and DType.parse(op.params["expr"][1]) in (DType.bf16, DType.f16)
-        dta, dtb = (DType.parse(op.params["expr"][1]) if narrow else DType.f32) if prologue else self.dts[0], self.dts[jb]
+        a_dt = DType.parse(op.params["expr"][1]) if prologue else None    # the prologue's A, as it rounds it
+        narrow = prologue and gemv_prologue_narrow_a() and a_dt in (DType.bf16, DType.f16)
+        dta, dtb = (a_dt if narrow else DType.f32) if prologue else self.dts[0], self.dts[jb]
         code, a_ptr, b_ptr = "", "in0", f"in{jb}"
         if prologue:                              # A computed per block into shared memory (lum_as)
             code = self._gemv_prologue(m, p, layout, jb, dta)
@@ -2531,7 +2531,8 @@ class _Gen:
         rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32)
         return render(load_template("gemv_prologue.cuh"), {
             "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "A_FLOAT": int(dta == DType.f32),
-            "A_NARROW": int(dta != DType.f32), "A_T": STORAGE_C[dta], "A_BYTES": m * p["k"].value * dta.itemsize, "ROWS": self.ctx.c(rp.rows),
+            "A_NARROW": int(dta != DType.f32), "A_T": STORAGE_C[dta], "A_BYTES": m * p["k"].value * dta.itemsize,
+            "ROWS": self.ctx.c(rp.rows),
             "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
 
     def _gemv_vec(self, p: dict[str, Expr], a_kc: bool, b_kc: bool, dta: DType, dtb: DType) -> tuple[int, str]:

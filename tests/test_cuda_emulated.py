@@ -319,13 +319,14 @@ prog, arrays, b = gemv_cases(DType.bf16)
 got, narrow = {}, 0
 for v in ("gemv_cases.bf16", "gemv_cases.bf16.narrow-a"):
     pkg = L.open(PKGS[v])
-    narrow += sum(bool(op.tuning.get("narrow_a")) for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
+    narrow += sum(bool(op.tuning.get("narrow_a")) for g in pkg.manifest.groups if g.table is not None
+                  for op in g.table.ops)
     with pkg.session(dyn=BOUNDS, backend="cuda") as sess:
         sess.load_state(b.state_init)
         sess.runner.fill_arena(0xFF)
         got[v] = {k: np.asarray(x).tobytes() for k, x in sess.run("main", arrays, DYN).items()}
-print(json.dumps({"narrow": narrow, "outputs": len(got["gemv_cases.bf16"]),
-                  "diff": [k for k in got["gemv_cases.bf16"] if got["gemv_cases.bf16"][k] != got["gemv_cases.bf16.narrow-a"][k]]}))
+plain, narrowed = got["gemv_cases.bf16"], got["gemv_cases.bf16.narrow-a"]
+print(json.dumps({"narrow": narrow, "outputs": len(plain), "diff": [k for k in plain if plain[k] != narrowed[k]]}))
 ''')
     assert res["narrow"] > 0 and res["outputs"] > 0 and res["diff"] == [], res
 
