@@ -154,9 +154,12 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 
     tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
                                               weights)
-    capped, gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
-    if capped != tuning:       # a GEMV capped to one wave may walk tiles: its shared preload goes to registers
+    capped, capped_gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
+    if any(ks is not None and ks.tuning.get("preload_shared") and not capped_gen[i].tuning.get("preload_shared")
+           for i, ks in gen.items()):   # capped, a prologue GEMV walks tiles: its preload went to registers,
         tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, capped, arch, cache_dir, weights)
+    else:                               # which must not spill either (codegen._prologue_walks_tiles)
+        tuning, gen = capped, capped_gen
     combine = attention_combine_mode()
     if combine == "counted" or (combine == "cluster" and sm_version(arch) >= 90):
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
