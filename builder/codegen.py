@@ -693,13 +693,22 @@ def gemv_evict_first() -> bool:
     return env_switch(ENV_GEMV_EVICT_FIRST, default=True)
 
 
-def gemv_prologue_narrow_a() -> bool:
-    """``$LUM_GEMV_PROLOGUE_NARROW_A`` (1: a prologue GEMV whose A is bf16 or f16 keeps it so in shared memory,
-    else as floats; off by default, not yet measured). The prologue rounds A to its dtype before storing it, so
-    the values, and the sums, are the same; what changes is the shared memory the dot reads: each warp reads
-    all of A, one column a warp (gemma3-4b's qkv: 32 warps × 10 KB = 320 KB an SM beside its 160 KB of weights,
-    ≈ 1.9 µs of 128 bytes a clock in a 5.5 µs link, benchmarks/NOTES.md 2026-12-04), halved in bf16."""
-    return env_switch(ENV_GEMV_PROLOGUE_NARROW_A)
+def gemv_prologue_narrow_a() -> str | None:
+    """``$LUM_GEMV_PROLOGUE_NARROW_A``: which prologue GEMVs whose A is bf16 or f16 keep it so in shared memory,
+    rather than as floats. The prologue rounds A to its dtype before storing it, so the values, and the sums,
+    are the same; what changes is the shared memory the dot reads: each warp reads all of A, one column a warp
+    (gemma3-4b's qkv: 32 warps × 10 KB = 320 KB an SM beside its 160 KB of weights, ≈ 1.9 µs at 128 bytes a
+    clock in a 5.5 µs link, benchmarks/NOTES.md 2026-12-04), halved in bf16, against a conversion per element.
+    ``shared``, the default: those whose weights preload into shared memory too (gemma3-4b's qkv), where the
+    dot reads both from shared memory; ``1``: every one; ``0``: none. Measured at 87f41af (same runs, tokens
+    equal): every one (``1``) +1.9% on gemma3-4b (its qkv only), −1.3% on llama3-1b (qkv and gate-up, weights
+    streamed from memory: the reads of A were hidden there, the conversions are not). Returns ``"shared"``,
+    ``"all"`` or ``None``."""
+    modes = {"0": None, "shared": "shared", "1": "all"}
+    raw = os.environ.get(ENV_GEMV_PROLOGUE_NARROW_A, "shared")
+    if raw not in modes:
+        raise CodegenError(f"${ENV_GEMV_PROLOGUE_NARROW_A} must be 0, shared or 1, got {raw!r}")
+    return modes[raw]
 
 
 def row_regs_bounded() -> bool:
@@ -2388,7 +2397,8 @@ class _Gen:
         layout = op.params["layout"]
         a_kc, b_kc = layout[:2] == "Rm", layout[2:] == "Cm"        # k contiguous in A / in B
         a_dt = DType.parse(op.params["expr"][1]) if prologue else None    # the prologue's A, as it rounds it
-        narrow = prologue and gemv_prologue_narrow_a() and a_dt in (DType.bf16, DType.f16)
+        narrow_mode = gemv_prologue_narrow_a() if prologue and a_dt in (DType.bf16, DType.f16) else None
+        narrow = narrow_mode == "all" or (narrow_mode == "shared" and self.preload_shared and b_kc)
         dta, dtb = (a_dt if narrow else DType.f32) if prologue else self.dts[0], self.dts[jb]
         code, a_ptr, b_ptr = "", "in0", f"in{jb}"
         if prologue:                              # A computed per block into shared memory (lum_as)
@@ -2413,7 +2423,7 @@ class _Gen:
         inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         shared = 0           # bytes a block's shared preload may take: 16-byte copies only, beside the static
         if self.preload_shared and b_kc and vec * dtb.itemsize == 16:     # arrays (the prologue's A, the sums)
-            static = (m * k.value * 4 if prologue and k.is_const else 0) + 4096
+            static = (m * k.value * dta.itemsize if prologue and k.is_const else 0) + 4096
             shared = max(0, min(GEMV_SHARED_PRELOAD_BYTES, MAX_SHARED_MEM - static))
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight, shared) if b_kc else 0
         shared = shared if preload > 0 else 0

@@ -67,13 +67,12 @@ import numpy as np
 
 from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.attention_stage import ENV_ATTENTION_STAGE, ENV_ATTENTION_STAGE_AHEAD
-from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST, ENV_GEMV_PROLOGUE_NARROW_A,
-                                 ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH,
+from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST, ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH,
                                  ENV_STAGE_ONE_ROUND, env_switch, flash_attention, flash_attention_enabled,
                                  gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
-                                 gemv_preload_default, gemv_preload_prologue, gemv_preload_shared, row_early_default,
-                                 row_regs_bounded)
+                                 gemv_preload_default, gemv_preload_prologue, gemv_preload_shared,
+                                 gemv_prologue_narrow_a, row_early_default, row_regs_bounded)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
@@ -98,7 +97,7 @@ DB_VERSION = 1
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
 KEY_SWITCHES = {ENV_STAGE_ONE_ROUND: True, ENV_STAGE_BRANCH: True, ENV_MERGE_ALL_ROWS: True,
                 ENV_ATTENTION_KEY_BATCH: True, ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True,
-                ENV_ATTENTION_STAGE_AHEAD: False, ENV_GEMV_PROLOGUE_NARROW_A: False}
+                ENV_ATTENTION_STAGE_AHEAD: False}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8
@@ -766,6 +765,7 @@ class MeasuredCompiler:
                 **({"gemv_preload_after_gemv": n} if (n := gemv_preload_after_gemv()) else {}),
                 **({"gemv_preload_prologue": n} if (n := gemv_preload_prologue()) else {}),
                 **({"gemv_preload_shared": m} if (m := gemv_preload_shared()) else {}),
+                **({"gemv_prologue_narrow_a": m} if (m := gemv_prologue_narrow_a()) != "shared" else {}),
                 **({"row_regs_bounded": True} if row_regs_bounded() else {}),
                 **({"switches": sw} if (sw := {k: v for k, d in KEY_SWITCHES.items()
                                               if (v := env_switch(k, default=d)) != d}) else {}),

@@ -213,15 +213,16 @@ def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path):
 
 
 def test_narrow_a_switch_keeps_a_in_its_dtype(monkeypatch, tmp_path):
-    """``$LUM_GEMV_PROLOGUE_NARROW_A=1``: a prologue GEMV whose A is bf16 keeps A so in shared memory (half the
-    bytes the dot reads; the values are the rounded floats the default stores, so the sums are the same: the
-    emulated driver's bit-equality test), one whose A is f32 keeps floats; off, the kernels are the default's."""
+    """``$LUM_GEMV_PROLOGUE_NARROW_A``: a prologue GEMV whose A is bf16 keeps A so in shared memory (half the
+    bytes the dot reads; the values are the rounded floats ``0`` stores, so the sums are the same: the emulated
+    driver's bit-equality test), one whose A is f32 keeps floats. ``1``: every such GEMV; the default
+    (``shared``): exactly those whose weights preload into shared memory too; ``0``: none."""
     nvrtc = pytest.importorskip("lum.builder.nvrtc")
     try:
         nvrtc.nvrtc_version()
     except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
         pytest.skip(str(e))
-    from lum.builder.codegen import generate_program, module_source
+    from lum.builder.codegen import CodegenError, generate_program, module_source
 
     def prologue_kernels(dtype):
         out = []
@@ -231,14 +232,27 @@ def test_narrow_a_switch_keeps_a_in_its_dtype(monkeypatch, tmp_path):
             out += [ks[o.id] for o in _prologue_gemms(prog)]
         return out
 
-    monkeypatch.delenv("LUM_GEMV_PROLOGUE_NARROW_A", raising=False)
-    plain = {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)}
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "1")
-    narrow = {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)}
+    def narrowed(k):
+        return bool(k.tuning.get("narrow_a")) or "lum_bf16* const lum_as" in k.source
+
+    kernels = {}
+    for mode in ("0", "1", None):
+        if mode is None:
+            monkeypatch.delenv("LUM_GEMV_PROLOGUE_NARROW_A", raising=False)
+        else:
+            monkeypatch.setenv("LUM_GEMV_PROLOGUE_NARROW_A", mode)
+        kernels[mode] = {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)}
+    plain, narrow, default = kernels["0"], kernels["1"], kernels[None]
     assert plain[DType.bf16] and all(k.tuning.get("narrow_a") for k in narrow[DType.bf16])
     assert all("lum_bf16* const lum_as" in k.source and "float* const lum_as" not in k.source
                for k in narrow[DType.bf16])
     assert [k.name for k in narrow[DType.f32]] == [k.name for k in plain[DType.f32]]
-    assert not any(k.tuning.get("narrow_a") or "lum_bf16* const lum_as" in k.source
-                   for k in plain[DType.bf16] + plain[DType.f32])
+    assert not any(narrowed(k) for k in plain[DType.bf16] + plain[DType.f32])
+    shared = [k.tuning.get("preload_shared", False) for k in default[DType.bf16]]
+    assert any(shared) and not all(shared)      # tiny-gemma3 has both kinds, so the rule is seen to choose
+    assert [narrowed(k) for k in default[DType.bf16]] == shared
+    assert [k.name for k in default[DType.f32]] == [k.name for k in plain[DType.f32]]
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "yes")
+    with pytest.raises(CodegenError, match="NARROW_A must be 0, shared or 1"):
+        prologue_kernels(DType.bf16)
     nvrtc.compile_cuda(module_source(narrow[DType.bf16]), "sm_90", ptx=False, cache_dir=tmp_path)
