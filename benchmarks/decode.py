@@ -73,7 +73,10 @@ What it does, in one run on one GPU:
      such GEMVs with a prologue: gemma3-4b's qkv), ``lum-small-prologue-shared`` with
      ``LUM_GEMV_PRELOAD_SHARED=small-prologue`` (the default's and every prologue GEMV whose blocks run one tile
      each: llama3-1b's qkv too, behind down), ``lum-narrow-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue
-     GEMVs keep their bf16 A as bf16 in shared memory, half the bytes each warp reads), ``lum-postnorm-shared`` with
+     GEMVs keep their bf16 A as bf16 in shared memory, half the bytes each warp reads; the default does only where
+     their weights preload into shared memory), ``lum-wide-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=0`` (none does),
+     ``lum-prologue512`` and ``lum-prologue256`` with ``LUM_GEMV_PROLOGUE_THREADS`` (prologue GEMVs in blocks of
+     512 or 256 threads, not 1,024), ``lum-postnorm-shared`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's qkv, computing the
      post-FFN norm too, follows down and still copies its weights into shared memory early),
      ``lum-wideprologue-shared`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and that (gemma3-4b's gate-up computes
@@ -146,7 +149,9 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
                  "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
-                 "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"},
+                 "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
+                 "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
+                 "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},
                  "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
                  "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},

@@ -103,7 +103,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
-           "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a",
+           "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "GEMV_SHARED_PRELOAD_VECTORS",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
@@ -134,6 +134,7 @@ GEMV_SHARED_PRELOAD_VECTORS = 16                 # ... into shared memory (prelo
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
 ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
 ENV_GEMV_PROLOGUE_NARROW_A = "LUM_GEMV_PROLOGUE_NARROW_A"
+ENV_GEMV_PROLOGUE_THREADS = "LUM_GEMV_PROLOGUE_THREADS"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
@@ -631,7 +632,7 @@ def _default_threads(op: LOp) -> int:
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
-        return 1024                                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
+        return gemv_prologue_threads()                # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         if cols.is_const and cols.value >= 8192:
@@ -645,6 +646,17 @@ def _default_threads(op: LOp) -> int:
 
 
 _GEMV_LARGE = 1 << 24      # weights of a decode GEMV (elements) whose time is its bytes, not its latency
+
+
+def gemv_prologue_threads() -> int:
+    """``$LUM_GEMV_PROLOGUE_THREADS`` (128, 256, 512 or 1,024, the default): the block size of a prologue GEMV
+    the tuning leaves open. One column a warp, so 1,024 threads give llama3-1b's qkv (3,072 columns) 96 blocks,
+    one an SM on 96 of the 132 SMs; smaller blocks spread its weights over more SMs, each block computing the
+    prologue again."""
+    raw = os.environ.get(ENV_GEMV_PROLOGUE_THREADS, "1024")
+    if raw not in ("128", "256", "512", "1024"):
+        raise CodegenError(f"${ENV_GEMV_PROLOGUE_THREADS} must be 128, 256, 512 or 1024, got {raw!r}")
+    return int(raw)
 
 
 def gemv_balance() -> bool:
