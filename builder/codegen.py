@@ -104,6 +104,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
+           "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
@@ -130,11 +131,12 @@ GEMV_MAX_ACC = 4                                 # product columns a gemv epilog
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
-GEMV_SHARED_PRELOAD_VECTORS = 16                 # ... into shared memory (preload_shared)
+GEMV_SHARED_PRELOAD_VECTORS = 32                 # ... into shared memory (preload_shared; its bytes bound it first)
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
 ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
 ENV_GEMV_PROLOGUE_NARROW_A = "LUM_GEMV_PROLOGUE_NARROW_A"
 ENV_GEMV_PROLOGUE_THREADS = "LUM_GEMV_PROLOGUE_THREADS"
+ENV_GEMV_PROLOGUE_PAIRS = "LUM_GEMV_PROLOGUE_PAIRS"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
@@ -646,6 +648,21 @@ def _default_threads(op: LOp) -> int:
 
 
 _GEMV_LARGE = 1 << 24      # weights of a decode GEMV (elements) whose time is its bytes, not its latency
+
+
+def gemv_prologue_pairs() -> str | None:
+    """``$LUM_GEMV_PROLOGUE_PAIRS``: which prologue GEMVs (no epilogue, static even n) have each warp compute two
+    output columns, j and j + n/2, reading A from shared memory once for both, in half the threads a block
+    (the same columns a block). Every warp of such a block reads all of A, one column a warp, so this halves
+    those reads again after :func:`gemv_prologue_narrow_a`, where the weights come from shared memory too
+    (gemma3-4b's qkv: A 32 × 5 KB → 16 × 5 KB an SM beside 160 KB of weights). ``shared``: those whose weights
+    preload into shared memory; ``1``: every one; ``0``, the default: none. Returns ``"shared"``, ``"all"``
+    or ``None``."""
+    modes = {"0": None, "shared": "shared", "1": "all"}
+    raw = os.environ.get(ENV_GEMV_PROLOGUE_PAIRS, "0")
+    if raw not in modes:
+        raise CodegenError(f"${ENV_GEMV_PROLOGUE_PAIRS} must be 0, shared or 1, got {raw!r}")
+    return modes[raw]
 
 
 def gemv_prologue_threads() -> int:
@@ -2411,6 +2428,12 @@ class _Gen:
         a_dt = DType.parse(op.params["expr"][1]) if prologue else None    # the prologue's A, as it rounds it
         narrow_mode = gemv_prologue_narrow_a() if prologue and a_dt in (DType.bf16, DType.f16) else None
         narrow = narrow_mode == "all" or (narrow_mode == "shared" and self.preload_shared and b_kc)
+        pair_mode = gemv_prologue_pairs() if prologue and not epilogue and b_kc else None
+        n_in = as_expr(op.params["n"])
+        pair = (n_in.is_const and n_in.value % 2 == 0
+                and (pair_mode == "all" or (pair_mode == "shared" and self.preload_shared)))
+        if pair and not self.threads_given:       # the block's columns stay as many, half the warps each two
+            self.threads = max(32, self.threads // 2)
         dta, dtb = (a_dt if narrow else DType.f32) if prologue else self.dts[0], self.dts[jb]
         code, a_ptr, b_ptr = "", "in0", f"in{jb}"
         if prologue:                              # A computed per block into shared memory (lum_as)
@@ -2427,6 +2450,9 @@ class _Gen:
                 raise CodegenError(f"a gemm epilogue reads 1..{GEMV_MAX_ACC} product columns, got {len(acc_cols)}")
             epi = self._gemv_epilogue(m, jb, n_out)
             ctx.exprs.append(as_expr(max(acc_cols)) * p["ldb"] + n * p["ldb"])
+        elif pair:                                # column j and j + n/2 in one group, A read once for both
+            n_out, acc_cols = as_expr(n.value // 2), [0, n.value // 2]
+            epi = load_template("gemv_pairs.cuh")
         vec, vec_ok = self._gemv_vec(p, a_kc, b_kc, dta, dtb)
         group = self._gemv_group(p, b_kc, vec)
         unroll = 4 if self.unroll is None else self.unroll
@@ -2458,6 +2484,9 @@ class _Gen:
             tuning["preload_shared"] = True
         if epilogue:
             tuning["epilogue"] = len(acc_cols)
+        if pair:
+            tuning["pairs"] = True
+            tuning["cols"] = tile * 2
         if b_stream:
             tuning["stream"] = True
         if narrow:
@@ -2483,7 +2512,7 @@ class _Gen:
             "B_STREAM": "true" if b_stream else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
-            "HAS_EPILOGUE": "true" if epilogue else "false", "EPILOGUE": epi,
+            "HAS_EPILOGUE": "true" if epi else "false", "EPILOGUE": epi,
             "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
             "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),

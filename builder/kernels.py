@@ -26,7 +26,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switch, gemv_kernel_ops, generate_program,
                                  module_source)
-from lum.format.llir import Program
+from lum.format.expr import as_expr
+from lum.format.llir import LOp, Program
 from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, sm_version
 
 __all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "GroupKernels", "launch_table",
@@ -203,8 +204,10 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
         resident = {name: resident_blocks(ks.block[0], regs[name], ks.shared_mem) for name, ks in by_name.items()
                     if name in regs}
+        whole = {gen[i].name for i in ranks if gen[i] is not None and gen[i].name in resident
+                 and _preloads_everything(program.ops[i], gen[i], SMS * resident[gen[i].name])}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
-                   and (resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS
+                   and ((resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS and name not in whole)
                         or _waves_unbalanced(by_name[name], SMS * resident[name])
                         or _shared_preload_past_one_wave(by_name[name], SMS * resident[name]))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
@@ -223,6 +226,19 @@ def _waves_unbalanced(ks: KernelSource, wave: int) -> bool:
         return False
     blocks = ks.grid[0].value
     return blocks > wave and blocks_unbalanced(blocks, wave)
+
+
+def _preloads_everything(op: LOp, ks: KernelSource, wave: int) -> bool:
+    """A GEMV whose shared preload holds every weight vector its blocks read (each lane's whole column of k,
+    one tile a block, the grid within one ``wave``): after its wait it streams nothing, so the few threads
+    an SM its shared memory leaves resident cost it no bandwidth (:data:`PRELOAD_MIN_THREADS` does not apply;
+    gemma3-4b's qkv in column pairs, 512 threads and 160 KB a block)."""
+    t, k = ks.tuning, as_expr(op.params["k"])
+    if not (t.get("preload_shared") and ks.grid[0].is_const and k.is_const) or ks.grid[0].value > wave:
+        return False
+    cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params.get("n_out", op.params["n"]))
+    return (t["preload"] * t["group"] * t["vec"] >= k.value and cols.is_const
+            and ks.grid[0].value * t["cols"] >= cols.value)
 
 
 def _shared_preload_past_one_wave(ks: KernelSource, wave: int) -> bool:

@@ -72,7 +72,8 @@ from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST, 
                                  gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
                                  gemv_preload_default, gemv_preload_prologue, gemv_preload_shared,
-                                 gemv_prologue_narrow_a, gemv_prologue_threads, row_early_default, row_regs_bounded)
+                                 gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads,
+                                 row_early_default, row_regs_bounded)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
@@ -767,6 +768,7 @@ class MeasuredCompiler:
                 **({"gemv_preload_shared": m} if (m := gemv_preload_shared()) else {}),
                 **({"gemv_prologue_narrow_a": m} if (m := gemv_prologue_narrow_a()) != "shared" else {}),
                 **({"gemv_prologue_threads": t} if (t := gemv_prologue_threads()) != 1024 else {}),
+                **({"gemv_prologue_pairs": m} if (m := gemv_prologue_pairs()) else {}),
                 **({"row_regs_bounded": True} if row_regs_bounded() else {}),
                 **({"switches": sw} if (sw := {k: v for k, d in KEY_SWITCHES.items()
                                               if (v := env_switch(k, default=d)) != d}) else {}),

@@ -34,6 +34,9 @@ except ImportError:
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
 MAX_SEQ = 16
+# prologue GEMV variants whose sums are the default's bit for bit: their build environment, their tuning flag
+GEMV_VARIANTS = {"narrow-a": ({"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "narrow_a"),    # A kept as bf16 (bf16 only)
+                 "pairs": ({"LUM_GEMV_PROLOGUE_PAIRS": "1"}, "pairs")}             # two columns a warp
 FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their build environment (none: the default)
          "combine-cluster": {"LUM_ATTENTION_COMBINE": "cluster"},
          "stage": {}, "stage-ahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"}, "siblings": {"LUM_ATTENTION_STAGE": "0"},
@@ -65,10 +68,13 @@ def env(tmp_path_factory):
                 mp.setenv(k, v)
             pkgs[f"template_cases.{dt.value}.{variant}"] = write_case_package(
                 root / f"template_cases.{dt.value}.{variant}.lumpkg", prog, b)
-    with pytest.MonkeyPatch.context() as mp:          # prologue GEMVs' bf16 A kept as bf16 (off by default)
-        mp.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "1")
-        prog, _, b = gemv_cases(DType.bf16)
-        pkgs["gemv_cases.bf16.narrow-a"] = write_case_package(root / "gemv_cases.bf16.narrow-a.lumpkg", prog, b)
+    for (variant, (var_env, _)), dt in itertools.product(GEMV_VARIANTS.items(), (DType.f32, DType.bf16)):
+        with pytest.MonkeyPatch.context() as mp:      # every prologue GEMV, not only those the default picks
+            for k, v in var_env.items():
+                mp.setenv(k, v)
+            prog, _, b = gemv_cases(dt)
+            name = f"gemv_cases.{dt.value}.{variant}"
+            pkgs[name] = write_case_package(root / f"{name}.lumpkg", prog, b)
     for dt in (DType.f32, DType.bf16):
         prog, _, b = gemv_replay_cases(dt)
         pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
@@ -97,8 +103,10 @@ def env(tmp_path_factory):
             if name.endswith(".early"):
                 mp.setenv("LUM_ROW_EARLY", "1")
                 mp.setenv("LUM_GEMV_PRELOAD", "1")
-            if name.endswith(".narrow-a"):
-                mp.setenv("LUM_GEMV_PROLOGUE_NARROW_A", "1")
+            for variant, (var_env, _) in GEMV_VARIANTS.items():
+                if name.startswith("gemv_cases.") and name.endswith("." + variant):
+                    for k, v in var_env.items():
+                        mp.setenv(k, v)
             for variant, var_env in FUSED.items():
                 if name.endswith("." + variant):
                     for k, v in var_env.items():
@@ -307,28 +315,32 @@ print(json.dumps(out))
     assert len(res) == 2 * len(BIT_EQUAL) and all(not diff for diff in res.values()), res
 
 
-def test_narrow_prologue_a_is_bit_equal(env):
-    """``LUM_GEMV_PROLOGUE_NARROW_A=1``: the bf16 gemv cases' prologue GEMVs keep A as bf16 in shared memory, the
-    values the default stores as floats, so every case's output is the default package's bit for bit."""
+@pytest.mark.parametrize("variant,dtype", [("narrow-a", "bf16"), ("pairs", "f32"), ("pairs", "bf16")])
+def test_prologue_gemv_variants_are_bit_equal(env, variant, dtype):
+    """Variants of the gemv cases' prologue GEMVs whose sums are the default's in the same order, so every case's
+    output is the default package's bit for bit: ``narrow-a`` (``LUM_GEMV_PROLOGUE_NARROW_A=1``: A kept as bf16
+    in shared memory, the values the default rounds and stores as floats) and ``pairs``
+    (``LUM_GEMV_PROLOGUE_PAIRS=1``: each warp computes columns j and j + n/2, in blocks of half the threads)."""
+    flag = GEMV_VARIANTS[variant][1]
     res = run(env, r'''
 import numpy as np
 import lum.loader as L
 from tests.kernel_cases import BOUNDS, DYN, gemv_cases
 from lum.format.dtypes import DType
-prog, arrays, b = gemv_cases(DType.bf16)
-got, narrow = {}, 0
-for v in ("gemv_cases.bf16", "gemv_cases.bf16.narrow-a"):
+prog, arrays, b = gemv_cases(DType("@DT@"))
+got, flagged = {}, 0
+for v in ("gemv_cases.@DT@", "gemv_cases.@DT@.@VARIANT@"):
     pkg = L.open(PKGS[v])
-    narrow += sum(bool(op.tuning.get("narrow_a")) for g in pkg.manifest.groups if g.table is not None
-                  for op in g.table.ops)
+    flagged += sum(bool(op.tuning.get("@FLAG@")) for g in pkg.manifest.groups if g.table is not None
+                   for op in g.table.ops)
     with pkg.session(dyn=BOUNDS, backend="cuda") as sess:
         sess.load_state(b.state_init)
         sess.runner.fill_arena(0xFF)
         got[v] = {k: np.asarray(x).tobytes() for k, x in sess.run("main", arrays, DYN).items()}
-plain, narrowed = got["gemv_cases.bf16"], got["gemv_cases.bf16.narrow-a"]
-print(json.dumps({"narrow": narrow, "outputs": len(plain), "diff": [k for k in plain if plain[k] != narrowed[k]]}))
-''')
-    assert res["narrow"] > 0 and res["outputs"] > 0 and res["diff"] == [], res
+plain, varied = got["gemv_cases.@DT@"], got["gemv_cases.@DT@.@VARIANT@"]
+print(json.dumps({"flagged": flagged, "outputs": len(plain), "diff": [k for k in plain if plain[k] != varied[k]]}))
+'''.replace("@DT@", dtype).replace("@VARIANT@", variant).replace("@FLAG@", flag))
+    assert res["flagged"] > 0 and res["outputs"] > 0 and res["diff"] == [], res
 
 
 @pytest.mark.parametrize("variant", list(FUSED))
