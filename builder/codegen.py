@@ -654,12 +654,13 @@ def gemv_prologue_pairs() -> str | None:
     """``$LUM_GEMV_PROLOGUE_PAIRS``: which prologue GEMVs (no epilogue, static even n) have each warp compute two
     output columns, j and j + n/2, reading A from shared memory once for both, in half the threads a block
     (the same columns a block). Every warp of such a block reads all of A, one column a warp, so this halves
-    those reads again after :func:`gemv_prologue_narrow_a`, where the weights come from shared memory too
-    (gemma3-4b's qkv: A 32 × 5 KB → 16 × 5 KB an SM beside 160 KB of weights). ``shared``: those whose weights
-    preload into shared memory; ``1``: every one; ``0``, the default: none. Returns ``"shared"``, ``"all"``
-    or ``None``."""
+    those reads (gemma3-4b's qkv: A 32 × 5 KB → 16 × 5 KB an SM beside its 160 KB of weights, after
+    :func:`gemv_prologue_narrow_a`). ``1``, the default: every one (gemma3-4b's qkv, llama3-1b's qkv);
+    ``shared``: those whose weights preload into shared memory; ``0``: none. Measured at cd3818a (same runs,
+    tokens equal): gemma3-4b ``shared`` 403.4 → 404.9 tok/s (+0.4%), llama3-1b ``1`` 1,178.0 → 1,182.5 (+0.4%).
+    Returns ``"all"``, ``"shared"`` or ``None``."""
     modes = {"0": None, "shared": "shared", "1": "all"}
-    raw = os.environ.get(ENV_GEMV_PROLOGUE_PAIRS, "0")
+    raw = os.environ.get(ENV_GEMV_PROLOGUE_PAIRS, "1")
     if raw not in modes:
         raise CodegenError(f"${ENV_GEMV_PROLOGUE_PAIRS} must be 0, shared or 1, got {raw!r}")
     return modes[raw]

@@ -768,7 +768,7 @@ class MeasuredCompiler:
                 **({"gemv_preload_shared": m} if (m := gemv_preload_shared()) else {}),
                 **({"gemv_prologue_narrow_a": m} if (m := gemv_prologue_narrow_a()) != "shared" else {}),
                 **({"gemv_prologue_threads": t} if (t := gemv_prologue_threads()) != 1024 else {}),
-                **({"gemv_prologue_pairs": m} if (m := gemv_prologue_pairs()) else {}),
+                **({"gemv_prologue_pairs": m} if (m := gemv_prologue_pairs()) != "all" else {}),
                 **({"row_regs_bounded": True} if row_regs_bounded() else {}),
                 **({"switches": sw} if (sw := {k: v for k, d in KEY_SWITCHES.items()
                                               if (v := env_switch(k, default=d)) != d}) else {}),

@@ -258,10 +258,11 @@ def test_narrow_a_switch_keeps_a_in_its_dtype(monkeypatch, tmp_path):
     nvrtc.compile_cuda(module_source(narrow[DType.bf16]), "sm_90", ptx=False, cache_dir=tmp_path)
 
 
-def test_pairs_switch_halves_the_warps_of_shared_preload_gemvs(monkeypatch, tmp_path):
-    """``$LUM_GEMV_PROLOGUE_PAIRS=shared``: a prologue GEMV whose weights preload into shared memory computes
-    columns j and j + n/2 in each warp (two product columns, the same columns a block in half the threads); the
-    others keep their kernels. Both compile for sm_90; the sums are checked bit-equal in tests/test_cuda_emulated.py."""
+def test_pairs_switch_halves_the_warps_of_prologue_gemvs(monkeypatch, tmp_path):
+    """``$LUM_GEMV_PROLOGUE_PAIRS``: a prologue GEMV without an epilogue computes columns j and j + n/2 in each
+    warp (two product columns, the same columns a block in half the threads): by default (``1``) every one,
+    with ``shared`` those whose weights preload into shared memory, with ``0`` none; the others keep their
+    kernels. All compile for sm_90; the sums are checked bit-equal in tests/test_cuda_emulated.py."""
     nvrtc = pytest.importorskip("lum.builder.nvrtc")
     try:
         nvrtc.nvrtc_version()
@@ -271,27 +272,36 @@ def test_pairs_switch_halves_the_warps_of_shared_preload_gemvs(monkeypatch, tmp_
 
     def prologue_kernels():
         out = []
-        for cg in _groups("tiny-gemma3", "decode", DType.bf16):
-            prog = compile_group(cg)[0]
-            ks = generate_program(prog)
-            out += [(o, ks[o.id]) for o in _prologue_gemms(prog)]
+        for model in ("tiny-gemma3", "tiny-llama"):    # llama's qkv follows down: no shared preload
+            for cg in _groups(model, "decode", DType.bf16):
+                prog = compile_group(cg)[0]
+                ks = generate_program(prog)
+                out += [(o, ks[o.id]) for o in _prologue_gemms(prog)]
         return out
 
-    monkeypatch.delenv("LUM_GEMV_PROLOGUE_PAIRS", raising=False)
-    plain = prologue_kernels()
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "shared")
-    paired = prologue_kernels()
-    assert len(plain) == len(paired) and not any(k.tuning.get("pairs") for _, k in plain)
-    chosen = 0
-    for (o, p), (_, q) in zip(plain, paired):
-        if p.tuning.get("preload_shared") and "epilogue" not in o.params:
-            chosen += 1
-            assert q.tuning.get("pairs") and q.block[0] * 2 == p.block[0] and q.grid == p.grid, (p.tuning, q.tuning)
-            assert q.tuning["cols"] == p.tuning["cols"] and "ACC_COLS[lum_t]" in q.source
+    kernels = {}
+    for mode in ("0", "shared", None):
+        if mode is None:
+            monkeypatch.delenv("LUM_GEMV_PROLOGUE_PAIRS", raising=False)
         else:
-            assert q.name == p.name
-    assert chosen > 0
-    nvrtc.compile_cuda(module_source([k for _, k in paired]), "sm_90", ptx=False, cache_dir=tmp_path)
+            monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", mode)
+        kernels[mode] = prologue_kernels()
+    plain = kernels["0"]
+    assert not any(k.tuning.get("pairs") for _, k in plain)
+    for mode, picks in (("shared", lambda o, k: k.tuning.get("preload_shared")), (None, lambda o, k: True)):
+        chosen = 0
+        assert len(kernels[mode]) == len(plain)
+        for (o, p), (_, q) in zip(plain, kernels[mode]):
+            if picks(o, p) and "epilogue" not in o.params:
+                chosen += 1
+                assert q.tuning.get("pairs") and q.block[0] * 2 == p.block[0] and q.grid == p.grid, (p.tuning, q.tuning)
+                assert q.tuning["cols"] == p.tuning["cols"] and "ACC_COLS[lum_t]" in q.source
+            else:
+                assert q.name == p.name
+        assert chosen > 0
+    assert sum(bool(k.tuning.get("pairs")) for _, k in kernels[None]) > sum(
+        bool(k.tuning.get("pairs")) for _, k in kernels["shared"])
+    nvrtc.compile_cuda(module_source([k for _, k in kernels[None]]), "sm_90", ptx=False, cache_dir=tmp_path)
     monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "2")
     with pytest.raises(CodegenError, match="PAIRS must be 0, shared or 1"):
         prologue_kernels()
