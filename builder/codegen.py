@@ -659,11 +659,7 @@ def gemv_prologue_pairs() -> str | None:
     ``shared``: those whose weights preload into shared memory; ``0``: none. Measured at cd3818a (same runs,
     tokens equal): gemma3-4b ``shared`` 403.4 → 404.9 tok/s (+0.4%), llama3-1b ``1`` 1,178.0 → 1,182.5 (+0.4%).
     Returns ``"all"``, ``"shared"`` or ``None``."""
-    modes = {"0": None, "shared": "shared", "1": "all"}
-    raw = os.environ.get(ENV_GEMV_PROLOGUE_PAIRS, "1")
-    if raw not in modes:
-        raise CodegenError(f"${ENV_GEMV_PROLOGUE_PAIRS} must be 0, shared or 1, got {raw!r}")
-    return modes[raw]
+    return _env_choice(ENV_GEMV_PROLOGUE_PAIRS, {"0": None, "shared": "shared", "1": "all"}, "1")
 
 
 def gemv_prologue_threads() -> int:
@@ -671,10 +667,7 @@ def gemv_prologue_threads() -> int:
     the tuning leaves open. One column a warp, so 1,024 threads give llama3-1b's qkv (3,072 columns) 96 blocks,
     one an SM on 96 of the 132 SMs; smaller blocks spread its weights over more SMs, each block computing the
     prologue again."""
-    raw = os.environ.get(ENV_GEMV_PROLOGUE_THREADS, "1024")
-    if raw not in ("128", "256", "512", "1024"):
-        raise CodegenError(f"${ENV_GEMV_PROLOGUE_THREADS} must be 128, 256, 512 or 1024, got {raw!r}")
-    return int(raw)
+    return _env_choice(ENV_GEMV_PROLOGUE_THREADS, {str(t): t for t in (128, 256, 512, 1024)}, "1024")
 
 
 def gemv_balance() -> bool:
@@ -701,6 +694,15 @@ def _env_count(name: str, hi: int, default: int = 0) -> int:
     if not raw.isdigit() or int(raw) > hi:
         raise CodegenError(f"${name} must be an integer in [0, {hi}], got {raw!r}")
     return int(raw)
+
+
+def _env_choice(name: str, modes: Mapping[str, Any], default: str) -> Any:
+    """``modes[$name]`` (``default`` when unset); a value not among ``modes`` is refused, naming them."""
+    raw = os.environ.get(name, default)
+    if raw not in modes:
+        *head, last = modes
+        raise CodegenError(f"${name} must be {', '.join(head)} or {last}, got {raw!r}")
+    return modes[raw]
 
 
 def env_switch(name: str, default: bool = False) -> bool:
@@ -734,11 +736,7 @@ def gemv_prologue_narrow_a() -> str | None:
     equal): every one (``1``) +1.9% on gemma3-4b (its qkv only), −1.3% on llama3-1b (qkv and gate-up, weights
     streamed from memory: the reads of A were hidden there, the conversions are not). Returns ``"shared"``,
     ``"all"`` or ``None``."""
-    modes = {"0": None, "shared": "shared", "1": "all"}
-    raw = os.environ.get(ENV_GEMV_PROLOGUE_NARROW_A, "shared")
-    if raw not in modes:
-        raise CodegenError(f"${ENV_GEMV_PROLOGUE_NARROW_A} must be 0, shared or 1, got {raw!r}")
-    return modes[raw]
+    return _env_choice(ENV_GEMV_PROLOGUE_NARROW_A, {"0": None, "shared": "shared", "1": "all"}, "shared")
 
 
 def row_regs_bounded() -> bool:
@@ -1058,13 +1056,9 @@ def gemv_preload_shared() -> str | None:
     be copied, as with the grids past one wave that builder/kernels.py drops. Returns the mode
     (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``, ``"all"``) or
     ``None``."""
-    modes = {"0": None, "1": "prologue_after_small", "small": "after_small", "prologue": "prologue",
-             "small-prologue": "after_small_prologue", "all": "all"}
-    raw = os.environ.get(ENV_GEMV_PRELOAD_SHARED, "small")
-    if raw not in modes:
-        raise CodegenError(f"${ENV_GEMV_PRELOAD_SHARED} must be 0, 1, small, prologue, small-prologue or all, "
-                           f"got {raw!r}")
-    return modes[raw]
+    return _env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "1": "prologue_after_small", "small": "after_small",
+                                                 "prologue": "prologue", "small-prologue": "after_small_prologue",
+                                                 "all": "all"}, "small")
 
 
 def gemv_after_small(program: Program) -> set[int]:

@@ -194,12 +194,42 @@ def test_reference_semantics_of_the_kernel_cases_match_float64():
         assert seen == (7 if dt == DType.f32 else 14)   # (3 shapes x 2 kinds + 1 static n) per result dtype
 
 
-def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path):
+def _nvrtc_or_skip():
     nvrtc = pytest.importorskip("lum.builder.nvrtc")
     try:
         nvrtc.nvrtc_version()
     except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
         pytest.skip(str(e))
+    return nvrtc
+
+
+def _prologue_kernels(models, dtype):
+    """(op, kernel) of every prologue GEMV in the models' decode groups, under the environment as it is."""
+    from lum.builder.codegen import generate_program
+
+    out = []
+    for model in models:
+        for cg in _groups(model, "decode", dtype):
+            prog = compile_group(cg)[0]
+            ks = generate_program(prog)
+            out += [(o, ks[o.id]) for o in _prologue_gemms(prog)]
+    return out
+
+
+def _by_mode(monkeypatch, var, modes, fn):
+    """``fn()`` with ``$var`` set to each of ``modes`` (None: unset, the default)."""
+    out = {}
+    for mode in modes:
+        if mode is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, mode)
+        out[mode] = fn()
+    return out
+
+
+def test_nvrtc_compiles_decode_prologue_gemvs(tmp_path):
+    nvrtc = _nvrtc_or_skip()
     from lum.builder.codegen import generate_program, module_source
 
     kernels = []
@@ -217,31 +247,17 @@ def test_narrow_a_switch_keeps_a_in_its_dtype(monkeypatch, tmp_path):
     bytes the dot reads; the values are the rounded floats ``0`` stores, so the sums are the same: the emulated
     driver's bit-equality test), one whose A is f32 keeps floats. ``1``: every such GEMV; the default
     (``shared``): exactly those whose weights preload into shared memory too; ``0``: none."""
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
-    try:
-        nvrtc.nvrtc_version()
-    except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
-        pytest.skip(str(e))
-    from lum.builder.codegen import CodegenError, generate_program, module_source
+    nvrtc = _nvrtc_or_skip()
+    from lum.builder.codegen import CodegenError, module_source
 
     def prologue_kernels(dtype):
-        out = []
-        for cg in _groups("tiny-gemma3", "decode", dtype):
-            prog = compile_group(cg)[0]
-            ks = generate_program(prog)
-            out += [ks[o.id] for o in _prologue_gemms(prog)]
-        return out
+        return [k for _, k in _prologue_kernels(("tiny-gemma3",), dtype)]
 
     def narrowed(k):
         return bool(k.tuning.get("narrow_a")) or "lum_bf16* const lum_as" in k.source
 
-    kernels = {}
-    for mode in ("0", "1", None):
-        if mode is None:
-            monkeypatch.delenv("LUM_GEMV_PROLOGUE_NARROW_A", raising=False)
-        else:
-            monkeypatch.setenv("LUM_GEMV_PROLOGUE_NARROW_A", mode)
-        kernels[mode] = {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)}
+    kernels = _by_mode(monkeypatch, "LUM_GEMV_PROLOGUE_NARROW_A", ("0", "1", None),
+                       lambda: {dt: prologue_kernels(dt) for dt in (DType.bf16, DType.f32)})
     plain, narrow, default = kernels["0"], kernels["1"], kernels[None]
     assert plain[DType.bf16] and all(k.tuning.get("narrow_a") for k in narrow[DType.bf16])
     assert all("lum_bf16* const lum_as" in k.source and "float* const lum_as" not in k.source
@@ -263,29 +279,13 @@ def test_pairs_switch_halves_the_warps_of_prologue_gemvs(monkeypatch, tmp_path):
     warp (two product columns, the same columns a block in half the threads): by default (``1``) every one,
     with ``shared`` those whose weights preload into shared memory, with ``0`` none; the others keep their
     kernels. All compile for sm_90; the sums are checked bit-equal in tests/test_cuda_emulated.py."""
-    nvrtc = pytest.importorskip("lum.builder.nvrtc")
-    try:
-        nvrtc.nvrtc_version()
-    except nvrtc.NvrtcNotFound as e:  # pragma: no cover - CI installs the [build] extra
-        pytest.skip(str(e))
-    from lum.builder.codegen import CodegenError, generate_program, module_source
+    nvrtc = _nvrtc_or_skip()
+    from lum.builder.codegen import CodegenError, module_source
 
-    def prologue_kernels():
-        out = []
-        for model in ("tiny-gemma3", "tiny-llama"):    # llama's qkv follows down: no shared preload
-            for cg in _groups(model, "decode", DType.bf16):
-                prog = compile_group(cg)[0]
-                ks = generate_program(prog)
-                out += [(o, ks[o.id]) for o in _prologue_gemms(prog)]
-        return out
+    def prologue_kernels():           # llama's qkv follows down: no shared preload
+        return _prologue_kernels(("tiny-gemma3", "tiny-llama"), DType.bf16)
 
-    kernels = {}
-    for mode in ("0", "shared", None):
-        if mode is None:
-            monkeypatch.delenv("LUM_GEMV_PROLOGUE_PAIRS", raising=False)
-        else:
-            monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", mode)
-        kernels[mode] = prologue_kernels()
+    kernels = _by_mode(monkeypatch, "LUM_GEMV_PROLOGUE_PAIRS", ("0", "shared", None), prologue_kernels)
     plain = kernels["0"]
     assert not any(k.tuning.get("pairs") for _, k in plain)
     for mode, picks in (("shared", lambda o, k: k.tuning.get("preload_shared")), (None, lambda o, k: True)):
