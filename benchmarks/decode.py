@@ -76,9 +76,9 @@ What it does, in one run on one GPU:
      GEMVs keep their bf16 A as bf16 in shared memory, half the bytes each warp reads; the default does only where
      their weights preload into shared memory), ``lum-wide-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=0`` (none does),
      ``lum-prologue512`` and ``lum-prologue256`` with ``LUM_GEMV_PROLOGUE_THREADS`` (prologue GEMVs in blocks of
-     512 or 256 threads, not 1,024), ``lum-pairs`` with ``LUM_GEMV_PROLOGUE_PAIRS=shared`` (a prologue GEMV
-     whose weights preload into shared memory computes two columns a warp: gemma3-4b's qkv; ``lum-pairs-all``: every
-     prologue GEMV), ``lum-postnorm-shared`` with
+     512 or 256 threads, not 1,024), ``lum-unpaired`` with ``LUM_GEMV_PROLOGUE_PAIRS=0`` (one column a warp; by
+     default every prologue GEMV without an epilogue computes two, 2026-12-04; ``lum-pairs``: only those whose
+     weights preload into shared memory, ``=shared``), ``lum-postnorm-shared`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's qkv, computing the
      post-FFN norm too, follows down and still copies its weights into shared memory early),
      ``lum-wideprologue-shared`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and that (gemma3-4b's gate-up computes
@@ -153,7 +153,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"}, "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"},
-                 "lum-pairs-all": {"LUM_GEMV_PROLOGUE_PAIRS": "1"},
+                 "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},
                  "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
                  "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},

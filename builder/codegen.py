@@ -2424,8 +2424,7 @@ class _Gen:
         narrow_mode = gemv_prologue_narrow_a() if prologue and a_dt in (DType.bf16, DType.f16) else None
         narrow = narrow_mode == "all" or (narrow_mode == "shared" and self.preload_shared and b_kc)
         pair_mode = gemv_prologue_pairs() if prologue and not epilogue and b_kc else None
-        n_in = as_expr(op.params["n"])
-        pair = (n_in.is_const and n_in.value % 2 == 0
+        pair = (p["n"].is_const and p["n"].value % 2 == 0
                 and (pair_mode == "all" or (pair_mode == "shared" and self.preload_shared)))
         if pair and not self.threads_given:       # the block's columns stay as many, half the warps each two
             self.threads = max(32, self.threads // 2)
