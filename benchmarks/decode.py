@@ -72,7 +72,9 @@ What it does, in one run on one GPU:
      block, its o and llama3-1b's o), ``lum-preload-shared-prologue`` with ``LUM_GEMV_PRELOAD_SHARED=1`` (only
      such GEMVs with a prologue: gemma3-4b's qkv), ``lum-small-prologue-shared`` with
      ``LUM_GEMV_PRELOAD_SHARED=small-prologue`` (the default's and every prologue GEMV whose blocks run one tile
-     each: llama3-1b's qkv too, behind down), ``lum-narrow-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue
+     each: llama3-1b's qkv too, behind down), ``lum-small-gemv-shared`` with
+     ``LUM_GEMV_PRELOAD_SHARED=small-gemv`` (the default's, and the down projections copying the 4 vectors a lane
+     they would preload into registers into shared memory instead, while gate-up drains), ``lum-narrow-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue
      GEMVs keep their bf16 A as bf16 in shared memory, half the bytes each warp reads; the default does only where
      their weights preload into shared memory), ``lum-wide-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=0`` (none does),
      ``lum-prologue512`` and ``lum-prologue256`` with ``LUM_GEMV_PROLOGUE_THREADS`` (prologue GEMVs in blocks of
@@ -151,6 +153,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
                  "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
+                 "lum-small-gemv-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-gemv"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"}, "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"},
                  "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},

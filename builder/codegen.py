@@ -1050,15 +1050,19 @@ def gemv_preload_shared() -> str | None:
     to 1,320, it had measured −4.2%. Every prologue GEMV whatever runs before it (``prologue``): llama3-1b,
     whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with
     ``$LUM_POST_NORM_NEXT_LAYER``, −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every prologue
-    GEMV (llama3-1b's qkv behind down beside its o). ``all``: every GEMV (tests: the mechanism on every shape
-    and layout). ``0``: none. A prologue GEMV whose blocks walk more than one tile (llama3-1b's gate-up, 132
+    GEMV (llama3-1b's qkv behind down beside its o). ``small-gemv`` (not yet measured): ``small``'s, and every
+    GEMV without a prologue behind a GEMV with the vectors it would preload into registers
+    (:func:`gemv_preload_after_gemv`) copied into shared memory instead: the down projections, whose blocks
+    become resident as gate-up's drain. gemma3-4b's down (1,280 blocks of 128 threads) drops a register
+    preload, whose registers would split its grid (builder/kernels.py); the copies take none, 8 KB a block.
+    ``all``: every GEMV (tests: the mechanism on every shape and layout). ``0``: none. A prologue GEMV whose blocks walk more than one tile (llama3-1b's gate-up, 132
     blocks for 256 tiles) keeps its register preload in every mode but ``all``: only a block's first tile would
     be copied, as with the grids past one wave that builder/kernels.py drops. Returns the mode
-    (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``, ``"all"``) or
-    ``None``."""
+    (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``,
+    ``"after_small_gemv"``, ``"all"``) or ``None``."""
     return _env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "1": "prologue_after_small", "small": "after_small",
                                                  "prologue": "prologue", "small-prologue": "after_small_prologue",
-                                                 "all": "all"}, "small")
+                                                 "small-gemv": "after_small_gemv", "all": "all"}, "small")
 
 
 def gemv_after_small(program: Program) -> set[int]:
@@ -1094,11 +1098,13 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
             prologue = "expr" in program.ops[oid].params
             takes = {None: False, "all": True, "after_small": oid in small, "prologue": prologue,
                      "prologue_after_small": oid in small and prologue,
-                     "after_small_prologue": oid in small or prologue}[shared]
+                     "after_small_prologue": oid in small or prologue,
+                     "after_small_gemv": oid in small or (not prologue and n > 0)}[shared]
             if takes:      # a preload the tuning sets (or builder/kernels.py halves) stays in shared memory
                 mine = per.setdefault(r, {})
                 in_registers[r] = {**mine, **({"preload": n} if n and "preload" not in mine else {})}
-                mine.setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
+                behind_gemv = shared == "after_small_gemv" and oid not in small    # its register count, moved
+                mine.setdefault("preload", n if behind_gemv else GEMV_SHARED_PRELOAD_VECTORS)
                 mine["preload_shared"] = True
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)

@@ -332,8 +332,9 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     o (after the attention combine); not gate-up's 5,120 blocks; llama3-1b's o. ``1``: only those with a
     prologue (gemma3-4b's qkv; llama3-1b's prologue GEMVs, qkv after down and gate-up after o, keep their
     kernels: there a shared preload measured −4.2%). ``prologue``: every GEMV with a prologue whose blocks run
-    one tile each (llama3-1b's gate-up walks tiles: registers); ``small-prologue``: both; ``all``: every GEMV;
-    ``0``: none."""
+    one tile each (llama3-1b's gate-up walks tiles: registers); ``small-prologue``: both; ``small-gemv``:
+    ``small``'s and the down projections (behind gate-up) with their register preload's 4 vectors copied instead;
+    ``all``: every GEMV; ``0``: none."""
     from lum.builder import kernels
     from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
@@ -355,7 +356,7 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     assert [ks.name for ks in gemvs(*llama)] == [ks.name for ks in plain["llama"]]
     on = gemvs(*gemma)
     shared = [(ks.block[0], ks.tuning["preload"], ks.shared_mem) for ks in on if ks.tuning.get("preload_shared")]
-    assert shared == [(1024, 10, 10 * 16 * 1024)], shared
+    assert shared == [(512, 10, 10 * 2 * 16 * 512)], shared     # column pairs: two columns a warp, 512 threads
     assert [ks.name for ks in on if not ks.tuning.get("preload_shared")] == \
         [ks.name for ks in plain["gemma"] if not ks.tuning.get("prologue")]
     log = nvrtc.compile_cuda(kernels.module_source(on), ptx=False, extra_options=["--ptxas-options=-v"]).log
@@ -384,10 +385,19 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     assert [ks.name for ks in gemvs(*gemma)] == [ks.name for ks in small["gemma"]]
     log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small-gemv")   # small's, and down's register preload copied
+    for m, want in (("llama", [False, True, False, True]), ("gemma", [True, True, False, True])):
+        got = gemvs(*(llama if m == "llama" else gemma))
+        assert taken(got) == want, (m, taken(got))
+        assert [ks.name for ks in got[:3]] == [ks.name for ks in small[m][:3]]
+        assert got[3].tuning["preload"] == 4 and got[3].shared_mem == 4 * 16 * got[3].block[0], got[3].tuning
+        assert got[3].grid == small[m][3].grid         # gemma's 1,280 blocks: no register preload splits them
+    log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
+    assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
     assert sum(bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")
-    with pytest.raises(CodegenError, match="must be 0, 1, small, prologue, small-prologue or all"):
+    with pytest.raises(CodegenError, match="must be 0, 1, small, prologue, small-prologue, small-gemv or all"):
         gemvs(*llama)
 
 
