@@ -575,7 +575,8 @@ def test_preloading_gemvs_in_one_wave_without_spills(nvrtc):
     still holds at least PRELOAD_MIN_THREADS of its threads, its grid is at most the blocks those registers let
     the SMs hold (every block's first tile is preloaded while the kernel before runs), and the GEMVs whose
     preload would spill or crowd the SM preload less: the 1,024-thread ones (64 registers at most) 2 vectors at
-    most, where the 512-thread o GEMV takes its first tile's 4."""
+    most, where the 512-thread o GEMV takes its first tile's 4 (the qkv, two columns a warp, 512 threads: as
+    many vectors a lane as a 1,024-thread block's)."""
     from lum.builder import kernels
     from lum.builder.codegen import SMS, gemv_kernel_ops
 
@@ -591,8 +592,9 @@ def test_preloading_gemvs_in_one_wave_without_spills(nvrtc):
         assert resident * ks.block[0] >= kernels.PRELOAD_MIN_THREADS, (ks.name, regs[ks.name])
         assert ks.grid[0].value <= SMS * resident, (ks.name, ks.grid)
     by_threads = {t: [ks.tuning["preload"] for ks in gemvs if ks.block[0] == t] for t in (512, 1024)}
-    assert len(by_threads[512]) == len(by_threads[1024]) == 2
+    assert len(by_threads[512]) == 3 and len(by_threads[1024]) == 1     # qkv in column pairs: 512 threads
     assert max(by_threads[1024]) <= 2 and max(by_threads[512]) == 4     # o: its whole first tile
+    assert gemvs[0].tuning["pairs"] and gemvs[0].tuning["preload"] <= 2  # two columns: 2 vectors each at most
 
 
 @pytest.mark.parametrize("ahead", [{}, {"preload": 1}, {"inflight": 4}], ids=["plain", "preload", "inflight"])
@@ -638,6 +640,7 @@ def test_preload_after_small_kernels(monkeypatch):
     cgs = compile_graph(build_entry(named_config("llama3-1b"), "decode", 4096, BF16))
     dv = program_dyn_vars([cg.program for cg in cgs])
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (o's shared one by default)
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "0")     # one column a warp (the pairs' preloads: test_prologue.py)
 
     def preloads(**tuning) -> list[tuple[str, int]]:
         out = []
@@ -686,6 +689,7 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     dv = program_dyn_vars([cg.program for cg in cgs])
     layer = max(cgs, key=lambda cg: cg.stats.get("chunks", 1)).program
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (qkv's shared one: below)
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "0")     # one column a warp, as the counts below
 
     def gemvs() -> list[tuple[int, int, int]]:
         gen = group_kernel_sources(layer, dv, {"p": 512}, {})
