@@ -105,7 +105,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
-           "GEMV_SHARED_PRELOAD_VECTORS",
+           "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
@@ -1055,9 +1055,10 @@ def gemv_preload_shared() -> str | None:
     (:func:`gemv_preload_after_gemv`) copied into shared memory instead: the down projections, whose blocks
     become resident as gate-up's drain. gemma3-4b's down (1,280 blocks of 128 threads) drops a register
     preload, whose registers would split its grid (builder/kernels.py); the copies take none, 8 KB a block.
-    ``all``: every GEMV (tests: the mechanism on every shape and layout). ``0``: none. A prologue GEMV whose blocks walk more than one tile (llama3-1b's gate-up, 132
-    blocks for 256 tiles) keeps its register preload in every mode but ``all``: only a block's first tile would
-    be copied, as with the grids past one wave that builder/kernels.py drops. Returns the mode
+    ``all``: every GEMV (tests: the mechanism on every shape and layout). ``0``: none. A prologue GEMV whose
+    blocks walk more than one tile (llama3-1b's gate-up, 132 blocks for 256 tiles) keeps its register preload
+    in every mode but ``all``: only a block's first tile would be copied, as with the grids past one wave that
+    builder/kernels.py drops. Returns the mode
     (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``,
     ``"after_small_gemv"``, ``"all"``) or ``None``."""
     return _env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "1": "prologue_after_small", "small": "after_small",
@@ -1120,13 +1121,19 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     return out
 
 
-def _prologue_walks_tiles(op: LOp, ks: KernelSource) -> bool:
-    """A prologue GEMV with a shared preload whose static grid is fewer blocks than its tiles (the dot scheme's
-    ``cols`` output columns a tile), so that its blocks walk tiles and only each one's first is preloaded."""
-    if not (ks.tuning.get("preload_shared") and ks.tuning.get("prologue") and ks.grid[0].is_const):
-        return False
+def gemv_tile_a_block(op: LOp, ks: KernelSource) -> bool | None:
+    """Whether a dot-scheme GEMV's static grid has a block for each tile of its output columns (``cols`` of
+    them a tile), so no block walks a second one; None where the grid or the columns are dynamic."""
     cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params.get("n_out", op.params["n"]))
-    return cols.is_const and ks.grid[0].value * ks.tuning["cols"] < cols.value
+    if not (ks.grid[0].is_const and cols.is_const):
+        return None
+    return ks.grid[0].value * ks.tuning["cols"] >= cols.value
+
+
+def _prologue_walks_tiles(op: LOp, ks: KernelSource) -> bool:
+    """A prologue GEMV with a shared preload whose static grid is fewer blocks than its tiles, so that its
+    blocks walk tiles and only each one's first is preloaded."""
+    return bool(ks.tuning.get("preload_shared") and ks.tuning.get("prologue")) and gemv_tile_a_block(op, ks) is False
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:

@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switch, gemv_kernel_ops, generate_program,
-                                 module_source)
+from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switch, gemv_kernel_ops, gemv_tile_a_block,
+                                 generate_program, module_source)
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, sm_version
@@ -236,9 +236,7 @@ def _preloads_everything(op: LOp, ks: KernelSource, wave: int) -> bool:
     t, k = ks.tuning, as_expr(op.params["k"])
     if not (t.get("preload_shared") and ks.grid[0].is_const and k.is_const) or ks.grid[0].value > wave:
         return False
-    cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params.get("n_out", op.params["n"]))
-    return (t["preload"] * t["group"] * t["vec"] >= k.value and cols.is_const
-            and ks.grid[0].value * t["cols"] >= cols.value)
+    return t["preload"] * t["group"] * t["vec"] >= k.value and bool(gemv_tile_a_block(op, ks))
 
 
 def _shared_preload_past_one_wave(ks: KernelSource, wave: int) -> bool:
