@@ -74,9 +74,10 @@ What it does, in one run on one GPU:
      ``LUM_GEMV_PRELOAD_SHARED=small-prologue`` (the default's and every prologue GEMV whose blocks run one tile
      each: llama3-1b's qkv too, behind down), ``lum-small-gemv-shared`` with
      ``LUM_GEMV_PRELOAD_SHARED=small-gemv`` (the default's, and the down projections copying the 4 vectors a lane
-     they would preload into registers into shared memory instead, while gate-up drains), ``lum-narrow-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue
-     GEMVs keep their bf16 A as bf16 in shared memory, half the bytes each warp reads; the default does only where
-     their weights preload into shared memory), ``lum-wide-a`` with ``LUM_GEMV_PROLOGUE_NARROW_A=0`` (none does),
+     they would preload into registers into shared memory instead, while gate-up drains), ``lum-narrow-a`` with
+     ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
+     each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
+     with ``LUM_GEMV_PROLOGUE_NARROW_A=0`` (none does),
      ``lum-prologue512`` and ``lum-prologue256`` with ``LUM_GEMV_PROLOGUE_THREADS`` (prologue GEMVs in blocks of
      512 or 256 threads, not 1,024), ``lum-unpaired`` with ``LUM_GEMV_PROLOGUE_PAIRS=0`` (one column a warp; by
      default every prologue GEMV without an epilogue computes two, 2026-12-04; ``lum-pairs``: only those whose
@@ -155,9 +156,9 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
                  "lum-small-gemv-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-gemv"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
-                 "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"}, "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"},
-                 "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},
+                 "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},
+                 "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"}, "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},
                  "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
                  "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
