@@ -401,6 +401,34 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
         gemvs(*llama)
 
 
+def test_shared_preload_in_waves_keeps_the_grid(nvrtc, monkeypatch):
+    """``$LUM_GEMV_SHARED_PRELOAD_WAVES=1``: gemma3-4b's gate-up (behind the residual row kernel, 5,120 blocks of
+    128 threads, a tile a block) keeps its grid past one wave and copies half its tile (5 of 10 vectors a lane
+    and product column, 20 KB a block) into shared memory; no other GEMV of either model changes, no spills."""
+    from lum.builder import kernels
+    from lum.builder.codegen import gemv_kernel_ops
+    from tests.test_attention_stage import _layer
+
+    def gemvs(prog, dv):
+        got = kernels.group_kernel_sources(prog, dv)
+        return [got[o.id] for o in gemv_kernel_ops(prog)]
+
+    llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
+    monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED", raising=False)
+    monkeypatch.delenv("LUM_GEMV_SHARED_PRELOAD_WAVES", raising=False)
+    before = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    monkeypatch.setenv("LUM_GEMV_SHARED_PRELOAD_WAVES", "1")
+    after = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    assert [ks.name for ks in after["llama"]] == [ks.name for ks in before["llama"]]
+    changed = [i for i, (a, b) in enumerate(zip(after["gemma"], before["gemma"])) if a.name != b.name]
+    assert changed == [2], changed
+    up = after["gemma"][2]
+    assert up.grid == before["gemma"][2].grid and up.grid[0].value == 5120, up.grid
+    assert up.tuning["preload_shared"] and up.tuning["preload"] == 5 and up.shared_mem == 5 * 2 * 16 * 128, up.tuning
+    log = nvrtc.compile_cuda(kernels.module_source([up]), ptx=False, extra_options=["--ptxas-options=-v"]).log
+    assert nvrtc.ptxas_spills(log) == {}, log
+
+
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
     """``inflight`` is capped by the vectors a lane has; a static grid of one wave bounds the registers
     (``__launch_bounds__`` with the blocks an SM must hold) and then keeps A's loads where they are used;
