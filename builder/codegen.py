@@ -104,6 +104,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
+           "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
            "ENV_ROW_EARLY", "row_early_default", "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
@@ -634,7 +635,8 @@ def _default_threads(op: LOp) -> int:
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
-        return gemv_prologue_threads()                # --mode prologue: 1,024 or 512 threads, warp groups, best)
+        t = gemv_prologue_threads()                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
+        return prologue_fit_threads(op) if t == "fit" else t
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         if cols.is_const and cols.value >= 8192:
@@ -662,12 +664,27 @@ def gemv_prologue_pairs() -> str | None:
     return _env_choice(ENV_GEMV_PROLOGUE_PAIRS, {"0": None, "shared": "shared", "1": "all"}, "1")
 
 
-def gemv_prologue_threads() -> int:
-    """``$LUM_GEMV_PROLOGUE_THREADS`` (128, 256, 512 or 1,024, the default): the block size of a prologue GEMV
-    the tuning leaves open. One column a warp, so 1,024 threads give llama3-1b's qkv (3,072 columns) 96 blocks,
-    one an SM on 96 of the 132 SMs; smaller blocks spread its weights over more SMs, each block computing the
-    prologue again."""
-    return _env_choice(ENV_GEMV_PROLOGUE_THREADS, {str(t): t for t in (128, 256, 512, 1024)}, "1024")
+def gemv_prologue_threads() -> int | str:
+    """``$LUM_GEMV_PROLOGUE_THREADS`` (128, 256, 512 or 1,024, the default; or ``fit``): the block size of a
+    prologue GEMV the tuning leaves open. One column a warp, so 1,024 threads give llama3-1b's qkv (3,072
+    columns) 96 blocks, one an SM on 96 of the 132 SMs; smaller blocks spread its weights over more SMs, each
+    block computing the prologue again. Measured (a431934, same runs): 512 −0.4% on gemma3-4b and −0.5% on
+    llama3-1b, 256 −4.6% on llama3-1b: 192 and 384 blocks, two or three on some SMs and fewer on others.
+    ``fit``: the fewest warps whose blocks, one a tile, still fit the SMs in one wave
+    (:func:`prologue_fit_threads`): llama3-1b's qkv 768 threads, 128 blocks on 128 SMs; gemma3-4b's qkv
+    (4,096 columns) and the wide gate-up keep 1,024."""
+    return _env_choice(ENV_GEMV_PROLOGUE_THREADS, {**{str(t): t for t in (128, 256, 512, 1024)}, "fit": "fit"},
+                       "1024")
+
+
+def prologue_fit_threads(op: LOp) -> int:
+    """A prologue GEMV's block size under ``$LUM_GEMV_PROLOGUE_THREADS=fit``: a warp a column (a pair of columns
+    a warp when paired, in half the threads), as many warps as put its columns on at most :data:`SMS` blocks,
+    at most 1,024 threads (a dynamic width: 1,024)."""
+    cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
+    if not cols.is_const:
+        return 1024
+    return 32 * min(32, -(-cols.value // SMS))
 
 
 def gemv_balance() -> bool:
@@ -1722,8 +1739,9 @@ class _Gen:
         group = self._row_group(rows, n)
         threads = self.threads if self.threads_given else self._row_threads(rows, group)
         group = min(group, threads)
-        if group < 1 or group > threads or group & (group - 1):
-            raise CodegenError(f"group must be a power of two in [1, threads], got {group}")
+        whole = group == threads and group % 32 == 0      # the block as one group (lum_group_reduce: any warps)
+        if group < 1 or group > threads or (group & (group - 1) and not whole):
+            raise CodegenError(f"group must be a power of two in [1, threads], or the whole block, got {group}")
         acc_kind = "d" if self.acc == "f64" else "f"
         ctx = self.ctx
         ind, ind3 = " " * 4, " " * 8
