@@ -680,11 +680,11 @@ def gemv_prologue_threads() -> int | str:
 def prologue_fit_threads(op: LOp) -> int:
     """A prologue GEMV's block size under ``$LUM_GEMV_PROLOGUE_THREADS=fit``: a warp a column (a pair of columns
     a warp when paired, in half the threads), as many warps as put its columns on at most :data:`SMS` blocks,
-    at most 1,024 threads (a dynamic width: 1,024)."""
+    an even count (whole warps when paired), at most 1,024 threads (a dynamic width: 1,024)."""
     cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
     if not cols.is_const:
         return 1024
-    return 32 * min(32, -(-cols.value // SMS))
+    return 64 * min(16, -(-cols.value // (2 * SMS)))
 
 
 def gemv_balance() -> bool:

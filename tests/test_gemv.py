@@ -429,6 +429,33 @@ def test_shared_preload_in_waves_keeps_the_grid(nvrtc, monkeypatch):
     assert nvrtc.ptxas_spills(log) == {}, log
 
 
+def test_prologue_threads_fit_the_sms(monkeypatch):
+    """``$LUM_GEMV_PROLOGUE_THREADS=fit``: llama3-1b's qkv (3,072 columns, two a warp) in 128 blocks of 384
+    threads, not 96 of 512; its gate-up and gemma3-4b's qkv (4,096 columns: 32 warps already fill 128 SMs)
+    keep 1,024 threads' worth; other values are refused with the choices named."""
+    from lum.builder import kernels
+    from lum.builder.codegen import gemv_kernel_ops
+    from tests.test_attention_stage import _layer
+
+    def gemvs(prog, dv):
+        got = kernels.group_kernel_sources(prog, dv)
+        return [got[o.id] for o in gemv_kernel_ops(prog)]
+
+    llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
+    monkeypatch.delenv("LUM_GEMV_PROLOGUE_THREADS", raising=False)
+    before = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "fit")
+    after = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    qkv = after["llama"][0]
+    assert (qkv.block[0], qkv.grid[0].value, qkv.tuning["cols"]) == (384, 128, 24), (qkv.block, qkv.grid)
+    assert before["llama"][0].grid[0].value == 96
+    assert [ks.name for ks in after["llama"][1:]] == [ks.name for ks in before["llama"][1:]]
+    assert [ks.name for ks in after["gemma"]] == [ks.name for ks in before["gemma"]]
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "384")
+    with pytest.raises(CodegenError, match="fit"):
+        gemvs(*llama)
+
+
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
     """``inflight`` is capped by the vectors a lane has; a static grid of one wave bounds the registers
     (``__launch_bounds__`` with the blocks an SM must hold) and then keeps A's loads where they are used;
