@@ -78,6 +78,7 @@ from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.row_reads import row_reads_enabled
+from lum.builder.kernels import ENV_SHARED_PRELOAD_WAVES
 from lum.builder.siblings import sibling_kernels_enabled
 from lum.builder.tail import kernel_tails_policy
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
@@ -98,7 +99,7 @@ DB_VERSION = 1
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
 KEY_SWITCHES = {ENV_STAGE_ONE_ROUND: True, ENV_STAGE_BRANCH: True, ENV_MERGE_ALL_ROWS: True,
                 ENV_ATTENTION_KEY_BATCH: True, ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True,
-                ENV_ATTENTION_STAGE_AHEAD: False}
+                ENV_ATTENTION_STAGE_AHEAD: False, ENV_SHARED_PRELOAD_WAVES: False}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8
