@@ -31,7 +31,8 @@ from lum.format.llir import LOp, Program
 from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, sm_version
 
 __all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "ENV_SHARED_PRELOAD_WAVES",
-           "GroupKernels", "launch_table", "group_kernel_sources", "compile_group_kernels", "program_dyn_vars", "default_max_dyn"]
+           "GroupKernels", "launch_table", "group_kernel_sources", "compile_group_kernels", "program_dyn_vars",
+           "default_max_dyn"]
 
 
 @dataclass
