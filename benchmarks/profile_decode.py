@@ -136,11 +136,14 @@ def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dic
     for tag, recs in by_kernel.items():
         start = sorted((int(r[3]) - t0) / 1e3 for r in recs)
         waited = sorted((int(r[4]) - t0) / 1e3 for r in recs if r[4])
+        marks = [sorted((int(r[5 + e]) - t0) / 1e3 for r in recs if r[5 + e]) for e in range(3)]
         rows.append({"kernel": names.get(tag, f"tag {tag:x}"), "blocks_sampled": len(recs),
                      "sms": len({int(r[2]) for r in recs}),
                      "start_us": [round(start[0], 3), round(start[len(start) // 2], 3), round(start[-1], 3)],
                      "waited_us": [round(waited[0], 3), round(waited[len(waited) // 2], 3), round(waited[-1], 3)]
-                     if waited else None})
+                     if waited else None,
+                     **({"marks_us": [[round(m[0], 3), round(m[len(m) // 2], 3), round(m[-1], 3)] if m else None
+                                      for m in marks]} if any(marks) else {})})
     chain = sorted((r for r in rows if r["waited_us"]), key=lambda r: r["waited_us"][0])
     for r in rows:
         r["link_us"] = None
@@ -291,6 +294,9 @@ def main(argv=None) -> int:
             link = f"{r['link_us']:.2f}" if r["link_us"] is not None else "-"
             print(f"  {'/'.join(f'{x:.2f}' for x in r['start_us']):>30}  {w:>30}  {link:>7}  {r['blocks_sampled']:6d}  "
                   f"{r['kind']}/{r['op']} {r['shape']}")
+            for e, m in enumerate(r.get("marks_us") or ()):      # the template's own marks (LUM_STAMP_AT)
+                if m:
+                    print(f"  {'mark ' + str(e + 2) + ': ' + '/'.join(f'{x:.2f}' for x in m):>30}")
         log(f"wrote {out_path}")
         sess.close()
         pkg.close()

@@ -158,6 +158,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
 {{SETUP}}
 {{KV_AHEAD}}
 {{STAGE}}
+    LUM_STAMP_AT(2);                       // stamps builds: the stage done (templates/common.cuh)
     float lum_q[M][DPL];
 {{LOAD_Q}}
     float lum_c[M], lum_l[M], lum_acc[M][VPL];
@@ -187,6 +188,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
       }
 {{KEYS_AFTER}}
     }
+    LUM_STAMP_AT(3);                       // ... the chunk's keys done (thread 0's warp)
     // the warps' partials of the query rows, merged through shared memory MR rows at a time (one barrier
     // pair for them), each warp's factor 2^(c_w - c*) once a row
 #pragma unroll
@@ -222,6 +224,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
         }
       }
     }
+    LUM_STAMP_AT(4);                       // ... the partials stored
 #if {{COUNTED}}
     __syncthreads();                       // this block's partials are stored
     if (threadIdx.x == 0) {

@@ -68,8 +68,9 @@ def test_critical_advance_charges_each_kernel_what_it_adds_to_the_timeline():
 
 def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tmp_path, monkeypatch):
     """``$LUM_STAMPS=1`` (``profile_decode.py --stamps``): the package's modules define ``lum_stamps`` and stamp
-    each kernel's start and wait (two ``%globaltimer`` reads an entry, PTX), and nothing else changes: the launch
-    tables (kernel names, grids, tuning) are the plain build's, and a module built without it has no stamp.
+    each kernel's start and wait (two ``%globaltimer`` reads an entry, PTX; decode attention three marks more,
+    LUM_STAMP_AT), and nothing else changes: the launch tables (kernel names, grids, tuning) are the plain
+    build's, and a module built without it has no stamp.
     :func:`stamp_timeline` maps the records back to kernel names, in start order, times from the earliest."""
     import numpy as np
 
@@ -108,8 +109,9 @@ def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tm
     a[:STAMP_FIELDS] = [stamp_tag("lum_a"), 0, 5, 1_000_000, 0, 0, 0, 0]
     a[STAMP_FIELDS:2 * STAMP_FIELDS] = [stamp_tag("lum_a"), 4, 6, 1_000_500, 0, 0, 0, 0]
     b = np.zeros(STAMP_BLOCKS * STAMP_FIELDS, np.uint64)
-    b[:STAMP_FIELDS] = [stamp_tag("lum_b"), 0, 7, 1_001_000, 1_003_000, 0, 0, 0]
+    b[:STAMP_FIELDS] = [stamp_tag("lum_b"), 0, 7, 1_001_000, 1_003_000, 0, 1_004_250, 0]   # B's own mark 3
     rows = stamp_timeline([b, a], names)
+    assert "marks_us" not in rows[0] and rows[1]["marks_us"] == [None, [4.25, 4.25, 4.25], None]
     assert [r["kernel"] for r in rows] == ["lum_a", "lum_b"]
     assert rows[0]["start_us"] == [0.0, 0.5, 0.5] and rows[0]["waited_us"] is None and rows[0]["sms"] == 2
     assert rows[1]["start_us"] == [1.0, 1.0, 1.0] and rows[1]["waited_us"] == [3.0, 3.0, 3.0]
