@@ -50,11 +50,23 @@ from lum.builder.tail import _ENTRY_RE, _NO_WORK, _joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
-__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "attention_stage_ahead", "attention_stage_enabled",
-           "stage_ops", "fuse_attention_stages"]
+__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "ENV_ATTENTION_STAGE_PREFETCH", "attention_stage_ahead",
+           "attention_stage_enabled", "attention_stage_prefetch", "stage_ops", "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
 ENV_ATTENTION_STAGE_AHEAD = "LUM_ATTENTION_STAGE_AHEAD"
+ENV_ATTENTION_STAGE_PREFETCH = "LUM_ATTENTION_STAGE_PREFETCH"
+STAGE_PREFETCH_MAX_BYTES = 4096     # a leaf the stage's prefetch asks L2 for: its whole buffer, at most this
+
+
+def attention_stage_prefetch() -> bool:
+    """``$LUM_ATTENTION_STAGE_PREFETCH``: ``1`` has each block of a fused attention ask L2 for its stage's
+    constant leaves (weights and constants of at most :data:`STAGE_PREFETCH_MAX_BYTES`: gemma3-4b's q and k
+    norm weights and scalars) before its wait, so that the stage's reads after the wait, which the block's
+    first key loads wait behind, do not go to memory; ``0`` (the default) does not. Why: the stamps at b57ec6e
+    have gemma3-4b's stage at 2.72 µs from the wait to its barrier against llama3-1b's 0.70 (whose stage
+    reads no weight), while o's blocks copy 10.5 MB of weights into shared memory beside it."""
+    return env_switch(ENV_ATTENTION_STAGE_PREFETCH)
 
 
 def attention_stage_ahead() -> bool:
@@ -166,10 +178,11 @@ def _stage(att: LOp, rows: Mapping[str, StageRow]) -> AttentionStage:
 
 
 def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
-                          max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
-                          ) -> dict[int, KernelSource | None]:
+                          max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
+                          weights: frozenset[int] = frozenset()) -> dict[int, KernelSource | None]:
     """``sources`` with each attention whose stage fuses (the module docstring) as one kernel under the first
-    of its q / k / v ops, whose other entries are dropped (:attr:`KernelSource.tails` names them)."""
+    of its q / k / v ops, whose other entries are dropped (:attr:`KernelSource.tails` names them). ``weights``:
+    the program's input ops that are weights (with :func:`attention_stage_prefetch`, leaves asked for early)."""
     common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k != "max_dyn"}
     out = dict(sources)
     for att in program.ops:
@@ -180,7 +193,7 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
             continue
         comb = program.ops[ks.tails[0]] if combined else None
         try:
-            fused = _fuse(program, att, ops, dyn_vars, max_dyn, common, comb, "cluster" in ks.tuning)
+            fused = _fuse(program, att, ops, dyn_vars, max_dyn, common, comb, "cluster" in ks.tuning, weights)
         except CodegenError:
             continue
         run = sorted(ops, key=lambda o: o.id)
@@ -190,13 +203,36 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
     return out
 
 
+def _prefetches(program: Program, run: Sequence[LOp], att: LOp, weights: frozenset[int]) -> list[str]:
+    """The entry's lines asking L2 for the stage ops' constant leaves (weights and constants of at most
+    :data:`STAGE_PREFETCH_MAX_BYTES`, each buffer once), by their parameter names in the fused kernel
+    (:func:`~lum.builder.tail._joined_params`: the first op's ``in<k>``, the others' ``t<j>_in<k>``)."""
+    lines, seen = [], set()
+    for j, op in enumerate(run):
+        if op.id == att.id:
+            continue
+        for k, a in enumerate(op.args):
+            src = program.ops[a.src]
+            if a.src in seen or not (src.kind == "constant" or a.src in weights):
+                continue
+            shape = [as_expr(d) for d in src.shape]
+            if not all(d.is_const for d in shape):
+                continue
+            nbytes = math.prod(d.value for d in shape) * src.dtype.itemsize
+            if nbytes > STAGE_PREFETCH_MAX_BYTES:
+                continue
+            seen.add(a.src)
+            lines.append(f"  lum_prefetch_l2({'' if j == 0 else f't{j - 1}_'}in{k}, {nbytes}u);")
+    return lines
+
+
 def _dts(program: Program, op: LOp) -> list:
     return [program.ops[a.src].dtype for a in op.args]
 
 
 def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Sequence[str],
           max_dyn: Mapping[str, int] | None, common: Mapping[str, Any], comb: LOp | None = None,
-          cluster: bool = False) -> KernelSource:
+          cluster: bool = False, weights: frozenset[int] = frozenset()) -> KernelSource:
     """The attention kernel running its stage's rows (``templates/attention.cu`` STAGE) and, given ``comb``,
     its combine (counted, or in clusters: :mod:`lum.builder.attention_combine`), the last of its tails;
     CodegenError where it cannot."""
@@ -230,6 +266,7 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
         wargs = "w0, w1, wT, wf"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) {_ENTRY}({", ".join(p.ctype for p in params)}) {{',
+        *(_prefetches(program, run, att, weights) if attention_stage_prefetch() else []),
         f"  {_ENTRY}_attn(",
         f"      [&](long long r, bool live, LumSink s) {{ {_ENTRY}_q(r, live, s, {q}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, {wargs}, {k}); }},",

@@ -167,7 +167,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
     tails = kernel_tails_enabled()
     if attention_stage_enabled() and not tails:     # both take the small kernels after the qkv GEMV
-        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
+        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning, weights)
     if sibling_kernels_enabled() and not tails:     # both take the small kernels after a head: one or the other
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     if tails:

@@ -145,6 +145,30 @@ def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
     assert not any(x in default.body for x in ("lum_ks", "lum_hit", "lum_tb != lum_t0"))
 
 
+def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
+    """``LUM_ATTENTION_STAGE_PREFETCH=1``: gemma3-4b's fused attention entry asks L2 for its stage's weights and
+    constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) before the attention
+    body, each buffer once, and nothing else (not the qkv output it waits for, nor the step's tables); off by
+    default, where the kernel has none."""
+    import re
+
+    prog, dv = _layer("gemma3-4b", DType.bf16)
+    max_dyn = default_max_dyn(dv, MAX_SEQ)
+    weights = frozenset(o.id for o in prog.ops if o.kind == "input" and o.params.get("name", "").startswith("model."))
+    default = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k.tails][0]
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_PREFETCH", "1")
+    ks = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k.tails][0]
+    assert "lum_prefetch_l2(" not in default.body and ks.tails == default.tails
+    asked = re.findall(r"lum_prefetch_l2\((\w+), (\d+)u\);", ks.body)
+    entry = ks.body.split('extern "C"')[1]
+    assert asked and entry.index("lum_prefetch_l2(") < entry.index("_attn(")
+    assert len({name for name, _ in asked}) == len(asked)
+    sizes = sorted(int(n) for _, n in asked)
+    assert sizes.count(512) == 2 and set(sizes) <= {4, 512, 1024}, sizes  # two norm weights (bf16 256), constants
+    names = {p.name: p for p in ks.params}
+    assert all(names[n].role == "arg" for n, _ in asked)
+
+
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
 def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, block):
     """By default a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a
