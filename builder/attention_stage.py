@@ -65,7 +65,11 @@ def attention_stage_prefetch() -> bool:
     norm weights and scalars) before its wait, so that the stage's reads after the wait, which the block's
     first key loads wait behind, do not go to memory; ``0`` (the default) does not. Why: the stamps at b57ec6e
     have gemma3-4b's stage at 2.72 µs from the wait to its barrier against llama3-1b's 0.70 (whose stage
-    reads no weight), while o's blocks copy 10.5 MB of weights into shared memory beside it."""
+    reads no weight), while o's blocks copy 10.5 MB of weights into shared memory beside it. The prefetches
+    run in the attention body between its trigger and its wait (a lambda, ``lum_pre``): in the entry, before
+    its call of the body, they made the kernel one whose first statement does not wait (builder/kernels.py
+    ``_waits``), launched without programmatic serialization (0c7bc11: the blocks' start stamps 0.2 µs
+    before their wait, not 7 µs; −5.4%), though the stage itself took 1.15 µs, not 2.72."""
     return env_switch(ENV_ATTENTION_STAGE_PREFETCH)
 
 
@@ -203,14 +207,13 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
     return out
 
 
-def _prefetches(program: Program, run: Sequence[LOp], att: LOp, weights: frozenset[int]) -> list[str]:
-    """The entry's lines asking L2 for the stage ops' constant leaves (weights and constants of at most
+def _prefetches(program: Program, ops: Sequence[LOp], weights: frozenset[int]) -> list[tuple[str, int]]:
+    """(parameter, bytes) of the stage ops' constant leaves (weights and constants of at most
     :data:`STAGE_PREFETCH_MAX_BYTES`, each buffer once), by their parameter names in the fused kernel
-    (:func:`~lum.builder.tail._joined_params`: the first op's ``in<k>``, the others' ``t<j>_in<k>``)."""
-    lines, seen = [], set()
-    for j, op in enumerate(run):
-        if op.id == att.id:
-            continue
+    (:func:`~lum.builder.tail._joined_params`, ops in program order: the first's ``in<k>``, the others'
+    ``t<j>_in<k>``), for its ``lum_pre`` (templates/common.cuh lum_prefetch_l2)."""
+    found, seen = [], set()
+    for j, op in enumerate(sorted(ops, key=lambda o: o.id)):
         for k, a in enumerate(op.args):
             src = program.ops[a.src]
             if a.src in seen or not (src.kind == "constant" or a.src in weights):
@@ -222,8 +225,8 @@ def _prefetches(program: Program, run: Sequence[LOp], att: LOp, weights: frozens
             if nbytes > STAGE_PREFETCH_MAX_BYTES:
                 continue
             seen.add(a.src)
-            lines.append(f"  lum_prefetch_l2({'' if j == 0 else f't{j - 1}_'}in{k}, {nbytes}u);")
-    return lines
+            found.append((f"{'' if j == 0 else f't{j - 1}_'}in{k}", nbytes))
+    return found
 
 
 def _dts(program: Program, op: LOp) -> list:
@@ -245,8 +248,14 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(_ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
-    body = _ENTRY_RE.sub("template <class LumQ, class LumK, class LumV>\n__device__ __forceinline__ void "
-                         f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, ", body, count=1)
+    prefetch = _prefetches(program, ops, weights) if attention_stage_prefetch() else []
+    pre_t, pre_p = (", class LumPre", "LumPre lum_pre, ") if prefetch else ("", "")
+    body = _ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV{pre_t}>\n__device__ __forceinline__ void "
+                         f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, {pre_p}", body, count=1)
+    if prefetch:            # after the trigger, before the wait: asked early, holding back no kernel after it
+        if body.count("lum_pdl_trigger();") != 1:
+            raise CodegenError("an attention stage's prefetch needs the attention's one trigger")   # pragma: no cover
+        body = body.replace("lum_pdl_trigger();", "lum_pdl_trigger();\n  lum_pre();", 1)
     body = body.replace("__restrict__ ", "")    # it reads the cache rows its own stage writes
     run = sorted((*ops, att), key=lambda o: o.id)
     role_of = {op.id: role for role, op in zip("qkv", ops)}
@@ -266,11 +275,11 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
         wargs = "w0, w1, wT, wf"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) {_ENTRY}({", ".join(p.ctype for p in params)}) {{',
-        *(_prefetches(program, run, att, weights) if attention_stage_prefetch() else []),
         f"  {_ENTRY}_attn(",
         f"      [&](long long r, bool live, LumSink s) {{ {_ENTRY}_q(r, live, s, {q}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, {wargs}, {k}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_v(r, live, {wargs}, {v}); }},",
+        *([f"      [&]() {{ {' '.join(f'lum_prefetch_l2({n}, {b}u);' for n, b in prefetch)} }},"] if prefetch else []),
         f"      {args[att.id]});",
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])

@@ -11,7 +11,7 @@ import pytest
 
 from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages, stage_ops
 from lum.builder.codegen import AttentionStage, attention_stage_block, generate_program
-from lum.builder.kernels import default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
+from lum.builder.kernels import _waits, default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
 from lum.format.llir import Arg, LOp, Program
@@ -146,9 +146,9 @@ def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
 
 
 def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
-    """``LUM_ATTENTION_STAGE_PREFETCH=1``: gemma3-4b's fused attention entry asks L2 for its stage's weights and
-    constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) before the attention
-    body, each buffer once, and nothing else (not the qkv output it waits for, nor the step's tables); off by
+    """``LUM_ATTENTION_STAGE_PREFETCH=1``: gemma3-4b's fused attention asks L2 for its stage's weights and
+    constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) after its trigger and
+    before its wait, so it is still launched programmatically, each buffer once, and nothing else (not the qkv output it waits for, nor the step's tables); off by
     default, where the kernel has none."""
     import re
 
@@ -160,8 +160,9 @@ def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
     ks = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k.tails][0]
     assert "lum_prefetch_l2(" not in default.body and ks.tails == default.tails
     asked = re.findall(r"lum_prefetch_l2\((\w+), (\d+)u\);", ks.body)
-    entry = ks.body.split('extern "C"')[1]
-    assert asked and entry.index("lum_prefetch_l2(") < entry.index("_attn(")
+    attn = ks.body.split("_attn(LumQ")[1]          # asked between the trigger and the wait, by lum_pre
+    assert asked and attn.index("lum_pdl_trigger();") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
+    assert _waits(ks) and _waits(default)           # still launched programmatically
     assert len({name for name, _ in asked}) == len(asked)
     sizes = sorted(int(n) for _, n in asked)
     assert sizes.count(512) == 2 and set(sizes) <= {4, 512, 1024}, sizes  # two norm weights (bf16 256), constants
