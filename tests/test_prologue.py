@@ -191,7 +191,7 @@ def test_reference_semantics_of_the_kernel_cases_match_float64():
             err = np.abs(y.reshape(m, -1).astype(np.float64) - want).max() / np.abs(want).max()
             assert err < tol, (name, err)
             seen += 1
-        assert seen == (7 if dt == DType.f32 else 14)   # (3 shapes x 2 kinds + 1 static n) per result dtype
+        assert seen == (8 if dt == DType.f32 else 16)   # (3 shapes x 2 kinds + 2 static n) per result dtype
 
 
 def _nvrtc_or_skip():
