@@ -50,8 +50,9 @@ from lum.builder.tail import _ENTRY_RE, _NO_WORK, _joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
-__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "ENV_ATTENTION_STAGE_PREFETCH", "attention_stage_ahead",
-           "attention_stage_enabled", "attention_stage_prefetch", "stage_ops", "fuse_attention_stages"]
+__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "ENV_ATTENTION_STAGE_PREFETCH",
+           "attention_stage_ahead", "attention_stage_enabled", "attention_stage_prefetch", "stage_ops",
+           "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
 ENV_ATTENTION_STAGE_AHEAD = "LUM_ATTENTION_STAGE_AHEAD"
@@ -279,7 +280,8 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
         f"      [&](long long r, bool live, LumSink s) {{ {_ENTRY}_q(r, live, s, {q}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, {wargs}, {k}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_v(r, live, {wargs}, {v}); }},",
-        *([f"      [&]() {{ {' '.join(f'lum_prefetch_l2({n}, {b}u);' for n, b in prefetch)} }},"] if prefetch else []),
+        *([f"      [&]() {{ {' '.join(f'lum_prefetch_l2({n}, {b}u);' for n, b in prefetch)} }},"]
+          if prefetch else []),
         f"      {args[att.id]});",
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])

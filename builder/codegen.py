@@ -1154,9 +1154,9 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         dts = [program.ops[a.src].dtype for a in o.args]
         wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
         r = rank.get(o.id, -1)
-        combine = late and o.kind == "reduce" and bool(o.args) and program.ops[o.args[0].src].kind == "attention"
+        late_here = late and o.kind == "reduce" and bool(o.args) and program.ops[o.args[0].src].kind == "attention"
         ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})},
-                      **({"trigger_late": True} if combine else {}))
+                      **({"trigger_late": True} if late_here else {}))
         if r in in_registers and shared != "all" and ks is not None and _prologue_walks_tiles(o, ks):
             ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
         out[o.id] = ks

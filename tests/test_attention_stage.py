@@ -148,8 +148,8 @@ def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
 def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
     """``LUM_ATTENTION_STAGE_PREFETCH=1``: gemma3-4b's fused attention asks L2 for its stage's weights and
     constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) after its trigger and
-    before its wait, so it is still launched programmatically, each buffer once, and nothing else (not the qkv output it waits for, nor the step's tables); off by
-    default, where the kernel has none."""
+    before its wait, so it is still launched programmatically, each buffer once, and nothing else (not the qkv
+    output it waits for, nor the step's tables); off by default, where the kernel has none."""
     import re
 
     prog, dv = _layer("gemma3-4b", DType.bf16)
