@@ -295,5 +295,6 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     return KernelSource(name=name, kind=head.kind, op=head.op, source=common_header() + "\n" + body, body=body,
                         launches=(replace(ks.launches[0], kernel=name),), params=tuple(params), dyn_vars=ks.dyn_vars,
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
-                        tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {})},
+                        tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {}),
+                                **({"stage_prefetch": True} if prefetch else {})},
                         tails=tuple(o.id for o in run[1:]) + (() if comb is None else (comb.id,)))

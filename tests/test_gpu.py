@@ -402,7 +402,11 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                                             lambda op: _stage_kernel(op) and op.tuning.get("stage_ahead")),
                   "siblings": ({"LUM_ATTENTION_STAGE": "0"}, {"LUM_ATTENTION_STAGE": "0", "LUM_SIBLING_KERNELS": "0"},
                                _sibling_kernel),
-                  "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"}, lambda op: op.tuning.get("stream"))}
+                  "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"}, lambda op: op.tuning.get("stream")),
+                  "attention-stage-prefetch": ({"LUM_ATTENTION_STAGE_PREFETCH": "1"}, None,
+                                               lambda op: _stage_kernel(op) and op.tuning.get("stage_prefetch")),
+                  "combine-trigger-late": ({"LUM_COMBINE_TRIGGER_LATE": "1"}, None,
+                                           lambda op: op.tuning.get("trigger_late"))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -415,7 +419,9 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     independent small kernels in a row as one launch (on by default; built without them at
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
-    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values). Decode logits of the fused package as the
+    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the stage's weights asked of L2 before the
+    wait (``LUM_ATTENTION_STAGE_PREFETCH=1``), or the attention combine letting the kernel after it launch after
+    its wait (``LUM_COMBINE_TRIGGER_LATE=1``; both off by default, neither changes a value). Decode logits of the fused package as the
     reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
     the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
