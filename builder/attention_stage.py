@@ -69,8 +69,9 @@ def attention_stage_prefetch() -> bool:
     reads no weight), while o's blocks copy 10.5 MB of weights into shared memory beside it. The prefetches
     run in the attention body between its trigger and its wait (a lambda, ``lum_pre``): in the entry, before
     its call of the body, they made the kernel one whose first statement does not wait (builder/kernels.py
-    ``_waits``), launched without programmatic serialization (0c7bc11: the blocks' start stamps 0.2 µs
-    before their wait, not 7 µs; −5.4%), though the stage itself took 1.15 µs, not 2.72."""
+    ``_waits``), and so the layer's whole launch table not programmatic (0c7bc11: every kernel's blocks
+    resident 0.2 µs before their wait, not up to 7 µs; −5.4%, though the stage took 1.15 µs, not 2.72).
+    Measured there: −0.1% (be7a0da)."""
     return env_switch(ENV_ATTENTION_STAGE_PREFETCH)
 
 

@@ -744,8 +744,8 @@ def combine_trigger_late() -> bool:
     programmatic launch every kernel triggers as it starts, so o's blocks (behind the combine, copying 10.5 MB
     of weights into shared memory before their wait on gemma3-4b) become resident while the qkv and attention
     still run, and their copies share the bus with the attention stage's reads: the stamps at b57ec6e have
-    gemma3-4b's stage at 2.72 µs from its wait to its barrier, and 1.15 µs where the attention was launched
-    plainly and o's copies came later (0c7bc11). Late, o's copies start as the attention ends and have the
+    gemma3-4b's stage at 2.72 µs from its wait to its barrier, and 1.15 µs where the layer's kernels were
+    launched plainly, none resident beside another (0c7bc11). Late, o's copies start as the attention ends and have the
     combine's ≈ 2 µs and their own wait to land."""
     return env_switch(ENV_COMBINE_TRIGGER_LATE)
 
