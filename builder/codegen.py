@@ -402,16 +402,17 @@ class _Ctx:
 
         return all(ok(e) for e in self.exprs)
 
-    def dyn_loads(self, wait: bool = True) -> tuple[str, dict[str, int]]:
+    def dyn_loads(self, wait: bool = True, trigger_late: bool = False) -> tuple[str, dict[str, int]]:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
         because the template waits itself once it has issued its early reads (gemv.cu's preload, row.cu's
-        weights)."""
+        weights). ``trigger_late``: the trigger after the wait instead (:func:`combine_trigger_late`)."""
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        lines = ["  lum_pdl_trigger();  // common.cuh: launch order"]
+        lines = [] if trigger_late else ["  lum_pdl_trigger();  // common.cuh: launch order"]
         lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
         lines += [] if slots else ["  (void)dyn;"]
         lines += ["  lum_pdl_wait();"] if wait else []
+        lines += ["  lum_pdl_trigger();  // late: after the wait"] if trigger_late and wait else []
         return "\n".join(lines), slots
 
 
@@ -745,8 +746,8 @@ def combine_trigger_late() -> bool:
     of weights into shared memory before their wait on gemma3-4b) become resident while the qkv and attention
     still run, and their copies share the bus with the attention stage's reads: the stamps at b57ec6e have
     gemma3-4b's stage at 2.72 µs from its wait to its barrier, and 1.15 µs where the layer's kernels were
-    launched plainly, none resident beside another (0c7bc11). Late, o's copies start as the attention ends and have the
-    combine's ≈ 2 µs and their own wait to land."""
+    launched plainly, none resident beside another (0c7bc11). Late, o's copies start as the attention ends
+    and have the combine's ≈ 2 µs and their own wait to land."""
     return env_switch(ENV_COMBINE_TRIGGER_LATE)
 
 
@@ -909,12 +910,9 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads()
-    if trigger_late:                               # the next kernel launches once this one's wait has returned
-        trigger = "  lum_pdl_trigger();  // common.cuh: launch order"
-        if "@DYN_LOADS@" not in "\n".join(bodies) or not dyn_loads.startswith(trigger + "\n"):
-            raise CodegenError(f"a {op.kind} kernel cannot trigger late: its template waits itself")
-        dyn_loads = dyn_loads[len(trigger) + 1:] + "\n  lum_pdl_trigger();  // late: after the wait"
+    if trigger_late and "@DYN_LOADS@" not in "\n".join(bodies):
+        raise CodegenError(f"a {op.kind} kernel cannot trigger late: its template waits itself")
+    dyn_loads, slots = ctx.dyn_loads(trigger_late=trigger_late)
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)

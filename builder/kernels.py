@@ -203,16 +203,17 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
             return tuning, gen
         regs = nvrtc.ptxas_registers(log)
         by_name = {ks.name: ks for ks in gen.values() if ks is not None and ks.name in ahead}
-        op_of = {ks.name: i for i, ks in gen.items() if ks is not None and ks.name in ahead}
         resident = {name: resident_blocks(ks.block[0], regs[name], ks.shared_mem) for name, ks in by_name.items()
                     if name in regs}
         whole = {gen[i].name for i in ranks if gen[i] is not None and gen[i].name in resident
                  and _preloads_everything(program.ops[i], gen[i], SMS * resident[gen[i].name])}
+        in_waves = {gen[i].name for i in ranks
+                    if gen[i] is not None and _shared_preload_in_waves(program.ops[i], gen[i])}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
                    and ((resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS and name not in whole)
                         or _waves_unbalanced(by_name[name], SMS * resident[name])
                         or (_shared_preload_past_one_wave(by_name[name], SMS * resident[name])
-                            and not _shared_preload_in_waves(program.ops[op_of[name]], by_name[name])))]
+                            and name not in in_waves))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen
