@@ -336,25 +336,20 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     ``small``'s and the down projections (behind gate-up) with their register preload's 4 vectors copied instead;
     ``all``: every GEMV; ``0``: none."""
     from lum.builder import kernels
-    from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
-
-    def gemvs(prog, dv):
-        got = kernels.group_kernel_sources(prog, dv)
-        return [got[o.id] for o in gemv_kernel_ops(prog)]
 
     def taken(ks_list):
         return [bool(ks.tuning.get("preload_shared")) for ks in ks_list]
 
     llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
     monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED", raising=False)
-    default = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    default = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")
-    plain = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    plain = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     assert not any(ks.tuning.get("preload_shared") or ks.shared_mem for v in plain.values() for ks in v)
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "1")
-    assert [ks.name for ks in gemvs(*llama)] == [ks.name for ks in plain["llama"]]
-    on = gemvs(*gemma)
+    assert [ks.name for ks in _layer_gemvs(*llama)] == [ks.name for ks in plain["llama"]]
+    on = _layer_gemvs(*gemma)
     shared = [(ks.block[0], ks.tuning["preload"], ks.shared_mem) for ks in on if ks.tuning.get("preload_shared")]
     assert shared == [(512, 10, 10 * 2 * 16 * 512)], shared     # column pairs: two columns a warp, 512 threads
     assert [ks.name for ks in on if not ks.tuning.get("preload_shared")] == \
@@ -362,7 +357,7 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     log = nvrtc.compile_cuda(kernels.module_source(on), ptx=False, extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small")      # the default: llama's o ...
-    small = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    small = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     assert {m: [ks.name for ks in v] for m, v in default.items()} == {m: [ks.name for ks in v] for m, v in small.items()}
     assert taken(small["llama"]) == [False, True, False, False]
     got = small["gemma"]       # ... and gemma's qkv and o; gate-up's 5,120 blocks are past one wave: no preload
@@ -373,21 +368,21 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
                              extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "prologue")   # every GEMV with a prologue: llama's qkv; its
-    got = gemvs(*llama)                                          # gate-up's 132 blocks walk 256 tiles: registers
+    got = _layer_gemvs(*llama)                                   # gate-up's 132 blocks walk 256 tiles: registers
     assert taken(got) == [True, False, False, False]
     assert got[0].shared_mem == 8 * 16 * 1024 and got[0].tuning["preload"] == 8, (got[0].shared_mem, got[0].tuning)
     assert got[2].name == plain["llama"][2].name
-    assert taken(gemvs(*gemma)) == [True, False, False, False]
+    assert taken(_layer_gemvs(*gemma)) == [True, False, False, False]
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small-prologue")   # both: llama's qkv and o; gemma's as small
-    got = gemvs(*llama)
+    got = _layer_gemvs(*llama)
     assert taken(got) == [True, True, False, False]
     assert [ks.name for ks in got[1:]] == [ks.name for ks in small["llama"][1:]]
-    assert [ks.name for ks in gemvs(*gemma)] == [ks.name for ks in small["gemma"]]
+    assert [ks.name for ks in _layer_gemvs(*gemma)] == [ks.name for ks in small["gemma"]]
     log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small-gemv")   # small's, and down's register preload copied
     for m, want in (("llama", [False, True, False, True]), ("gemma", [True, True, False, True])):
-        got = gemvs(*(llama if m == "llama" else gemma))
+        got = _layer_gemvs(*(llama if m == "llama" else gemma))
         assert taken(got) == want, (m, taken(got))
         assert [ks.name for ks in got[:3]] == [ks.name for ks in small[m][:3]]
         assert got[3].tuning["preload"] == 4 and got[3].shared_mem == 4 * 16 * got[3].block[0], got[3].tuning
@@ -395,10 +390,10 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
-    assert sum(bool(ks.tuning.get("preload_shared")) for ks in gemvs(*llama)) == 4
+    assert sum(bool(ks.tuning.get("preload_shared")) for ks in _layer_gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")
     with pytest.raises(CodegenError, match="must be 0, 1, small, prologue, small-prologue, small-gemv or all"):
-        gemvs(*llama)
+        _layer_gemvs(*llama)
 
 
 def test_shared_preload_in_waves_keeps_the_grid(nvrtc, monkeypatch):
@@ -406,19 +401,14 @@ def test_shared_preload_in_waves_keeps_the_grid(nvrtc, monkeypatch):
     128 threads, a tile a block) keeps its grid past one wave and copies half its tile (5 of 10 vectors a lane
     and product column, 20 KB a block) into shared memory; no other GEMV of either model changes, no spills."""
     from lum.builder import kernels
-    from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
-
-    def gemvs(prog, dv):
-        got = kernels.group_kernel_sources(prog, dv)
-        return [got[o.id] for o in gemv_kernel_ops(prog)]
 
     llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
     monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED", raising=False)
     monkeypatch.delenv("LUM_GEMV_SHARED_PRELOAD_WAVES", raising=False)
-    before = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    before = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     monkeypatch.setenv("LUM_GEMV_SHARED_PRELOAD_WAVES", "1")
-    after = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    after = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     assert [ks.name for ks in after["llama"]] == [ks.name for ks in before["llama"]]
     changed = [i for i, (a, b) in enumerate(zip(after["gemma"], before["gemma"])) if a.name != b.name]
     assert changed == [2], changed
@@ -433,19 +423,13 @@ def test_prologue_threads_fit_the_sms(monkeypatch):
     """``$LUM_GEMV_PROLOGUE_THREADS=fit``: llama3-1b's qkv (3,072 columns, two a warp) in 128 blocks of 384
     threads, not 96 of 512; its gate-up and gemma3-4b's qkv (4,096 columns: 32 warps already fill 128 SMs)
     keep 1,024 threads' worth; other values are refused with the choices named."""
-    from lum.builder import kernels
-    from lum.builder.codegen import gemv_kernel_ops
     from tests.test_attention_stage import _layer
-
-    def gemvs(prog, dv):
-        got = kernels.group_kernel_sources(prog, dv)
-        return [got[o.id] for o in gemv_kernel_ops(prog)]
 
     llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
     monkeypatch.delenv("LUM_GEMV_PROLOGUE_THREADS", raising=False)
-    before = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    before = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "fit")
-    after = {m: gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
+    after = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     qkv = after["llama"][0]
     assert (qkv.block[0], qkv.grid[0].value, qkv.tuning["cols"]) == (384, 128, 24), (qkv.block, qkv.grid)
     assert before["llama"][0].grid[0].value == 96
@@ -453,7 +437,7 @@ def test_prologue_threads_fit_the_sms(monkeypatch):
     assert [ks.name for ks in after["gemma"]] == [ks.name for ks in before["gemma"]]
     monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "384")
     with pytest.raises(CodegenError, match="fit"):
-        gemvs(*llama)
+        _layer_gemvs(*llama)
 
 
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
@@ -533,6 +517,15 @@ def test_resident_blocks():
     assert resident_blocks(512, 64) == 2 and resident_blocks(512, 40) == 3 and resident_blocks(128, 32) == 16
     # a shared preload's bytes bound them too (228 KB an SM, 1 KB reserved a block)
     assert resident_blocks(128, 32, 20 * 1024) == 10 and resident_blocks(1024, 32, 160 * 1024) == 1
+
+
+def _layer_gemvs(prog, dv) -> list:
+    """A decode layer's GEMV kernels as the package builder makes them (group_kernel_sources), in program order."""
+    from lum.builder import kernels
+    from lum.builder.codegen import gemv_kernel_ops
+
+    got = kernels.group_kernel_sources(prog, dv)
+    return [got[o.id] for o in gemv_kernel_ops(prog)]
 
 
 def _llama_layer():
@@ -746,18 +739,18 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (qkv's shared one: below)
     monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "0")     # one column a warp, as the counts below
 
-    def gemvs() -> list[tuple[int, int, int]]:
+    def _layer_gemvs() -> list[tuple[int, int, int]]:
         gen = group_kernel_sources(layer, dv, {"p": 512}, {})
         return [(int(layer.ops[i].shape[-1]), k.tuning["preload"], k.grid[0].value) for i, k in gen.items()
                 if k is not None and k.kind == "gemm"]
 
-    plain = gemvs()
+    plain = _layer_gemvs()
     assert [n for n, _, _ in plain] == [4096, 2560, 10240, 2560] and plain[3] == (2560, 0, 1280), plain
     monkeypatch.setenv("LUM_GEMV_PRELOAD", "2")
-    pre = gemvs()
+    pre = _layer_gemvs()
     assert pre[3] == (2560, 0, 1280) and pre[1] == (2560, 0, 320), pre     # down and o: no preload, grids whole
     assert pre[0][1] == 2 and pre[2][1] >= 1, pre
     # ``$LUM_GEMV_PRELOAD_PROLOGUE``: only the GEMV with a prologue (qkv) preloads; the others as by default
     monkeypatch.delenv("LUM_GEMV_PRELOAD")
     monkeypatch.setenv("LUM_GEMV_PRELOAD_PROLOGUE", "2")
-    assert [p for _, p, _ in gemvs()] == [2, 0, 0, 0]
+    assert [p for _, p, _ in _layer_gemvs()] == [2, 0, 0, 0]
