@@ -52,12 +52,26 @@ from lum.format.llir import LOp, Program, attention_dims
 
 __all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "ENV_ATTENTION_STAGE_PREFETCH",
            "attention_stage_ahead", "attention_stage_enabled", "attention_stage_prefetch", "stage_ops",
+           "ENV_ATTENTION_TRIGGER_AFTER_STAGE", "attention_trigger_after_stage",
            "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
 ENV_ATTENTION_STAGE_AHEAD = "LUM_ATTENTION_STAGE_AHEAD"
 ENV_ATTENTION_STAGE_PREFETCH = "LUM_ATTENTION_STAGE_PREFETCH"
+ENV_ATTENTION_TRIGGER_AFTER_STAGE = "LUM_ATTENTION_TRIGGER_AFTER_STAGE"
 STAGE_PREFETCH_MAX_BYTES = 4096     # a leaf the stage's prefetch asks L2 for: its whole buffer, at most this
+
+
+def attention_trigger_after_stage() -> bool:
+    """``$LUM_ATTENTION_TRIGGER_AFTER_STAGE``: ``1`` has each block of a fused attention let the next kernel
+    launch after its stage's barrier, not as it starts; ``0`` (the default) does not. Why: under programmatic
+    launch the combine (which triggers as it starts) and o (whose 320 blocks then copy 10.5 MB of weights into
+    shared memory before their wait) become resident as the attention starts, and the copies share the bus
+    with the stage's reads: gemma3-4b's stage took 2.72 µs from the wait to its barrier at b57ec6e, 1.86 µs
+    with o launched after the combine's wait (``$LUM_COMBINE_TRIGGER_LATE``, c2fe51a, which lost 1.3% as o's
+    copies had too little time left). After the stage, o's copies still have the chunk's keys, the stores and
+    the combine (≈ 5 µs) to land in."""
+    return env_switch(ENV_ATTENTION_TRIGGER_AFTER_STAGE)
 
 
 def attention_stage_prefetch() -> bool:
@@ -246,7 +260,8 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md, ahead=ahead)
             for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), ahead=ahead), combine=comb, combine_cluster=cluster, **common)
+                  stage=replace(_stage(att, rows), ahead=ahead, trigger=attention_trigger_after_stage()), combine=comb,
+                  combine_cluster=cluster, **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(_ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -254,10 +269,11 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     pre_t, pre_p = (", class LumPre", "LumPre lum_pre, ") if prefetch else ("", "")
     body = _ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV{pre_t}>\n__device__ __forceinline__ void "
                          f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, {pre_p}", body, count=1)
-    if prefetch:            # after the trigger, before the wait: asked early, holding back no kernel after it
-        if body.count("lum_pdl_trigger();") != 1:
+    if prefetch:            # after the trigger (or the start), before the wait: holding back no kernel after it
+        anchor = "lum_pdl_trigger();" if "lum_pdl_trigger();" in body else "LUM_STAMP_AT(0);"
+        if body.count(anchor) != 1:
             raise CodegenError("an attention stage's prefetch needs the attention's one trigger")   # pragma: no cover
-        body = body.replace("lum_pdl_trigger();", "lum_pdl_trigger();\n  lum_pre();", 1)
+        body = body.replace(anchor, anchor + "\n  lum_pre();", 1)
     body = body.replace("__restrict__ ", "")    # it reads the cache rows its own stage writes
     run = sorted((*ops, att), key=lambda o: o.id)
     role_of = {op.id: role for role, op in zip("qkv", ops)}
@@ -297,5 +313,6 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
                         launches=(replace(ks.launches[0], kernel=name),), params=tuple(params), dyn_vars=ks.dyn_vars,
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                         tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {}),
-                                **({"stage_prefetch": True} if prefetch else {})},
+                                **({"stage_prefetch": True} if prefetch else {}),
+                                **({"stage_trigger": True} if "lum_untriggered" in body else {})},
                         tails=tuple(o.id for o in run[1:]) + (() if comb is None else (comb.id,)))

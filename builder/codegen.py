@@ -402,13 +402,16 @@ class _Ctx:
 
         return all(ok(e) for e in self.exprs)
 
-    def dyn_loads(self, wait: bool = True, trigger_late: bool = False) -> tuple[str, dict[str, int]]:
+    def dyn_loads(self, wait: bool = True, trigger_late: bool = False,
+                  trigger: bool = True) -> tuple[str, dict[str, int]]:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
         because the template waits itself once it has issued its early reads (gemv.cu's preload, row.cu's
-        weights). ``trigger_late``: the trigger after the wait instead (:func:`combine_trigger_late`)."""
+        weights). ``trigger_late``: the trigger after the wait instead (:func:`combine_trigger_late`);
+        ``trigger`` False: none, the template triggers itself (an attention stage's ``trigger``)."""
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        lines = [] if trigger_late else ["  lum_pdl_trigger();  // common.cuh: launch order"]
+        lines = [] if trigger_late else ["  lum_pdl_trigger();  // common.cuh: launch order"] if trigger else \
+            ["  LUM_STAMP_AT(0);  // stamps builds: the block's start (the template triggers later)"]
         lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
         lines += [] if slots else ["  (void)dyn;"]
         lines += ["  lum_pdl_wait();"] if wait else []
@@ -912,7 +915,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     idx_t = "int" if index_bits == 32 else "long long"
     if trigger_late and "@DYN_LOADS@" not in "\n".join(bodies):
         raise CodegenError(f"a {op.kind} kernel cannot trigger late: its template waits itself")
-    dyn_loads, slots = ctx.dyn_loads(trigger_late=trigger_late)
+    dyn_loads, slots = ctx.dyn_loads(trigger_late=trigger_late, trigger=stage is None or not stage.trigger)
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
@@ -941,6 +944,8 @@ class AttentionStage:
     v: tuple[int, int]
     ahead: bool = False     # the first step's keys are loaded before the stage; the written row then comes
                             # from the stage's shared copy (the k / v functions take lum_also, lum_hit)
+    trigger: bool = False   # each block lets the next kernel launch after its stage's barrier, not as it
+                            # starts ($LUM_ATTENTION_TRIGGER_AFTER_STAGE, builder/attention_stage.py)
 
 
 @dataclass(frozen=True)
@@ -2263,6 +2268,9 @@ class _Gen:
                  f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
                  *(patch("lum_sdk", "lum_k", "lum_ks", "DPL", d) + patch("lum_sdv", "lum_v", "lum_vs", "VPL", dv)
                    if st.ahead else []),
+                 # the parenthesised name calls the function, not the stamps builds' macro (its start stamp)
+                 *([f"{ind}  if (lum_untriggered) {{ lum_untriggered = false; (lum_pdl_trigger)(); }}"]
+                   if st.trigger else []),
                  f"{ind}}}"]
         pre = ["  if (lum_ns == 0) {   // no chunk reads the cache: the stage still writes the kv rows",
                f"    for (idx_t lum_h = (idx_t)blockIdx.x; lum_h < (idx_t)({self.ctx.c(heads_n)}); "
@@ -2273,6 +2281,8 @@ class _Gen:
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
         decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
+        if st.trigger:    # the next kernel launches once every block has passed its first stage (or exited)
+            decl += "\n  bool lum_untriggered = true;"
         if st.ahead:      # the kv rows this block writes, and which (-1: none)
             decl += "\n  __shared__ float lum_ks[DPL * 32], lum_vs[VPL * 32];\n  __shared__ long long lum_sdk, lum_sdv;"
         return {"STAGE_DECL": decl,

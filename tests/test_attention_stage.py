@@ -205,3 +205,29 @@ def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, blo
         assert "for (int lum_r = 0; lum_r < 1; ++lum_r)" in ks[0].body
     monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")
     assert attention_stage_block(att) is None
+
+
+def test_trigger_after_stage(monkeypatch):
+    """``LUM_ATTENTION_TRIGGER_AFTER_STAGE=1``: of gemma3-4b's decode layer kernels only the fused attention
+    changes: no trigger in its preamble (a start stamp instead), one after its stage's barrier, once a block;
+    it still waits first, so the table stays programmatic; with the stage prefetch too, the prefetch follows
+    the start. Off by default: the trigger comes first."""
+    prog, dv = _layer("gemma3-4b", DType.bf16)
+    max_dyn = default_max_dyn(dv, MAX_SEQ)
+    default = group_kernel_sources(prog, dv, max_dyn)
+    monkeypatch.setenv("LUM_ATTENTION_TRIGGER_AFTER_STAGE", "1")
+    after = group_kernel_sources(prog, dv, max_dyn)
+    changed = [i for i in default if default[i] is not None and default[i].name != after[i].name]
+    assert len(changed) == 1 and after[changed[0]].tuning.get("stage_trigger")
+    assert "stage_trigger" not in default[changed[0]].tuning
+    body = after[changed[0]].body.split("_attn(LumQ")[1]
+    assert "lum_pdl_trigger();" not in body and body.count("(lum_pdl_trigger)();") == 1
+    assert body.index("LUM_STAMP_AT(0);") < body.index("lum_pdl_wait();") < body.index("__syncthreads();   // the query") \
+        < body.index("(lum_pdl_trigger)();") < body.index("LUM_STAMP_AT(2);")
+    assert _waits(after[changed[0]])
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_PREFETCH", "1")
+    weights = frozenset(o.id for o in prog.ops if o.kind == "input" and o.params.get("name", "").startswith("model."))
+    both = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k and k.tails][0]
+    attn = both.body.split("_attn(LumQ")[1]
+    assert both.tuning.get("stage_trigger") and both.tuning.get("stage_prefetch")
+    assert attn.index("LUM_STAMP_AT(0);") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
