@@ -1,0 +1,139 @@
+"""Whether gemma3-4b's decode FFN streams faster as one persistent kernel than as two GEMV launches.
+
+    python benchmarks/ffn_probe.py [--out DIR] [--stretches 34] [--reps 15]
+
+A stretch is the FFN of a decode layer without its norms, at gemma3-4b's shapes: gate-up (two [10240, 2560]
+bf16 GEMVs and h = g · 2σ(u)) then down ([2560, 10240]); ``--stretches`` of them form a chain (each reads the
+one before's output) in one CUDA graph, the weights alternating between two copies so that none is in L2
+(157 MB a stretch; benchmarks/ffn_probe.cu). Modes:
+
+* ``two``: gate-up then down, two kernels launched programmatically (as lum's GEMVs: a block an item, each
+  kernel triggering as it starts and waiting before its reads); ``two-plain``: the same launched plainly;
+* ``fused1`` / ``fused2`` / ``fused4``: one persistent kernel (the blocks the SMs hold at once) walking the
+  gate-up items then the down items, down's K split in S = 1 / 2 / 4 slices: a down item starts as soon
+  as the gate-up items of its h slice are counted done, so down's weights stream while gate-up's last
+  items finish (no kernel boundary, no drain between them).
+
+Why: lum's gate-up and down each stream at ≈ 3.9 TB/s (26.4 and 14.0 µs isolated, 27.0 and 13.6 in the
+step), where the LM head, the same GEMV code over 1.3 GB, streams at 4.5 TB/s. The sweep's two gate-up
+sizes say each launch pays ≈ 3.2 µs beside a 4.5 TB/s stream (NOTES.md). If ``fused2`` beats ``two`` by
+about one such launch (≈ 3 µs a stretch), a fused FFN kernel is the lever for gemma3-4b's 80%.
+
+Printed and saved (``<out>/ffn-probe-<date>.json``): µs a stretch, the rate over the weight bytes, each mode
+against ``two``, each mode's error against a float64 chain (< 1e-4; outputs poisoned with NaN before every
+mode, so an unwritten output cannot pass) and whether a down item's wait ever gave up (a bug if so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from ring_probe import bf16_bits  # noqa: E402
+
+set_log_tag("ffn-probe")
+
+THREADS, ROWS_AN_ITEM = 128, 4
+K1, H, N2 = 2560, 10240, 2560                 # ffn_probe.cu FP_K1, FP_H, FP_N2
+MODES = ("two", "two-plain", "fused1", "fused2", "fused4")
+COPIES = 2
+TOLERANCE = 1e-4
+
+
+def _weights(rng, n: int, k: int) -> np.ndarray:
+    """bf16 bits of uniform weights scaled so that a row's dot keeps a unit vector's scale."""
+    return bf16_bits(rng.uniform(-1.0, 1.0, (n, k)).astype(np.float32) * np.float32(np.sqrt(3.0 / k)))
+
+
+def reference_chain(x0, sets, order) -> list[np.ndarray]:
+    """Each stretch's out in float64 from the weights' bfloat16 bits."""
+    dense = [tuple((w.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for w in s) for s in sets]
+    outs, x = [], x0.astype(np.float64)
+    for i in order:
+        wg, wu, wd = dense[i]
+        g, u = wg @ x, wu @ x
+        x = wd @ (2.0 * g / (1.0 + np.exp(-u)))
+        outs.append(x)
+    return outs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_record_args(ap)
+    ap.add_argument("--stretches", type=int, default=34)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args(argv)
+    if args.stretches < 2:
+        ap.error("--stretches must be >= 2")
+    dev = ProbeDevice("ffn_probe.cu")
+    cu, drv, n = dev.cu, dev.drv, args.stretches
+    rng = np.random.default_rng(0)
+    sets = [(_weights(rng, H, K1), _weights(rng, H, K1), _weights(rng, N2, H)) for _ in range(COPIES)]
+    order = [s % COPIES for s in range(n)]
+    x0 = rng.standard_normal(K1).astype(np.float32)
+    want = reference_chain(x0, sets, order)
+    bufs = [tuple(dev.upload(w) for w in s) for s in sets]
+    x_buf = dev.upload(x0)
+    h_bufs = [dev.buffer(H * 4) for _ in range(n)]
+    out_bufs = [dev.buffer(N2 * 4) for _ in range(n)]
+    err_buf = dev.buffer(4)
+    f_gu, f_dn = dev.module.function("fp_gateup"), dev.module.function("fp_down")
+    sms = dev.info.multiprocessors
+    wbytes = (2 * H * K1 + N2 * H) * 2
+    results = {}
+    for mode in MODES:
+        fused = mode.startswith("fused")
+        slices = int(mode[5:]) if fused else 1
+        ctr = dev.buffer(n * 16)
+        cu.memset(ctr.ptr, 0, n * 16, dev.stream)
+        cu.memset(err_buf.ptr, 0, 4, dev.stream)
+        f = dev.module.function(f"fp_fused_{slices}") if fused else None
+        per_sm = [cu.call(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, g, THREADS, 0)
+                  for g in ((f,) if fused else (f_gu, f_dn))]
+        grid = sms * per_sm[0] if fused else 0
+        pdl = mode != "two-plain"
+
+        def rec(st, fused=fused, f=f, grid=grid, pdl=pdl, ctr=ctr) -> None:
+            for s in range(n):
+                x = x_buf.ptr if s == 0 else out_bufs[s - 1].ptr
+                wg, wu, wd = (b.ptr for b in bufs[order[s]])
+                if fused:
+                    cu.launch_kernel(f, (grid, 1, 1), (THREADS, 1, 1), 0, st,
+                                     dev.pack([x, wg, wu, h_bufs[s].ptr, wd, out_bufs[s].ptr, ctr.ptr + 16 * s,
+                                               ctr.ptr + 16 * ((s + 1) % n), err_buf.ptr]),
+                                     programmatic=s > 0)
+                    continue
+                cu.launch_kernel(f_gu, (H // ROWS_AN_ITEM, 1, 1), (THREADS, 1, 1), 0, st,
+                                 dev.pack([x, wg, wu, h_bufs[s].ptr]), programmatic=pdl and s > 0)
+                cu.launch_kernel(f_dn, (N2 // ROWS_AN_ITEM, 1, 1), (THREADS, 1, 1), 0, st,
+                                 dev.pack([h_bufs[s].ptr, wd, out_bufs[s].ptr]), programmatic=pdl)
+
+        t, err, finite = dev.chain(rec, ((h_bufs, H * 4), (out_bufs, N2 * 4)), out_bufs, N2, want, args.reps)
+        dev.stream.synchronize()
+        gave_up = bool(dev.read(err_buf, 1, "uint32")[0])
+        us = t / n * 1e6
+        results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(wbytes / (us * 1e-6) / 1e12, 3),
+                         "grid": grid or None, "blocks_an_sm": per_sm, "rel_err": err, "finite": finite, "wait_gave_up": gave_up,
+                         "ok": finite and err < TOLERANCE and not gave_up}
+    base = results["two"]["stretch_us"]
+    for mode, r in results.items():
+        r["vs_two"] = round(r["stretch_us"] / base, 4)
+        log(f"{mode:9s} {r['stretch_us']:8.2f} us a stretch ({r['weight_TBps']:.2f} TB/s of weights, "
+            f"{r['vs_two']:.3f}x)  grid {r['grid']}  blocks an SM {r['blocks_an_sm']}  rel err {r['rel_err']:.2e}  ok={r['ok']}")
+    record = {**record_head("ffn-probe", args.commit, dev.info.name), "stretches": n, "weight_bytes": wbytes,
+              "modes": results}
+    log(f"wrote {write_record(record, args.out, 'ffn-probe')}")
+    dev.close()
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
