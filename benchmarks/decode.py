@@ -81,7 +81,7 @@ What it does, in one run on one GPU:
      their stage's norm weights and scalars before their wait; measured even), ``lum-combine-late`` with
      ``LUM_COMBINE_TRIGGER_LATE=1`` (the attention combine lets o launch after its wait, not as it starts;
      measured slower), ``lum-trigger-stage`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=1`` (decode attention lets
-     the combine, and so o, launch after its stage, not as it starts),
+     the combine, and so o, launch after its stage, not as it starts; measured even),
      ``lum-narrow-a`` with
      ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``

@@ -750,7 +750,8 @@ def combine_trigger_late() -> bool:
     still run, and their copies share the bus with the attention stage's reads: the stamps at b57ec6e have
     gemma3-4b's stage at 2.72 µs from its wait to its barrier, and 1.15 µs where the layer's kernels were
     launched plainly, none resident beside another (0c7bc11). Late, o's copies start as the attention ends
-    and have the combine's ≈ 2 µs and their own wait to land."""
+    and have the combine's ≈ 2 µs and their own wait to land. Measured (c2fe51a): the stage 2.72 → 1.86 µs, the
+    combine's link 2.1 → 4.2; gemma3-4b −1.3%, llama3-1b −1.6%."""
     return env_switch(ENV_COMBINE_TRIGGER_LATE)
 
 

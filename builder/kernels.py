@@ -21,6 +21,7 @@ tuning parameters used.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -103,12 +104,17 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         if ks.early:
             entry["early"] = list(ks.early)
         ops.append(entry)
+    waiting = {ks.name: _waits(ks) for ks in sources.values() if ks is not None}
+    if any(waiting.values()) and not all(waiting.values()):     # one kernel costs the table every overlap
+        late = sorted(name for name, w in waiting.items() if not w)
+        warnings.warn(f"lum: {', '.join(late)} access memory before waiting for the kernel before them, so this "
+                      f"group's {len(waiting)} kernels launch without programmatic dependent launch", stacklevel=2)
     clusters = any("cluster" in lc for o in ops for lc in o["launches"])
     version = CLUSTER_TABLE_VERSION if clusters else TAIL_TABLE_VERSION if any("tail" in o for o in ops) \
         else KERNEL_TABLE_VERSION
     return {"version": version, "arch": arch, "dyn_vars": list(dyn_vars),
             "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops,
-            "programmatic": all(_waits(ks) for ks in sources.values() if ks is not None)}
+            "programmatic": all(waiting.values())}
 
 
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")

@@ -231,3 +231,23 @@ def test_trigger_after_stage(monkeypatch):
     attn = both.body.split("_attn(LumQ")[1]
     assert both.tuning.get("stage_trigger") and both.tuning.get("stage_prefetch")
     assert attn.index("LUM_STAMP_AT(0);") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
+
+
+def test_a_kernel_that_does_not_wait_warns_at_the_table():
+    """A launch table is programmatic only if every kernel waits first (``_waits``). gemma3-4b's decode layer is;
+    with the fused attention's wait removed (as the first stage-prefetch build did, by placing its prefetches
+    before the body's call), the table says not programmatic and the build warns, naming that kernel, where
+    before it silently launched the whole layer plainly (−5.4% at 0c7bc11)."""
+    import warnings
+
+    prog, dv = _layer("gemma3-4b", DType.bf16)
+    max_dyn = default_max_dyn(dv, MAX_SEQ)
+    sources = group_kernel_sources(prog, dv, max_dyn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # the default layer: no warning
+        assert launch_table(prog, sources, arch="sm_90", dyn_vars=dv, max_dyn=max_dyn)["programmatic"]
+    i, ks = next((i, k) for i, k in sources.items() if k is not None and k.tails)
+    broken = {**sources, i: replace(ks, body=ks.body.replace("lum_pdl_wait();", "", 1))}
+    with pytest.warns(UserWarning, match=f"{ks.name} access memory before waiting"):
+        table = launch_table(prog, broken, arch="sm_90", dyn_vars=dv, max_dyn=max_dyn)
+    assert not table["programmatic"]
