@@ -257,12 +257,12 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     its combine (counted, or in clusters: :mod:`lum.builder.attention_combine`), the last of its tails;
     CodegenError where it cannot."""
     md = dict(max_dyn or {}) or None
-    ahead = attention_stage_ahead()
+    ahead, trigger = attention_stage_ahead(), attention_trigger_after_stage()
     rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md, ahead=ahead)
             for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), ahead=ahead, trigger=attention_trigger_after_stage()), combine=comb,
-                  combine_cluster=cluster, **common)
+                  stage=replace(_stage(att, rows), ahead=ahead, trigger=trigger), combine=comb, combine_cluster=cluster,
+                  **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(_ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -315,5 +315,5 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                         tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {}),
                                 **({"stage_prefetch": True} if prefetch else {}),
-                                **({"stage_trigger": True} if "lum_untriggered" in body else {})},
+                                **({"stage_trigger": True} if trigger else {})},
                         tails=tuple(o.id for o in run[1:]) + (() if comb is None else (comb.id,)))

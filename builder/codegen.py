@@ -402,20 +402,22 @@ class _Ctx:
 
         return all(ok(e) for e in self.exprs)
 
-    def dyn_loads(self, wait: bool = True, trigger_late: bool = False,
-                  trigger: bool = True) -> tuple[str, dict[str, int]]:
+    def dyn_loads(self, wait: bool = True, trigger: str = "start") -> tuple[str, dict[str, int]]:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
         because the template waits itself once it has issued its early reads (gemv.cu's preload, row.cu's
-        weights). ``trigger_late``: the trigger after the wait instead (:func:`combine_trigger_late`);
-        ``trigger`` False: none, the template triggers itself (an attention stage's ``trigger``)."""
+        weights). ``trigger``: ``start`` (first), ``wait`` (after the wait: :func:`combine_trigger_late`) or
+        ``template`` (none here, the template triggers itself: an attention stage's ``trigger``)."""
+        if trigger not in ("start", "wait", "template"):
+            raise CodegenError(f"trigger is 'start', 'wait' or 'template', got {trigger!r}")
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        lines = [] if trigger_late else ["  lum_pdl_trigger();  // common.cuh: launch order"] if trigger else \
-            ["  LUM_STAMP_AT(0);  // stamps builds: the block's start (the template triggers later)"]
+        first = {"start": ["  lum_pdl_trigger();  // common.cuh: launch order"], "wait": [],
+                 "template": ["  LUM_STAMP_AT(0);  // stamps builds: the block's start (the template triggers later)"]}
+        lines = list(first[trigger])
         lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
         lines += [] if slots else ["  (void)dyn;"]
         lines += ["  lum_pdl_wait();"] if wait else []
-        lines += ["  lum_pdl_trigger();  // late: after the wait"] if trigger_late and wait else []
+        lines += ["  lum_pdl_trigger();  // late: after the wait"] if trigger == "wait" and wait else []
         return "\n".join(lines), slots
 
 
@@ -916,7 +918,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     idx_t = "int" if index_bits == 32 else "long long"
     if trigger_late and "@DYN_LOADS@" not in "\n".join(bodies):
         raise CodegenError(f"a {op.kind} kernel cannot trigger late: its template waits itself")
-    dyn_loads, slots = ctx.dyn_loads(trigger_late=trigger_late, trigger=stage is None or not stage.trigger)
+    dyn_loads, slots = ctx.dyn_loads(trigger="wait" if trigger_late else
+                                     "template" if stage is not None and stage.trigger else "start")
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
