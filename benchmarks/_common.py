@@ -111,11 +111,11 @@ class ProbeDevice:
         self.cu.call(self.drv.cuMemcpyDtoH, out.ctypes.data, buf.ptr, out.nbytes)
         return out
 
-    def chain(self, record, poison, outs, count: int, want, reps: int) -> tuple[float, float, bool]:
+    def chain(self, record, poison, outs, count: int, want, reps: int, check=None) -> tuple[float, float, bool]:
         """One probe mode: ``poison`` ((buffers, bytes) pairs) filled with NaN, ``record`` (a stream's launches)
         captured as a CUDA graph and run once, its ``outs`` (``count`` floats each) against ``want`` (float64),
         then timed. (median seconds a replay, the largest error relative to each output's largest value, all
-        finite)."""
+        finite). ``check``: instead of ``want``, a function of the outputs (float64) giving (error, all finite)."""
         np, cu, stream = self.np, self.cu, self.stream
         for bufs, nbytes in poison:
             for b in bufs:
@@ -125,8 +125,12 @@ class ProbeDevice:
             graph.launch(stream)
             stream.synchronize()
             got = [self.read(b, count).astype(np.float64) for b in outs]
-            err = max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
-            return self.timed(lambda: graph.launch(stream), reps), err, all(np.isfinite(g).all() for g in got)
+            if check is not None:
+                err, finite = check(got)
+            else:
+                err = max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(got, want))
+                finite = all(np.isfinite(g).all() for g in got)
+            return self.timed(lambda: graph.launch(stream), reps), err, finite
         finally:
             graph.close()
 

@@ -21,7 +21,8 @@ about one such launch (≈ 3 µs a stretch), a fused FFN kernel is the lever for
 
 Printed and saved (``<out>/ffn-probe-<date>.json``): µs a stretch, the rate over the weight bytes, each mode
 against ``two``, each mode's error against float64 (each stretch from the GPU's previous output; < 1e-4;
-outputs poisoned with NaN before every mode, so an unwritten output cannot pass) and whether a down item's wait ever gave up (a bug if so).
+outputs poisoned with NaN before every mode, so an unwritten output cannot pass) and whether a down item's
+wait ever gave up (a bug if so).
 """
 
 from __future__ import annotations
@@ -128,27 +129,20 @@ def main(argv=None) -> int:
                 cu.launch_kernel(f_dn, (N2 // ROWS_AN_ITEM, 1, 1), (THREADS, 1, 1), 0, st,
                                  dev.pack([h_bufs[s].ptr, wd, out_bufs[s].ptr]), programmatic=pdl)
 
-        for bank, nbytes in ((h_bufs, H * 4), (out_bufs, N2 * 4)):
-            for b in bank:
-                cu.memset(b.ptr, 0xFF, nbytes, dev.stream)      # NaN: an unwritten output cannot pass
-        graph = cu.Graph(dev.stream, rec)
-        try:
-            graph.launch(dev.stream)
-            dev.stream.synchronize()
-            err, finite = check([dev.read(b, N2).astype(np.float64) for b in out_bufs], x0, dense, order)
-            t = dev.timed(lambda: graph.launch(dev.stream), args.reps)
-        finally:
-            graph.close()
+        t, err, finite = dev.chain(rec, ((h_bufs, H * 4), (out_bufs, N2 * 4)), out_bufs, N2, None, args.reps,
+                                   check=lambda got: check(got, x0, dense, order))
+        dev.stream.synchronize()
         gave_up = bool(dev.read(err_buf, 1, "uint32")[0])
         us = t / n * 1e6
         results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(wbytes / (us * 1e-6) / 1e12, 3),
-                         "grid": grid or None, "blocks_an_sm": per_sm, "rel_err": err, "finite": finite, "wait_gave_up": gave_up,
-                         "ok": finite and err < TOLERANCE and not gave_up}
+                         "grid": grid or None, "blocks_an_sm": per_sm, "rel_err": err, "finite": finite,
+                         "wait_gave_up": gave_up, "ok": finite and err < TOLERANCE and not gave_up}
     base = results["two"]["stretch_us"]
     for mode, r in results.items():
         r["vs_two"] = round(r["stretch_us"] / base, 4)
         log(f"{mode:9s} {r['stretch_us']:8.2f} us a stretch ({r['weight_TBps']:.2f} TB/s of weights, "
-            f"{r['vs_two']:.3f}x)  grid {r['grid']}  blocks an SM {r['blocks_an_sm']}  rel err {r['rel_err']:.2e}  ok={r['ok']}")
+            f"{r['vs_two']:.3f}x)  grid {r['grid']}  blocks an SM {r['blocks_an_sm']}  rel err {r['rel_err']:.2e}  "
+            f"ok={r['ok']}")
     record = {**record_head("ffn-probe", args.commit, dev.info.name), "stretches": n, "weight_bytes": wbytes,
               "modes": results}
     log(f"wrote {write_record(record, args.out, 'ffn-probe')}")

@@ -271,7 +271,7 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     body = _ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV{pre_t}>\n__device__ __forceinline__ void "
                          f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, {pre_p}", body, count=1)
     if prefetch:            # after the trigger (or the start), before the wait: holding back no kernel after it
-        anchor = "lum_pdl_trigger();" if "lum_pdl_trigger();" in body else "LUM_STAMP_AT(0);"
+        anchor = "LUM_STAMP_AT(0);" if trigger else "lum_pdl_trigger();"     # codegen _Ctx.dyn_loads
         if body.count(anchor) != 1:
             raise CodegenError("an attention stage's prefetch needs the attention's one trigger")   # pragma: no cover
         body = body.replace(anchor, anchor + "\n  lum_pre();", 1)
