@@ -739,18 +739,18 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (qkv's shared one: below)
     monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "0")     # one column a warp, as the counts below
 
-    def _layer_gemvs() -> list[tuple[int, int, int]]:
+    def preloads() -> list[tuple[int, int, int]]:   # (n, preload, grid) a GEMV
         gen = group_kernel_sources(layer, dv, {"p": 512}, {})
         return [(int(layer.ops[i].shape[-1]), k.tuning["preload"], k.grid[0].value) for i, k in gen.items()
                 if k is not None and k.kind == "gemm"]
 
-    plain = _layer_gemvs()
+    plain = preloads()
     assert [n for n, _, _ in plain] == [4096, 2560, 10240, 2560] and plain[3] == (2560, 0, 1280), plain
     monkeypatch.setenv("LUM_GEMV_PRELOAD", "2")
-    pre = _layer_gemvs()
+    pre = preloads()
     assert pre[3] == (2560, 0, 1280) and pre[1] == (2560, 0, 320), pre     # down and o: no preload, grids whole
     assert pre[0][1] == 2 and pre[2][1] >= 1, pre
     # ``$LUM_GEMV_PRELOAD_PROLOGUE``: only the GEMV with a prologue (qkv) preloads; the others as by default
     monkeypatch.delenv("LUM_GEMV_PRELOAD")
     monkeypatch.setenv("LUM_GEMV_PRELOAD_PROLOGUE", "2")
-    assert [p for _, p, _ in _layer_gemvs()] == [2, 0, 0, 0]
+    assert [p for _, p, _ in preloads()] == [2, 0, 0, 0]
