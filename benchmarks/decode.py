@@ -80,8 +80,9 @@ What it does, in one run on one GPU:
      ``lum-stage-prefetch`` with ``LUM_ATTENTION_STAGE_PREFETCH=1`` (decode attention's blocks ask L2 for
      their stage's norm weights and scalars before their wait; measured even), ``lum-combine-late`` with
      ``LUM_COMBINE_TRIGGER_LATE=1`` (the attention combine lets o launch after its wait, not as it starts;
-     measured slower), ``lum-trigger-stage`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=1`` (decode attention lets
-     the combine, and so o, launch after its stage, not as it starts; measured even),
+     measured slower), ``lum-trigger-first`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
+     the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
+     llama3-1b, even on gemma3-4b),
      ``lum-narrow-a`` with
      ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
@@ -167,7 +168,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-waves-shared": {"LUM_GEMV_SHARED_PRELOAD_WAVES": "1"},
                  "lum-stage-prefetch": {"LUM_ATTENTION_STAGE_PREFETCH": "1"},
                  "lum-combine-late": {"LUM_COMBINE_TRIGGER_LATE": "1"},
-                 "lum-trigger-stage": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "1"},
+                 "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},

@@ -147,7 +147,7 @@ def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
 
 def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
     """``LUM_ATTENTION_STAGE_PREFETCH=1``: gemma3-4b's fused attention asks L2 for its stage's weights and
-    constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) after its trigger and
+    constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) after its start and
     before its wait, so it is still launched programmatically, each buffer once, and nothing else (not the qkv
     output it waits for, nor the step's tables); off by default, where the kernel has none."""
     import re
@@ -160,8 +160,8 @@ def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
     ks = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k.tails][0]
     assert "lum_prefetch_l2(" not in default.body and ks.tails == default.tails
     asked = re.findall(r"lum_prefetch_l2\((\w+), (\d+)u\);", ks.body)
-    attn = ks.body.split("_attn(LumQ")[1]          # asked between the trigger and the wait, by lum_pre
-    assert asked and attn.index("lum_pdl_trigger();") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
+    attn = ks.body.split("_attn(LumQ")[1]          # asked between the start and the wait, by lum_pre
+    assert asked and attn.index("LUM_STAMP_AT(0);") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
     assert _waits(ks) and _waits(default)           # still launched programmatically
     assert len({name for name, _ in asked}) == len(asked)
     sizes = sorted(int(n) for _, n in asked)
@@ -208,18 +208,20 @@ def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, blo
 
 
 def test_trigger_after_stage(monkeypatch):
-    """``LUM_ATTENTION_TRIGGER_AFTER_STAGE=1``: of gemma3-4b's decode layer kernels only the fused attention
-    changes: no trigger in its preamble (a start stamp instead), one after its stage's barrier, once a block;
-    it still waits first, so the table stays programmatic; with the stage prefetch too, the prefetch follows
-    the start. Off by default: the trigger comes first."""
+    """``LUM_ATTENTION_TRIGGER_AFTER_STAGE`` (on by default): of gemma3-4b's decode layer kernels only the fused
+    attention differs from the build at ``0``: no trigger in its preamble (a start stamp instead), one after its
+    stage's barrier, once a block; it still waits first, so the table stays programmatic. At ``0`` the trigger
+    comes first, and the stage prefetch follows it."""
     prog, dv = _layer("gemma3-4b", DType.bf16)
     max_dyn = default_max_dyn(dv, MAX_SEQ)
-    default = group_kernel_sources(prog, dv, max_dyn)
-    monkeypatch.setenv("LUM_ATTENTION_TRIGGER_AFTER_STAGE", "1")
     after = group_kernel_sources(prog, dv, max_dyn)
-    changed = [i for i in default if default[i] is not None and default[i].name != after[i].name]
+    monkeypatch.setenv("LUM_ATTENTION_TRIGGER_AFTER_STAGE", "0")
+    first = group_kernel_sources(prog, dv, max_dyn)
+    changed = [i for i in first if first[i] is not None and first[i].name != after[i].name]
     assert len(changed) == 1 and after[changed[0]].tuning.get("stage_trigger")
-    assert "stage_trigger" not in default[changed[0]].tuning
+    assert "stage_trigger" not in first[changed[0]].tuning
+    early = first[changed[0]].body.split("_attn(LumQ")[1]
+    assert early.index("lum_pdl_trigger();") < early.index("lum_pdl_wait();")
     body = after[changed[0]].body.split("_attn(LumQ")[1]
     assert "lum_pdl_trigger();" not in body and body.count("(lum_pdl_trigger)();") == 1
     order = ["LUM_STAMP_AT(0);", "lum_pdl_wait();", "__syncthreads();   // the query", "(lum_pdl_trigger)();",
@@ -230,8 +232,8 @@ def test_trigger_after_stage(monkeypatch):
     weights = frozenset(o.id for o in prog.ops if o.kind == "input" and o.params.get("name", "").startswith("model."))
     both = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k and k.tails][0]
     attn = both.body.split("_attn(LumQ")[1]
-    assert both.tuning.get("stage_trigger") and both.tuning.get("stage_prefetch")
-    assert attn.index("LUM_STAMP_AT(0);") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
+    assert both.tuning.get("stage_prefetch") and "stage_trigger" not in both.tuning
+    assert attn.index("lum_pdl_trigger();") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
 
 
 def test_a_kernel_that_does_not_wait_warns_at_the_table():
