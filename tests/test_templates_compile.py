@@ -227,16 +227,16 @@ def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
 
 
 @pytest.mark.parametrize("probe,entries", [("pdl_probe.cu", 2), ("phase_probe.cu", 2), ("stream_probe.cu", 3),
-                                           ("ring_probe.cu", 10)])
+                                           ("ring_probe.cu", 10), ("ffn_probe.cu", 5), ("layer_probe.cu", 1)])
 def test_benchmark_probe_kernels_compile(cache_dir, probe, entries):
-    """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py, stream_probe.py, ring_probe.py:
-    common.cuh, probe.cuh, the probe)."""
+    """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py, stream_probe.py, ring_probe.py,
+    ffn_probe.py, layer_probe.py: common.cuh, probe.cuh, the probe)."""
     root = Path(__file__).resolve().parent.parent
     src = "".join(p.read_text() for p in (root / "templates" / "common.cuh", root / "benchmarks" / "probe.cuh",
                                           root / "benchmarks" / probe))
     res = nvrtc.compile_cuda(src, "sm_90", name=probe, cache_dir=cache_dir)
     assert res.cubin[:4] == b"\x7fELF" and res.ptx.count(".entry") == entries
-    if probe in ("stream_probe.cu", "ring_probe.cu"):   # the fused / ring kernels stream rows with the copy engine
+    if probe in ("stream_probe.cu", "ring_probe.cu", "layer_probe.cu"):   # rows streamed by the copy engine
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in res.ptx
 
 

@@ -1,0 +1,370 @@
+//! lum/benchmarks/layer_probe.cu — the kernel of benchmarks/layer_probe.py (templates/common.cuh and
+//! benchmarks/probe.cuh are pasted before this file). gemma3-4b's decode layers, `layers` of them, as one
+//! persistent launch of one block an SM: eight consumer warps compute, one producer warp streams every
+//! weight the block will use, in the order it will use them, through a ring of S shared-memory stages of
+//! 40 KB (cp.async.bulk completing on the stage's `full` mbarrier, reused once the consumers `empty` it;
+//! entries lp_layers_5 and lp_layers_2). A consumer lane holds its part of a GEMV's input in registers
+//! (the same 80 floats for every row it computes), so shared memory carries only the weights.
+//!
+//! A layer, in the order of its dependencies (each arrow: every block waits for a counter in global memory
+//! that the blocks before it raised, an acquire after their release):
+//!   qkv:     x = x2 + rms(d) of the layer before (x0 for the first), xn = rms(x), qkv = Wqkv · xn  (4096 rows)
+//!   → attn:  eight blocks, a query head each: q = rms(qkv[head]), softmax(q · Kᵀ / 16) · V over P cached keys
+//!            of its kv head (4 kv heads; the cache a constant of the weight set)
+//!   → o:     o = Wo · a  (2560 rows, K 2048)
+//!   → gate-up: x2 = x + rms(o), xn2 = rms(x2), h = (Wg · xn2) · 2σ(Wu · xn2)  (10240 rows)
+//!   → down:  d = Wd · h  (2560 rows, K 10240)
+//! rms(v) = v · rsqrt(mean(v²) + 1e-6). Every block keeps x and x2 in shared memory (each computes the same
+//! prologue from the same inputs); block 0 also stores them (xout, x2out) for the check. A GEMV's rows go a
+//! chunk (one stage: 8 rows of qkv or o, 4 of gate and 4 of up, 2 of down) at a time to block c % grid.
+//!
+//! Modes (`mode`): LP_AHEAD: the producer never waits for a counter, so the next GEMVs' weights stream while
+//! the consumers wait (as far as the ring reaches); LP_GATED: the producer waits for the same counter as its
+//! consumers before a GEMV's first chunk (the bus idles across each dependency, as across a kernel
+//! boundary); LP_STREAM: nobody waits for a counter (the ring's rate over the same bytes and work; values
+//! not meaningful). Waits give up after LP_SPIN_LIMIT polls and set *err (a bug, or blocks not co-resident).
+
+constexpr int LP_K = 2560, LP_NQKV = 4096, LP_Q = 2048, LP_HD = 256, LP_HEADS = 8, LP_FF = 10240;
+constexpr int LP_CONSUMERS = 256;                         // eight warps
+constexpr int LP_THREADS = LP_CONSUMERS + 32;             // and the producer
+constexpr int LP_STAGE_BYTES = 40960;
+constexpr int LP_CH_QKV = LP_NQKV / 8, LP_CH_O = LP_K / 8, LP_CH_GU = LP_FF / 4, LP_CH_DN = LP_K / 2;
+constexpr int LP_ACT = LP_NQKV + LP_Q + LP_K + LP_FF + LP_K;  // a layer's activations: qkv, a, o, h, d
+constexpr int LP_A = LP_NQKV, LP_O = LP_A + LP_Q, LP_H = LP_O + LP_K, LP_D = LP_H + LP_FF;
+enum { LP_C_QKV = 0, LP_C_ATT = 1, LP_C_O = 2, LP_C_GU = 3, LP_C_DN = 4, LP_COUNTERS = 5 };
+enum { LP_W_QKV = 0, LP_W_O = 1, LP_W_G = 2, LP_W_U = 3, LP_W_D = 4, LP_W_KC = 5, LP_W_VC = 6, LP_WEIGHTS = 7 };
+enum { LP_AHEAD = 0, LP_GATED = 1, LP_STREAM = 2 };
+constexpr long long LP_SPIN_LIMIT = 1LL << 22;
+// dynamic shared memory: the ring, then ys (a normed input; the attention's scratch), xs (x, then x2), red
+// (2 × 8 partial sums), part (8: reductions), then the ring's 2 × S mbarriers
+__host__ __device__ constexpr int lp_smem_bytes(int stages) { return stages * LP_STAGE_BYTES + (2 * LP_K + 16 + 8) * 4 + 2 * stages * 8; }
+static_assert(lp_smem_bytes(5) <= 227 * 1024, "one block an SM: the opt-in shared memory of sm_90");
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void lp_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }   // consumers only
+
+// The sum (or the max) of every consumer thread's `s`, in every consumer thread.
+template <bool MAX>
+__device__ __forceinline__ float lp_reduce(float s, float* part) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float t = __shfl_xor_sync(0xffffffffu, s, o);
+    s = MAX ? fmaxf(s, t) : s + t;
+  }
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
+  lp_bar();
+  float t = part[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) t = MAX ? fmaxf(t, part[i]) : t + part[i];
+  lp_bar();
+  return t;
+}
+
+// Poll *c (acquire, GPU scope) until it reaches target; false (and *err set) if it never did.
+__device__ __forceinline__ bool lp_spin(const unsigned* c, unsigned target, unsigned* err) {
+  unsigned seen = 0;
+  for (long long i = 0; i < LP_SPIN_LIMIT; ++i) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
+    if (seen >= target) return true;
+    if ((i & 1023) == 1023 && *reinterpret_cast<volatile unsigned*>(err)) return false;   // another gave up
+  }
+  atomicExch(err, 1u);
+  return false;
+}
+
+// The consumers wait for a counter (thread 0 polls, the rest meet it at the barrier).
+__device__ __forceinline__ void lp_wait_count(const unsigned* c, unsigned target, unsigned* err, int mode) {
+  if (mode != LP_STREAM && threadIdx.x == 0) lp_spin(c, target, err);
+  lp_bar();
+}
+
+// The consumers' stores so far are visible to whoever acquires `c` at its new count.
+__device__ __forceinline__ void lp_signal(unsigned* c, unsigned n) {
+  lp_bar();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(c, n);
+  }
+}
+
+__device__ __forceinline__ void lp_mbar_wait(unsigned bar, unsigned parity, unsigned* err) {
+  for (long long i = 0; i < LP_SPIN_LIMIT; ++i) {
+    unsigned done;
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (done) return;
+    if ((i & 1023) == 1023 && *reinterpret_cast<volatile unsigned*>(err)) return;
+  }
+  atomicExch(err, 1u);
+}
+
+__device__ __forceinline__ void lp_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// A lane's part of a GEMV input of VECS · 256 floats (elements (lane + 32 i) · 8 ... + 8, as lp_row reads
+// the weights), into registers; GLOBAL: another block stored it (read at L2).
+template <int VECS, bool GLOBAL>
+__device__ __forceinline__ void lp_input(const float* v, float* xr) {
+  const int lane = (int)threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < VECS; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float4* p = reinterpret_cast<const float4*>(v + (lane + 32 * i) * 8 + 4 * h);
+      const float4 f = GLOBAL ? __ldcg(p) : *p;
+      xr[i * 8 + 4 * h] = f.x; xr[i * 8 + 4 * h + 1] = f.y; xr[i * 8 + 4 * h + 2] = f.z; xr[i * 8 + 4 * h + 3] = f.w;
+    }
+  }
+}
+
+// One row's dot over VECS · 256 bf16 weights in shared memory against the lane's registers, in every lane.
+template <int VECS>
+__device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr) {
+  const int lane = (int)threadIdx.x % 32;
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VECS; ++i) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8);
+    const unsigned r[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc += xr[i * 8 + 2 * e] * __uint_as_float(r[e] << 16);
+      acc += xr[i * 8 + 2 * e + 1] * __uint_as_float(r[e] & 0xffff0000u);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}
+
+// Chunks of GEMV `g` (0 qkv, 1 o, 2 gate-up, 3 down): a stage each.
+__device__ __forceinline__ int lp_chunks(int g) {
+  return g == 0 ? LP_CH_QKV : g == 1 ? LP_CH_O : g == 2 ? LP_CH_GU : LP_CH_DN;
+}
+#endif
+
+template <int LP_STAGES>
+__device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__ wp, const float* __restrict__ x0,
+                                          float* act, float* xout, float* x2out, unsigned* cnt, unsigned* err,
+                                          int layers, int P, int mode) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char lp_smem[];
+  float* ys = reinterpret_cast<float*>(lp_smem + LP_STAGES * LP_STAGE_BYTES);
+  float* xs = ys + LP_K;
+  float* red = xs + LP_K;
+  float* part = red + 16;
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(part + 8);
+  unsigned long long* empty = full + LP_STAGES;
+  const unsigned ring = (unsigned)__cvta_generic_to_shared(lp_smem);
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+  const int grid = (int)gridDim.x, block = (int)blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < LP_STAGES; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(full + s)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" :: "r"((unsigned)__cvta_generic_to_shared(empty + s)) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // what GEMV g of layer l waits for: (counter, target); a null counter for the first layer's qkv
+  auto dep = [&](int l, int g, unsigned& target) -> const unsigned* {
+    const int c = g == 0 ? (l - 1) * LP_COUNTERS + LP_C_DN : l * LP_COUNTERS + (g == 1 ? LP_C_ATT : g == 2 ? LP_C_O : LP_C_GU);
+    target = g == 0 ? LP_CH_DN : g == 1 ? LP_HEADS : g == 2 ? LP_CH_O : LP_CH_GU;
+    return g == 0 && l == 0 ? nullptr : cnt + c;
+  };
+
+  if (warp == LP_CONSUMERS / 32) {              // the producer: weights only, in the consumers' order
+    if (lane == 0) {
+      unsigned n = 0;                           // stages issued
+      for (int l = 0; l < layers; ++l) {
+        const unsigned long long* w = wp + (l & 1) * LP_WEIGHTS;
+        const unsigned short* W[4] = {reinterpret_cast<const unsigned short*>(w[LP_W_QKV]),
+                                      reinterpret_cast<const unsigned short*>(w[LP_W_O]),
+                                      reinterpret_cast<const unsigned short*>(w[LP_W_G]),
+                                      reinterpret_cast<const unsigned short*>(w[LP_W_D])};
+        const unsigned short* Wu = reinterpret_cast<const unsigned short*>(w[LP_W_U]);
+        for (int g = 0; g < 4; ++g) {
+          unsigned target;
+          const unsigned* c = dep(l, g, target);
+          if (mode == LP_GATED && c != nullptr) lp_spin(c, target, err);
+          for (int ch = block; ch < lp_chunks(g); ch += grid, ++n) {
+            const int s = (int)(n % LP_STAGES);
+            if (n >= LP_STAGES)
+              lp_mbar_wait((unsigned)__cvta_generic_to_shared(empty + s), (n / LP_STAGES - 1) & 1, err);
+            const unsigned fb = (unsigned)__cvta_generic_to_shared(full + s), dst = ring + s * LP_STAGE_BYTES;
+            const unsigned bytes = g == 1 ? 8 * LP_Q * 2 : LP_STAGE_BYTES;
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(fb), "r"(bytes) : "memory");
+            if (g == 0) lp_bulk(dst, W[0] + (size_t)ch * 8 * LP_K, bytes, fb);
+            else if (g == 1) lp_bulk(dst, W[1] + (size_t)ch * 8 * LP_Q, bytes, fb);
+            else if (g == 3) lp_bulk(dst, W[3] + (size_t)ch * 2 * LP_FF, bytes, fb);
+            else {                                // 4 rows of the gate, then the same 4 of up
+              lp_bulk(dst, W[2] + (size_t)ch * 4 * LP_K, bytes / 2, fb);
+              lp_bulk(dst + bytes / 2, Wu + (size_t)ch * 4 * LP_K, bytes / 2, fb);
+            }
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  const int t = (int)threadIdx.x;
+  const float eps = 1e-6f;
+  unsigned n = 0;                               // stages consumed
+  // a GEMV's stage: wait until its weights have landed (take), hand it back to the producer once this warp has
+  // read it (give)
+  auto take = [&]() -> const unsigned short* {
+    const int s = (int)(n % LP_STAGES);
+    lp_mbar_wait((unsigned)__cvta_generic_to_shared(full + s), (n / LP_STAGES) & 1, err);
+    return reinterpret_cast<const unsigned short*>(lp_smem + s * LP_STAGE_BYTES);
+  };
+  auto give = [&]() {
+    __syncwarp();
+    if (lane == 0) {
+      const unsigned e = (unsigned)__cvta_generic_to_shared(empty + n % LP_STAGES);
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(e) : "memory");
+    }
+    ++n;
+  };
+  // xs ← base + rms(v) (v: LP_K floats another block stored), ys ← rms(xs); block 0 stores xs at out
+  auto residual = [&](const float* v, float* out) {
+    float e[LP_K / LP_CONSUMERS], s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LP_K / LP_CONSUMERS; ++i) {
+      e[i] = v != nullptr ? __ldcg(v + t + i * LP_CONSUMERS) : x0[t + i * LP_CONSUMERS];
+      s += e[i] * e[i];
+    }
+    const float r = v != nullptr ? rsqrtf(lp_reduce<false>(s, part) / LP_K + eps) : 1.0f;
+    s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LP_K / LP_CONSUMERS; ++i) {
+      const int k = t + i * LP_CONSUMERS;
+      e[i] = v != nullptr ? xs[k] + e[i] * r : e[i];
+      s += e[i] * e[i];
+    }
+    const float r2 = rsqrtf(lp_reduce<false>(s, part) / LP_K + eps);
+#pragma unroll
+    for (int i = 0; i < LP_K / LP_CONSUMERS; ++i) {
+      const int k = t + i * LP_CONSUMERS;
+      xs[k] = e[i];
+      ys[k] = e[i] * r2;
+      if (block == 0) out[k] = e[i];
+    }
+    lp_bar();
+  };
+
+  for (int l = 0; l < layers; ++l) {
+    float* a = act + (size_t)l * LP_ACT;
+    const unsigned long long* w = wp + (l & 1) * LP_WEIGHTS;
+    unsigned target;
+    const unsigned* c;
+    // qkv
+    if (l > 0) {
+      c = dep(l, 0, target);
+      lp_wait_count(c, target, err, mode);
+      residual(a - LP_ACT + LP_D, xout + (size_t)l * LP_K);
+    } else {
+      residual(nullptr, xout);
+    }
+    float xr[LP_K / 32];
+    lp_input<LP_K / 256, false>(ys, xr);
+    int mine = 0;
+    for (int ch = block; ch < LP_CH_QKV; ch += grid, ++mine) {
+      const float v = lp_row<LP_K / 256>(take() + warp * LP_K, xr);
+      give();
+      if (lane == 0) a[ch * 8 + warp] = v;
+    }
+    lp_signal(cnt + l * LP_COUNTERS + LP_C_QKV, mine);
+    // attention: query head `head` on block head · (grid / 8)
+    const int step = grid / LP_HEADS, head = block / step;
+    if (block % step == 0 && head < LP_HEADS) {
+      lp_wait_count(cnt + l * LP_COUNTERS + LP_C_QKV, LP_CH_QKV, err, mode);
+      const float q = __ldcg(a + head * LP_HD + t);
+      ys[t] = q * rsqrtf(lp_reduce<false>(q * q, part) / LP_HD + eps);
+      lp_bar();
+      float* sc = ys + LP_HD;
+      const unsigned short* kc = reinterpret_cast<const unsigned short*>(w[LP_W_KC]) + (size_t)(head / 2) * P * LP_HD;
+      const unsigned short* vc = reinterpret_cast<const unsigned short*>(w[LP_W_VC]) + (size_t)(head / 2) * P * LP_HD;
+      for (int j = warp; j < P; j += 8) {
+        float d = probe_dot8(0.0f, __ldg(reinterpret_cast<const uint4*>(kc + (size_t)j * LP_HD + lane * 8)), ys + lane * 8);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (lane == 0) sc[j] = d * (1.0f / 16.0f);
+      }
+      lp_bar();
+      float m = -LUM_INF_F32;
+      for (int j = t; j < P; j += LP_CONSUMERS) m = fmaxf(m, sc[j]);
+      m = lp_reduce<true>(m, part);
+      float sum = 0.0f;
+      for (int j = t; j < P; j += LP_CONSUMERS) {
+        sc[j] = __expf(sc[j] - m);
+        sum += sc[j];
+      }
+      sum = lp_reduce<false>(sum, part);       // its barriers publish sc
+      float acc = 0.0f;
+#pragma unroll 8
+      for (int j = 0; j < P; ++j) acc += sc[j] * __uint_as_float((unsigned)__ldg(vc + (size_t)j * LP_HD + t) << 16);
+      a[LP_A + head * LP_HD + t] = acc / sum;
+      lp_signal(cnt + l * LP_COUNTERS + LP_C_ATT, 1);
+    }
+    // o
+    c = dep(l, 1, target);
+    lp_wait_count(c, target, err, mode);
+    lp_input<LP_Q / 256, true>(a + LP_A, xr);
+    mine = 0;
+    for (int ch = block; ch < LP_CH_O; ch += grid, ++mine) {
+      const float v = lp_row<LP_Q / 256>(take() + warp * LP_Q, xr);
+      give();
+      if (lane == 0) a[LP_O + ch * 8 + warp] = v;
+    }
+    lp_signal(cnt + l * LP_COUNTERS + LP_C_O, mine);
+    // gate-up
+    c = dep(l, 2, target);
+    lp_wait_count(c, target, err, mode);
+    residual(a + LP_O, x2out + (size_t)l * LP_K);
+    lp_input<LP_K / 256, false>(ys, xr);
+    mine = 0;
+    for (int ch = block; ch < LP_CH_GU; ch += grid, ++mine) {
+      float* r = red + (mine & 1) * 8;
+      const float v = lp_row<LP_K / 256>(take() + warp * LP_K, xr);
+      give();
+      if (lane == 0) r[warp] = v;
+      lp_bar();
+      if (warp < 4 && lane == 0) a[LP_H + ch * 4 + warp] = r[warp] * 2.0f / (1.0f + __expf(-r[warp + 4]));
+    }
+    lp_signal(cnt + l * LP_COUNTERS + LP_C_GU, mine);
+    // down
+    c = dep(l, 3, target);
+    lp_wait_count(c, target, err, mode);
+    const int row = warp / 4, quarter = warp % 4;
+    lp_input<LP_FF / 4 / 256, true>(a + LP_H + quarter * (LP_FF / 4), xr);
+    mine = 0;
+    for (int ch = block; ch < LP_CH_DN; ch += grid, ++mine) {
+      float* r = red + (mine & 1) * 8;
+      const float v = lp_row<LP_FF / 4 / 256>(take() + row * LP_FF + quarter * (LP_FF / 4), xr);
+      give();
+      if (lane == 0) r[warp] = v;
+      lp_bar();
+      if (quarter == 0 && lane == 0) a[LP_D + ch * 2 + row] = ((r[warp] + r[warp + 1]) + r[warp + 2]) + r[warp + 3];
+    }
+    lp_signal(cnt + l * LP_COUNTERS + LP_C_DN, mine);
+  }
+  if (block == 0) {                             // the last layer's output
+    lp_wait_count(cnt + (layers - 1) * LP_COUNTERS + LP_C_DN, LP_CH_DN, err, mode);
+    residual(act + (size_t)(layers - 1) * LP_ACT + LP_D, xout + (size_t)layers * LP_K);
+  }
+#else
+  (void)wp; (void)x0; (void)act; (void)xout; (void)x2out; (void)cnt; (void)err; (void)layers; (void)P; (void)mode;
+#endif
+}
+
+#define LP_ENTRY(S)                                                                                               \
+  extern "C" __global__ void __launch_bounds__(LP_THREADS, 1)                                                     \
+  lp_layers_##S(const unsigned long long* __restrict__ wp, const float* __restrict__ x0, float* act, float* xout,  \
+                float* x2out, unsigned* cnt, unsigned* err, int layers, int P, int mode) {                          \
+    lp_layers<S>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                          \
+  }
+LP_ENTRY(5)
+LP_ENTRY(2)
