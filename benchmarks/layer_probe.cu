@@ -125,15 +125,7 @@ __device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr
   const int lane = (int)threadIdx.x % 32;
   float acc = 0.0f;
 #pragma unroll
-  for (int i = 0; i < VECS; ++i) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8);
-    const unsigned r[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc += xr[i * 8 + 2 * e] * __uint_as_float(r[e] << 16);
-      acc += xr[i * 8 + 2 * e + 1] * __uint_as_float(r[e] & 0xffff0000u);
-    }
-  }
+  for (int i = 0; i < VECS; ++i) acc = probe_dot8(acc, *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8), xr + i * 8);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   return acc;
