@@ -2,8 +2,9 @@
 //! benchmarks/probe.cuh are pasted before this file). gemma3-4b's decode layers, `layers` of them, as one
 //! persistent launch of one block an SM: eight consumer warps compute, one producer warp streams every
 //! weight the block will use, in the order it will use them, through a ring of S shared-memory stages of
-//! 40 KB (cp.async.bulk completing on the stage's `full` mbarrier, reused once the consumers `empty` it;
-//! entries lp_layers_5 and lp_layers_2). A consumer lane holds its part of a GEMV's input in registers
+//! 40 KB (cp.async.bulk completing on the stage's `full` mbarrier, reused once the consumers `empty` it:
+//! lp_bulk_5, lp_bulk_2; or 16-byte cp.async by each lane of the producer warp: lp_async_5). A consumer lane
+//! holds its part of a GEMV's input in registers
 //! (the same 80 floats for every row it computes), so shared memory carries only the weights.
 //!
 //! A layer, in the order of its dependencies (each arrow: every block waits for a counter in global memory
@@ -37,7 +38,9 @@ enum { LP_AHEAD = 0, LP_GATED = 1, LP_STREAM = 2 };
 constexpr long long LP_SPIN_LIMIT = 1LL << 22;
 // dynamic shared memory: the ring, then ys (a normed input; the attention's scratch), xs (x, then x2), red
 // (2 × 8 partial sums), part (8: reductions), then the ring's 2 × S mbarriers
-__host__ __device__ constexpr int lp_smem_bytes(int stages) { return stages * LP_STAGE_BYTES + (2 * LP_K + 16 + 8) * 4 + 2 * stages * 8; }
+__host__ __device__ constexpr int lp_smem_bytes(int stages) {
+  return stages * LP_STAGE_BYTES + (2 * LP_K + 16 + 8) * 4 + 2 * stages * 8;
+}
 static_assert(lp_smem_bytes(5) <= 227 * 1024, "one block an SM: the opt-in shared memory of sm_90");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -98,9 +101,20 @@ __device__ __forceinline__ void lp_mbar_wait(unsigned bar, unsigned parity, unsi
   atomicExch(err, 1u);
 }
 
-__device__ __forceinline__ void lp_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+// `bytes` of global memory at src into shared memory at dst, completing on the stage's mbarrier `bar`. BULK:
+// one copy-engine request (cp.async.bulk; the producer's lane 0, after its expect_tx); else 16-byte
+// cp.async by each of the producer warp's lanes, whose completion the barrier learns from each lane's
+// cp.async.mbarrier.arrive.noinc after the stage's copies (the barrier counts 32 arrivals).
+template <bool BULK>
+__device__ __forceinline__ void lp_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  if (BULK) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+    return;
+  }
+  const char* from = reinterpret_cast<const char*>(src);
+  for (unsigned o = ((unsigned)threadIdx.x % 32) * 16; o < bytes; o += 512)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + o), "l"(from + o) : "memory");
 }
 
 // A lane's part of a GEMV input of VECS · 256 floats (elements (lane + 32 i) · 8 ... + 8, as lp_row reads
@@ -125,7 +139,8 @@ __device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr
   const int lane = (int)threadIdx.x % 32;
   float acc = 0.0f;
 #pragma unroll
-  for (int i = 0; i < VECS; ++i) acc = probe_dot8(acc, *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8), xr + i * 8);
+  for (int i = 0; i < VECS; ++i)
+    acc = probe_dot8(acc, *reinterpret_cast<const uint4*>(w + (lane + 32 * i) * 8), xr + i * 8);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   return acc;
@@ -137,7 +152,7 @@ __device__ __forceinline__ int lp_chunks(int g) {
 }
 #endif
 
-template <int LP_STAGES>
+template <int LP_STAGES, bool BULK>
 __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__ wp, const float* __restrict__ x0,
                                           float* act, float* xout, float* x2out, unsigned* cnt, unsigned* err,
                                           int layers, int P, int mode) {
@@ -154,21 +169,24 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   const int grid = (int)gridDim.x, block = (int)blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < LP_STAGES; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(full + s)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" :: "r"((unsigned)__cvta_generic_to_shared(empty + s)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
+                   :: "r"((unsigned)__cvta_generic_to_shared(full + s)), "r"(BULK ? 1 : 32) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;"
+                   :: "r"((unsigned)__cvta_generic_to_shared(empty + s)) : "memory");
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   // what GEMV g of layer l waits for: (counter, target); a null counter for the first layer's qkv
   auto dep = [&](int l, int g, unsigned& target) -> const unsigned* {
-    const int c = g == 0 ? (l - 1) * LP_COUNTERS + LP_C_DN : l * LP_COUNTERS + (g == 1 ? LP_C_ATT : g == 2 ? LP_C_O : LP_C_GU);
+    const int c = g == 0 ? (l - 1) * LP_COUNTERS + LP_C_DN
+                         : l * LP_COUNTERS + (g == 1 ? LP_C_ATT : g == 2 ? LP_C_O : LP_C_GU);
     target = g == 0 ? LP_CH_DN : g == 1 ? LP_HEADS : g == 2 ? LP_CH_O : LP_CH_GU;
     return g == 0 && l == 0 ? nullptr : cnt + c;
   };
 
   if (warp == LP_CONSUMERS / 32) {              // the producer: weights only, in the consumers' order
-    if (lane == 0) {
+    if (!BULK || lane == 0) {
       unsigned n = 0;                           // stages issued
       for (int l = 0; l < layers; ++l) {
         const unsigned long long* w = wp + (l & 1) * LP_WEIGHTS;
@@ -180,21 +198,26 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
         for (int g = 0; g < 4; ++g) {
           unsigned target;
           const unsigned* c = dep(l, g, target);
-          if (mode == LP_GATED && c != nullptr) lp_spin(c, target, err);
+          if (mode == LP_GATED && c != nullptr) {
+            if (lane == 0) lp_spin(c, target, err);
+            if (!BULK) __syncwarp();
+          }
           for (int ch = block; ch < lp_chunks(g); ch += grid, ++n) {
             const int s = (int)(n % LP_STAGES);
             if (n >= LP_STAGES)
               lp_mbar_wait((unsigned)__cvta_generic_to_shared(empty + s), (n / LP_STAGES - 1) & 1, err);
             const unsigned fb = (unsigned)__cvta_generic_to_shared(full + s), dst = ring + s * LP_STAGE_BYTES;
             const unsigned bytes = g == 1 ? 8 * LP_Q * 2 : LP_STAGE_BYTES;
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(fb), "r"(bytes) : "memory");
-            if (g == 0) lp_bulk(dst, W[0] + (size_t)ch * 8 * LP_K, bytes, fb);
-            else if (g == 1) lp_bulk(dst, W[1] + (size_t)ch * 8 * LP_Q, bytes, fb);
-            else if (g == 3) lp_bulk(dst, W[3] + (size_t)ch * 2 * LP_FF, bytes, fb);
+            if (BULK)
+              asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(fb), "r"(bytes) : "memory");
+            if (g == 0) lp_copy<BULK>(dst, W[0] + (size_t)ch * 8 * LP_K, bytes, fb);
+            else if (g == 1) lp_copy<BULK>(dst, W[1] + (size_t)ch * 8 * LP_Q, bytes, fb);
+            else if (g == 3) lp_copy<BULK>(dst, W[3] + (size_t)ch * 2 * LP_FF, bytes, fb);
             else {                                // 4 rows of the gate, then the same 4 of up
-              lp_bulk(dst, W[2] + (size_t)ch * 4 * LP_K, bytes / 2, fb);
-              lp_bulk(dst + bytes / 2, Wu + (size_t)ch * 4 * LP_K, bytes / 2, fb);
+              lp_copy<BULK>(dst, W[2] + (size_t)ch * 4 * LP_K, bytes / 2, fb);
+              lp_copy<BULK>(dst + bytes / 2, Wu + (size_t)ch * 4 * LP_K, bytes / 2, fb);
             }
+            if (!BULK) asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(fb) : "memory");
           }
         }
       }
@@ -280,7 +303,8 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
       const unsigned short* kc = reinterpret_cast<const unsigned short*>(w[LP_W_KC]) + (size_t)(head / 2) * P * LP_HD;
       const unsigned short* vc = reinterpret_cast<const unsigned short*>(w[LP_W_VC]) + (size_t)(head / 2) * P * LP_HD;
       for (int j = warp; j < P; j += 8) {
-        float d = probe_dot8(0.0f, __ldg(reinterpret_cast<const uint4*>(kc + (size_t)j * LP_HD + lane * 8)), ys + lane * 8);
+        const uint4 key = __ldg(reinterpret_cast<const uint4*>(kc + (size_t)j * LP_HD + lane * 8));
+        float d = probe_dot8(0.0f, key, ys + lane * 8);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
         if (lane == 0) sc[j] = d * (1.0f / 16.0f);
@@ -352,11 +376,12 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
 #endif
 }
 
-#define LP_ENTRY(S)                                                                                               \
+#define LP_ENTRY(NAME, S, BULK)                                                                                   \
   extern "C" __global__ void __launch_bounds__(LP_THREADS, 1)                                                     \
-  lp_layers_##S(const unsigned long long* __restrict__ wp, const float* __restrict__ x0, float* act, float* xout,  \
-                float* x2out, unsigned* cnt, unsigned* err, int layers, int P, int mode) {                          \
-    lp_layers<S>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                          \
+  NAME(const unsigned long long* __restrict__ wp, const float* __restrict__ x0, float* act, float* xout,           \
+       float* x2out, unsigned* cnt, unsigned* err, int layers, int P, int mode) {                                 \
+    lp_layers<S, BULK>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                    \
   }
-LP_ENTRY(5)
-LP_ENTRY(2)
+LP_ENTRY(lp_bulk_5, 5, true)
+LP_ENTRY(lp_bulk_2, 2, true)
+LP_ENTRY(lp_async_5, 5, false)

@@ -19,7 +19,10 @@ h = g · 2σ(u), down; the weights of two layer-sized sets alternating, so none 
 * ``gated``: the producer waits for a GEMV's inputs before streaming its weights (the bus idles across each
   dependency, as it would across kernel boundaries with no preload);
 * ``stream``: nobody waits (no dependency kept; values not checked): the ring's own rate over the same
-  bytes and work, the floor for the other two.
+  bytes and work, the floor for the other two;
+* ``-async``: the same with the stages filled by the producer warp's 32 lanes, 16-byte ``cp.async`` each,
+  rather than by one copy-engine request a stage (``cp.async.bulk``): an earlier probe moved 21 MB of
+  bulk copies at ≈ 2 TB/s (16 GB/s an SM, NOTES.md), so the bulk engine may be what caps a ring.
 
 Printed and saved (``<out>/layer-probe-<date>.json``): µs a layer, the rate over the weight bytes and its
 fraction of the copy rate measured in the same run (a 2 GiB device copy, bytes read + written), each mode
@@ -50,8 +53,10 @@ K, NQKV, Q, HD, HEADS, KV_HEADS, FF = 2560, 4096, 2048, 256, 8, 4, 10240   # lay
 THREADS, STAGE_BYTES = 256 + 32, 40960
 ACT = NQKV + Q + K + FF + K                                              # LP_ACT: a layer's activations
 COUNTERS = 5
-MODES = {"ahead": (5, 0), "ahead-2": (2, 0), "gated": (5, 1), "stream": (5, 2)}   # (ring stages, LP_AHEAD ...)
-CHECKED = ("ahead", "ahead-2", "gated")
+MODES = {"ahead": ("lp_bulk_5", 0), "ahead-2": ("lp_bulk_2", 0), "gated": ("lp_bulk_5", 1),   # (kernel, LP_AHEAD..)
+         "stream": ("lp_bulk_5", 2), "ahead-async": ("lp_async_5", 0), "gated-async": ("lp_async_5", 1),
+         "stream-async": ("lp_async_5", 2)}
+CHECKED = ("ahead", "ahead-2", "gated", "ahead-async", "gated-async")
 SETS = 2
 EPS = 1e-6
 TOLERANCE = 1e-4
@@ -112,6 +117,11 @@ def check(xs: np.ndarray, x2s: np.ndarray, sets: list[dict[str, np.ndarray]]) ->
     return (float(np.max(errs)) if finite else float("nan")), finite
 
 
+def stages_of(kernel: str) -> int:
+    """The ring's stages of a layer_probe.cu entry (lp_<copy>_<stages>)."""
+    return int(kernel.rsplit("_", 1)[1])
+
+
 def smem_bytes(stages: int) -> int:
     """layer_probe.cu lp_smem_bytes: the ring, ys and xs, partial sums, the mbarriers."""
     return stages * STAGE_BYTES + (2 * K + 16 + 8) * 4 + 2 * stages * 8
@@ -149,19 +159,21 @@ def main(argv=None) -> int:
     xout, x2out = dev.buffer((n + 1) * K * 4), dev.buffer((n + 1) * K * 4)   # x2out's last row: unused
     cnt, err = dev.buffer(n * COUNTERS * 4), dev.buffer(4)
     kernels = {}
-    for stages in sorted({st for st, _ in MODES.values()}):
-        f = kernels[stages] = dev.module.function(f"lp_layers_{stages}", smem_bytes(stages))
-        if cu.call(dev.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, f, THREADS, smem_bytes(stages)) < 1:
-            log(f"lp_layers_{stages} does not fit an SM ({smem_bytes(stages)} bytes of shared memory)")
+    for name in sorted({k for k, _ in MODES.values()}):
+        smem = smem_bytes(stages_of(name))
+        f = kernels[name] = dev.module.function(name, smem)
+        if cu.call(dev.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, f, THREADS, smem) < 1:
+            log(f"{name} does not fit an SM ({smem} bytes of shared memory)")
             return 1
     copy = copy_GBps(dev, args.reps)
     wbytes = sum(sets[0][k].nbytes for k in ("qkv", "o", "g", "u", "d"))
     results = {}
-    for mode, (stages, code) in MODES.items():
+    for mode, (name, code) in MODES.items():
+        stages = stages_of(name)
         cu.memset(err.ptr, 0, 4, dev.stream)
         params = dev.pack([wp.ptr, x0_buf.ptr, act.ptr, xout.ptr, x2out.ptr, cnt.ptr, err.ptr, n, args.keys, code])
 
-        def rec(st, params=params, f=kernels[stages], smem=smem_bytes(stages)) -> None:
+        def rec(st, params=params, f=kernels[name], smem=smem_bytes(stages)) -> None:
             cu.memset(cnt.ptr, 0, n * COUNTERS * 4, st)
             cu.launch_kernel(f, (grid, 1, 1), (THREADS, 1, 1), smem, st, params)
 
@@ -178,15 +190,15 @@ def main(argv=None) -> int:
         us = t / n * 1e6
         rate = wbytes / (us * 1e-6) / 1e9
         ok = not gave_up and (mode not in CHECKED or (finite and rel < TOLERANCE))
-        results[mode] = {"stages": stages, "smem": smem_bytes(stages), "layer_us": round(us, 3), "weight_GBps": round(rate, 1),
+        results[mode] = {"kernel": name, "stages": stages, "smem": smem_bytes(stages), "layer_us": round(us, 3),
+                         "weight_GBps": round(rate, 1),
                          "of_copy_rate": round(rate / copy, 4), "checked": mode in CHECKED,
                          "rel_err": rel if mode in CHECKED else None, "finite": finite, "wait_gave_up": gave_up,
                          "ok": ok}
-    floor = results["stream"]["layer_us"]
-    for mode, r in results.items():
-        r["vs_stream"] = round(r["layer_us"] / floor, 4)
+    for mode, r in results.items():      # against the stream of the same copy kind
+        r["vs_stream"] = round(r["layer_us"] / results["stream-async" if "async" in mode else "stream"]["layer_us"], 4)
         err_txt = f"rel err {r['rel_err']:.2e}" if r["checked"] else "not checked"
-        log(f"{mode:7s} {r['layer_us']:8.2f} us a layer ({r['weight_GBps']:.0f} GB/s of weights, "
+        log(f"{mode:12s} {r['layer_us']:8.2f} us a layer ({r['weight_GBps']:.0f} GB/s of weights, "
             f"{100 * r['of_copy_rate']:.1f}% of the copy rate, {r['vs_stream']:.3f}x stream)  {err_txt}  "
             f"ok={r['ok']}")
     log(f"copy rate {copy:.0f} GB/s; at it a layer's {wbytes / 1e6:.1f} MB take {wbytes / copy / 1e3:.2f} us")
