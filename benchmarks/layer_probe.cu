@@ -43,8 +43,70 @@ __host__ __device__ constexpr int lp_smem_bytes(int stages) {
 }
 static_assert(lp_smem_bytes(5) <= 227 * 1024, "one block an SM: the opt-in shared memory of sm_90");
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// ------------------------------------------------------------------ the few instructions the host emulates
+// On the GPU: PTX. On the host (tests/cuda_emulation.py's resident runs, every block's threads coroutines of
+// one scheduler): a named barrier, spinning that lets the other threads run, and an mbarrier kept in its
+// 8 bytes of shared memory as (expected arrivals | pending << 8 | phase parity << 16, pending bytes).
+#if defined(__CUDA_ARCH__)
 __device__ __forceinline__ void lp_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }   // consumers only
+__device__ __forceinline__ void lp_pause() {}
+__device__ __forceinline__ unsigned lp_load_acquire(const unsigned* c) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned lp_saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void lp_mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void lp_mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void lp_mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void lp_mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool lp_mbar_done(unsigned bar, unsigned parity) {
+  unsigned done;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void lp_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void lp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void lp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+#else
+inline void lp_bar() { lum_named_barrier(1, 256); }
+inline void lp_pause() { lum_spin_yield(); }
+inline unsigned lp_load_acquire(const unsigned* c) { return *c; }
+inline unsigned lp_saddr(const void* p) { return (unsigned)((const unsigned char*)p - lum_emu_dyn_smem()); }
+inline unsigned* lp_mbar(unsigned bar) { return reinterpret_cast<unsigned*>(lum_emu_dyn_smem() + bar); }
+inline void lp_mbar_init(unsigned bar, unsigned count) { lp_mbar(bar)[0] = count | count << 8; lp_mbar(bar)[1] = 0; }
+inline void lp_mbar_init_fence() {}
+inline void lp_mbar_complete_if_done(unsigned* m) {   // no arrival and no byte pending: the phase completes
+  if (((m[0] >> 8) & 0xffu) == 0 && m[1] == 0) m[0] = ((m[0] & 0xffu) | (m[0] & 0xffu) << 8) | ((~m[0]) & 0x10000u);
+}
+inline void lp_mbar_arrive(unsigned bar) { unsigned* m = lp_mbar(bar); m[0] -= 1u << 8; lp_mbar_complete_if_done(m); }
+inline void lp_mbar_expect(unsigned bar, unsigned bytes) { lp_mbar(bar)[1] += bytes; lp_mbar_arrive(bar); }
+inline bool lp_mbar_done(unsigned bar, unsigned parity) { return ((lp_mbar(bar)[0] >> 16) & 1u) != parity; }
+inline void lp_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  std::memcpy(lum_emu_dyn_smem() + dst, src, bytes);
+  unsigned* m = lp_mbar(bar);
+  m[1] -= bytes;
+  lp_mbar_complete_if_done(m);
+}
+inline void lp_async16(unsigned dst, const void* src) { std::memcpy(lum_emu_dyn_smem() + dst, src, 16); }
+inline void lp_async_arrive(unsigned bar) { lp_mbar_arrive(bar); }   // the lane's copies are done already
+#endif
 
 // The sum (or the max) of every consumer thread's `s`, in every consumer thread.
 template <bool MAX>
@@ -65,11 +127,10 @@ __device__ __forceinline__ float lp_reduce(float s, float* part) {
 
 // Poll *c (acquire, GPU scope) until it reaches target; false (and *err set) if it never did.
 __device__ __forceinline__ bool lp_spin(const unsigned* c, unsigned target, unsigned* err) {
-  unsigned seen = 0;
   for (long long i = 0; i < LP_SPIN_LIMIT; ++i) {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
-    if (seen >= target) return true;
+    if (lp_load_acquire(c) >= target) return true;
     if ((i & 1023) == 1023 && *reinterpret_cast<volatile unsigned*>(err)) return false;   // another gave up
+    lp_pause();
   }
   atomicExch(err, 1u);
   return false;
@@ -92,11 +153,9 @@ __device__ __forceinline__ void lp_signal(unsigned* c, unsigned n) {
 
 __device__ __forceinline__ void lp_mbar_wait(unsigned bar, unsigned parity, unsigned* err) {
   for (long long i = 0; i < LP_SPIN_LIMIT; ++i) {
-    unsigned done;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    if (done) return;
+    if (lp_mbar_done(bar, parity)) return;
     if ((i & 1023) == 1023 && *reinterpret_cast<volatile unsigned*>(err)) return;
+    lp_pause();
   }
   atomicExch(err, 1u);
 }
@@ -108,13 +167,11 @@ __device__ __forceinline__ void lp_mbar_wait(unsigned bar, unsigned parity, unsi
 template <bool BULK>
 __device__ __forceinline__ void lp_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
   if (BULK) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+    lp_bulk(dst, src, bytes, bar);
     return;
   }
   const char* from = reinterpret_cast<const char*>(src);
-  for (unsigned o = ((unsigned)threadIdx.x % 32) * 16; o < bytes; o += 512)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst + o), "l"(from + o) : "memory");
+  for (unsigned o = ((unsigned)threadIdx.x % 32) * 16; o < bytes; o += 512) lp_async16(dst + o, from + o);
 }
 
 // A lane's part of a GEMV input of VECS · 256 floats (elements (lane + 32 i) · 8 ... + 8, as lp_row reads
@@ -150,31 +207,31 @@ __device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr
 __device__ __forceinline__ int lp_chunks(int g) {
   return g == 0 ? LP_CH_QKV : g == 1 ? LP_CH_O : g == 2 ? LP_CH_GU : LP_CH_DN;
 }
-#endif
 
 template <int LP_STAGES, bool BULK>
 __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__ wp, const float* __restrict__ x0,
                                           float* act, float* xout, float* x2out, unsigned* cnt, unsigned* err,
                                           int layers, int P, int mode) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__)
   extern __shared__ __align__(128) unsigned char lp_smem[];
+#else
+  unsigned char* const lp_smem = lum_emu_dyn_smem();
+#endif
   float* ys = reinterpret_cast<float*>(lp_smem + LP_STAGES * LP_STAGE_BYTES);
   float* xs = ys + LP_K;
   float* red = xs + LP_K;
   float* part = red + 16;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(part + 8);
   unsigned long long* empty = full + LP_STAGES;
-  const unsigned ring = (unsigned)__cvta_generic_to_shared(lp_smem);
+  const unsigned ring = lp_saddr(lp_smem);
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
   const int grid = (int)gridDim.x, block = (int)blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < LP_STAGES; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
-                   :: "r"((unsigned)__cvta_generic_to_shared(full + s)), "r"(BULK ? 1 : 32) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;"
-                   :: "r"((unsigned)__cvta_generic_to_shared(empty + s)) : "memory");
+      lp_mbar_init(lp_saddr(full + s), BULK ? 1 : 32);
+      lp_mbar_init(lp_saddr(empty + s), 8);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    lp_mbar_init_fence();
   }
   __syncthreads();
   // what GEMV g of layer l waits for: (counter, target); a null counter for the first layer's qkv
@@ -205,11 +262,10 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
           for (int ch = block; ch < lp_chunks(g); ch += grid, ++n) {
             const int s = (int)(n % LP_STAGES);
             if (n >= LP_STAGES)
-              lp_mbar_wait((unsigned)__cvta_generic_to_shared(empty + s), (n / LP_STAGES - 1) & 1, err);
-            const unsigned fb = (unsigned)__cvta_generic_to_shared(full + s), dst = ring + s * LP_STAGE_BYTES;
+              lp_mbar_wait(lp_saddr(empty + s), (n / LP_STAGES - 1) & 1, err);
+            const unsigned fb = lp_saddr(full + s), dst = ring + s * LP_STAGE_BYTES;
             const unsigned bytes = g == 1 ? 8 * LP_Q * 2 : LP_STAGE_BYTES;
-            if (BULK)
-              asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(fb), "r"(bytes) : "memory");
+            if (BULK) lp_mbar_expect(fb, bytes);
             if (g == 0) lp_copy<BULK>(dst, W[0] + (size_t)ch * 8 * LP_K, bytes, fb);
             else if (g == 1) lp_copy<BULK>(dst, W[1] + (size_t)ch * 8 * LP_Q, bytes, fb);
             else if (g == 3) lp_copy<BULK>(dst, W[3] + (size_t)ch * 2 * LP_FF, bytes, fb);
@@ -217,7 +273,7 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
               lp_copy<BULK>(dst, W[2] + (size_t)ch * 4 * LP_K, bytes / 2, fb);
               lp_copy<BULK>(dst + bytes / 2, Wu + (size_t)ch * 4 * LP_K, bytes / 2, fb);
             }
-            if (!BULK) asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(fb) : "memory");
+            if (!BULK) lp_async_arrive(fb);
           }
         }
       }
@@ -232,15 +288,12 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   // read it (give)
   auto take = [&]() -> const unsigned short* {
     const int s = (int)(n % LP_STAGES);
-    lp_mbar_wait((unsigned)__cvta_generic_to_shared(full + s), (n / LP_STAGES) & 1, err);
+    lp_mbar_wait(lp_saddr(full + s), (n / LP_STAGES) & 1, err);
     return reinterpret_cast<const unsigned short*>(lp_smem + s * LP_STAGE_BYTES);
   };
   auto give = [&]() {
     __syncwarp();
-    if (lane == 0) {
-      const unsigned e = (unsigned)__cvta_generic_to_shared(empty + n % LP_STAGES);
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(e) : "memory");
-    }
+    if (lane == 0) lp_mbar_arrive(lp_saddr(empty + n % LP_STAGES));
     ++n;
   };
   // xs ← base + rms(v) (v: LP_K floats another block stored), ys ← rms(xs); block 0 stores xs at out
@@ -371,9 +424,6 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
     lp_wait_count(cnt + (layers - 1) * LP_COUNTERS + LP_C_DN, LP_CH_DN, err, mode);
     residual(act + (size_t)(layers - 1) * LP_ACT + LP_D, xout + (size_t)layers * LP_K);
   }
-#else
-  (void)wp; (void)x0; (void)act; (void)xout; (void)x2out; (void)cnt; (void)err; (void)layers; (void)P; (void)mode;
-#endif
 }
 
 #define LP_ENTRY(NAME, S, BULK)                                                                                   \

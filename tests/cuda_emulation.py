@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from lum.builder.codegen import KernelSource, module_source
 from lum.format.manifest import L2_PREFETCH_ENTRY
@@ -47,6 +47,11 @@ _SHIM = r"""
 // A coroutine starts on its own stack through setcontext (makecontext's entry) and then switches with
 // _setjmp / _longjmp, which leave the signal mask alone: swapcontext's system call per switch made
 // kernels with many barriers (flash attention) spend most of their emulated time in the kernel.
+// lum_emu_run_resident runs every block of a grid at once (their threads as coroutines of one scheduler),
+// for kernels whose blocks wait for each other (a persistent kernel: every block resident, as on the GPU
+// when the grid fits the SMs once); there a thread may also wait at a named barrier (bar.sync id, count:
+// `lum_named_barrier`) or spin (`lum_spin_yield`: runnable, but the others run first), and a grid whose
+// every live thread only spins is a deadlock.
 struct lum_dim3 { unsigned x = 0, y = 0, z = 0; };
 static lum_dim3 threadIdx, blockIdx, blockDim, gridDim;
 struct lum_jmp { jmp_buf b; };
@@ -57,34 +62,45 @@ static std::vector<lum_jmp> lum_jb;
 static std::vector<char*> lum_stacks;
 static std::vector<uint64_t> lum_slots;
 static std::vector<char> lum_done, lum_started;
-static std::vector<char> lum_wait;   // 0: may run; 1: at a block barrier; 2: at a warp barrier
+static std::vector<char> lum_wait;   // 0: may run; 1: at a block barrier; 2: at a warp barrier; 3: at a named
+                                      // barrier; 4: spinning (may run)
+static std::vector<unsigned> lum_bar;  // a thread's named barrier: id << 16 | count
+static unsigned lum_base = 0;         // the current block's first thread in the arrays (resident runs)
+static unsigned char* lum_dyn = nullptr;   // the current block's dynamic shared memory (resident runs)
 static const std::function<void()>* lum_fn = nullptr;
 static unsigned lum_cur = 0;
 static void lum_yield_at(char kind) { lum_wait[lum_cur] = kind; if (!_setjmp(lum_jb[lum_cur].b)) _longjmp(lum_sched_jb, 1); }
 static void lum_yield() { lum_yield_at(1); }
 static void lum_warp_yield() { lum_yield_at(2); }
 static void __syncthreads() { lum_yield(); }
+static void lum_spin_yield() { lum_yield_at(4); }
+static void lum_named_barrier(unsigned id, unsigned count) {
+  lum_bar[lum_cur] = id << 16 | count;
+  lum_yield_at(3);
+}
+static unsigned char* lum_emu_dyn_smem() { return lum_dyn; }
 // A block-wide vote: every thread posts its predicate, then reads everyone's (two rounds, as a shuffle).
 static int __syncthreads_or(int pred) {
-  lum_slots[threadIdx.x] = pred != 0;
+  lum_slots[lum_base + threadIdx.x] = pred != 0;
   lum_yield();
   int any = 0;
-  for (unsigned t = 0; t < blockDim.x; ++t) any |= lum_slots[t] != 0;
+  for (unsigned t = 0; t < blockDim.x; ++t) any |= lum_slots[lum_base + t] != 0;
   lum_yield();
   return any;
 }
 // A warp's barrier: the warp's stores before it are seen by its lanes after it.
 static void __syncwarp(unsigned = 0xffffffffu) { lum_warp_yield(); }
-static void __threadfence() {}   // blocks run one after another: every store is already visible
+static void __threadfence() {}   // one OS thread runs every block: every store is already visible
 static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
-template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {
+static unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
+template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
-  lum_slots[tid] = bits;
+  lum_slots[lum_base + tid] = bits;
   lum_warp_yield();
   int src = lane ^ lane_mask;
   if (src / width != lane / width) src = lane;
-  uint64_t got = lum_slots[warp * 32 + src];
+  uint64_t got = lum_slots[lum_base + warp * 32 + src];
   lum_warp_yield();
   T out; std::memcpy(&out, &got, sizeof(T)); return out;
 }
@@ -101,6 +117,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
   lum_ctx.resize(block > lum_ctx.size() ? block : lum_ctx.size());
   lum_jb.resize(block > lum_jb.size() ? block : lum_jb.size());
   lum_slots.assign(block, 0);
+  lum_bar.assign(block, 0);   // (named barriers are released in resident runs only)
   lum_fn = &fn;
   for (unsigned b = 0; b < grid; ++b) {
     blockIdx.x = b;
@@ -144,6 +161,86 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
     }
   }
 }
+// Every block of the grid at once: a scheduler round first releases, block by block, the barriers every
+// thread they span has reached (the block's, a warp's, a named barrier's count), then runs each thread that
+// may run up to its next wait. `smem` bytes of dynamic shared memory a block (zeroed).
+static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& fn) {
+  gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
+  const unsigned n = grid * block;
+  const size_t stack = 64 * 1024;
+  std::vector<char*> stacks(n);
+  for (auto& st : stacks) st = (char*)std::malloc(stack);
+  std::vector<unsigned char*> shared(grid);
+  for (auto& sm : shared) sm = (unsigned char*)std::calloc(smem + 128, 1);
+  lum_ctx.resize(n > lum_ctx.size() ? n : lum_ctx.size());
+  lum_jb.resize(n > lum_jb.size() ? n : lum_jb.size());
+  lum_slots.assign(n, 0); lum_done.assign(n, 0); lum_started.assign(n, 0); lum_wait.assign(n, 0); lum_bar.assign(n, 0);
+  lum_fn = &fn;
+  for (unsigned i = 0; i < n; ++i) {
+    getcontext(&lum_ctx[i]);
+    lum_ctx[i].uc_stack.ss_sp = stacks[i];
+    lum_ctx[i].uc_stack.ss_size = stack;
+    lum_ctx[i].uc_link = &lum_sched;
+    makecontext(&lum_ctx[i], lum_entry, 0);
+  }
+  long idle = 0;                         // rounds in which every thread that ran only spun again
+  for (;;) {
+    for (unsigned b = 0; b < grid; ++b) {
+      const unsigned base = b * block;
+      bool all_at_block = true;
+      for (unsigned t = base; t < base + block; ++t) all_at_block &= lum_done[t] || lum_wait[t] == 1;
+      for (unsigned w = base; w < base + block; w += 32) {
+        bool all_at_warp = true;
+        for (unsigned t = w; t < base + block && t < w + 32; ++t) all_at_warp &= lum_done[t] || lum_wait[t] == 2;
+        for (unsigned t = w; t < base + block && t < w + 32; ++t)
+          if ((all_at_warp && lum_wait[t] == 2) || (all_at_block && lum_wait[t] == 1)) lum_wait[t] = 0;
+      }
+      for (unsigned t = base; t < base + block; ++t) {
+        if (lum_wait[t] != 3) continue;
+        unsigned at = 0;
+        for (unsigned u = base; u < base + block; ++u) at += lum_wait[u] == 3 && lum_bar[u] == lum_bar[t];
+        if (at >= (lum_bar[t] & 0xffffu)) {
+          const unsigned id = lum_bar[t];
+          for (unsigned u = base; u < base + block; ++u) if (lum_wait[u] == 3 && lum_bar[u] == id) lum_wait[u] = 0;
+        }
+      }
+    }
+    bool left = false, progress = false;
+    for (unsigned i = 0; i < n; ++i) {
+      if (lum_done[i]) continue;
+      left = true;
+      if (lum_wait[i] != 0 && lum_wait[i] != 4) continue;
+      const bool spun = lum_wait[i] == 4;
+      lum_wait[i] = 0;
+      lum_cur = i; threadIdx.x = i % block; blockIdx.x = i / block; lum_base = i - i % block;
+      lum_dyn = shared[i / block] + (128 - (uintptr_t)shared[i / block] % 128) % 128;
+      if (!_setjmp(lum_sched_jb)) {
+        if (lum_started[i]) _longjmp(lum_jb[i].b, 1);
+        lum_started[i] = 1;
+        setcontext(&lum_ctx[i]);
+      }
+      progress |= !(spun && lum_wait[i] == 4);
+    }
+    if (!left) break;
+    idle = progress ? 0 : idle + 1;
+    if (idle > 1000) {
+      std::fprintf(stderr, "emulated grid: every live thread spins (a deadlock on a GPU)\n");
+      std::abort();
+    }
+  }
+  for (auto st : stacks) std::free(st);
+  for (auto sm : shared) std::free(sm);
+  lum_base = 0; lum_dyn = nullptr;
+}
+// What the kernels of probes and persistent kernels use of CUDA's vector types and intrinsics, for the host.
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+template <typename T> static T __ldg(const T* p) { return *p; }
+template <typename T> static T __ldcg(const T* p) { return *p; }
+static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static float lum_host_expf(float x) { return std::exp(x); }
+#define __expf lum_host_expf   // glibc declares an __expf it does not export
 #define __CUDACC__ 1
 #define __host__
 #define __device__
@@ -182,6 +279,27 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
     so = out_dir / "libkernels.so"
     r = subprocess.run([CXX, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-shared", "-fPIC", "-pthread",   # _longjmp
                         "-Wno-unknown-pragmas", "-o", str(so), str(cpp)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[:5000])
+    return so
+
+
+def resident_library(source: str, entries: dict[str, Sequence[str]], out_dir: Path) -> Path:
+    """Compile CUDA ``source`` (whose kernels' blocks wait for each other: a persistent kernel, a probe) for
+    the host; each entry ``K`` (its parameters' C types) gets ``run_K(void** params, grid, block, smem)``, which
+    runs every block of the grid at once with ``smem`` bytes of dynamic shared memory a block
+    (``lum_emu_run_resident``)."""
+    src = [_SHIM, source]
+    for name, ctypes_ in entries.items():
+        args = ", ".join(f"*({t}*)p[{i}]" for i, t in enumerate(ctypes_))
+        src.append(f'extern "C" void run_{name}(void** p, unsigned grid, unsigned block, unsigned smem) '
+                   f'{{ lum_emu_run_resident(grid, block, smem, [&] {{ {name}({args}); }}); }}')
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cpp = out_dir / "resident.cpp"
+    cpp.write_text("\n".join(src))
+    so = out_dir / "libresident.so"
+    r = subprocess.run([CXX, "-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-shared", "-fPIC", "-Wno-unknown-pragmas",
+                        "-o", str(so), str(cpp)], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[:5000])
     return so

@@ -72,3 +72,70 @@ def test_layer_probe_check_passes_float32_and_fails_a_wrong_or_nan_layer(probes,
     bad = xs.copy()
     bad[2, 0] = np.nan
     assert lp.check(bad, x2s, sets)[1] is False
+
+
+PROBE_PARAMS = ["const unsigned long long*", "const float*", "float*", "float*", "float*", "unsigned*", "unsigned*",
+                "int", "int", "int"]
+
+
+@pytest.fixture(scope="module")
+def layer_probe_run(tmp_path_factory):
+    """layer_probe.cu's kernels compiled for the host (every block resident at once, tests/cuda_emulation.py),
+    one weight set at gemma3-4b's shapes used by both layers, and a function running one (kernel, mode)
+    over 2 layers on 16 blocks with 8 cached keys: (x of each layer and the output, x2 of each layer, the
+    counters, the give-up flag), every output NaN beforehand."""
+    import ctypes
+
+    from tests import cuda_emulation as emu
+    if emu.CXX is None:
+        pytest.skip("no C++ compiler for the emulated kernels")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import layer_probe as lp
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    root = BENCHMARKS.parent
+    src = "".join(p.read_text() for p in (root / "templates" / "common.cuh", BENCHMARKS / "probe.cuh",
+                                          BENCHMARKS / "layer_probe.cu"))
+    kernels = ("lp_bulk_5", "lp_bulk_2", "lp_async_5")
+    lib = ctypes.CDLL(str(emu.resident_library(src, {k: PROBE_PARAMS for k in kernels},
+                                               tmp_path_factory.mktemp("layer_probe"))))
+    rng = np.random.default_rng(0)
+    keys, layers, grid = 8, 2, 16
+    ws = lp.weight_set(rng, keys)
+    wp = np.array([ws[k].ctypes.data for k in ("qkv", "o", "g", "u", "d", "kc", "vc")] * lp.SETS, np.uint64)
+    x0 = rng.standard_normal(lp.K).astype(np.float32)
+
+    def run(kernel: str, mode: int):
+        act = np.full(layers * lp.ACT, np.nan, np.float32)
+        xout, x2out = (np.full((layers + 1) * lp.K, np.nan, np.float32) for _ in range(2))
+        cnt, err = np.zeros(layers * lp.COUNTERS, np.uint32), np.zeros(1, np.uint32)
+        vals = [ctypes.c_void_p(a.ctypes.data) for a in (wp, x0, act, xout, x2out, cnt, err)]
+        vals += [ctypes.c_int(v) for v in (layers, keys, mode)]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        getattr(lib, f"run_{kernel}")(params, grid, lp.THREADS, lp.smem_bytes(lp.stages_of(kernel)))
+        return (xout.reshape(layers + 1, lp.K).astype(np.float64),
+                x2out.reshape(layers + 1, lp.K)[:layers].astype(np.float64), cnt, int(err[0]))
+
+    dense32 = {k: (v.astype(np.uint32) << 16).view(np.float32) for k, v in ws.items()}   # bf16 exactly
+    yield lp, run, [dense32] * lp.SETS
+
+
+@pytest.mark.parametrize("kernel,mode", [("lp_bulk_5", "ahead"), ("lp_bulk_5", "gated"), ("lp_bulk_2", "ahead"),
+                                         ("lp_async_5", "ahead"), ("lp_async_5", "gated"), ("lp_bulk_5", "stream"),
+                                         ("lp_async_5", "stream")])
+def test_layer_probe_kernel_emulated(layer_probe_run, kernel, mode):
+    """The persistent layer probe's kernel on the host, blocks waiting for each other's counters and
+    consumers for the producer's ring stages: with its dependencies kept (ahead, gated) two layers match
+    float64 (each from its own input) with every counter at its full count and no wait given up; without
+    them (stream) a consumer reads an input before it is written (NaN), which the check catches."""
+    lp, run, dense = layer_probe_run
+    code = {"ahead": 0, "gated": 1, "stream": 2}[mode]
+    xs, x2s, cnt, gave_up = run(kernel, code)
+    assert gave_up == 0
+    assert cnt.reshape(-1, lp.COUNTERS).tolist() == [[4096 // 8, 8, 2560 // 8, 10240 // 4, 2560 // 2]] * 2
+    err, finite = lp.check(xs, x2s, dense)
+    if mode == "stream":
+        assert not finite
+    else:
+        assert finite and err < lp.TOLERANCE, err
