@@ -105,6 +105,14 @@ template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int
   T out; std::memcpy(&out, &got, sizeof(T)); return out;
 }
 static void lum_entry() { (*lum_fn)(); lum_done[lum_cur] = 1; _longjmp(lum_sched_jb, 1); }   // never returns
+// Thread i's coroutine, to start at lum_entry on its own stack.
+static void lum_new_thread(unsigned i, char* stack, size_t size) {
+  getcontext(&lum_ctx[i]);
+  lum_ctx[i].uc_stack.ss_sp = stack;
+  lum_ctx[i].uc_stack.ss_size = size;
+  lum_ctx[i].uc_link = &lum_sched;
+  makecontext(&lum_ctx[i], lum_entry, 0);
+}
 static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std::function<void()>& fn) {
   gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   if (!threaded) {   // no barriers or shuffles: the threads of a block can run one after another
@@ -124,13 +132,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
     lum_done.assign(block, 0);
     lum_started.assign(block, 0);
     lum_wait.assign(block, 0);
-    for (unsigned t = 0; t < block; ++t) {
-      getcontext(&lum_ctx[t]);
-      lum_ctx[t].uc_stack.ss_sp = lum_stacks[t];
-      lum_ctx[t].uc_stack.ss_size = stack;
-      lum_ctx[t].uc_link = &lum_sched;
-      makecontext(&lum_ctx[t], lum_entry, 0);
-    }
+    for (unsigned t = 0; t < block; ++t) lum_new_thread(t, lum_stacks[t], stack);
     for (;;) {
       bool all_at_block = true;          // release a barrier that every live thread it spans has reached
       for (unsigned t = 0; t < block; ++t) all_at_block &= lum_done[t] || lum_wait[t] == 1;
@@ -176,13 +178,7 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
   lum_jb.resize(n > lum_jb.size() ? n : lum_jb.size());
   lum_slots.assign(n, 0); lum_done.assign(n, 0); lum_started.assign(n, 0); lum_wait.assign(n, 0); lum_bar.assign(n, 0);
   lum_fn = &fn;
-  for (unsigned i = 0; i < n; ++i) {
-    getcontext(&lum_ctx[i]);
-    lum_ctx[i].uc_stack.ss_sp = stacks[i];
-    lum_ctx[i].uc_stack.ss_size = stack;
-    lum_ctx[i].uc_link = &lum_sched;
-    makecontext(&lum_ctx[i], lum_entry, 0);
-  }
+  for (unsigned i = 0; i < n; ++i) lum_new_thread(i, stacks[i], stack);
   long idle = 0;                         // rounds in which every thread that ran only spun again
   for (;;) {
     for (unsigned b = 0; b < grid; ++b) {
