@@ -70,8 +70,9 @@ def attention_trigger_after_stage() -> bool:
     copies share the bus with the stage's reads: gemma3-4b's stage took 2.72 µs from the wait to its barrier
     at b57ec6e, 1.86 µs with o launched after the combine's wait (``$LUM_COMBINE_TRIGGER_LATE``, c2fe51a,
     which lost 1.3% as o's copies had too little time left). After the stage, o's copies still have the
-    chunk's keys, the stores and the combine (≈ 5 µs) to land in. Measured (2d7e1fb): the stage 2.72 → 1.76 µs and o's link 2.94 → 4.38;
-    gemma3-4b ±0, llama3-1b +0.7%, +0.6%, +0.6% in three same-run pairs (2d7e1fb, 67ad255): on since then."""
+    chunk's keys, the stores and the combine (≈ 5 µs) to land in. Measured (2d7e1fb): the stage 2.72 → 1.76
+    µs and o's link 2.94 → 4.38; gemma3-4b ±0, llama3-1b +0.7%, +0.6%, +0.6% in three same-run pairs
+    (2d7e1fb, 67ad255): on since then."""
     return env_switch(ENV_ATTENTION_TRIGGER_AFTER_STAGE, default=True)
 
 
