@@ -1,17 +1,18 @@
 //! lum/benchmarks/layer_probe.cu — the kernel of benchmarks/layer_probe.py (templates/common.cuh and
-//! benchmarks/probe.cuh are pasted before this file). gemma3-4b's decode layers, `layers` of them, as one
-//! persistent launch of one block an SM: eight consumer warps compute, one producer warp streams every
-//! weight the block will use, in the order it will use them, through a ring of S shared-memory stages of
-//! 40 KB (cp.async.bulk completing on the stage's `full` mbarrier, reused once the consumers `empty` it:
-//! lp_bulk_5, lp_bulk_2; or 16-byte cp.async by each lane of the producer warp: lp_async_5). A consumer lane
-//! holds its part of a GEMV's input in registers
-//! (the same 80 floats for every row it computes), so shared memory carries only the weights.
+//! benchmarks/probe.cuh are pasted before this file). A model's decode layers (gemma3-4b's or llama3-1b's
+//! shapes: LpGemma, LpLlama), `layers` of them, as one persistent launch of one block an SM: eight consumer
+//! warps compute, one producer warp streams every weight the block will use, in the order it will use them,
+//! through a ring of S shared-memory stages of 40 KB (cp.async.bulk completing on the stage's `full`
+//! mbarrier, reused once the consumers `empty` it: lp_bulk_5_<model>, lp_bulk_2_<model>; or 16-byte
+//! cp.async by each lane of the producer warp: lp_async_5_<model>). A consumer lane holds its part of a
+//! GEMV's input in registers (the same ≤ 80 floats for every row it computes), so shared memory carries only
+//! the weights.
 //!
 //! A layer, in the order of its dependencies (each arrow: every block waits for a counter in global memory
-//! that the blocks before it raised, an acquire after their release):
+//! that the blocks before it raised, an acquire after their release; gemma3-4b's sizes):
 //!   qkv:     x = x2 + rms(d) of the layer before (x0 for the first), xn = rms(x), qkv = Wqkv · xn  (4096 rows)
-//!   → attn:  eight blocks, a query head each: q = rms(qkv[head]), softmax(q · Kᵀ / 16) · V over P cached keys
-//!            of its kv head (4 kv heads; the cache a constant of the weight set)
+//!   → attn:  query head h on block h % grid: q = rms(qkv[head]), softmax(q · Kᵀ / √HD) · V over P cached
+//!            keys of its kv head (the cache a constant of the weight set)
 //!   → o:     o = Wo · a  (2560 rows, K 2048)
 //!   → gate-up: x2 = x + rms(o), xn2 = rms(x2), h = (Wg · xn2) · 2σ(Wu · xn2)  (10240 rows)
 //!   → down:  d = Wd · h  (2560 rows, K 10240)
@@ -25,23 +26,23 @@
 //! boundary); LP_STREAM: nobody waits for a counter (the ring's rate over the same bytes and work; values
 //! not meaningful). Waits give up after LP_SPIN_LIMIT polls and set *err (a bug, or blocks not co-resident).
 
-constexpr int LP_K = 2560, LP_NQKV = 4096, LP_Q = 2048, LP_HD = 256, LP_HEADS = 8, LP_FF = 10240;
+// A model's layer: hidden size, q · k · v rows, q rows, head size, query and kv heads, FFN size.
+struct LpGemma { static constexpr int K = 2560, NQKV = 4096, Q = 2048, HD = 256, HEADS = 8, KV_HEADS = 4, FF = 10240; };
+struct LpLlama { static constexpr int K = 2048, NQKV = 3072, Q = 2048, HD = 64, HEADS = 32, KV_HEADS = 8, FF = 8192; };
 constexpr int LP_CONSUMERS = 256;                         // eight warps
 constexpr int LP_THREADS = LP_CONSUMERS + 32;             // and the producer
 constexpr int LP_STAGE_BYTES = 40960;
-constexpr int LP_CH_QKV = LP_NQKV / 8, LP_CH_O = LP_K / 8, LP_CH_GU = LP_FF / 4, LP_CH_DN = LP_K / 2;
-constexpr int LP_ACT = LP_NQKV + LP_Q + LP_K + LP_FF + LP_K;  // a layer's activations: qkv, a, o, h, d
-constexpr int LP_A = LP_NQKV, LP_O = LP_A + LP_Q, LP_H = LP_O + LP_K, LP_D = LP_H + LP_FF;
+constexpr int LP_MAX_VECS = 10;                           // a lane's input vectors: K / 256, Q / 256, FF / 1024
 enum { LP_C_QKV = 0, LP_C_ATT = 1, LP_C_O = 2, LP_C_GU = 3, LP_C_DN = 4, LP_COUNTERS = 5 };
 enum { LP_W_QKV = 0, LP_W_O = 1, LP_W_G = 2, LP_W_U = 3, LP_W_D = 4, LP_W_KC = 5, LP_W_VC = 6, LP_WEIGHTS = 7 };
 enum { LP_AHEAD = 0, LP_GATED = 1, LP_STREAM = 2 };
 constexpr long long LP_SPIN_LIMIT = 1LL << 22;
 // dynamic shared memory: the ring, then ys (a normed input; the attention's scratch), xs (x, then x2), red
 // (2 × 8 partial sums), part (8: reductions), then the ring's 2 × S mbarriers
-__host__ __device__ constexpr int lp_smem_bytes(int stages) {
-  return stages * LP_STAGE_BYTES + (2 * LP_K + 16 + 8) * 4 + 2 * stages * 8;
+__host__ __device__ constexpr int lp_smem_bytes(int stages, int k) {
+  return stages * LP_STAGE_BYTES + (2 * k + 16 + 8) * 4 + 2 * stages * 8;
 }
-static_assert(lp_smem_bytes(5) <= 227 * 1024, "one block an SM: the opt-in shared memory of sm_90");
+static_assert(lp_smem_bytes(5, LpGemma::K) <= 227 * 1024, "one block an SM: the opt-in shared memory of sm_90");
 
 // ------------------------------------------------------------------ the few instructions the host emulates
 // On the GPU: PTX. On the host (tests/cuda_emulation.py's resident runs, every block's threads coroutines of
@@ -203,15 +204,20 @@ __device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr
   return acc;
 }
 
-// Chunks of GEMV `g` (0 qkv, 1 o, 2 gate-up, 3 down): a stage each.
-__device__ __forceinline__ int lp_chunks(int g) {
-  return g == 0 ? LP_CH_QKV : g == 1 ? LP_CH_O : g == 2 ? LP_CH_GU : LP_CH_DN;
-}
-
-template <int LP_STAGES, bool BULK>
+template <class M, int LP_STAGES, bool BULK>
 __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__ wp, const float* __restrict__ x0,
                                           float* act, float* xout, float* x2out, unsigned* cnt, unsigned* err,
                                           int layers, int P, int mode) {
+  constexpr int LP_K = M::K, LP_NQKV = M::NQKV, LP_Q = M::Q, LP_HD = M::HD, LP_HEADS = M::HEADS, LP_FF = M::FF;
+  constexpr int LP_CH_QKV = LP_NQKV / 8, LP_CH_O = LP_K / 8, LP_CH_GU = LP_FF / 4, LP_CH_DN = LP_K / 2;
+  constexpr int LP_ACT = LP_NQKV + LP_Q + LP_K + LP_FF + LP_K;  // a layer's activations: qkv, a, o, h, d
+  constexpr int LP_A = LP_NQKV, LP_O = LP_A + LP_Q, LP_H = LP_O + LP_K, LP_D = LP_H + LP_FF;
+  static_assert(LP_K % 256 == 0 && LP_Q % 256 == 0 && LP_FF % 1024 == 0 && LP_HD % 8 == 0 && LP_HD <= LP_CONSUMERS);
+  static_assert(LP_K / 256 <= LP_MAX_VECS && LP_Q / 256 <= LP_MAX_VECS && LP_FF / 1024 <= LP_MAX_VECS);
+  static_assert(8 * LP_K * 2 <= LP_STAGE_BYTES && 8 * LP_Q * 2 <= LP_STAGE_BYTES && 2 * LP_FF * 2 <= LP_STAGE_BYTES);
+  // chunks of GEMV g (0 qkv, 1 o, 2 gate-up, 3 down), a stage each, and a chunk's bytes
+  auto chunks = [](int g) { return g == 0 ? LP_CH_QKV : g == 1 ? LP_CH_O : g == 2 ? LP_CH_GU : LP_CH_DN; };
+  auto chunk_bytes = [](int g) -> unsigned { return g == 1 ? 8 * LP_Q * 2 : g == 3 ? 2 * LP_FF * 2 : 8 * LP_K * 2; };
 #if defined(__CUDA_ARCH__)
   extern __shared__ __align__(128) unsigned char lp_smem[];
 #else
@@ -259,12 +265,12 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
             if (lane == 0) lp_spin(c, target, err);
             if (!BULK) __syncwarp();
           }
-          for (int ch = block; ch < lp_chunks(g); ch += grid, ++n) {
+          for (int ch = block; ch < chunks(g); ch += grid, ++n) {
             const int s = (int)(n % LP_STAGES);
             if (n >= LP_STAGES)
               lp_mbar_wait(lp_saddr(empty + s), (n / LP_STAGES - 1) & 1, err);
             const unsigned fb = lp_saddr(full + s), dst = ring + s * LP_STAGE_BYTES;
-            const unsigned bytes = g == 1 ? 8 * LP_Q * 2 : LP_STAGE_BYTES;
+            const unsigned bytes = chunk_bytes(g);
             if (BULK) lp_mbar_expect(fb, bytes);
             if (g == 0) lp_copy<BULK>(dst, W[0] + (size_t)ch * 8 * LP_K, bytes, fb);
             else if (g == 1) lp_copy<BULK>(dst, W[1] + (size_t)ch * 8 * LP_Q, bytes, fb);
@@ -336,7 +342,7 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
     } else {
       residual(nullptr, xout);
     }
-    float xr[LP_K / 32];
+    float xr[LP_MAX_VECS * 8];
     lp_input<LP_K / 256, false>(ys, xr);
     int mine = 0;
     for (int ch = block; ch < LP_CH_QKV; ch += grid, ++mine) {
@@ -345,22 +351,28 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
       if (lane == 0) a[ch * 8 + warp] = v;
     }
     lp_signal(cnt + l * LP_COUNTERS + LP_C_QKV, mine);
-    // attention: query head `head` on block head · (grid / 8)
-    const int step = grid / LP_HEADS, head = block / step;
-    if (block % step == 0 && head < LP_HEADS) {
-      lp_wait_count(cnt + l * LP_COUNTERS + LP_C_QKV, LP_CH_QKV, err, mode);
-      const float q = __ldcg(a + head * LP_HD + t);
-      ys[t] = q * rsqrtf(lp_reduce<false>(q * q, part) / LP_HD + eps);
+    // attention: query head `head` on block head (and head + grid ...)
+    for (int head = block; head < LP_HEADS; head += grid) {
+      c = cnt + l * LP_COUNTERS + LP_C_QKV;
+      lp_wait_count(c, LP_CH_QKV, err, mode);
+      const float q = t < LP_HD ? __ldcg(a + head * LP_HD + t) : 0.0f;
+      const float qn = q * rsqrtf(lp_reduce<false>(q * q, part) / LP_HD + eps);
+      if (t < LP_HD) ys[t] = qn;
       lp_bar();
       float* sc = ys + LP_HD;
-      const unsigned short* kc = reinterpret_cast<const unsigned short*>(w[LP_W_KC]) + (size_t)(head / 2) * P * LP_HD;
-      const unsigned short* vc = reinterpret_cast<const unsigned short*>(w[LP_W_VC]) + (size_t)(head / 2) * P * LP_HD;
+      const size_t kv = (size_t)(head / (LP_HEADS / M::KV_HEADS)) * P * LP_HD;
+      const unsigned short* kc = reinterpret_cast<const unsigned short*>(w[LP_W_KC]) + kv;
+      const unsigned short* vc = reinterpret_cast<const unsigned short*>(w[LP_W_VC]) + kv;
+      const float scale = rsqrtf((float)LP_HD);
       for (int j = warp; j < P; j += 8) {
-        const uint4 key = __ldg(reinterpret_cast<const uint4*>(kc + (size_t)j * LP_HD + lane * 8));
-        float d = probe_dot8(0.0f, key, ys + lane * 8);
+        float d = 0.0f;
+        if (lane * 8 < LP_HD) {
+          const uint4 key = __ldg(reinterpret_cast<const uint4*>(kc + (size_t)j * LP_HD + lane * 8));
+          d = probe_dot8(0.0f, key, ys + lane * 8);
+        }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (lane == 0) sc[j] = d * (1.0f / 16.0f);
+        if (lane == 0) sc[j] = d * scale;
       }
       lp_bar();
       float m = -LUM_INF_F32;
@@ -372,10 +384,12 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
         sum += sc[j];
       }
       sum = lp_reduce<false>(sum, part);       // its barriers publish sc
-      float acc = 0.0f;
+      if (t < LP_HD) {
+        float acc = 0.0f;
 #pragma unroll 8
-      for (int j = 0; j < P; ++j) acc += sc[j] * __uint_as_float((unsigned)__ldg(vc + (size_t)j * LP_HD + t) << 16);
-      a[LP_A + head * LP_HD + t] = acc / sum;
+        for (int j = 0; j < P; ++j) acc += sc[j] * __uint_as_float((unsigned)__ldg(vc + (size_t)j * LP_HD + t) << 16);
+        a[LP_A + head * LP_HD + t] = acc / sum;
+      }
       lp_signal(cnt + l * LP_COUNTERS + LP_C_ATT, 1);
     }
     // o
@@ -426,12 +440,15 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   }
 }
 
-#define LP_ENTRY(NAME, S, BULK)                                                                                   \
+#define LP_ENTRY(NAME, M, S, BULK)                                                                                \
   extern "C" __global__ void __launch_bounds__(LP_THREADS, 1)                                                     \
   NAME(const unsigned long long* __restrict__ wp, const float* __restrict__ x0, float* act, float* xout,           \
        float* x2out, unsigned* cnt, unsigned* err, int layers, int P, int mode) {                                 \
-    lp_layers<S, BULK>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                    \
+    lp_layers<M, S, BULK>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                 \
   }
-LP_ENTRY(lp_bulk_5, 5, true)
-LP_ENTRY(lp_bulk_2, 2, true)
-LP_ENTRY(lp_async_5, 5, false)
+LP_ENTRY(lp_bulk_5_gemma, LpGemma, 5, true)
+LP_ENTRY(lp_bulk_2_gemma, LpGemma, 2, true)
+LP_ENTRY(lp_async_5_gemma, LpGemma, 5, false)
+LP_ENTRY(lp_bulk_5_llama, LpLlama, 5, true)
+LP_ENTRY(lp_bulk_2_llama, LpLlama, 2, true)
+LP_ENTRY(lp_async_5_llama, LpLlama, 5, false)
