@@ -49,7 +49,7 @@ COPIES = 2
 TOLERANCE = 1e-4
 
 
-def _weights(rng, n: int, k: int) -> np.ndarray:
+def unit_weights(rng, n: int, k: int) -> np.ndarray:
     """bf16 bits of uniform weights scaled so that a row's dot keeps a unit vector's scale."""
     return bf16_bits(rng.uniform(-1.0, 1.0, (n, k)).astype(np.float32) * np.float32(np.sqrt(3.0 / k)))
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     dev = ProbeDevice("ffn_probe.cu")
     cu, drv, n = dev.cu, dev.drv, args.stretches
     rng = np.random.default_rng(0)
-    sets = [(_weights(rng, H, K1), _weights(rng, H, K1), _weights(rng, N2, H)) for _ in range(COPIES)]
+    sets = [tuple(unit_weights(rng, n, k) for n, k in ((H, K1), (H, K1), (N2, H))) for _ in range(COPIES)]
     order = [s % COPIES for s in range(n)]
     x0 = rng.standard_normal(K1).astype(np.float32)
     dense = dense_sets(sets)

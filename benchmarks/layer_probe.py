@@ -48,10 +48,10 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from ffn_probe import unit_weights  # noqa: E402
 from ring_probe import bf16_bits  # noqa: E402
 
 set_log_tag("layer-probe")
-
 
 
 @dataclass(frozen=True)
@@ -93,16 +93,11 @@ TOLERANCE = 1e-4
 COPY_BYTES = 2 << 30
 
 
-def _weights(rng, n: int, k: int) -> np.ndarray:
-    """bf16 bits of uniform weights scaled so that a row's dot keeps a unit vector's scale."""
-    return bf16_bits(rng.uniform(-1.0, 1.0, (n, k)).astype(np.float32) * np.float32(np.sqrt(3.0 / k)))
-
-
 def weight_set(rng, m: Dims, keys: int) -> dict[str, np.ndarray]:
     """One layer's weights (bf16 bits, row-major [rows, K]) and its cached keys and values ([kv head, key, d])."""
     cache = (m.kv_heads, keys, m.hd)
-    return {"qkv": _weights(rng, m.nqkv, m.k), "o": _weights(rng, m.k, m.q), "g": _weights(rng, m.ff, m.k),
-            "u": _weights(rng, m.ff, m.k), "d": _weights(rng, m.k, m.ff),
+    shapes = {"qkv": (m.nqkv, m.k), "o": (m.k, m.q), "g": (m.ff, m.k), "u": (m.ff, m.k), "d": (m.k, m.ff)}
+    return {**{name: unit_weights(rng, n, k) for name, (n, k) in shapes.items()},
             "kc": bf16_bits(rng.uniform(-np.sqrt(3), np.sqrt(3), cache).astype(np.float32)),
             "vc": bf16_bits(rng.uniform(-np.sqrt(3), np.sqrt(3), cache).astype(np.float32))}
 

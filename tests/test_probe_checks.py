@@ -26,7 +26,7 @@ def probes(monkeypatch):
 def test_ffn_probe_check_passes_float32_and_fails_a_wrong_or_nan_output(probes):
     ffn, _ = probes
     rng = np.random.default_rng(1)
-    sets = [tuple(ffn._weights(rng, n, k) for n, k in ((48, 32), (48, 32), (32, 48))) for _ in range(2)]
+    sets = [tuple(ffn.unit_weights(rng, n, k) for n, k in ((48, 32), (48, 32), (32, 48))) for _ in range(2)]
     dense = ffn.dense_sets(sets)
     order = [0, 1, 0, 1]
     x0 = rng.standard_normal(32).astype(np.float32)
