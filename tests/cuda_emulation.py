@@ -113,6 +113,35 @@ static void lum_new_thread(unsigned i, char* stack, size_t size) {
   lum_ctx[i].uc_link = &lum_sched;
   makecontext(&lum_ctx[i], lum_entry, 0);
 }
+// Release the barriers of the block whose threads are base .. base + block - 1 that every live thread they
+// span has reached: the block's (__syncthreads), each warp's, each named barrier once its count is there.
+static void lum_release(unsigned base, unsigned block) {
+  bool all_at_block = true;
+  for (unsigned t = base; t < base + block; ++t) all_at_block &= lum_done[t] || lum_wait[t] == 1;
+  for (unsigned w = base; w < base + block; w += 32) {
+    bool all_at_warp = true;
+    for (unsigned t = w; t < base + block && t < w + 32; ++t) all_at_warp &= lum_done[t] || lum_wait[t] == 2;
+    for (unsigned t = w; t < base + block && t < w + 32; ++t)
+      if ((all_at_warp && lum_wait[t] == 2) || (all_at_block && lum_wait[t] == 1)) lum_wait[t] = 0;
+  }
+  for (unsigned t = base; t < base + block; ++t) {
+    if (lum_wait[t] != 3) continue;
+    unsigned at = 0;
+    for (unsigned u = base; u < base + block; ++u) at += lum_wait[u] == 3 && lum_bar[u] == lum_bar[t];
+    if (at >= (lum_bar[t] & 0xffffu)) {
+      const unsigned id = lum_bar[t];
+      for (unsigned u = base; u < base + block; ++u) if (lum_wait[u] == 3 && lum_bar[u] == id) lum_wait[u] = 0;
+    }
+  }
+}
+// Run thread i (lum_cur, threadIdx and the block's state set by the caller) up to its next wait or its end.
+static void lum_resume(unsigned i) {
+  if (!_setjmp(lum_sched_jb)) {          // back here when thread i yields or finishes
+    if (lum_started[i]) _longjmp(lum_jb[i].b, 1);
+    lum_started[i] = 1;
+    setcontext(&lum_ctx[i]);
+  }
+}
 static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std::function<void()>& fn) {
   gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   if (!threaded) {   // no barriers or shuffles: the threads of a block can run one after another
@@ -125,7 +154,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
   lum_ctx.resize(block > lum_ctx.size() ? block : lum_ctx.size());
   lum_jb.resize(block > lum_jb.size() ? block : lum_jb.size());
   lum_slots.assign(block, 0);
-  lum_bar.assign(block, 0);   // (named barriers are released in resident runs only)
+  lum_bar.assign(block, 0);
   lum_fn = &fn;
   for (unsigned b = 0; b < grid; ++b) {
     blockIdx.x = b;
@@ -134,14 +163,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
     lum_wait.assign(block, 0);
     for (unsigned t = 0; t < block; ++t) lum_new_thread(t, lum_stacks[t], stack);
     for (;;) {
-      bool all_at_block = true;          // release a barrier that every live thread it spans has reached
-      for (unsigned t = 0; t < block; ++t) all_at_block &= lum_done[t] || lum_wait[t] == 1;
-      for (unsigned w = 0; w < block; w += 32) {
-        bool all_at_warp = true;
-        for (unsigned t = w; t < block && t < w + 32; ++t) all_at_warp &= lum_done[t] || lum_wait[t] == 2;
-        for (unsigned t = w; t < block && t < w + 32; ++t)
-          if (all_at_warp || (all_at_block && lum_wait[t] == 1)) lum_wait[t] = 0;
-      }
+      lum_release(0, block);
       bool left = false, ran = false;
       for (unsigned t = 0; t < block; ++t) {
         if (lum_done[t]) continue;
@@ -149,11 +171,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
         if (lum_wait[t]) continue;
         ran = true;
         lum_cur = t; threadIdx.x = t;
-        if (!_setjmp(lum_sched_jb)) {      // back here when thread t yields or finishes
-          if (lum_started[t]) _longjmp(lum_jb[t].b, 1);
-          lum_started[t] = 1;
-          setcontext(&lum_ctx[t]);
-        }
+        lum_resume(t);
       }
       if (!left) break;
       if (!ran) {
@@ -163,9 +181,8 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
     }
   }
 }
-// Every block of the grid at once: a scheduler round first releases, block by block, the barriers every
-// thread they span has reached (the block's, a warp's, a named barrier's count), then runs each thread that
-// may run up to its next wait. `smem` bytes of dynamic shared memory a block (zeroed).
+// Every block of the grid at once: a scheduler round first releases each block's barriers (lum_release),
+// then runs each thread that may run up to its next wait. `smem` bytes of dynamic shared memory a block (zeroed).
 static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& fn) {
   gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   const unsigned n = grid * block;
@@ -181,26 +198,7 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
   for (unsigned i = 0; i < n; ++i) lum_new_thread(i, stacks[i], stack);
   long idle = 0;                         // rounds in which every thread that ran only spun again
   for (;;) {
-    for (unsigned b = 0; b < grid; ++b) {
-      const unsigned base = b * block;
-      bool all_at_block = true;
-      for (unsigned t = base; t < base + block; ++t) all_at_block &= lum_done[t] || lum_wait[t] == 1;
-      for (unsigned w = base; w < base + block; w += 32) {
-        bool all_at_warp = true;
-        for (unsigned t = w; t < base + block && t < w + 32; ++t) all_at_warp &= lum_done[t] || lum_wait[t] == 2;
-        for (unsigned t = w; t < base + block && t < w + 32; ++t)
-          if ((all_at_warp && lum_wait[t] == 2) || (all_at_block && lum_wait[t] == 1)) lum_wait[t] = 0;
-      }
-      for (unsigned t = base; t < base + block; ++t) {
-        if (lum_wait[t] != 3) continue;
-        unsigned at = 0;
-        for (unsigned u = base; u < base + block; ++u) at += lum_wait[u] == 3 && lum_bar[u] == lum_bar[t];
-        if (at >= (lum_bar[t] & 0xffffu)) {
-          const unsigned id = lum_bar[t];
-          for (unsigned u = base; u < base + block; ++u) if (lum_wait[u] == 3 && lum_bar[u] == id) lum_wait[u] = 0;
-        }
-      }
-    }
+    for (unsigned b = 0; b < grid; ++b) lum_release(b * block, block);
     bool left = false, progress = false;
     for (unsigned i = 0; i < n; ++i) {
       if (lum_done[i]) continue;
@@ -210,11 +208,7 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
       lum_wait[i] = 0;
       lum_cur = i; threadIdx.x = i % block; blockIdx.x = i / block; lum_base = i - i % block;
       lum_dyn = shared[i / block] + (128 - (uintptr_t)shared[i / block] % 128) % 128;
-      if (!_setjmp(lum_sched_jb)) {
-        if (lum_started[i]) _longjmp(lum_jb[i].b, 1);
-        lum_started[i] = 1;
-        setcontext(&lum_ctx[i]);
-      }
+      lum_resume(i);
       progress |= !(spun && lum_wait[i] == 4);
     }
     if (!left) break;
