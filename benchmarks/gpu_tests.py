@@ -1,12 +1,18 @@
 """Run the `gpu`-marked tests on this machine's GPU and record the outcome as JSON.
 
-    python benchmarks/gpu_tests.py [pytest args…] --out benchmarks/results [--time-limit S]
+    python benchmarks/gpu_tests.py [pytest args…] --out benchmarks/results [--time-limit S] [--workers N] [-m EXPR]
 
 The record (``gpu-tests-<date>.json``) holds the commit, GPU, driver, date, the LUM_* settings and every test's
 outcome, duration and recorded properties (figures a test measures and reports with ``record_property``), so a
 GPU feature's "its tests passed there, on the committed code" is a committed fact. Outcomes stream to a file as
 each test ends (``gpu_tests_stream.py``): a run stopped by ``--time-limit`` or by a signal (a device call's
 own limit) still writes its record, with the tests it did not finish as ``not run`` and ``stopped`` saying why.
+
+Most of the suite's time is the host's: each test builds packages (saturation, NVRTC) and runs them for a few
+milliseconds of GPU time. ``--workers N`` runs the tests not marked ``serial`` in N processes (pytest-xdist, the
+cases of one package on one worker: their ``xdist_group``), then the ``serial`` ones alone: those measure time,
+bandwidth or the device's free memory, which other processes on the GPU would disturb. ``-m EXPR`` is and-ed
+with ``gpu`` (and with the phase's ``serial`` test).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,13 +56,15 @@ def _on_signal(signum, frame):  # noqa: ARG001
     raise _Stopped(f"stopped by signal {signal.Signals(signum).name}")
 
 
-def _run_pytest(cmd: list[str], env: dict[str, str], time_limit: float | None) -> tuple[int | None, str | None]:
-    """pytest's exit code, or None and why it was stopped (the time limit, SIGTERM / SIGINT): then its whole
-    process group is killed, so nothing it started outlives the record."""
+def _run_pytest(cmd: list[str], env: dict[str, str], time_limit: float | None,
+                deadline: float | None) -> tuple[int | None, str | None]:
+    """pytest's exit code, or None and why it was stopped (``time_limit``'s ``deadline`` on the monotonic
+    clock, SIGTERM / SIGINT): then its whole process group is killed, so nothing it started outlives the
+    record."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait(timeout=time_limit), None
+        return proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())), None
     except subprocess.TimeoutExpired:
         stopped = f"stopped at the {time_limit:g} s time limit"
     except _Stopped as exc:
@@ -70,25 +79,48 @@ def _run_pytest(cmd: list[str], env: dict[str, str], time_limit: float | None) -
 
 def _read_stream(path: Path) -> list[dict]:
     """The tests in collection order: each finished one's line, the others ``not run``."""
-    collected, done = [], {}
+    collected, done = {}, {}                       # (a dict keeps the order of first appearance)
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 d = json.loads(line)
             except json.JSONDecodeError:            # a line cut by the kill
                 continue
-            if "collected" in d:
-                collected = d["collected"]
+            if "collected" in d:                    # one a run, or one a parallel run's worker: the same ids
+                collected.update(dict.fromkeys(d["collected"]))
             else:
                 done[d.pop("test")] = d
     tests = []
-    for nodeid in collected + [n for n in done if n not in collected]:
+    for nodeid in [*collected, *(n for n in done if n not in collected)]:
         d = done.get(nodeid, {"outcome": "not run", "seconds": 0.0, "message": ""})
         module, _, name = nodeid.partition("::")
         tests.append({"test": f"{module.removesuffix('.py').replace('/', '.')}::{name}", "outcome": d["outcome"],
                       "seconds": round(d["seconds"], 3), **({"message": d["message"]} if d["message"] else {}),
-                      **({"properties": d["properties"]} if d.get("properties") else {})})
+                      **({"properties": d["properties"]} if d.get("properties") else {}),
+                      **({"worker": d["worker"]} if d.get("worker") else {})})
     return tests
+
+
+def _commands(marks: str | None, workers: int, pytest_args: list[str]) -> list[list[str]]:
+    """The pytest runs, in order: one of every selected test, or with ``workers`` > 1 the parallel part then
+    the ``serial`` tests."""
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_tests_stream"]
+    selected = "gpu" + (f" and ({marks})" if marks else "")
+    rest = pytest_args or ["tests"]
+    if workers <= 1:
+        return [[*base, "-m", selected, *rest]]
+    return [[*base, "-m", f"{selected} and not serial", "-n", str(workers), "--dist", "loadgroup", *rest],
+            [*base, "-m", f"{selected} and serial", *rest]]
+
+
+def _exit_code(codes: list[int]) -> int:
+    """One exit code for the runs: the first failing one's; a run that selected no test (5) fails nothing
+    unless no run selected any."""
+    ran = [c for c in codes if c != pytest_no_tests]
+    return next((c for c in ran if c != 0), 0) if ran else pytest_no_tests
+
+
+pytest_no_tests = 5     # pytest's exit code when no test was selected
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,22 +129,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="commit hash (default: git rev-parse HEAD)")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="stop pytest after S seconds and record what finished (default: no limit)")
+    ap.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="run the tests not marked serial in N processes (pytest-xdist), then the serial ones "
+                         "alone (default 1: every test in one process)")
+    ap.add_argument("-m", dest="marks", default=None, metavar="EXPR", help="a marker expression, and-ed with gpu")
     args, pytest_args = ap.parse_known_args(argv)
+    if args.workers < 1:
+        ap.error("--workers must be at least 1")
+    cmds = _commands(args.marks, args.workers, pytest_args)
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    codes: list[int] = []
+    stopped = None
     with tempfile.TemporaryDirectory() as tmp:
         stream = Path(tmp) / "tests.jsonl"
         env = {**os.environ, "GPU_TESTS_STREAM": str(stream),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-p", "gpu_tests_stream",
-               *(pytest_args or ["tests"])]
-        code, stopped = _run_pytest(cmd, env, args.time_limit)
+        for i, cmd in enumerate(cmds):
+            code, stopped = _run_pytest(cmd, env, args.time_limit, deadline)
+            if stopped:
+                if i + 1 < len(cmds):
+                    stopped += "; the serial tests did not start"
+                break
+            codes.append(code)
         tests = _read_stream(stream)
+    code = None if stopped else _exit_code(codes)
     gpu, driver = _gpu()
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped", "not run")}
     now = dt.datetime.now(dt.timezone.utc)
     record = {"benchmark": "gpu-tests", "commit": args.commit or _git("rev-parse", "HEAD"),
               "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")), "gpu": gpu, "driver": driver,
-              "date": now.isoformat(timespec="seconds"), "command": " ".join(cmd[1:]), "exit_code": code,
+              "date": now.isoformat(timespec="seconds"), "command": " ; ".join(" ".join(c[1:]) for c in cmds),
+              "exit_code": code,
               **({"stopped": stopped} if stopped else {}),
+              "workers": args.workers,
               "lum_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LUM_")},
               **counts, "tests": tests}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,9 @@ A junit XML is written only when pytest ends, so a run stopped by a device call'
 the hundreds of tests it had already run. With ``-p gpu_tests_stream`` and ``$GPU_TESTS_STREAM`` naming a file,
 the collected test ids go out first (``{"collected": [...]}``), then a line a finished test (its outcome,
 seconds over setup, call and teardown, the failure's first line, its ``record_property`` figures).
+
+Under pytest-xdist each worker writes its collected ids (the same list) and the controller, which gets every
+worker's reports, writes the outcomes, each with the worker that ran it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def pytest_collection_finish(session) -> None:
 
 
 def pytest_runtest_logreport(report) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):      # the controller writes it, with every worker's
+        return
     t = _state.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0, "message": ""})
     t["seconds"] += report.duration
     if report.failed and t["outcome"] == "passed":
@@ -45,4 +50,5 @@ def pytest_runtest_logreport(report) -> None:
         t["properties"] = dict(report.user_properties)
     if report.when == "teardown":
         _state.pop(report.nodeid)
-        _write({"test": report.nodeid, **t})
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+        _write({"test": report.nodeid, **t, **({"worker": worker} if worker else {})})

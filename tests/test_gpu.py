@@ -32,6 +32,13 @@ _CASES = {(fn.__name__, dt): [o.params["name"] for o in fn(dt)[0].outputs()]
 _RESULTS: dict = {}
 
 
+def _case_params(fn) -> list:
+    """``(dt, name)`` of every case of ``fn``, each (fn, dt) one xdist group: its cases share one package and one
+    run (``_run_cases``), which a parallel run (``benchmarks/gpu_tests.py --workers``) then makes on one worker."""
+    return [pytest.param(dt, n, marks=pytest.mark.xdist_group(f"{fn.__name__}-{dt.value}"))
+            for dt in DTYPES for n in _CASES[(fn.__name__, dt)]]
+
+
 def _run_cases(fn, dt: DType, tmp_path_factory) -> tuple[dict, dict, dict]:
     """Backend and reference outputs of every case of ``fn`` in ``dt`` (computed once per module)."""
     key = (fn.__name__, dt)
@@ -75,8 +82,7 @@ def _check(fn, dt, name, tmp_path_factory) -> None:
 
 
 # ============================================================================ (a) templates
-@pytest.mark.parametrize("dt,name", [(dt, n) for dt in DTYPES for n in _CASES[("template_cases", dt)]],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dt,name", _case_params(template_cases), ids=lambda v: str(v))
 def test_template_matches_reference(dt, name, tmp_path_factory):
     _check(template_cases, dt, name, tmp_path_factory)
 
@@ -94,15 +100,13 @@ def cublaslt():
         pytest.skip(f"cuBLASLt unavailable: {exc}")
 
 
-@pytest.mark.parametrize("dt,name", [(dt, n) for dt in DTYPES for n in _CASES[("gemm_cases", dt)]],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dt,name", _case_params(gemm_cases), ids=lambda v: str(v))
 def test_gemm_matches_reference(dt, name, cublaslt, tmp_path_factory):
     _check(gemm_cases, dt, name, tmp_path_factory)
 
 
 # ============================================================================ (b') gemv: lum's small-m gemm kernel
-@pytest.mark.parametrize("dt,name", [(dt, n) for dt in DTYPES for n in _CASES[("gemv_cases", dt)]],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("dt,name", _case_params(gemv_cases), ids=lambda v: str(v))
 def test_gemv_matches_reference(dt, name, tmp_path_factory):
     """Every layout, m in 1, 3, 8, f32 / bf16 / bf16 -> f32, batched with strides and offsets, symbolic n
     or k, vector and scalar loads; no cuBLASLt involved."""
@@ -157,6 +161,7 @@ GEMV_SIZES = [(2560, 2560), (10240, 2560), (2560, 10240), (10240, 10240)]     # 
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.serial
 def test_gemv_decode_bandwidth(dt, cuda_device, record_property):
     """x[1, k] @ W^T, W [n, k] row-major (RmCm: every Linear layer in decode), timed with CUDA events over
     weight copies that together exceed the L2 cache; reports GB/s next to a device-to-device copy's and
@@ -466,6 +471,7 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
 
 
 # ============================================================================ (d) 10,000 decode steps
+@pytest.mark.serial
 def test_10k_decode_steps_keep_device_memory_flat(tiny_model, cublaslt):
     from lum.loader.cuda import driver as cu
 
@@ -569,6 +575,7 @@ def test_weight_upload_reports_its_rate(tiny_model, cublaslt, method):
     assert compare(got, want, 1e-4) is None
 
 
+@pytest.mark.serial
 def test_upload_rate_of_a_large_random_model(tmp_path, cublaslt):
     """≥ 10 GB/s from the page cache: a ~1 GB random model (weights only; kernels compiled as usual)."""
     from lum.builder.models import load_spec

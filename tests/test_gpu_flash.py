@@ -38,6 +38,7 @@ TOL = {DType.bf16: 1e-2, DType.f32: 1e-4}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.serial
 def test_flash_kernel_at_model_shapes_matches_float64(shape, cuda_device, record_property):
     from lum.builder import nvrtc
     from lum.builder.codegen import generate

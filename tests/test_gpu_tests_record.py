@@ -97,3 +97,55 @@ def test_a_run_stopped_by_sigterm_still_records_what_finished(tmp_path):
     text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, text
     _check_stopped(_record(out), "SIGTERM")
+
+
+def _parallel_tests(tmp_path: Path, slow: bool = False) -> Path:
+    path = tmp_path / "test_parallel.py"
+    path.write_text(
+        "import os\nimport time\nimport pytest\n\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_case(i, record_property):\n"
+        "    record_property('worker', os.environ.get('PYTEST_XDIST_WORKER', 'alone'))\n"
+        f"    time.sleep({120 if slow else 0})\n\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.serial\n"
+        "def test_timed(record_property):\n"
+        "    record_property('worker', os.environ.get('PYTEST_XDIST_WORKER', 'alone'))\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_fails():\n"
+        "    assert 1 == 2\n")
+    return path
+
+
+def test_workers_run_the_serial_tests_alone_after_the_others(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests.py"), "--out", str(out),
+                           "--commit", "abc123", "--workers", "2", "-q", str(_parallel_tests(tmp_path))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr          # test_fails failed; the serial run passed
+    rec = _record(out)
+    names = [t["test"].split("::")[-1] for t in rec["tests"]]
+    assert names == [f"test_case[{i}]" for i in range(4)] + ["test_fails", "test_timed"]   # each once, serial last
+    assert (rec["passed"], rec["failed"], rec["workers"]) == (5, 1, 2)
+    tests = {t["test"].split("::")[-1]: t for t in rec["tests"]}
+    assert tests["test_timed"]["properties"] == {"worker": "alone"} and "worker" not in tests["test_timed"]
+    for i in range(4):
+        t = tests[f"test_case[{i}]"]
+        assert t["worker"] in ("gw0", "gw1") and t["properties"] == {"worker": t["worker"]}
+    assert "-n 2" in rec["command"] and "gpu and serial" in rec["command"]
+
+
+def test_a_parallel_run_stopped_by_its_time_limit_says_the_serial_tests_did_not_start(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_tests.py"), "--out", str(out),
+                           "--commit", "abc123", "--workers", "2", "--time-limit", "15", "-q",
+                           str(_parallel_tests(tmp_path, slow=True))],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rec = _record(out)
+    assert rec["exit_code"] is None and rec["stopped"] == ("stopped at the 15 s time limit; "
+                                                          "the serial tests did not start"), rec
+    outcomes = {t["test"].split("::")[-1]: t["outcome"] for t in rec["tests"]}
+    assert outcomes["test_fails"] in ("failed", "not run") and "test_timed" not in outcomes
+    assert sum(o == "not run" for o in outcomes.values()) >= 2         # the two workers' sleeping cases

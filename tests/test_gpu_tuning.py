@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 BUDGET = 8
 
 
+@pytest.mark.serial
 def test_measured_build_twice_hits_the_tuning_db(cuda_device, tmp_path, monkeypatch):
     import lum.loader
     from lum.builder import tuning as T
