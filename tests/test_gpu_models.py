@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("real-models")]   # one worker: host and GPU memory
 
 CASES = [  # (model, dtype, logits tolerance vs transformers, greedy steps that must agree)
     ("llama3-1b", "f32", 1e-4, 32),
