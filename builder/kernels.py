@@ -29,7 +29,8 @@ from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switc
                                  generate_program, module_source)
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
-from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION, sm_version
+from lum.format.manifest import (CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, MAX_SHARED_MEM, TAIL_TABLE_VERSION,
+                                 sm_version)
 
 __all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "ENV_SHARED_PRELOAD_WAVES",
            "GroupKernels", "launch_table", "group_kernel_sources", "compile_group_kernels", "program_dyn_vars",
@@ -89,20 +90,22 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             want += [f"t{j}_out"] + [f"t{j}_in{k}" for k in range(len(by_id[t].args))]
         if params != want:
             raise ValueError(f"op {op.id}: kernel parameters {params} do not follow the convention {want}")
+        def table_name(p: str) -> str:      # a tail op T's parameter t<j>_x as the table names it: x@T
+            return re.sub(r"^t(\d+)_(.*)$", lambda m: f"{m.group(2)}@{ks.tails[int(m.group(1))]}", p)
+
         entry = {
             "op": op.id, "kind": op.kind, "name": ks.name,
             "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
                           "shared_mem": int(lc.shared_mem), **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
                          for lc in ks.launches],
-            "params": [re.sub(r"^t(\d+)_(.*)$", lambda m: f"{m.group(2)}@{ks.tails[int(m.group(1))]}", p)
-                       for p in params],
+            "params": [table_name(p) for p in params],
             "dyn_slots": dict(ks.dyn_slots),
             "tuning": {k: v for k, v in sorted(ks.tuning.items())},
         }
         if ks.tails:
             entry["tail"] = list(ks.tails)
         if ks.early:
-            entry["early"] = list(ks.early)
+            entry["early"] = [table_name(p) for p in ks.early]
         ops.append(entry)
     waiting = {ks.name: _waits(ks) for ks in sources.values() if ks is not None}
     if any(waiting.values()) and not all(waiting.values()):     # one kernel costs the table every overlap
@@ -154,7 +157,45 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`) unless kernel
     tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
     ``0``; they take the same small kernels, into the kernel before them), each keeping the
-    register count its head has alone (an NVRTC compile of the heads for ``arch``)."""
+    register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
+    the group at the persistent kernels' block size and its runs of kernels as persistent kernels
+    (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
+    from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGES, fuse_persistent, persistent_enabled
+
+    gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
+    if persistent_enabled():    # the group at the persistent kernel's block size, its runs as persistent kernels
+        wide = _fused_kernels(program, dyn_vars, max_dyn, {**(tuning or {}), "threads": PERSISTENT_THREADS}, arch,
+                              cache_dir, weights)
+        for stages in range(RING_STAGES, 1, -1):    # a ring that fits beside the items' static shared memory
+            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages)
+            kernels = [ks for ks in fused.values() if ks is not None and ks.tuning.get("persistent")]
+            if not kernels:
+                break
+            if _shared_fits(kernels, arch, cache_dir):
+                gen = fused
+                break
+        else:
+            warnings.warn("lum: no persistent kernel of this group fits its shared memory; it keeps its kernels",
+                          stacklevel=2)
+    return {i: ks for i, ks in gen.items() if ks is not None}
+
+
+def _shared_fits(kernels: list[KernelSource], arch: str, cache_dir: Any) -> bool:
+    """Whether each kernel's static shared memory (``ptxas -v``) and its dynamic shared memory fit an SM's
+    :data:`~lum.format.manifest.MAX_SHARED_MEM`; True without NVRTC (nothing is compiled then)."""
+    from lum.builder import nvrtc
+
+    log = _ptxas_log(kernels, arch, cache_dir)
+    if log is None:
+        return True
+    static = nvrtc.ptxas_shared(log)
+    return all(static.get(ks.name, 0) + ks.shared_mem <= MAX_SHARED_MEM for ks in kernels)
+
+
+def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
+                   tuning: Mapping[str, Any] | None, arch: str, cache_dir: Any, weights: frozenset[int]
+                   ) -> dict[int, KernelSource | None]:
+    """:func:`group_kernel_sources` before persistent kernels."""
     from lum.builder.attention_combine import attention_combine_mode, fuse_attention_combines
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
@@ -179,7 +220,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     if tails:
         gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
                          registers=lambda heads: _registers(heads, arch, cache_dir))
-    return {i: ks for i, ks in gen.items() if ks is not None}
+    return gen
 
 
 def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,

@@ -71,7 +71,8 @@ checks the table against the LLIR (every kernel op covered, kinds and arities eq
 early (``griddepcontrol.launch_dependents``) and waits on the device for the kernel before it
 (``griddepcontrol.wait``) before it touches global memory, with two exceptions: the dyn buffer (host
 copies fill it before a graph runs) and the buffers its op entry names in ``early`` (a GEMV's weights,
-which it starts copying into shared memory while its predecessor runs). A CUDA loader may then launch
+which it starts copying into shared memory while its predecessor runs; its own ``in<k>`` or a tail's
+``in<k>@T``: a persistent kernel's GEMVs, builder/persistent.py). A CUDA loader may then launch
 the table's kernels with programmatic stream serialization (sm_90+), each only where every ``early``
 buffer is a weight (nothing in the package writes one); tables without the flag (older builds) launch
 plainly.
@@ -449,7 +450,7 @@ class _Parser:
                     raise self.fail(ow + ".dyn_slots", f"slot of {k!r} disagrees with dyn_vars {list(dyn_vars)}")
                 slots[k] = v
             early = tuple(self.string(x, ow + ".early") for x in self.lst(o.get("early", []), ow + ".early"))
-            if not set(early) <= set(params[:params.index("dyn")]) - {"out"}:
+            if not set(early) <= {p for p in params if p.startswith("in")}:     # its own inputs or its tails
                 raise self.fail(ow + ".early", f"names {list(early)}, not input parameters of the kernel")
             ops.append(KernelOp(op_id, kind, self.string(o.get("name"), ow + ".name"), tuple(launches), params,
                                 slots, self.obj(o.get("tuning", {}), ow + ".tuning"), tail, early))

@@ -23,7 +23,7 @@ from lum.format.dtypes import DType
 from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import Expr
 from lum.format.llir import Program, gemm_fused
-from lum.format.manifest import KERNEL_OP_KINDS, Entry, Manifest
+from lum.format.manifest import KERNEL_OP_KINDS, TABLE_OP_KINDS, Entry, Manifest
 from lum.format.package import PackageReader, open_package
 from lum.format.shapetracker import numel
 from lum.loader.arena import ArenaPlan, BufferRequest, plan_arena
@@ -102,7 +102,7 @@ class Package:
                                                  f"a {op.kind} op")
                     continue
                 if pending:                    # a head's tails come next, before any other device work
-                    if op.id != pending[0] or k is not None or op.kind not in KERNEL_OP_KINDS:
+                    if op.id != pending[0] or k is not None or op.kind not in TABLE_OP_KINDS:
                         raise PackageFormatError(f"group {i}: LLIR op {pending[0]}, a kernel tail, must be the "
                                                  f"kernel op right after its head (found op {op.id}, {op.kind})")
                     if arity.pop(op.id) != len(op.args):

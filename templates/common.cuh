@@ -388,6 +388,34 @@ LUM_D unsigned int lum_count_done(unsigned int* lum_c) {
   return atomicAdd(lum_c, 1u);
 #endif
 }
+#if defined(__CUDA_ARCH__) || defined(LUM_EMU_RESIDENT)   // the GPU, or the emulator's resident runs
+// A block's arrival once its threads are done with what a later item of a persistent kernel reads: every
+// thread's stores before the __syncthreads, then thread 0's release (templates/persistent.cu).
+LUM_D void lum_count_block(unsigned int* lum_c) {
+  __syncthreads();
+  if (threadIdx.x == 0) lum_count_done(lum_c);
+}
+// Every thread of the block, once the counter holds n: thread 0 polls with acquire loads at GPU scope, the
+// others wait at the __syncthreads after it, so the stores the arrivals released are visible to every thread.
+// A counter that never gets there (blocks not all resident: a grid larger than the GPU holds at once) traps
+// after 2^22 polls (seconds) rather than hang the GPU. Host emulation: every block's threads interleave.
+LUM_D void lum_wait_count(const unsigned int* lum_c, unsigned int n) {
+  if (threadIdx.x == 0) {
+#if defined(__CUDA_ARCH__)
+    for (unsigned long long polls = 0;; ++polls) {
+      unsigned int v;
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(lum_c) : "memory");
+      if (v >= n) break;
+      if (polls > (1ull << 22)) __trap();
+    }
+    __threadfence();
+#else
+    while (*(volatile const unsigned int*)lum_c < n) lum_spin_yield();
+#endif
+  }
+  __syncthreads();
+}
+#endif
 // A float another block of this grid stored (read at L2, past this SM's L1, after lum_count_done).
 LUM_D float lum_load_cg(const float* p) {
 #if defined(__CUDA_ARCH__)
@@ -406,6 +434,160 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
 #pragma unroll
   for (int e = 0; e < N; ++e) out[e] = cvt(raw[e]);
 }
+
+// ------------------------------------------------------------------------------ weights through a ring
+// A persistent kernel (templates/persistent.cu, builder/persistent.py) streams its GEMVs' weights through a
+// ring of shared-memory stages: one tile of a GEMV (its block tile's rows of B, for each product column
+// segment of an epilogue) a stage, copied by one cp.async.bulk request per segment that completes on the
+// stage's mbarrier. Thread 0 issues the copies, in the order the block will use the tiles (each GEMV's tiles
+// blockIdx.x, blockIdx.x + gridDim.x, … as gemv.cu's dot loop walks them, GEMV after GEMV); every thread
+// waits for a stage's phase (lum_ring_acquire); once the block is done with it (lum_ring_release) thread 0
+// refills it with the tile `stages` ahead. So while the block waits for another's results (a dependency
+// between two ops of the kernel) its next tiles are already on their way: the stream does not stop at
+// the dependency, as it does at a kernel boundary. The ring's state and its stages are the kernel's dynamic
+// shared memory: LumRing at offset 0, stage s at LUM_RING_HEADER + s * stage_bytes.
+// Host emulation (tests/cuda_emulation.py): a copy lands at once; an mbarrier is (arrivals left | phase
+// parity << 16, bytes pending) in its 8 bytes.
+#if defined(__CUDA_ARCH__) || defined(LUM_EMU_RESIDENT)   // the GPU, or the emulator's resident runs
+#define LUM_RING_MAX_ACC 4        // product column segments of a GEMV tile (codegen.GEMV_MAX_ACC)
+#define LUM_RING_MAX_ITEMS 16     // GEMVs a kernel streams
+#define LUM_RING_MAX_STAGES 8
+#define LUM_RING_HEADER 1024      // bytes before stage 0 (LumRing, rounded up)
+struct LumRingGemv {              // one GEMV's weights: B [n_rows (+ segments' offsets), row_bytes], rows a tile
+  const unsigned char* w;
+  unsigned row_bytes, rows, n_rows, nacc;
+  unsigned acc_rows[LUM_RING_MAX_ACC];   // each segment's first row in B (gemv.cu ACC_COLS)
+};
+struct LumRing {
+  unsigned long long bars[LUM_RING_MAX_STAGES];
+  unsigned stage_bytes, stages, used, issued, item, tile, n_items;
+  unsigned vb, vg, pad;          // the block index and grid an item's body sees (lum_virtual_block)
+  LumRingGemv items[LUM_RING_MAX_ITEMS];
+};
+static_assert(sizeof(LumRing) <= LUM_RING_HEADER, "LumRing fits its header");
+
+#if defined(__CUDA_ARCH__)
+LUM_D LumRing* lum_ring() {
+  extern __shared__ __align__(128) unsigned char lum_ring_smem[];
+  return reinterpret_cast<LumRing*>(lum_ring_smem);
+}
+LUM_D void lum_mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(lum_shared_addr(bar)), "r"(count) : "memory");
+}
+LUM_D void lum_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+LUM_D void lum_mbar_expect(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(lum_shared_addr(bar)), "r"(bytes) : "memory");
+}
+LUM_D bool lum_mbar_done(unsigned long long* bar, unsigned parity) {
+  unsigned done;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(lum_shared_addr(bar)), "r"(parity) : "memory");
+  return done != 0;
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global g to shared s, completing on bar
+LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               :: "r"(lum_shared_addr(s)), "l"(g), "r"(bytes), "r"(lum_shared_addr(bar)),
+                  "l"(lum_evict_first_policy()) : "memory");
+}
+#define lum_ring_spin() ((void)0)
+#else
+LUM_D LumRing* lum_ring() { return reinterpret_cast<LumRing*>(lum_emu_dyn_smem()); }
+LUM_D unsigned* lum_mbar_words(unsigned long long* bar) { return reinterpret_cast<unsigned*>(bar); }
+LUM_D void lum_mbar_init(unsigned long long* bar, unsigned count) {
+  lum_mbar_words(bar)[0] = count | count << 8;      // expected arrivals, arrivals left, parity 0
+  lum_mbar_words(bar)[1] = 0;
+}
+LUM_D void lum_mbar_init_fence() {}
+LUM_D void lum_mbar_complete_if_done(unsigned* m) {   // no arrival and no byte pending: the phase completes
+  if (((m[0] >> 8) & 0xffu) == 0 && m[1] == 0) m[0] = ((m[0] & 0xffu) | (m[0] & 0xffu) << 8) | ((~m[0]) & 0x10000u);
+}
+LUM_D void lum_mbar_expect(unsigned long long* bar, unsigned bytes) {
+  unsigned* m = lum_mbar_words(bar);
+  m[1] += bytes;
+  m[0] -= 1u << 8;
+  lum_mbar_complete_if_done(m);
+}
+LUM_D bool lum_mbar_done(unsigned long long* bar, unsigned parity) {
+  return ((lum_mbar_words(bar)[0] >> 16) & 1u) != parity;
+}
+LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long long* bar) {
+  std::memcpy(s, g, bytes);
+  unsigned* m = lum_mbar_words(bar);
+  m[1] -= bytes;
+  lum_mbar_complete_if_done(m);
+}
+#define lum_ring_spin() lum_spin_yield()
+#endif
+
+// An item's body sees blockIdx and gridDim as these (templates/persistent.cu defines the two names so around
+// each body): block vb of a grid of vg, one dimension.
+LUM_D auto lum_virtual_block() { auto b = blockIdx; b.x = lum_ring()->vb; b.y = b.z = 0; return b; }
+LUM_D auto lum_virtual_grid() { auto g = gridDim; g.x = lum_ring()->vg; g.y = g.z = 1; return g; }
+// Block vb of a grid of vg, for the item body called next: every thread sees it after the barrier.
+LUM_D void lum_run_item(unsigned vb, unsigned vg) {
+  if (threadIdx.x == 0) {
+    lum_ring()->vb = vb;
+    lum_ring()->vg = vg;
+  }
+  __syncthreads();
+}
+LUM_D unsigned char* lum_ring_stage(LumRing* r, unsigned s) {
+  return reinterpret_cast<unsigned char*>(r) + LUM_RING_HEADER + (unsigned long long)s * r->stage_bytes;
+}
+// Thread 0: the next tile of this block's walk into the stage after the last one issued, if any is left.
+LUM_D void lum_ring_issue(LumRing* r) {
+  while (r->item < r->n_items) {
+    const LumRingGemv& g = r->items[r->item];
+    const unsigned tiles = (g.n_rows + g.rows - 1u) / g.rows;
+    const unsigned c = blockIdx.x + r->tile * gridDim.x;
+    if (c < tiles) {
+      const unsigned s = r->issued % r->stages;
+      const unsigned rows = g.n_rows - c * g.rows < g.rows ? g.n_rows - c * g.rows : g.rows;
+      const unsigned bytes = rows * g.row_bytes;
+      lum_mbar_expect(&r->bars[s], bytes * g.nacc);
+      for (unsigned t = 0; t < g.nacc; ++t)
+        lum_bulk_copy(lum_ring_stage(r, s) + (unsigned long long)t * g.rows * g.row_bytes,
+                      g.w + ((unsigned long long)g.acc_rows[t] + (unsigned long long)c * g.rows) * g.row_bytes,
+                      bytes, &r->bars[s]);
+      ++r->tile;
+      ++r->issued;
+      return;
+    }
+    ++r->item;
+    r->tile = 0;
+  }
+}
+// Thread 0, once the items are in r->items: the ring's first `stages` tiles on their way. Weights depend on
+// no kernel, so this may run before the wait for the kernel before.
+LUM_D void lum_ring_start(LumRing* r, unsigned n_items, unsigned stages, unsigned stage_bytes) {
+  r->n_items = n_items;
+  r->stages = stages;
+  r->stage_bytes = stage_bytes;
+  r->used = r->issued = r->item = r->tile = 0;
+  for (unsigned s = 0; s < stages; ++s) lum_mbar_init(&r->bars[s], 1u);
+  lum_mbar_init_fence();
+  for (unsigned s = 0; s < stages; ++s) lum_ring_issue(r);
+}
+// Every thread of the block: the stage holding the block's next tile, once it has landed.
+LUM_D const unsigned char* lum_ring_acquire() {
+  LumRing* r = lum_ring();
+  const unsigned s = r->used % r->stages, parity = (r->used / r->stages) & 1u;
+  while (!lum_mbar_done(&r->bars[s], parity)) lum_ring_spin();
+  return lum_ring_stage(r, s);
+}
+// Every thread of the block, done reading the stage lum_ring_acquire gave: thread 0 refills it.
+LUM_D void lum_ring_release() {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    LumRing* r = lum_ring();
+    ++r->used;
+    lum_ring_issue(r);
+  }
+  __syncthreads();
+}
+#endif  // the GPU, or the emulator's resident runs
 #endif  // CUDA
 
 #endif  // LUM_COMMON_CUH

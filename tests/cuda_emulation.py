@@ -183,7 +183,12 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
 }
 // Every block of the grid at once: a scheduler round first releases each block's barriers (lum_release),
 // then runs each thread that may run up to its next wait. `smem` bytes of dynamic shared memory a block (zeroed).
-static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& fn) {
+// `exclusive`: a block runs until every live thread of it spins (a persistent kernel's wait for the other
+// blocks) before the next block runs: here `__shared__` is one static for every block, which then holds
+// only what the running block wrote, as long as no block spins while its static shared memory is in use
+// (a persistent kernel's items wait before they use theirs).
+static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& fn,
+                                 bool exclusive = false) {
   gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   const unsigned n = grid * block;
   const size_t stack = 64 * 1024;
@@ -197,10 +202,8 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
   lum_fn = &fn;
   for (unsigned i = 0; i < n; ++i) lum_new_thread(i, stacks[i], stack);
   long idle = 0;                         // rounds in which every thread that ran only spun again
-  for (;;) {
-    for (unsigned b = 0; b < grid; ++b) lum_release(b * block, block);
-    bool left = false, progress = false;
-    for (unsigned i = 0; i < n; ++i) {
+  auto round = [&](unsigned first, unsigned last, bool& left, bool& progress) {   // threads first .. last - 1
+    for (unsigned i = first; i < last; ++i) {
       if (lum_done[i]) continue;
       left = true;
       if (lum_wait[i] != 0 && lum_wait[i] != 4) continue;
@@ -210,6 +213,24 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
       lum_dyn = shared[i / block] + (128 - (uintptr_t)shared[i / block] % 128) % 128;
       lum_resume(i);
       progress |= !(spun && lum_wait[i] == 4);
+    }
+  };
+  for (;;) {
+    bool left = false, progress = false;
+    if (exclusive) {
+      for (unsigned b = 0; b < grid; ++b) {
+        for (bool more = true; more;) {
+          bool block_left = false, block_progress = false;
+          lum_release(b * block, block);
+          round(b * block, (b + 1) * block, block_left, block_progress);
+          left |= block_left;
+          progress |= block_progress;
+          more = block_left && block_progress;
+        }
+      }
+    } else {
+      for (unsigned b = 0; b < grid; ++b) lum_release(b * block, block);
+      round(0, n, left, progress);
     }
     if (!left) break;
     idle = progress ? 0 : idle + 1;
@@ -232,6 +253,7 @@ static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static float lum_host_expf(float x) { return std::exp(x); }
 #define __expf lum_host_expf   // glibc declares an __expf it does not export
 #define __CUDACC__ 1
+#define LUM_EMU_RESIDENT 1   // common.cuh: the host forms of what persistent kernels use
 #define __host__
 #define __device__
 #define __global__
@@ -258,8 +280,10 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
         for lc in k.launches:
             args = ", ".join(f"*({_ptype(p.ctype)}*)p[{i}]" for i, p in enumerate(k.params))
             sync = "true" if threaded else "false"
-            src.append(f'extern "C" void run_{lc.kernel}(void** p, unsigned grid, unsigned block) '
-                       f'{{ lum_emu_run(grid, block, {sync}, [&] {{ {lc.kernel}({args}); }}); }}')
+            run = (f"lum_emu_run_resident(grid, block, {lc.shared_mem}u, [&] {{ {lc.kernel}({args}); }}, true)"
+                   if k.tuning.get("persistent") else          # its blocks wait for each other: all resident
+                   f"lum_emu_run(grid, block, {sync}, [&] {{ {lc.kernel}({args}); }})")
+            src.append(f'extern "C" void run_{lc.kernel}(void** p, unsigned grid, unsigned block) {{ {run}; }}')
     src.append(f'extern "C" void run_{L2_PREFETCH_ENTRY}(void** p, unsigned grid, unsigned block) '
                f'{{ lum_emu_run(grid, block, false, [&] {{ {L2_PREFETCH_ENTRY}(*(const char**)p[0], '
                f'*(unsigned long long*)p[1]); }}); }}')

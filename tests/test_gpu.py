@@ -413,7 +413,8 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                   "combine-trigger-late": ({"LUM_COMBINE_TRIGGER_LATE": "1"}, None,
                                            lambda op: op.tuning.get("trigger_late")),
                   "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
-                                                    lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger"))}
+                                                    lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger")),
+                  "persistent": ({"LUM_PERSISTENT": "1"}, None, lambda op: op.tuning.get("persistent"))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -429,7 +430,10 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the stage's weights asked of L2 before the
     wait (``LUM_ATTENTION_STAGE_PREFETCH=1``), or the attention combine letting the kernel after it launch after
     its wait (``LUM_COMBINE_TRIGGER_LATE=1``; both off by default), or the attention letting it launch after its
-    stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``); none changes a value. Decode
+    stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
+    persistent launch whose GEMVs read their weights from a shared-memory ring (``LUM_PERSISTENT=1``,
+    builder/persistent.py; its blocks wait for each other, so this is where their memory order is checked);
+    none changes a value. Decode
     logits of the fused package as the
     reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
     the package without the fusion, graphs replayed."""

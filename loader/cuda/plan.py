@@ -469,13 +469,16 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                 name = f"c{c}.{op.id}"
                 ptr[op.id], cap[op.id] = layout.arena + layout.offsets[name], layout.sizes[name]
             dtypes[op.id] = op.dtype
-            if op.kind == "gemm" and op.id not in kops:
+            in_head = head is not None and op.id in head.kop.tail     # an op a kernel before runs (its tail)
+            if op.kind == "gemm" and op.id not in kops and not in_head:
                 gs = _gemm_step(plan, where, op, ptr, cap, dtypes)
                 gs.algo = (gemm_algos or {}).get((call.group, op.id))
                 plan.steps.append(gs)
                 continue
             kop = kops.get(op.id)
-            if head is not None and kop is None and op.id in head.kop.tail:   # its buffers join the head's launch
+            if in_head and kop is None:        # its buffers join the head's launch
+                if op.kind == "gemm":
+                    plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
                 head.add(op, ptr, cap, readonly)
                 if op.id == head.kop.tail[-1]:
                     _kernel_steps(plan, head, function, call.group, max_dyn, prefetcher, pdl)

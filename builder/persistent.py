@@ -1,0 +1,258 @@
+"""Persistent kernels: a run of a group's kernels (a decoder layer) as one launch whose GEMVs stream their
+weights through a ring of shared-memory stages across the dependencies between the run's ops.
+
+A decode layer's bus idles along its chain of dependent kernels: from down's end to gate-up's start the
+H200 moved 31.5 MB in ≈ 19 µs where it could move ≈ 80 MB (benchmarks/NOTES.md, the block stamps), because
+no kernel issues a load of the next GEMV's weights before its inputs are ready, and a preload reaches only
+what one kernel's registers or shared memory hold before its own wait. Here the run is one launch of one
+block an SM (``templates/persistent.cu``): its items are the kernels' bodies, called one after another, a
+counter in global memory between two items instead of a kernel boundary; each block's thread 0 keeps the
+next tiles of its GEMVs' weights on their way through a ring of :data:`RING_STAGES` stages of
+:data:`RING_STAGE_BYTES` (``cp.async.bulk``), refilling a stage as soon as the block has read it, whatever
+item the block is waiting for (``templates/common.cuh`` "weights through a ring").
+
+:func:`fuse_persistent` takes, in program order, each maximal run of at least two kernel ops with at least
+one GEMV among them that follow one another with no library call between (inputs, constants and outputs do
+no work) and whose kernels, generated with :data:`PERSISTENT_THREADS` threads, each
+
+* are a GEMV whose B streams through the ring (:func:`~lum.builder.codegen.gemv_ring_tile`: the dot scheme,
+  batch 1, static n and k, B dense from its start), regenerated with ``ring`` (templates/gemv.cu RING); or
+* have one launch of a one-dimensional grid of :data:`PERSISTENT_THREADS` threads, no cluster and no
+  dynamic shared memory (the ring owns it): any small kernel, an attention kernel with its stage, siblings.
+
+The caller passes the group's kernels generated at :data:`PERSISTENT_THREADS` threads
+(:func:`lum.builder.kernels.group_kernel_sources` does). The LLIR is unchanged (the reference backend and
+the buffer plan see the same ops); the launch table names the run's first op the kernel and every other op
+of the run its tails (table version 2), so the loader keeps every buffer the run reads alive until its end
+and no two ops of the run share memory. The grid is :data:`~lum.builder.codegen.SMS` blocks, all resident
+(over 113 KB of shared memory a block: one an SM); a wait that never ends traps instead of hanging.
+
+Off unless ``$LUM_PERSISTENT`` is ``1``: built, not yet measured on a GPU (benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, env_switch,
+                                 gemm_parts, gemv_ring_tile, generate, load_template, render, split_gemv_tuning)
+from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
+from lum.format.llir import LOp, Program
+
+__all__ = ["ENV_PERSISTENT", "PERSISTENT_THREADS", "RING_STAGES", "RING_STAGE_BYTES", "persistent_enabled",
+           "fuse_persistent"]
+
+ENV_PERSISTENT = "LUM_PERSISTENT"
+PERSISTENT_THREADS = 256
+RING_STAGE_BYTES = 40 * 1024          # a gemma3-4b qkv tile: 8 rows of 2,560 bf16
+RING_STAGES = 4                       # 160 KB in flight an SM (21 MB over 132 SMs), 66 KB left for the items'
+#                                       static shared memory (29 KB on gemma3-4b); fewer where they take more
+RING_HEADER = 1024                    # common.cuh LUM_RING_HEADER
+RING_MAX_ITEMS = 16                   # common.cuh LUM_RING_MAX_ITEMS
+_ENTRY = "lum_persistent_entry"
+_PDL = re.compile(r"\blum_pdl_(?:wait|trigger)\(\)")
+
+
+def persistent_enabled() -> bool:
+    """``$LUM_PERSISTENT``: ``1`` runs each decoder layer's run of kernels as one persistent launch, ``0`` (the
+    default) keeps them kernels of their own."""
+    return env_switch(ENV_PERSISTENT, default=False)
+
+
+@dataclass(frozen=True)
+class _Item:
+    op: LOp
+    ks: KernelSource
+    ring: bool                        # a GEMV of the ring: one call a block, the launch's grid
+
+
+def _member(op: LOp, ks: KernelSource | None, program: Program, dyn_vars: Sequence[str],
+            max_dyn: Mapping[str, int] | None, tuning: Mapping[str, Any], weights: frozenset[int]) -> _Item | None:
+    """Op ``op`` as an item of a persistent kernel (its kernel ``ks`` at PERSISTENT_THREADS), or None."""
+    if ks is None or len(ks.launches) != 1:
+        return None
+    if op.kind == "gemm" and not ks.tails:
+        jb = gemm_parts(op)[0]
+        dtb = program.ops[op.args[jb].src].dtype
+        if op.args[jb].src in weights:
+            nacc = len(op.params.get("acc_cols", [0]))
+            if gemv_ring_tile(op, dtb, RING_STAGE_BYTES, nacc) is not None:
+                dts = [program.ops[a.src].dtype for a in op.args]
+                wargs = frozenset(k for k, a in enumerate(op.args) if a.src in weights)
+                try:
+                    rk = generate(op, dyn_vars, arg_dtypes=dts, weight_args=wargs, max_dyn=dict(max_dyn or {}) or None,
+                                  **{**tuning, "threads": PERSISTENT_THREADS, "ring": RING_STAGE_BYTES})
+                except CodegenError:
+                    rk = None
+                if rk is not None and rk.tuning.get("ring"):
+                    return _Item(op, rk, True)
+    lc = ks.launches[0]
+    if lc.block != (PERSISTENT_THREADS, 1, 1) or lc.cluster > 1 or lc.shared_mem or any(
+            str(g) != "1" for g in lc.grid[1:]):
+        return None
+    return _Item(op, ks, False)
+
+
+def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
+                    max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
+                    weights: frozenset[int] = frozenset(), stages: int = RING_STAGES
+                    ) -> dict[int, KernelSource | None]:
+    """``sources`` (op id -> kernel, generated at PERSISTENT_THREADS) with each run (module docstring) as one
+    persistent kernel of a ring of ``stages`` stages, named by its first op, the others its tails."""
+    common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k not in ("threads", "max_dyn")}
+    covered = {t for ks in sources.values() if ks is not None for t in ks.tails}
+    out: dict[int, KernelSource | None] = dict(sources)
+    runs: list[list[_Item]] = []
+    run: list[_Item] = []
+    for op in program.ops:
+        if op.kind in _NO_WORK or op.id in covered:
+            continue
+        item = _member(op, sources.get(op.id), program, dyn_vars, max_dyn, common, weights)
+        if item is None:
+            runs.append(run)
+            run = []
+        else:
+            run.append(item)
+    runs.append(run)
+    for run in runs:
+        while run and sum(i.ring for i in run) > RING_MAX_ITEMS:
+            run = run[:-1]
+        if len(run) < 2 or not any(i.ring for i in run):
+            continue
+        ks = persistent_kernel(program, run, dyn_vars, max_dyn, stages)
+        out[run[0].op.id] = ks
+        for item in run[1:]:
+            out.pop(item.op.id, None)
+    return out
+
+
+def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequence[str],
+                      max_dyn: Mapping[str, int] | None = None, stages: int = RING_STAGES) -> KernelSource:
+    """One kernel running ``items`` in order (templates/persistent.cu). Parameters: the first item's op's
+    (``out, in0…, dyn``), then per other op of the run (an item's own op, then the ops its kernel runs as tails)
+    ``t<j>_out, t<j>_in0…``."""
+    head = items[0]
+    ops = [op_id for it in items for op_id in (it.op.id, *it.ks.tails)]
+    index = {op_id: j - 1 for j, op_id in enumerate(ops)}      # -1: the head op
+    params: list[Param] = []
+    funcs: dict[str, str] = {}
+    body: list[str] = []
+    ring_lines: list[str] = []
+    early: list[str] = []
+    ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn)
+    slots: dict[str, int] = {}
+
+    def pname(op_id: int, name: str) -> str:
+        return name if index[op_id] < 0 else f"t{index[op_id]}_{name}"
+
+    for n, it in enumerate(items):
+        ks = it.ks
+        fn = f"{_ENTRY}_{ks.name}"
+        if fn not in funcs:
+            funcs[fn] = _item_function(ks, fn)
+        names = []
+        for p in ks.params:
+            if p.role == "dyn":
+                names.append("dyn")
+                continue
+            m = re.fullmatch(r"t(\d+)_(\w+)", p.name)
+            owner, own = (ks.tails[int(m.group(1))], m.group(2)) if m else (it.op.id, p.name)
+            name = pname(owner, own)
+            if not any(q.name == name for q in params):
+                params.append(_renamed(p, name))
+            names.append(name)
+        slots.update(ks.dyn_slots)
+        args = ", ".join(names)
+        lines = [f"  // item {n}: op {it.op.id} ({it.op.kind}{', ring' if it.ring else ''})"]
+        if n:
+            lines.append(f"  lum_wait_count(&{_ENTRY}_done[{n - 1}], gridDim.x);")
+        if it.ring:
+            lines += ["  lum_run_item(blockIdx.x, gridDim.x);", f"  {fn}({args});"]
+            ring_lines.append(_ring_item(len(ring_lines), it, pname))
+            early.append(pname(it.op.id, f"in{_b_arg(it.op)}"))
+        else:
+            grid = ctx.c(ks.grid[0])
+            lines += [f"  {{ const unsigned lum_g = (unsigned)({grid});",
+                      "    for (unsigned lum_vb = blockIdx.x; lum_vb < lum_g; lum_vb += gridDim.x) {",
+                      "      lum_run_item(lum_vb, lum_g);", f"      {fn}({args});", "      __syncthreads();", "    }",
+                      "  }"]
+        lines.append(f"  lum_count_block(&{_ENTRY}_done[{n}]);")
+        body += lines
+    head_params = [p for p in params if p.name in {q.name for q in head.ks.params if q.role != "dyn"}]
+    dyn_param = next(p for p in head.ks.params if p.role == "dyn")
+    rest = [p for p in params if p not in head_params]
+    ordered = _ordered(head_params + [_renamed(dyn_param, "dyn")] + rest, ops, index, program)
+    dyn_loads, used = ctx.dyn_loads(wait=False, trigger="template")
+    slots.update(used)
+    src = render(load_template("persistent.cu"), {
+        "KERNEL": _ENTRY, "THREADS": PERSISTENT_THREADS, "PARAMS": ", ".join(p.ctype for p in ordered),
+        "FUNCTIONS": "\n".join(funcs.values()), "DYN_LOADS": dyn_loads, "RING_ITEMS": "\n".join(ring_lines),
+        "N_RING": len(ring_lines), "STAGES": stages, "STAGE_BYTES": RING_STAGE_BYTES, "ITEMS": len(items),
+        "BODY": "\n".join(body)})
+    digest = hashlib.sha256(f"persistent/{head.op.kind}\n{src}".encode()).hexdigest()[:16]
+    name = f"lum_persistent_{digest}"
+    src = src.replace(_ENTRY, name)
+    smem = RING_HEADER + stages * RING_STAGE_BYTES
+    return KernelSource(name=name, kind=head.op.kind, op=head.op.op, source=common_header() + "\n" + src, body=src,
+                        launches=(Launch(name, (SMS, 1, 1), (PERSISTENT_THREADS, 1, 1), smem),),
+                        params=tuple(ordered), dyn_vars=tuple(dyn_vars),
+                        dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
+                        tuning={"persistent": [{"op": it.op.id, **it.ks.tuning} for it in items],
+                                "ring": {"stages": stages, "stage_bytes": RING_STAGE_BYTES}},
+                        tails=tuple(ops[1:]), early=tuple(early))
+
+
+def _item_function(ks: KernelSource, name: str) -> str:
+    """Kernel ``ks``'s body as ``__device__`` function ``name`` of its parameters, blockIdx and gridDim the
+    item's (common.cuh lum_virtual_block, set by lum_run_item) in its text and in every function the body
+    defines; no pointer ``__restrict__`` (another block of the launch wrote what it reads), no programmatic
+    launch wait or trigger (the item counters order it)."""
+    found = _ENTRY_RE.findall(ks.body)
+    if found != [ks.launches[0].kernel]:
+        raise CodegenError(f"kernel {ks.name}: an item needs a body of exactly one kernel, found {found}")
+    body = _ENTRY_RE.sub(f"__device__ __noinline__ void {ks.name}(", ks.body, count=1).replace("__restrict__ ", "")
+    body = body.replace(ks.name, name)      # the functions and globals the body defines: named after the item
+    body = _PDL.sub("((void)0)", body)
+    return ("#define blockIdx lum_virtual_block()\n#define gridDim lum_virtual_grid()\n"
+            f"{body.rstrip()}\n#undef blockIdx\n#undef gridDim\n")
+
+
+def _b_arg(op: LOp) -> int:
+    """The index of a gemm's B among its args (after a prologue's leaves)."""
+    return gemm_parts(op)[0]
+
+
+def _ring_item(k: int, it: _Item, pname) -> str:
+    """Thread 0's line that describes GEMV item ``it``'s weights to the ring (common.cuh LumRingGemv)."""
+    op, ring = it.op, it.ks.tuning["ring"]
+    jb = _b_arg(op)
+    row_bytes = int(op.params["k"]) * _itemsize(it.ks, jb)
+    acc = [int(c) for c in op.params.get("acc_cols", [0])]
+    n_out = int(op.params.get("n_out", op.params["n"]))
+    if it.ks.tuning.get("pairs"):
+        acc, n_out = [0, int(op.params["n"]) // 2], int(op.params["n"]) // 2
+    rows = ", ".join(f"{c}u" for c in acc)
+    return (f"    lum_r->items[{k}] = LumRingGemv{{reinterpret_cast<const unsigned char*>({pname(op.id, f'in{jb}')}), "
+            f"{row_bytes}u, {ring['rows']}u, {n_out}u, {len(acc)}u, {{{rows}}}}};")
+
+
+def _itemsize(ks: KernelSource, jb: int) -> int:
+    p = next(p for p in ks.params if p.name == f"in{jb}")
+    return p.dtype.itemsize
+
+
+def _ordered(params: list[Param], ops: Sequence[int], index: Mapping[int, int], program: Program) -> list[Param]:
+    """The launch table's order: the head op's ``out, in0…, dyn``, then per tail op ``t<j>_out, t<j>_in0…``."""
+    by_name = {p.name: p for p in params}
+    want: list[str] = []
+    for op_id in ops:
+        n_args = len(program.ops[op_id].args)
+        pre = "" if index[op_id] < 0 else f"t{index[op_id]}_"
+        want += [f"{pre}out"] + [f"{pre}in{k}" for k in range(n_args)] + (["dyn"] if index[op_id] < 0 else [])
+    missing = [w for w in want if w not in by_name]
+    if missing:
+        raise CodegenError(f"persistent kernel: no parameter for {missing[:4]}")
+    return [by_name[w] for w in want]

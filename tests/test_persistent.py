@@ -1,0 +1,117 @@
+"""Persistent kernels (builder/persistent.py, templates/persistent.cu): a decoder layer's kernels as one launch
+whose GEMVs stream their weights through a shared-memory ring. What they are at real shapes (CPU, NVRTC) and
+that the tiny models built with them generate the reference backend's tokens on the emulated driver."""
+
+from __future__ import annotations
+
+import pytest
+
+import lum.loader
+from lum.builder.codegen import gemv_ring_tile
+from lum.format.dtypes import DType
+from tests import cuda_emulation as emu
+
+MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
+MAX_SEQ = 16
+
+
+def _layer_group(model: str):
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    cgs = compile_graph(build_entry(named_config(model), "decode", 512, DType.bf16))
+    return cgs, program_dyn_vars([cg.program for cg in cgs])
+
+
+@pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
+def test_a_decoder_layer_is_one_persistent_kernel(model, monkeypatch):
+    """At real shapes every kernel op of the layer group runs in one persistent kernel of 132 blocks, its
+    GEMVs in the ring; its launch table entry follows the convention, and NVRTC compiles it with its static
+    shared memory beside the ring within the 227 KB an SM gives a block."""
+    from lum.builder import nvrtc
+    from lum.builder.kernels import group_kernel_sources, launch_table
+    from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGE_BYTES, RING_STAGES
+
+    monkeypatch.setenv("LUM_PERSISTENT", "1")
+    cgs, dv = _layer_group(model)
+    prog = cgs[1].program
+    weights = frozenset(o.id for o in prog.ops if o.kind == "input")
+    gen = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights)
+    (ks,) = gen.values()
+    assert ks.tuning.get("persistent") and ks.launches[0].grid == (132, 1, 1)
+    assert ks.launches[0].block == (PERSISTENT_THREADS, 1, 1)
+    work = [o.id for o in prog.ops if o.kind not in ("input", "constant", "output")]
+    assert [next(iter(gen))] + list(ks.tails) == work          # every op of the layer, in program order
+    rings = [t for t in ks.tuning["persistent"] if t.get("ring")]
+    gemms = [o for o in prog.ops if o.kind == "gemm"]
+    assert len(rings) == len(gemms) == len(ks.early) >= 3
+    table = launch_table(prog, gen, arch="sm_90", dyn_vars=dv, max_dyn={"p": 512})
+    (entry,) = table["ops"]
+    assert entry["launches"][0]["shared_mem"] == 1024 + RING_STAGES * RING_STAGE_BYTES and table["programmatic"]
+    log = nvrtc.compile_cuda(ks.source, "sm_90", ptx=False, extra_options=["--ptxas-options=-v"],
+                             cache_dir=False).log
+    static = int(next(ln for ln in log.splitlines() if "bytes smem" in ln).split("bytes smem")[0].split()[-1])
+    assert static + entry["launches"][0]["shared_mem"] <= 227 * 1024, log
+    assert not nvrtc.ptxas_spills(log).get(ks.name), log
+
+
+def test_off_by_default_and_ring_tiles():
+    """Without ``LUM_PERSISTENT`` the layer keeps its kernels; a ring tile is the largest power of two of
+    rows up to 8 whose segments fit a stage, and none where B is not a static dense [n, k]."""
+    from lum.builder.kernels import group_kernel_sources
+
+    cgs, dv = _layer_group("gemma3-4b")
+    prog = cgs[1].program
+    gen = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=frozenset(o.id for o in prog.ops
+                                                                             if o.kind == "input"))
+    assert len(gen) > 1 and not any(ks.tuning.get("persistent") for ks in gen.values())
+    gemms = {o.id: o for o in prog.ops if o.kind == "gemm"}
+    tiles = sorted(gemv_ring_tile(o, DType.bf16, 40960, len(o.params.get("acc_cols", [0]))) for o in gemms.values())
+    assert tiles == [2, 4, 8, 8]               # down (k 10,240), gate-up (two segments), o and qkv (k 2,560)
+    some = next(iter(gemms.values()))
+    assert gemv_ring_tile(some, DType.bf16, 1024) is None      # not one row of 2,560 bf16 in 1 KB
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    if emu.CC is None or emu.CXX is None:
+        pytest.skip("no host C/C++ compiler for the CUDA emulation")
+    pytest.importorskip("cuda.bindings.driver")
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    root = tmp_path_factory.mktemp("persistent")
+    pkgs, sources = {}, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_PERSISTENT", "1")
+        for name in MODELS:
+            pkgs[name] = str(build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg"))
+            with lum.loader.open(pkgs[name]) as p:
+                sources += emu.package_kernel_sources(p)
+    return {"pkgs": pkgs, "driver": emu.fake_driver(root / "driver"),
+            "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": emu.fake_cublaslt(root / "lt")}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tiny_models_generate_the_reference_tokens(emulated, model):
+    """Built with ``LUM_PERSISTENT=1``, each tiny model's decode layers are persistent kernels (two emulated
+    blocks, as the fake driver caps a grid), and its greedy tokens and prefill logits are the reference
+    backend's, with and without graphs; two sessions in a row (the counters start each launch at zero)."""
+    res = emu.run_emulated(f"PKGS = {emulated['pkgs']!r}\n" + r'''
+import lum.loader as L
+from tests.kernel_cases import compare
+pkg = L.open(PKGS[MODEL])
+prompt = [1, 5, 9, 3, 17]
+want = pkg.session(backend="reference").generate(prompt, 6)
+out = {"want": want, "persistent": sum(bool(op.tuning.get("persistent")) for g in pkg.manifest.groups
+                                       if g.table is not None for op in g.table.ops)}
+for mode in ({}, {"graphs": False}, {}):
+    with pkg.session(backend="cuda", **mode) as sess:
+        out.setdefault("got", []).append(sess.generate(prompt, 6))
+print(json.dumps(out))
+'''.replace("PKGS[MODEL]", f"PKGS[{model!r}]"), driver_dir=emulated["driver"], kernels=emulated["kernels"],
+                           cublaslt=emulated["cublaslt"])
+    assert res["persistent"] >= 1, res
+    assert all(got == res["want"] for got in res["got"]), res
