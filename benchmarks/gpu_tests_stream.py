@@ -15,6 +15,12 @@ import json
 import os
 
 _state: dict[str, dict] = {}
+_worker = False      # a pytest-xdist worker: the controller writes its outcomes
+
+
+def pytest_configure(config) -> None:
+    global _worker
+    _worker = hasattr(config, "workerinput")
 
 
 def _write(line: dict) -> None:
@@ -37,7 +43,7 @@ def pytest_collection_finish(session) -> None:
 
 
 def pytest_runtest_logreport(report) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):      # the controller writes it, with every worker's
+    if _worker:                                    # the controller writes it, with every worker's
         return
     t = _state.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0, "message": ""})
     t["seconds"] += report.duration

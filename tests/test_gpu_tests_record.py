@@ -102,16 +102,16 @@ def test_a_run_stopped_by_sigterm_still_records_what_finished(tmp_path):
 def _parallel_tests(tmp_path: Path, slow: bool = False) -> Path:
     path = tmp_path / "test_parallel.py"
     path.write_text(
-        "import os\nimport time\nimport pytest\n\n"
+        "import time\nimport pytest\n\n"
         "@pytest.mark.gpu\n"
         "@pytest.mark.parametrize('i', range(4))\n"
-        "def test_case(i, record_property):\n"
-        "    record_property('worker', os.environ.get('PYTEST_XDIST_WORKER', 'alone'))\n"
+        "def test_case(i, record_property, request):\n"
+        "    record_property('worker', getattr(request.config, 'workerinput', {}).get('workerid', 'alone'))\n"
         f"    time.sleep({120 if slow else 0})\n\n"
         "@pytest.mark.gpu\n"
         "@pytest.mark.serial\n"
-        "def test_timed(record_property):\n"
-        "    record_property('worker', os.environ.get('PYTEST_XDIST_WORKER', 'alone'))\n\n"
+        "def test_timed(record_property, request):\n"
+        "    record_property('worker', getattr(request.config, 'workerinput', {}).get('workerid', 'alone'))\n\n"
         "@pytest.mark.gpu\n"
         "def test_fails():\n"
         "    assert 1 == 2\n")
