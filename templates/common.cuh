@@ -491,8 +491,11 @@ LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long l
                :: "r"(lum_shared_addr(s)), "l"(g), "r"(bytes), "r"(lum_shared_addr(bar)),
                   "l"(lum_evict_first_policy()) : "memory");
 }
+// Before an async-proxy copy overwrites a stage the block's threads read (generic proxy) before a barrier.
+LUM_D void lum_ring_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define lum_ring_spin() ((void)0)
 #else
+#define lum_ring_proxy_fence() ((void)0)
 LUM_D LumRing* lum_ring() { return reinterpret_cast<LumRing*>(lum_emu_dyn_smem()); }
 LUM_D unsigned* lum_mbar_words(unsigned long long* bar) { return reinterpret_cast<unsigned*>(bar); }
 LUM_D void lum_mbar_init(unsigned long long* bar, unsigned count) {
@@ -546,6 +549,7 @@ LUM_D void lum_ring_issue(LumRing* r) {
       const unsigned s = r->issued % r->stages;
       const unsigned rows = g.n_rows - c * g.rows < g.rows ? g.n_rows - c * g.rows : g.rows;
       const unsigned bytes = rows * g.row_bytes;
+      lum_ring_proxy_fence();
       lum_mbar_expect(&r->bars[s], bytes * g.nacc);
       for (unsigned t = 0; t < g.nacc; ++t)
         lum_bulk_copy(lum_ring_stage(r, s) + (unsigned long long)t * g.rows * g.row_bytes,
@@ -574,7 +578,12 @@ LUM_D void lum_ring_start(LumRing* r, unsigned n_items, unsigned stages, unsigne
 LUM_D const unsigned char* lum_ring_acquire() {
   LumRing* r = lum_ring();
   const unsigned s = r->used % r->stages, parity = (r->used / r->stages) & 1u;
-  while (!lum_mbar_done(&r->bars[s], parity)) lum_ring_spin();
+  for (unsigned long long polls = 0; !lum_mbar_done(&r->bars[s], parity); ++polls) {
+    lum_ring_spin();
+#if defined(__CUDA_ARCH__)
+    if (polls > (1ull << 22)) __trap();     // a copy that never lands: an error, not a hang
+#endif
+  }
   return lum_ring_stage(r, s);
 }
 // Every thread of the block, done reading the stage lum_ring_acquire gave: thread 0 refills it.
