@@ -90,6 +90,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
             want += [f"t{j}_out"] + [f"t{j}_in{k}" for k in range(len(by_id[t].args))]
         if params != want:
             raise ValueError(f"op {op.id}: kernel parameters {params} do not follow the convention {want}")
+
         def table_name(p: str) -> str:      # a tail op T's parameter t<j>_x as the table names it: x@T
             return re.sub(r"^t(\d+)_(.*)$", lambda m: f"{m.group(2)}@{ks.tails[int(m.group(1))]}", p)
 
@@ -162,7 +163,6 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
     from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGES, fuse_persistent, persistent_enabled
 
-    gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     if persistent_enabled():    # the group at the persistent kernel's block size, its runs as persistent kernels
         wide = _fused_kernels(program, dyn_vars, max_dyn, {**(tuning or {}), "threads": PERSISTENT_THREADS}, arch,
                               cache_dir, weights)
@@ -172,11 +172,11 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
             if not kernels:
                 break
             if _shared_fits(kernels, arch, cache_dir):
-                gen = fused
-                break
+                return {i: ks for i, ks in fused.items() if ks is not None}
         else:
             warnings.warn("lum: no persistent kernel of this group fits its shared memory; it keeps its kernels",
                           stacklevel=2)
+    gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     return {i: ks for i, ks in gen.items() if ks is not None}
 
 

@@ -487,7 +487,8 @@ LUM_D bool lum_mbar_done(unsigned long long* bar, unsigned parity) {
 }
 // bytes (a multiple of 16, both addresses 16-byte aligned) from global g to shared s, completing on bar
 LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1], %2, [%3], %4;"
                :: "r"(lum_shared_addr(s)), "l"(g), "r"(bytes), "r"(lum_shared_addr(bar)),
                   "l"(lum_evict_first_policy()) : "memory");
 }

@@ -40,7 +40,8 @@
 //! With RING (a GEMV of a persistent kernel, builder/persistent.py; dot scheme, batch 1, no preload, no loads
 //! ahead) each block tile's rows of B come from a stage of the kernel's ring of shared memory (common.cuh
 //! "weights through a ring": lum_ring_acquire before the tile, lum_ring_release after it), laid out
-//! [segment t][column of the tile][k]: B's rows are read at RING_SEG (t * SPAN) rather than ACC_COLS, and LDB is k.
+//! [segment t][column of the tile][k]: B's rows are read at RING_SEG (t * SPAN) rather than ACC_COLS, and
+//! LDB is k.
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE

@@ -7,9 +7,10 @@
 //! before (a norm, the attention, a residual) its next tiles of weights are already on their way: the bus
 //! does not idle across the dependency the way it does across a kernel boundary (builder/persistent.py).
 //!
-//! An item is a kernel's body as a device function of its own block index and grid (builder/tail.py
-//! _device_function), every pointer without __restrict__ (what it reads another block wrote in this launch),
-//! its waits and triggers for programmatic launch removed (the item counters order it instead). A GEMV item
+//! An item is a kernel's body as a device function whose blockIdx and gridDim are the item's (common.cuh
+//! lum_run_item; builder/persistent.py _item_function), every pointer without __restrict__ (what it reads
+//! another block wrote in this launch), its waits and triggers for programmatic launch removed (the item
+//! counters order it instead). A GEMV item
 //! (gemv.cu RING) runs once on each block with the launch's grid: it walks its tiles grid-stride, as the
 //! ring issues them. Any other item runs its own grid (an expression of the dyn vars) grid-stride over the
 //! launch's blocks, a __syncthreads between two of its blocks on one SM.
