@@ -161,13 +161,14 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
     the group at the persistent kernels' block size and its runs of kernels as persistent kernels
     (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
-    from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGES, fuse_persistent, persistent_enabled
+    from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGES, fuse_persistent, persistent_mode
 
-    if persistent_enabled():    # the group at the persistent kernel's block size, its runs as persistent kernels
+    mode = persistent_mode()
+    if mode:                    # the group at the persistent kernel's block size, its runs as persistent kernels
         wide = _fused_kernels(program, dyn_vars, max_dyn, {**(tuning or {}), "threads": PERSISTENT_THREADS}, arch,
                               cache_dir, weights)
         for stages in range(RING_STAGES, 1, -1):    # a ring that fits beside the items' static shared memory
-            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages)
+            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages, mode)
             kernels = [ks for ks in fused.values() if ks is not None and ks.tuning.get("persistent")]
             if not kernels:
                 break

@@ -27,23 +27,25 @@ of the run its tails (table version 2), so the loader keeps every buffer the run
 and no two ops of the run share memory. The grid is :data:`~lum.builder.codegen.SMS` blocks, all resident
 (over 113 KB of shared memory a block: one an SM); a wait that never ends traps instead of hanging.
 
-Off unless ``$LUM_PERSISTENT`` is ``1``: built, not yet measured on a GPU (benchmarks/NOTES.md).
+Off unless ``$LUM_PERSISTENT`` is ``1`` (or ``async``: :func:`persistent_mode`): built, not yet measured on a
+GPU (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, env_switch,
-                                 gemm_parts, gemv_ring_tile, generate, load_template, render, split_gemv_tuning)
+from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, gemm_parts,
+                                 gemv_ring_tile, generate, load_template, render, split_gemv_tuning)
 from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.llir import LOp, Program
 
-__all__ = ["ENV_PERSISTENT", "PERSISTENT_THREADS", "RING_STAGES", "RING_STAGE_BYTES", "persistent_enabled",
-           "fuse_persistent"]
+__all__ = ["ENV_PERSISTENT", "PERSISTENT_MODES", "PERSISTENT_THREADS", "RING_STAGES", "RING_STAGE_BYTES",
+           "persistent_mode", "fuse_persistent"]
 
 ENV_PERSISTENT = "LUM_PERSISTENT"
 PERSISTENT_THREADS = 256
@@ -56,10 +58,17 @@ _ENTRY = "lum_persistent_entry"
 _PDL = re.compile(r"\blum_pdl_(?:wait|trigger)\(\)")
 
 
-def persistent_enabled() -> bool:
-    """``$LUM_PERSISTENT``: ``1`` runs each decoder layer's run of kernels as one persistent launch, ``0`` (the
-    default) keeps them kernels of their own."""
-    return env_switch(ENV_PERSISTENT, default=False)
+PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async"}
+
+
+def persistent_mode() -> str | None:
+    """``$LUM_PERSISTENT``: ``1`` runs each decoder layer's run of kernels as one persistent launch whose ring
+    thread 0 fills with bulk copies (``bulk``), ``async`` the same filled by warp 0's 16-byte cp.async copies
+    (the layer probe's ``-async`` modes), ``0`` (the default) keeps them kernels of their own (None)."""
+    v = os.environ.get(ENV_PERSISTENT, "0")
+    if v not in PERSISTENT_MODES:
+        raise ValueError(f"${ENV_PERSISTENT} must be one of {', '.join(PERSISTENT_MODES)}, got {v!r}")
+    return PERSISTENT_MODES[v]
 
 
 @dataclass(frozen=True)
@@ -98,10 +107,11 @@ def _member(op: LOp, ks: KernelSource | None, program: Program, dyn_vars: Sequen
 
 def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
                     max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
-                    weights: frozenset[int] = frozenset(), stages: int = RING_STAGES
+                    weights: frozenset[int] = frozenset(), stages: int = RING_STAGES, mode: str = "bulk"
                     ) -> dict[int, KernelSource | None]:
     """``sources`` (op id -> kernel, generated at PERSISTENT_THREADS) with each run (module docstring) as one
-    persistent kernel of a ring of ``stages`` stages, named by its first op, the others its tails."""
+    persistent kernel of a ring of ``stages`` stages filled in ``mode`` (:func:`persistent_mode`), named by its
+    first op, the others its tails."""
     common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k not in ("threads", "max_dyn")}
     covered = {t for ks in sources.values() if ks is not None for t in ks.tails}
     out: dict[int, KernelSource | None] = dict(sources)
@@ -122,7 +132,7 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
             run = run[:-1]
         if len(run) < 2 or not any(i.ring for i in run):
             continue
-        ks = persistent_kernel(program, run, dyn_vars, max_dyn, stages)
+        ks = persistent_kernel(program, run, dyn_vars, max_dyn, stages, mode)
         out[run[0].op.id] = ks
         for item in run[1:]:
             out.pop(item.op.id, None)
@@ -130,7 +140,8 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
 
 
 def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequence[str],
-                      max_dyn: Mapping[str, int] | None = None, stages: int = RING_STAGES) -> KernelSource:
+                      max_dyn: Mapping[str, int] | None = None, stages: int = RING_STAGES,
+                      mode: str = "bulk") -> KernelSource:
     """One kernel running ``items`` in order (templates/persistent.cu). Parameters: the first item's op's
     (``out, in0…, dyn``), then per other op of the run (an item's own op, then the ops its kernel runs as tails)
     ``t<j>_out, t<j>_in0…``."""
@@ -190,7 +201,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
     src = render(load_template("persistent.cu"), {
         "KERNEL": _ENTRY, "THREADS": PERSISTENT_THREADS, "PARAMS": ", ".join(p.ctype for p in ordered),
         "FUNCTIONS": "\n".join(funcs.values()), "DYN_LOADS": dyn_loads, "RING_ITEMS": "\n".join(ring_lines),
-        "N_RING": len(ring_lines), "STAGES": stages, "STAGE_BYTES": RING_STAGE_BYTES, "ITEMS": len(items),
+        "N_RING": len(ring_lines), "STAGES": stages, "ASYNC": int(mode == "async"), "STAGE_BYTES": RING_STAGE_BYTES, "ITEMS": len(items),
         "BODY": "\n".join(body)})
     digest = hashlib.sha256(f"persistent/{head.op.kind}\n{src}".encode()).hexdigest()[:16]
     name = f"lum_persistent_{digest}"
@@ -201,7 +212,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
                         params=tuple(ordered), dyn_vars=tuple(dyn_vars),
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                         tuning={"persistent": [{"op": it.op.id, **it.ks.tuning} for it in items],
-                                "ring": {"stages": stages, "stage_bytes": RING_STAGE_BYTES}},
+                                "ring": {"stages": stages, "stage_bytes": RING_STAGE_BYTES, "fill": mode}},
                         tails=tuple(ops[1:]), early=tuple(early))
 
 
@@ -235,7 +246,7 @@ def _ring_item(k: int, it: _Item, pname) -> str:
     if it.ks.tuning.get("pairs"):
         acc, n_out = [0, int(op.params["n"]) // 2], int(op.params["n"]) // 2
     rows = ", ".join(f"{c}u" for c in acc)
-    return (f"    lum_r->items[{k}] = LumRingGemv{{reinterpret_cast<const unsigned char*>({pname(op.id, f'in{jb}')}), "
+    return (f"      lum_r->items[{k}] = LumRingGemv{{reinterpret_cast<const unsigned char*>({pname(op.id, f'in{jb}')}), "
             f"{row_bytes}u, {ring['rows']}u, {n_out}u, {len(acc)}u, {{{rows}}}}};")
 
 

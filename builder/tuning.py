@@ -68,7 +68,7 @@ import numpy as np
 from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.attention_stage import (ENV_ATTENTION_STAGE, ENV_ATTENTION_STAGE_AHEAD, ENV_ATTENTION_STAGE_PREFETCH,
                                          ENV_ATTENTION_TRIGGER_AFTER_STAGE)
-from lum.builder.persistent import ENV_PERSISTENT
+from lum.builder.persistent import persistent_mode
 from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_COMBINE_TRIGGER_LATE, ENV_GEMV_EVICT_FIRST,
                                  ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH, ENV_STAGE_ONE_ROUND, env_switch,
                                  flash_attention, flash_attention_enabled,
@@ -104,7 +104,7 @@ KEY_SWITCHES = {ENV_STAGE_ONE_ROUND: True, ENV_STAGE_BRANCH: True, ENV_MERGE_ALL
                 ENV_ATTENTION_KEY_BATCH: True, ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True,
                 ENV_ATTENTION_STAGE_AHEAD: False, ENV_SHARED_PRELOAD_WAVES: False,
                 ENV_ATTENTION_STAGE_PREFETCH: False, ENV_COMBINE_TRIGGER_LATE: False,
-                ENV_ATTENTION_TRIGGER_AFTER_STAGE: True, ENV_PERSISTENT: False}
+                ENV_ATTENTION_TRIGGER_AFTER_STAGE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8
@@ -782,7 +782,8 @@ class MeasuredCompiler:
                 "row_early": row_early_default(), "attention_combine": {None: False, "counted": True}.get(attention_combine_mode(), "cluster"),
                 "sibling_kernels": sibling_kernels_enabled(),
                 "row_reads": row_reads_enabled(),
-                "prologue_max_cols": prologue_max_cols()}
+                "prologue_max_cols": prologue_max_cols(),
+                **({"persistent": mode} if (mode := persistent_mode()) else {})}
 
     def __call__(self, graph: Graph) -> Program:
         from lum.builder.costmodel import op_cost

@@ -439,7 +439,8 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
 // A persistent kernel (templates/persistent.cu, builder/persistent.py) streams its GEMVs' weights through a
 // ring of shared-memory stages: one tile of a GEMV (its block tile's rows of B, for each product column
 // segment of an epilogue) a stage, copied by one cp.async.bulk request per segment that completes on the
-// stage's mbarrier. Thread 0 issues the copies, in the order the block will use the tiles (each GEMV's tiles
+// stage's mbarrier (or, `async`, by warp 0's lanes in 16-byte cp.async copies, each lane's arrival counted
+// once its copies land). Thread 0 (warp 0) issues the copies, in the order the block will use the tiles (each GEMV's tiles
 // blockIdx.x, blockIdx.x + gridDim.x, … as gemv.cu's dot loop walks them, GEMV after GEMV); every thread
 // waits for a stage's phase (lum_ring_acquire); once the block is done with it (lum_ring_release) thread 0
 // refills it with the tile `stages` ahead. So while the block waits for another's results (a dependency
@@ -461,7 +462,8 @@ struct LumRingGemv {              // one GEMV's weights: B [n_rows (+ segments' 
 struct LumRing {
   unsigned long long bars[LUM_RING_MAX_STAGES];
   unsigned stage_bytes, stages, used, issued, item, tile, n_items;
-  unsigned vb, vg, pad;          // the block index and grid an item's body sees (lum_virtual_block)
+  unsigned vb, vg;               // the block index and grid an item's body sees (lum_virtual_block)
+  unsigned async;                // 1: warp 0's lanes copy 16 bytes each (cp.async), 0: thread 0 a bulk copy
   LumRingGemv items[LUM_RING_MAX_ITEMS];
 };
 static_assert(sizeof(LumRing) <= LUM_RING_HEADER, "LumRing fits its header");
@@ -491,6 +493,10 @@ LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long l
                " [%0], [%1], %2, [%3], %4;"
                :: "r"(lum_shared_addr(s)), "l"(g), "r"(bytes), "r"(lum_shared_addr(bar)),
                   "l"(lum_evict_first_policy()) : "memory");
+}
+// An arrival on bar once every cp.async this thread issued has landed (counted among its expected arrivals).
+LUM_D void lum_async_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(lum_shared_addr(bar)) : "memory");
 }
 // Before an async-proxy copy overwrites a stage the block's threads read (generic proxy) before a barrier.
 LUM_D void lum_ring_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -522,6 +528,11 @@ LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long l
   m[1] -= bytes;
   lum_mbar_complete_if_done(m);
 }
+LUM_D void lum_async_arrive(unsigned long long* bar) {   // the thread's copies have landed already
+  unsigned* m = lum_mbar_words(bar);
+  m[0] -= 1u << 8;
+  lum_mbar_complete_if_done(m);
+}
 #define lum_ring_spin() lum_spin_yield()
 #endif
 
@@ -540,39 +551,63 @@ LUM_D void lum_run_item(unsigned vb, unsigned vg) {
 LUM_D unsigned char* lum_ring_stage(LumRing* r, unsigned s) {
   return reinterpret_cast<unsigned char*>(r) + LUM_RING_HEADER + (unsigned long long)s * r->stage_bytes;
 }
-// Thread 0: the next tile of this block's walk into the stage after the last one issued, if any is left.
+// The issuers (thread 0 of a bulk ring, warp 0 of an async one): the next tile of this block's walk into the
+// stage after the last one issued, if any is left. Every issuer reads the cursor; thread 0 moves it.
 LUM_D void lum_ring_issue(LumRing* r) {
+  const unsigned lane = threadIdx.x, mask = r->async ? 0xffffffffu : 1u;
   while (r->item < r->n_items) {
     const LumRingGemv& g = r->items[r->item];
     const unsigned tiles = (g.n_rows + g.rows - 1u) / g.rows;
     const unsigned c = blockIdx.x + r->tile * gridDim.x;
-    if (c < tiles) {
+    const bool here = c < tiles;
+    if (here) {
       const unsigned s = r->issued % r->stages;
       const unsigned rows = g.n_rows - c * g.rows < g.rows ? g.n_rows - c * g.rows : g.rows;
       const unsigned bytes = rows * g.row_bytes;
-      lum_ring_proxy_fence();
-      lum_mbar_expect(&r->bars[s], bytes * g.nacc);
-      for (unsigned t = 0; t < g.nacc; ++t)
-        lum_bulk_copy(lum_ring_stage(r, s) + (unsigned long long)t * g.rows * g.row_bytes,
-                      g.w + ((unsigned long long)g.acc_rows[t] + (unsigned long long)c * g.rows) * g.row_bytes,
-                      bytes, &r->bars[s]);
-      ++r->tile;
-      ++r->issued;
-      return;
+      for (unsigned t = 0; t < g.nacc; ++t) {
+        unsigned char* dst = lum_ring_stage(r, s) + (unsigned long long)t * g.rows * g.row_bytes;
+        const unsigned char* src = g.w + ((unsigned long long)g.acc_rows[t] + (unsigned long long)c * g.rows) *
+                                   g.row_bytes;
+        if (r->async) {
+          for (unsigned o = lane * 16u; o < bytes; o += 512u) lum_copy16_async(dst + o, src + o);
+        } else {
+          if (t == 0) {
+            lum_ring_proxy_fence();
+            lum_mbar_expect(&r->bars[s], bytes * g.nacc);
+          }
+          lum_bulk_copy(dst, src, bytes, &r->bars[s]);
+        }
+      }
+      if (r->async) lum_async_arrive(&r->bars[s]);
     }
-    ++r->item;
-    r->tile = 0;
+    __syncwarp(mask);                       // every issuer has read the cursor
+    if (lane == 0) {
+      if (here) {
+        ++r->tile;
+        ++r->issued;
+      } else {
+        ++r->item;
+        r->tile = 0;
+      }
+    }
+    __syncwarp(mask);
+    if (here) return;
   }
 }
-// Thread 0, once the items are in r->items: the ring's first `stages` tiles on their way. Weights depend on
-// no kernel, so this may run before the wait for the kernel before.
-LUM_D void lum_ring_start(LumRing* r, unsigned n_items, unsigned stages, unsigned stage_bytes) {
-  r->n_items = n_items;
-  r->stages = stages;
-  r->stage_bytes = stage_bytes;
-  r->used = r->issued = r->item = r->tile = 0;
-  for (unsigned s = 0; s < stages; ++s) lum_mbar_init(&r->bars[s], 1u);
-  lum_mbar_init_fence();
+// The issuers, once thread 0 has put the items in r->items: the ring's first `stages` tiles on their way.
+// Weights depend on no kernel, so this may run before the wait for the kernel before.
+LUM_D void lum_ring_start(LumRing* r, unsigned n_items, unsigned stages, unsigned stage_bytes, unsigned async) {
+  const unsigned mask = async ? 0xffffffffu : 1u;
+  if (threadIdx.x == 0) {
+    r->n_items = n_items;
+    r->stages = stages;
+    r->stage_bytes = stage_bytes;
+    r->async = async;
+    r->used = r->issued = r->item = r->tile = 0;
+    for (unsigned s = 0; s < stages; ++s) lum_mbar_init(&r->bars[s], async ? 32u : 1u);
+    lum_mbar_init_fence();
+  }
+  __syncwarp(mask);
   for (unsigned s = 0; s < stages; ++s) lum_ring_issue(r);
 }
 // Every thread of the block: the stage holding the block's next tile, once it has landed.
@@ -587,13 +622,13 @@ LUM_D const unsigned char* lum_ring_acquire() {
   }
   return lum_ring_stage(r, s);
 }
-// Every thread of the block, done reading the stage lum_ring_acquire gave: thread 0 refills it.
+// Every thread of the block, done reading the stage lum_ring_acquire gave: the issuers refill it.
 LUM_D void lum_ring_release() {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    LumRing* r = lum_ring();
-    ++r->used;
+  LumRing* r = lum_ring();
+  if (threadIdx.x < (r->async ? 32u : 1u)) {
     lum_ring_issue(r);
+    if (threadIdx.x == 0) ++r->used;
   }
   __syncthreads();
 }

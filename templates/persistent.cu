@@ -22,7 +22,8 @@
 //! counters for the next launch (the next layer's, which waits for this grid to complete first).
 //!
 //! Placeholders: KERNEL THREADS PARAMS; FUNCTIONS (the items' bodies as device functions); DYN_LOADS (the
-//!   dyn vars the grids use); RING_ITEMS (thread 0 filling lum_ring()->items) N_RING STAGES STAGE_BYTES;
+//!   dyn vars the grids use); RING_ITEMS (thread 0 filling lum_ring()->items) N_RING STAGES STAGE_BYTES ASYNC
+//!   (1: warp 0 copies the tiles in 16-byte cp.async, 0: thread 0 in bulk copies);
 //!   ITEMS (their count); BODY (each item: its wait, its calls, its count).
 {{FUNCTIONS}}
 __device__ unsigned int {{KERNEL}}_done[{{ITEMS}} + 1];   // blocks that finished item i; the last: every item
@@ -30,10 +31,12 @@ __device__ unsigned int {{KERNEL}}_done[{{ITEMS}} + 1];   // blocks that finishe
 extern "C" __global__ void __launch_bounds__({{THREADS}}, 1) {{KERNEL}}({{PARAMS}}) {
   typedef long long idx_t;
   lum_pdl_trigger();          // the next layer's blocks take each SM as this launch's block leaves it
-  if (threadIdx.x == 0) {     // the weights' first tiles on their way before the wait: they depend on nothing
+  if (threadIdx.x < ({{ASYNC}} ? 32u : 1u)) {   // the weights' first tiles on their way before the wait
     LumRing* lum_r = lum_ring();
+    if (threadIdx.x == 0) {
 {{RING_ITEMS}}
-    lum_ring_start(lum_r, {{N_RING}}u, {{STAGES}}u, {{STAGE_BYTES}}u);
+    }
+    lum_ring_start(lum_r, {{N_RING}}u, {{STAGES}}u, {{STAGE_BYTES}}u, {{ASYNC}}u);
   }
   __syncthreads();
 {{DYN_LOADS}}

@@ -89,7 +89,7 @@ static int __syncthreads_or(int pred) {
   return any;
 }
 // A warp's barrier: the warp's stores before it are seen by its lanes after it.
-static void __syncwarp(unsigned = 0xffffffffu) { lum_warp_yield(); }
+static void __syncwarp(unsigned mask = 0xffffffffu) { if (mask == 0xffffffffu) lum_warp_yield(); }   // else: one lane
 static void __threadfence() {}   // one OS thread runs every block: every store is already visible
 static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 static unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }

@@ -12,6 +12,7 @@ from lum.format.dtypes import DType
 from tests import cuda_emulation as emu
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
+MODES = ["1", "async"]
 MAX_SEQ = 16
 
 
@@ -25,16 +26,17 @@ def _layer_group(model: str):
     return cgs, program_dyn_vars([cg.program for cg in cgs])
 
 
-@pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
-def test_a_decoder_layer_is_one_persistent_kernel(model, monkeypatch):
+@pytest.mark.parametrize("model,mode", [("gemma3-4b", "1"), ("llama3-1b", "1"), ("gemma3-4b", "async")])
+def test_a_decoder_layer_is_one_persistent_kernel(model, mode, monkeypatch):
     """At real shapes every kernel op of the layer group runs in one persistent kernel of 132 blocks, its
-    GEMVs in the ring; its launch table entry follows the convention, and NVRTC compiles it with its static
-    shared memory beside the ring within the 227 KB an SM gives a block."""
+    GEMVs in the ring (filled by bulk copies, or ``async`` by warp 0's 16-byte copies); its launch table entry
+    follows the convention, and NVRTC compiles it with its static shared memory beside the ring within the
+    227 KB an SM gives a block."""
     from lum.builder import nvrtc
     from lum.builder.kernels import group_kernel_sources, launch_table
     from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGE_BYTES, RING_STAGES
 
-    monkeypatch.setenv("LUM_PERSISTENT", "1")
+    monkeypatch.setenv("LUM_PERSISTENT", mode)
     cgs, dv = _layer_group(model)
     prog = cgs[1].program
     weights = frozenset(o.id for o in prog.ops if o.kind == "input")
@@ -55,6 +57,8 @@ def test_a_decoder_layer_is_one_persistent_kernel(model, monkeypatch):
     static = int(next(ln for ln in log.splitlines() if "bytes smem" in ln).split("bytes smem")[0].split()[-1])
     assert static + entry["launches"][0]["shared_mem"] <= 227 * 1024, log
     assert not nvrtc.ptxas_spills(log).get(ks.name), log
+    assert ks.tuning["ring"]["fill"] == {"1": "bulk", "async": "async"}[mode]
+    assert ("lum_ring_start(lum_r, 4u, 4u, 40960u, 1u)" in ks.body) == (mode == "async")    # warp 0 fills it
 
 
 def test_off_by_default_and_ring_tiles():
@@ -84,21 +88,25 @@ def emulated(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("persistent")
     pkgs, sources = {}, []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LUM_PERSISTENT", "1")
-        for name in MODELS:
-            pkgs[name] = str(build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg"))
-            with lum.loader.open(pkgs[name]) as p:
-                sources += emu.package_kernel_sources(p)
+    for mode in MODES:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LUM_PERSISTENT", mode)
+            for name in MODELS:
+                path = root / f"{name}.{mode}.lumpkg"
+                pkgs[f"{name}.{mode}"] = str(build_package(load_spec(random_name=name, max_seq=MAX_SEQ), path))
+                with lum.loader.open(path) as p:
+                    sources += emu.package_kernel_sources(p)
     return {"pkgs": pkgs, "driver": emu.fake_driver(root / "driver"),
             "kernels": emu.kernel_library(sources, root / "kernels"), "cublaslt": emu.fake_cublaslt(root / "lt")}
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", MODELS)
-def test_tiny_models_generate_the_reference_tokens(emulated, model):
-    """Built with ``LUM_PERSISTENT=1``, each tiny model's decode layers are persistent kernels (two emulated
-    blocks, as the fake driver caps a grid), and its greedy tokens and prefill logits are the reference
-    backend's, with and without graphs; two sessions in a row (the counters start each launch at zero)."""
+def test_tiny_models_generate_the_reference_tokens(emulated, model, mode):
+    """Built with ``LUM_PERSISTENT`` (``1``: the ring filled by bulk copies, ``async``: by warp 0's 16-byte
+    copies), each tiny model's decode layers are persistent kernels (two emulated blocks, as the fake driver
+    caps a grid), and its greedy tokens are the reference backend's, with and without graphs, session after
+    session (the counters start each launch at zero)."""
     res = emu.run_emulated(f"PKGS = {emulated['pkgs']!r}\n" + r'''
 import lum.loader as L
 from tests.kernel_cases import compare
@@ -111,7 +119,7 @@ for mode in ({}, {"graphs": False}, {}):
     with pkg.session(backend="cuda", **mode) as sess:
         out.setdefault("got", []).append(sess.generate(prompt, 6))
 print(json.dumps(out))
-'''.replace("PKGS[MODEL]", f"PKGS[{model!r}]"), driver_dir=emulated["driver"], kernels=emulated["kernels"],
+'''.replace("PKGS[MODEL]", f"PKGS[{model + '.' + mode!r}]"), driver_dir=emulated["driver"], kernels=emulated["kernels"],
                            cublaslt=emulated["cublaslt"])
     assert res["persistent"] >= 1, res
     assert all(got == res["want"] for got in res["got"]), res
