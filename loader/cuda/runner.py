@@ -337,7 +337,8 @@ class CudaRunner:
         try:
             if hasattr(self, "ctx"):
                 self.ctx.make_current()
-                self.stream.synchronize()
+                if hasattr(self, "stream"):       # not when the setup failed before it made one
+                    self.stream.synchronize()
         except LumError:
             pass
         for cache in getattr(self, "_graphs", {}).values():
