@@ -1221,13 +1221,14 @@ def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -
         unique.setdefault(k.name, k)
     if not stamps:
         return "\n".join([common_header(), *(k.body for k in unique.values()), _l2_prefetch_source()])
-    head = [f"#define LUM_STAMPS 1\n#define LUM_STAMP_BLOCKS {STAMP_BLOCKS}\n#define LUM_STAMP_FIELDS {STAMP_FIELDS}",
-            f"__device__ unsigned long long lum_stamps[{max(1, len(unique)) * STAMP_BLOCKS * STAMP_FIELDS}];"]
-    parts = [*head, common_header()]
-    for i, k in enumerate(unique.values()):
-        parts += [f"#define LUM_STAMP_KERNEL {i}\n#define LUM_STAMP_TAG {stamp_tag(k.name)}ull", k.body,
+    parts, slot = [], 0
+    for k in unique.values():            # a persistent kernel's items stamp as kernels after it (LUM_STAMP_ITEM)
+        parts += [f"#define LUM_STAMP_KERNEL {slot}\n#define LUM_STAMP_TAG {stamp_tag(k.name)}ull", k.body,
                   "#undef LUM_STAMP_KERNEL\n#undef LUM_STAMP_TAG"]
-    return "\n".join([*parts, _l2_prefetch_source()])
+        slot += 1 + len(k.tuning.get("persistent", ()))
+    head = [f"#define LUM_STAMPS 1\n#define LUM_STAMP_BLOCKS {STAMP_BLOCKS}\n#define LUM_STAMP_FIELDS {STAMP_FIELDS}",
+            f"__device__ unsigned long long lum_stamps[{max(1, slot) * STAMP_BLOCKS * STAMP_FIELDS}];"]
+    return "\n".join([*head, common_header(), *parts, _l2_prefetch_source()])
 
 
 ENV_STAMPS = "LUM_STAMPS"

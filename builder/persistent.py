@@ -177,9 +177,11 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
             names.append(name)
         slots.update(ks.dyn_slots)
         args = ", ".join(names)
-        lines = [f"  // item {n}: op {it.op.id} ({it.op.kind}{', ring' if it.ring else ''})"]
+        lines = [f"  // item {n}: op {it.op.id} ({it.op.kind}{', ring' if it.ring else ''})",
+                 f"  LUM_STAMP_ITEM({n}, 0);"]
         if n:
             lines.append(f"  lum_wait_count(&{_ENTRY}_done[{n - 1}], gridDim.x);")
+        lines.append(f"  LUM_STAMP_ITEM({n}, 1);")
         if it.ring:
             lines += ["  lum_run_item(blockIdx.x, gridDim.x);", f"  {fn}({args});"]
             ring_lines.append(_ring_item(len(ring_lines), it, pname))
@@ -190,7 +192,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
                       "    for (unsigned lum_vb = blockIdx.x; lum_vb < lum_g; lum_vb += gridDim.x) {",
                       "      lum_run_item(lum_vb, lum_g);", f"      {fn}({args});", "      __syncthreads();", "    }",
                       "  }"]
-        lines.append(f"  lum_count_block(&{_ENTRY}_done[{n}]);")
+        lines += [f"  LUM_STAMP_ITEM({n}, 2);", f"  lum_count_block(&{_ENTRY}_done[{n}]);"]
         body += lines
     head_params = [p for p in params if p.name in {q.name for q in head.ks.params if q.role != "dyn"}]
     dyn_param = next(p for p in head.ks.params if p.role == "dyn")

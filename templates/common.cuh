@@ -352,6 +352,14 @@ LUM_D void lum_stamp(int kernel, unsigned long long tag, int event) {
 #else
 #define LUM_STAMP_AT(event) ((void)0)
 #endif
+// A persistent kernel's item k (templates/persistent.cu) stamps as a kernel of its own: record slot
+// LUM_STAMP_KERNEL + 1 + k (module_source reserves them), tag LUM_STAMP_TAG + 1 + k; events 0 (the block
+// reached the item's wait), 1 (the wait returned), 2 (the block finished the item).
+#if defined(LUM_STAMPS) && defined(__CUDA_ARCH__)
+#define LUM_STAMP_ITEM(item, event) lum_stamp(LUM_STAMP_KERNEL + 1 + (item), LUM_STAMP_TAG + 1ull + (item), (event))
+#else
+#define LUM_STAMP_ITEM(item, event) ((void)0)
+#endif
 
 // ------------------------------------------------------------------------------ thread block clusters
 // Every thread of this block's cluster arrives, then waits for all the cluster's threads (sm_90: a hardware

@@ -123,3 +123,46 @@ print(json.dumps(out))
                            cublaslt=emulated["cublaslt"])
     assert res["persistent"] >= 1, res
     assert all(got == res["want"] for got in res["got"]), res
+
+
+def test_a_stamped_persistent_kernel_stamps_each_item(monkeypatch):
+    """With ``LUM_STAMPS=1`` (``profile_decode.py --stamps``) a persistent kernel's items stamp as kernels of their
+    own: the module reserves a record slot for the kernel and one for each item, the items' tags follow the
+    kernel's, and NVRTC compiles it, each item's three stamps in the PTX; the kernel's name is the plain build's."""
+    import sys
+    from pathlib import Path
+
+    from lum.builder import nvrtc
+    from lum.builder.codegen import STAMP_BLOCKS, STAMP_FIELDS, module_source, stamp_tag
+    from lum.builder.kernels import group_kernel_sources
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.setenv("LUM_PERSISTENT", "1")
+    cgs, dv = _layer_group("llama3-1b")
+    prog = cgs[1].program
+    (ks,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=frozenset(o.id for o in prog.ops
+                                                                            if o.kind == "input")).values()
+    items = len(ks.tuning["persistent"])
+    src = module_source([ks], stamps=True)
+    assert f"lum_stamps[{(1 + items) * STAMP_BLOCKS * STAMP_FIELDS}]" in src
+    ptx = nvrtc.compile_cuda(src, "sm_90", cache_dir=False).ptx
+    assert ptx.count("%globaltimer") >= 3 * items + 2
+    assert ks.body in src and "LUM_STAMP_ITEM(0, 1);" in ks.body
+    from profile_decode import item_names     # noqa: E402  (benchmarks/ on the path above)
+
+    class _Pkg:                                # what item_names reads of a package
+        def __init__(self):
+            from types import SimpleNamespace as NS
+            table = NS(ops=[NS(name=ks.name, tuning=ks.tuning)])
+            self.manifest = NS(groups=[NS(table=table)])
+
+        def entry(self, name):
+            from types import SimpleNamespace as NS
+            return NS(calls=[NS(group=0)])
+
+        def _program(self, group):
+            return prog
+
+    names = item_names(_Pkg(), "decode")
+    assert sorted(names) == [stamp_tag(ks.name) + 1 + n for n in range(items)]
+    assert names[stamp_tag(ks.name) + 1].endswith(f"item 0: op {ks.tuning['persistent'][0]['op']} gemm")
