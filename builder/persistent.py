@@ -194,17 +194,15 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
                       "  }"]
         lines += [f"  LUM_STAMP_ITEM({n}, 2);", f"  lum_count_block(&{_ENTRY}_done[{n}]);"]
         body += lines
-    head_params = [p for p in params if p.name in {q.name for q in head.ks.params if q.role != "dyn"}]
     dyn_param = next(p for p in head.ks.params if p.role == "dyn")
-    rest = [p for p in params if p not in head_params]
-    ordered = _ordered(head_params + [_renamed(dyn_param, "dyn")] + rest, ops, index, program)
+    ordered = _ordered([*params, _renamed(dyn_param, "dyn")], ops, index, program)
     dyn_loads, used = ctx.dyn_loads(wait=False, trigger="template")
     slots.update(used)
     src = render(load_template("persistent.cu"), {
         "KERNEL": _ENTRY, "THREADS": PERSISTENT_THREADS, "PARAMS": ", ".join(p.ctype for p in ordered),
         "FUNCTIONS": "\n".join(funcs.values()), "DYN_LOADS": dyn_loads, "RING_ITEMS": "\n".join(ring_lines),
-        "N_RING": len(ring_lines), "STAGES": stages, "ASYNC": int(mode == "async"), "STAGE_BYTES": RING_STAGE_BYTES, "ITEMS": len(items),
-        "BODY": "\n".join(body)})
+        "N_RING": len(ring_lines), "STAGES": stages, "ASYNC": int(mode == "async"), "STAGE_BYTES": RING_STAGE_BYTES,
+        "ITEMS": len(items), "BODY": "\n".join(body)})
     digest = hashlib.sha256(f"persistent/{head.op.kind}\n{src}".encode()).hexdigest()[:16]
     name = f"lum_persistent_{digest}"
     src = src.replace(_ENTRY, name)
@@ -248,8 +246,9 @@ def _ring_item(k: int, it: _Item, pname) -> str:
     if it.ks.tuning.get("pairs"):
         acc, n_out = [0, int(op.params["n"]) // 2], int(op.params["n"]) // 2
     rows = ", ".join(f"{c}u" for c in acc)
-    return (f"      lum_r->items[{k}] = LumRingGemv{{reinterpret_cast<const unsigned char*>({pname(op.id, f'in{jb}')}), "
-            f"{row_bytes}u, {ring['rows']}u, {n_out}u, {len(acc)}u, {{{rows}}}}};")
+    weights = f"reinterpret_cast<const unsigned char*>({pname(op.id, f'in{jb}')})"
+    return (f"      lum_r->items[{k}] = LumRingGemv{{{weights}, {row_bytes}u, {ring['rows']}u, {n_out}u, {len(acc)}u, "
+            f"{{{rows}}}}};")
 
 
 def _itemsize(ks: KernelSource, jb: int) -> int:
