@@ -448,12 +448,12 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
 // ring of shared-memory stages: one tile of a GEMV (its block tile's rows of B, for each product column
 // segment of an epilogue) a stage, copied by one cp.async.bulk request per segment that completes on the
 // stage's mbarrier (or, `async`, by warp 0's lanes in 16-byte cp.async copies, each lane's arrival counted
-// once its copies land). Thread 0 (warp 0) issues the copies, in the order the block will use the tiles (each GEMV's tiles
-// blockIdx.x, blockIdx.x + gridDim.x, … as gemv.cu's dot loop walks them, GEMV after GEMV); every thread
-// waits for a stage's phase (lum_ring_acquire); once the block is done with it (lum_ring_release) thread 0
-// refills it with the tile `stages` ahead. So while the block waits for another's results (a dependency
-// between two ops of the kernel) its next tiles are already on their way: the stream does not stop at
-// the dependency, as it does at a kernel boundary. The ring's state and its stages are the kernel's dynamic
+// once its copies land). Thread 0 (warp 0) issues the copies, in the order the block will use the tiles
+// (each GEMV's tiles blockIdx.x, blockIdx.x + gridDim.x, … as gemv.cu's dot loop walks them, GEMV after
+// GEMV); every thread waits for a stage's phase (lum_ring_acquire); once the block is done with it
+// (lum_ring_release) thread 0 (warp 0) refills it with the tile `stages` ahead. So while the block waits
+// for another's results (a dependency between two ops of the kernel) its next tiles are already on their
+// way: the stream does not stop at the dependency, as it does at a kernel boundary. The ring's state and its stages are the kernel's dynamic
 // shared memory: LumRing at offset 0, stage s at LUM_RING_HEADER + s * stage_bytes.
 // Host emulation (tests/cuda_emulation.py): a copy lands at once; an mbarrier is (arrivals left | phase
 // parity << 16, bytes pending) in its 8 bytes.
