@@ -590,6 +590,22 @@ print(json.dumps(out))
     assert same["auto"][0] == "cuda" and same["tokens"] is True
 
 
+def test_a_setup_that_fails_early_reports_its_own_error(env):
+    """A session whose setup fails before it has made its stream (here cuBLASLt fails to load) raises that
+    failure, not an error of the cleanup that follows it."""
+    res = run(env, r'''
+import lum.loader as L
+try:
+    L.open(PKGS["tiny-llama"]).session(backend="cuda")
+    out = {"error": None}
+except Exception as exc:
+    out = {"error": type(exc).__name__, "message": str(exc)}
+print(json.dumps(out))
+''', LUM_FAKE_CUBLASLT="/nonexistent/libcublasLt.so")
+    assert res["error"] is not None and "stream" not in res["message"] and res["error"] != "AttributeError", res
+    assert "nonexistent" in res["message"], res
+
+
 def test_upload_paths(env):
     script = r'''
 import lum.loader as L
