@@ -113,14 +113,14 @@ def _commands(marks: str | None, workers: int, pytest_args: list[str]) -> list[l
             [*base, "-m", f"{selected} and serial", *rest]]
 
 
+PYTEST_NO_TESTS = 5     # pytest's exit code when no test was selected
+
+
 def _exit_code(codes: list[int]) -> int:
-    """One exit code for the runs: the first failing one's; a run that selected no test (5) fails nothing
+    """One exit code for the runs: the first failing one's; a run that selected no test fails nothing
     unless no run selected any."""
-    ran = [c for c in codes if c != pytest_no_tests]
-    return next((c for c in ran if c != 0), 0) if ran else pytest_no_tests
-
-
-pytest_no_tests = 5     # pytest's exit code when no test was selected
+    ran = [c for c in codes if c != PYTEST_NO_TESTS]
+    return next((c for c in ran if c != 0), 0) if ran else PYTEST_NO_TESTS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2585,8 +2585,9 @@ class _Gen:
             tuning["stream"] = True
         if narrow:
             tuning["narrow_a"] = True
-        if ring_rows:
-            tuning["ring"] = {"stage_bytes": self.ring, "rows": ring_rows}
+        if ring_rows:       # and what the ring's issuer needs of B (common.cuh LumRingGemv)
+            tuning["ring"] = {"stage_bytes": self.ring, "rows": ring_rows, "row_bytes": k.value * dtb.itemsize,
+                              "n_out": int(n_out.evaluate({})), "acc_rows": list(acc_cols)}
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))

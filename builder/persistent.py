@@ -34,13 +34,12 @@ GPU (benchmarks/NOTES.md).
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param, _Ctx, common_header, gemm_parts,
-                                 gemv_ring_tile, generate, load_template, render, split_gemv_tuning)
+from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param, _Ctx, _env_choice, common_header,
+                                 gemm_parts, gemv_ring_tile, generate, load_template, render, split_gemv_tuning)
 from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.llir import LOp, Program
 
@@ -65,10 +64,7 @@ def persistent_mode() -> str | None:
     """``$LUM_PERSISTENT``: ``1`` runs each decoder layer's run of kernels as one persistent launch whose ring
     thread 0 fills with bulk copies (``bulk``), ``async`` the same filled by warp 0's 16-byte cp.async copies
     (the layer probe's ``-async`` modes), ``0`` (the default) keeps them kernels of their own (None)."""
-    v = os.environ.get(ENV_PERSISTENT, "0")
-    if v not in PERSISTENT_MODES:
-        raise ValueError(f"${ENV_PERSISTENT} must be one of {', '.join(PERSISTENT_MODES)}, got {v!r}")
-    return PERSISTENT_MODES[v]
+    return _env_choice(ENV_PERSISTENT, PERSISTENT_MODES, "0")
 
 
 @dataclass(frozen=True)
@@ -237,23 +233,13 @@ def _b_arg(op: LOp) -> int:
 
 
 def _ring_item(k: int, it: _Item, pname) -> str:
-    """Thread 0's line that describes GEMV item ``it``'s weights to the ring (common.cuh LumRingGemv)."""
-    op, ring = it.op, it.ks.tuning["ring"]
-    jb = _b_arg(op)
-    row_bytes = int(op.params["k"]) * _itemsize(it.ks, jb)
-    acc = [int(c) for c in op.params.get("acc_cols", [0])]
-    n_out = int(op.params.get("n_out", op.params["n"]))
-    if it.ks.tuning.get("pairs"):
-        acc, n_out = [0, int(op.params["n"]) // 2], int(op.params["n"]) // 2
-    rows = ", ".join(f"{c}u" for c in acc)
-    weights = f"reinterpret_cast<const unsigned char*>({pname(op.id, f'in{jb}')})"
-    return (f"      lum_r->items[{k}] = LumRingGemv{{{weights}, {row_bytes}u, {ring['rows']}u, {n_out}u, {len(acc)}u, "
-            f"{{{rows}}}}};")
-
-
-def _itemsize(ks: KernelSource, jb: int) -> int:
-    p = next(p for p in ks.params if p.name == f"in{jb}")
-    return p.dtype.itemsize
+    """Thread 0's line that describes GEMV item ``it``'s weights to the ring (common.cuh LumRingGemv), as its
+    kernel's codegen laid them out (its ``ring`` tuning)."""
+    ring = it.ks.tuning["ring"]
+    rows = ", ".join(f"{c}u" for c in ring["acc_rows"])
+    weights = f"reinterpret_cast<const unsigned char*>({pname(it.op.id, f'in{_b_arg(it.op)}')})"
+    return (f"      lum_r->items[{k}] = LumRingGemv{{{weights}, {ring['row_bytes']}u, {ring['rows']}u, "
+            f"{ring['n_out']}u, {len(ring['acc_rows'])}u, {{{rows}}}}};")
 
 
 def _ordered(params: list[Param], ops: Sequence[int], index: Mapping[int, int], program: Program) -> list[Param]:

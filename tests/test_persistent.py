@@ -131,6 +131,7 @@ def test_a_stamped_persistent_kernel_stamps_each_item(monkeypatch):
     kernel's, and NVRTC compiles it, each item's three stamps in the PTX; the kernel's name is the plain build's."""
     import sys
     from pathlib import Path
+    from types import SimpleNamespace as NS
 
     from lum.builder import nvrtc
     from lum.builder.codegen import STAMP_BLOCKS, STAMP_FIELDS, module_source, stamp_tag
@@ -150,19 +151,8 @@ def test_a_stamped_persistent_kernel_stamps_each_item(monkeypatch):
     assert ks.body in src and "LUM_STAMP_ITEM(0, 1);" in ks.body
     from profile_decode import item_names     # noqa: E402  (benchmarks/ on the path above)
 
-    class _Pkg:                                # what item_names reads of a package
-        def __init__(self):
-            from types import SimpleNamespace as NS
-            table = NS(ops=[NS(name=ks.name, tuning=ks.tuning)])
-            self.manifest = NS(groups=[NS(table=table)])
-
-        def entry(self, name):
-            from types import SimpleNamespace as NS
-            return NS(calls=[NS(group=0)])
-
-        def _program(self, group):
-            return prog
-
-    names = item_names(_Pkg(), "decode")
+    pkg = NS(manifest=NS(groups=[NS(table=NS(ops=[NS(name=ks.name, tuning=ks.tuning)]))]),   # what item_names
+             entry=lambda name: NS(calls=[NS(group=0)]), _program=lambda group: prog)        # reads of a package
+    names = item_names(pkg, "decode")
     assert sorted(names) == [stamp_tag(ks.name) + 1 + n for n in range(items)]
     assert names[stamp_tag(ks.name) + 1].endswith(f"item 0: op {ks.tuning['persistent'][0]['op']} gemm")
