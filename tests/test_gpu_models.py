@@ -74,12 +74,15 @@ def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda
 
 
 def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_device, monkeypatch):
-    """llama3-1b bf16 built with persistent decode layers (``LUM_PERSISTENT=1``, builder/persistent.py) against
-    the default package, teacher-forced on the default's greedy tokens: every decode step's logits within 1e-2
-    of the default's (both bf16 with f32 sums; the ring GEMVs sum in another order). Where the greedy tokens
-    part, the default's top two logits must lie closer than the two packages' largest difference (a near tie
-    flipped by rounding, not a wrong value). The tiny models' GPU variant case checks the same kernels at toy
-    sizes; this one checks them at a real layer's grid, ring tiles and split-K."""
+    """llama3-1b bf16 built with persistent decode layers (``LUM_PERSISTENT=1``, builder/persistent.py) and the
+    default package, both teacher-forced on the default's greedy tokens, against transformers' f32 computation
+    on the same weights over the same tokens: every decode step's logits of either package within 2e-2 of it
+    (the bf16 bound of test_real_model_matches_transformers), and the persistent package's median error no more
+    than 1.25× the default's (its ring GEMVs sum in another order, so bf16 activations round differently; on
+    the H200 the two packages lay 0.6–1.1e-2 apart, 9e4a03a). Where their greedy tokens part, the default's
+    top two logits must lie closer than the packages' largest difference there (a near tie flipped by
+    rounding, not a wrong value). The tiny models' GPU variant case checks the same kernels at toy sizes; this
+    one checks them at a real layer's grid, ring tiles and split-K."""
     import torch
 
     import lum.loader
@@ -87,8 +90,8 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     from lum.builder.package_builder import build_package
     from tests.hf_checkpoints import save_hf_model
 
-    save_hf_model("llama3-1b", tmp_path / "hf", dtype=torch.bfloat16, device="cuda", scale=1.0)
-    torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = save_hf_model("llama3-1b", tmp_path / "hf", dtype=torch.bfloat16, device="cuda", scale=1.0)
     spec = lambda: load_spec(src=str(tmp_path / "hf"), dtype="bf16", max_seq=96)   # noqa: E731
     default = build_package(spec(), tmp_path / "default.lumpkg")
     monkeypatch.setenv("LUM_PERSISTENT", "1")
@@ -96,7 +99,7 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     pkg = lum.loader.open(persistent)
     assert any(op.tuning.get("persistent") for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
 
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 128000, 16)]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size, 16)]
     steps = 48
 
     def decode_logits(path, tokens):
@@ -114,10 +117,19 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
 
     want, fed = decode_logits(default, None)
     got, _ = decode_logits(persistent, fed)
-    errs = [_rel(g, w) for g, w in zip(got, want)]
-    print(f"llama3-1b bf16 persistent vs default: decode logits rel err max {max(errs):.2e}, "
-          f"median {float(np.median(errs)):.2e} over {steps} steps")
-    assert max(errs) < 1e-2, errs
+    with torch.no_grad():
+        exact = model.float()(torch.tensor([prompt + fed], device="cuda")).logits[0, len(prompt):]
+        exact = exact.double().cpu().numpy()
+    del model
+    torch.cuda.empty_cache()
+    err_default = [_rel(w, e) for w, e in zip(want, exact)]
+    err_persistent = [_rel(g, e) for g, e in zip(got, exact)]
+    apart = [_rel(g, w) for g, w in zip(got, want)]
+    print(f"llama3-1b bf16 decode logits vs f32 over {steps} steps: default max {max(err_default):.2e} median "
+          f"{np.median(err_default):.2e}; persistent max {max(err_persistent):.2e} median "
+          f"{np.median(err_persistent):.2e}; the two apart max {max(apart):.2e}")
+    assert max(err_default) < 2e-2 and max(err_persistent) < 2e-2, (err_default, err_persistent)
+    assert np.median(err_persistent) <= 1.25 * np.median(err_default), (err_default, err_persistent)
     for g, w in zip(got, want):
         if int(np.argmax(g)) != int(np.argmax(w)):
             top2 = np.sort(w)[-2:]
