@@ -77,9 +77,10 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     """llama3-1b bf16 built with persistent decode layers (``LUM_PERSISTENT=1``, builder/persistent.py) and the
     default package, both teacher-forced on the default's greedy tokens, against transformers' f32 computation
     on the same weights over the same tokens: every decode step's logits of either package within 2e-2 of it
-    (the bf16 bound of test_real_model_matches_transformers), and the persistent package's median error no more
-    than 1.25× the default's (its ring GEMVs sum in another order, so bf16 activations round differently; on
-    the H200 the two packages lay 0.6–1.1e-2 apart, 9e4a03a). Where their greedy tokens part, the default's
+    (the bf16 bound of test_real_model_matches_transformers) or within transformers' own bf16 error at that
+    step where that is larger, and the persistent package's median error no more than 1.25× the default's
+    (its ring GEMVs sum in another order, so bf16 activations round differently; on the H200 the two
+    packages lay 0.6–1.1e-2 apart, 9e4a03a). Where their greedy tokens part, the default's
     top two logits must lie closer than the packages' largest difference there (a near tie flipped by
     rounding, not a wrong value). The tiny models' GPU variant case checks the same kernels at toy sizes; this
     one checks them at a real layer's grid, ring tiles and split-K."""
@@ -117,18 +118,21 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
 
     want, fed = decode_logits(default, None)
     got, _ = decode_logits(persistent, fed)
-    with torch.no_grad():
-        exact = model.float()(torch.tensor([prompt + fed], device="cuda")).logits[0, len(prompt):]
-        exact = exact.double().cpu().numpy()
+    ids = torch.tensor([prompt + fed], device="cuda")
+    with torch.no_grad():            # each position's logits: teacher-forced decode, in bf16 and in f32
+        hf_bf16 = model(ids).logits[0, len(prompt):].double().cpu().numpy()
+        exact = model.float()(ids).logits[0, len(prompt):].double().cpu().numpy()
     del model
     torch.cuda.empty_cache()
     err_default = [_rel(w, e) for w, e in zip(want, exact)]
     err_persistent = [_rel(g, e) for g, e in zip(got, exact)]
+    bound = [max(2e-2, _rel(h, e)) for h, e in zip(hf_bf16, exact)]   # or transformers' own bf16 error there
     apart = [_rel(g, w) for g, w in zip(got, want)]
     print(f"llama3-1b bf16 decode logits vs f32 over {steps} steps: default max {max(err_default):.2e} median "
           f"{np.median(err_default):.2e}; persistent max {max(err_persistent):.2e} median "
-          f"{np.median(err_persistent):.2e}; the two apart max {max(apart):.2e}")
-    assert max(err_default) < 2e-2 and max(err_persistent) < 2e-2, (err_default, err_persistent)
+          f"{np.median(err_persistent):.2e}; transformers bf16 median {np.median(bound):.2e}; the two apart max "
+          f"{max(apart):.2e}")
+    assert all(d < b and q < b for d, q, b in zip(err_default, err_persistent, bound)), (err_default, err_persistent)
     assert np.median(err_persistent) <= 1.25 * np.median(err_default), (err_default, err_persistent)
     for g, w in zip(got, want):
         if int(np.argmax(g)) != int(np.argmax(w)):
