@@ -309,8 +309,9 @@ def main(argv=None) -> int:
         for r in timeline:
             w = "/".join(f"{x:.2f}" for x in r["waited_us"]) if r["waited_us"] else "-"
             link = f"{r['link_us']:.2f}" if r["link_us"] is not None else "-"
+            what = f"{r['kind']}/{r['op']} {r['shape']}" if r["kind"] else "  " + r["kernel"].split(" ", 1)[-1]
             print(f"  {'/'.join(f'{x:.2f}' for x in r['start_us']):>30}  {w:>30}  {link:>7}  {r['blocks_sampled']:6d}  "
-                  f"{r['kind']}/{r['op']} {r['shape']}")
+                  f"{what}")       # a persistent kernel's item: `  item k: op <id> <kind>`, below its kernel
             for e, m in enumerate(r.get("marks_us") or ()):      # the template's own marks (LUM_STAMP_AT)
                 if m:
                     print(f"  {'mark ' + str(e + 2) + ': ' + '/'.join(f'{x:.2f}' for x in m):>30}")
