@@ -6,7 +6,10 @@
 //! mbarrier, reused once the consumers `empty` it: lp_bulk_5_<model>, lp_bulk_2_<model>; or 16-byte
 //! cp.async by each lane of the producer warp: lp_async_5_<model>). A consumer lane holds its part of a
 //! GEMV's input in registers (the same ≤ 80 floats for every row it computes), so shared memory carries only
-//! the weights.
+//! the weights. Or with no ring (lp_reg_1_<model>): sixteen consumer warps and no producer, each warp loading
+//! its piece of a chunk (half a row; an eighth of down's) straight into registers, as lum's GEMVs load
+//! (16-byte loads, L2 evict-first), the next chunk's piece on its way during a chunk's dot: two pieces in
+//! flight a lane, ≈ 80 KB an SM; the input is read from shared memory (the one stage holds o's and down's).
 //!
 //! A layer, in the order of its dependencies (each arrow: every block waits for a counter in global memory
 //! that the blocks before it raised, an acquire after their release; gemma3-4b's sizes):
@@ -24,23 +27,26 @@
 //! the consumers wait (as far as the ring reaches); LP_GATED: the producer waits for the same counter as its
 //! consumers before a GEMV's first chunk (the bus idles across each dependency, as across a kernel
 //! boundary); LP_STREAM: nobody waits for a counter (the ring's rate over the same bytes and work; values
-//! not meaningful). Waits give up after LP_SPIN_LIMIT polls and set *err (a bug, or blocks not co-resident).
+//! not meaningful). Without a ring, LP_AHEAD loads each warp's first piece of a GEMV before the GEMV's wait,
+//! LP_GATED after it. Waits give up after LP_SPIN_LIMIT polls and set *err (a bug, or blocks not co-resident).
 
 // A model's layer: hidden size, q · k · v rows, q rows, head size, query and kv heads, FFN size.
 struct LpGemma { static constexpr int K = 2560, NQKV = 4096, Q = 2048, HD = 256, HEADS = 8, KV_HEADS = 4, FF = 10240; };
 struct LpLlama { static constexpr int K = 2048, NQKV = 3072, Q = 2048, HD = 64, HEADS = 32, KV_HEADS = 8, FF = 8192; };
-constexpr int LP_CONSUMERS = 256;                         // eight warps
+constexpr int LP_CONSUMERS = 256;                         // eight warps (the ring's kernels)
 constexpr int LP_THREADS = LP_CONSUMERS + 32;             // and the producer
+constexpr int LP_MAX_WARPS = 16;                          // consumer warps of the kernels without a ring
 constexpr int LP_STAGE_BYTES = 40960;
 constexpr int LP_MAX_VECS = 10;                           // a lane's input vectors: K / 256, Q / 256, FF / 1024
 enum { LP_C_QKV = 0, LP_C_ATT = 1, LP_C_O = 2, LP_C_GU = 3, LP_C_DN = 4, LP_COUNTERS = 5 };
 enum { LP_W_QKV = 0, LP_W_O = 1, LP_W_G = 2, LP_W_U = 3, LP_W_D = 4, LP_W_KC = 5, LP_W_VC = 6, LP_WEIGHTS = 7 };
 enum { LP_AHEAD = 0, LP_GATED = 1, LP_STREAM = 2 };
+enum { LP_SRC_BULK = 0, LP_SRC_ASYNC = 1, LP_SRC_REG = 2 };   // what brings the weights: the ring's fill, or none
 constexpr long long LP_SPIN_LIMIT = 1LL << 22;
 // dynamic shared memory: the ring, then ys (a normed input; the attention's scratch), xs (x, then x2), red
-// (2 × 8 partial sums), part (8: reductions), then the ring's 2 × S mbarriers
+// (2 × 16 partial sums), part (16: reductions), then the ring's 2 × S mbarriers
 __host__ __device__ constexpr int lp_smem_bytes(int stages, int k) {
-  return stages * LP_STAGE_BYTES + (2 * k + 16 + 8) * 4 + 2 * stages * 8;
+  return stages * LP_STAGE_BYTES + (2 * k + 3 * LP_MAX_WARPS) * 4 + 2 * stages * 8;
 }
 static_assert(lp_smem_bytes(5, LpGemma::K) <= 227 * 1024, "one block an SM: the opt-in shared memory of sm_90");
 
@@ -49,7 +55,8 @@ static_assert(lp_smem_bytes(5, LpGemma::K) <= 227 * 1024, "one block an SM: the 
 // one scheduler): a named barrier, spinning that lets the other threads run, and an mbarrier kept in its
 // 8 bytes of shared memory as (expected arrivals | pending << 8 | phase parity << 16, pending bytes).
 #if defined(__CUDA_ARCH__)
-__device__ __forceinline__ void lp_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }   // consumers only
+template <int NW>   // the NW consumer warps only
+__device__ __forceinline__ void lp_bar() { asm volatile("bar.sync 1, %0;" :: "r"(32 * NW) : "memory"); }
 __device__ __forceinline__ void lp_pause() {}
 __device__ __forceinline__ unsigned lp_load_acquire(const unsigned* c) {
   unsigned v;
@@ -86,7 +93,8 @@ __device__ __forceinline__ void lp_async_arrive(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
 #else
-inline void lp_bar() { lum_named_barrier(1, 256); }
+template <int NW>
+inline void lp_bar() { lum_named_barrier(1, 32 * NW); }
 inline void lp_pause() { lum_spin_yield(); }
 inline unsigned lp_load_acquire(const unsigned* c) { return *c; }
 inline unsigned lp_saddr(const void* p) { return (unsigned)((const unsigned char*)p - lum_emu_dyn_smem()); }
@@ -109,8 +117,8 @@ inline void lp_async16(unsigned dst, const void* src) { std::memcpy(lum_emu_dyn_
 inline void lp_async_arrive(unsigned bar) { lp_mbar_arrive(bar); }   // the lane's copies are done already
 #endif
 
-// The sum (or the max) of every consumer thread's `s`, in every consumer thread.
-template <bool MAX>
+// The sum (or the max) of every consumer thread's `s`, in every consumer thread (NW warps).
+template <bool MAX, int NW>
 __device__ __forceinline__ float lp_reduce(float s, float* part) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -118,11 +126,11 @@ __device__ __forceinline__ float lp_reduce(float s, float* part) {
     s = MAX ? fmaxf(s, t) : s + t;
   }
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
-  lp_bar();
+  lp_bar<NW>();
   float t = part[0];
 #pragma unroll
-  for (int i = 1; i < 8; ++i) t = MAX ? fmaxf(t, part[i]) : t + part[i];
-  lp_bar();
+  for (int i = 1; i < NW; ++i) t = MAX ? fmaxf(t, part[i]) : t + part[i];
+  lp_bar<NW>();
   return t;
 }
 
@@ -138,14 +146,16 @@ __device__ __forceinline__ bool lp_spin(const unsigned* c, unsigned target, unsi
 }
 
 // The consumers wait for a counter (thread 0 polls, the rest meet it at the barrier).
+template <int NW>
 __device__ __forceinline__ void lp_wait_count(const unsigned* c, unsigned target, unsigned* err, int mode) {
   if (mode != LP_STREAM && threadIdx.x == 0) lp_spin(c, target, err);
-  lp_bar();
+  lp_bar<NW>();
 }
 
 // The consumers' stores so far are visible to whoever acquires `c` at its new count.
+template <int NW>
 __device__ __forceinline__ void lp_signal(unsigned* c, unsigned n) {
-  lp_bar();
+  lp_bar<NW>();
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(c, n);
@@ -204,15 +214,90 @@ __device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr
   return acc;
 }
 
-template <class M, int LP_STAGES, bool BULK>
+// A warp's piece of a GEMV chunk in registers: its lane's VECS 16-byte vectors (lane + 32 i, as lp_row and
+// lp_input index them), loaded with lum's weight loads (no L1, L2 evict-first).
+template <int VECS>
+struct LpPiece { uint4 v[VECS]; };
+
+template <int VECS>
+__device__ __forceinline__ void lp_fetch(const unsigned short* w, LpPiece<VECS>& r) {
+  const int lane = (int)threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < VECS; ++i) {
+    unsigned e[4];
+    lum_load_stream<4>(reinterpret_cast<const unsigned*>(w + (lane + 32 * i) * 8), e);
+    r.v[i] = uint4{e[0], e[1], e[2], e[3]};
+  }
+}
+
+// This warp's piece of this block's first chunk of a GEMV (piece_of(chunk): its weights) into `r`, if `load`.
+template <int VECS, class PieceOf>
+__device__ __forceinline__ void lp_first(LpPiece<VECS>& r, PieceOf piece_of, int chunks, bool load) {
+  if (load && (int)blockIdx.x < chunks) lp_fetch(piece_of((int)blockIdx.x), r);
+}
+
+// Four floats of shared memory, loaded where they are used: a volatile load, which the compiler neither hoists
+// out of a loop nor keeps in registers (a GEMV input held in registers beside two pieces spilled).
+__device__ __forceinline__ float4 lp_lds4(const float* p) {
+#if defined(__CUDA_ARCH__)
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(lp_saddr(p)));
+  return v;
+#else
+  return *reinterpret_cast<const float4*>(p);
+#endif
+}
+
+// Without a ring (LP_MAX_WARPS warps): this block's chunks of a GEMV (blockIdx.x, + gridDim.x, ...). Warp w
+// takes the dot of its piece of each chunk against its input x (shared memory, the elements lp_input would
+// give its lanes); the next chunk's piece is asked for before a chunk's dot, so two are in flight a lane
+// (`a`, which lp_first filled with the first, and `b` by turns). After each chunk, once every warp's partial
+// sum is in r[0..16) (a barrier), done(ch, r). Returns the chunks done.
+template <int VECS, class PieceOf, class Done>
+__device__ __forceinline__ int lp_reg_gemv(LpPiece<VECS>& a, int chunks, PieceOf piece_of, const float* x,
+                                           float* red, Done done) {
+  const int grid = (int)gridDim.x, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+  LpPiece<VECS> b;
+  int n = 0;
+  auto finish = [&](int ch, const LpPiece<VECS>& w) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < VECS; ++i) {
+      const float4 lo = lp_lds4(x + (lane + 32 * i) * 8), hi = lp_lds4(x + (lane + 32 * i) * 8 + 4);
+      const float x8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      acc = probe_dot8(acc, w.v[i], x8);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    float* r = red + (n & 1) * LP_MAX_WARPS;   // by turns: a chunk's sums are read before the next barrier
+    if (lane == 0) r[warp] = acc;
+    lp_bar<LP_MAX_WARPS>();
+    done(ch, r);
+    ++n;
+  };
+  for (int ch = (int)blockIdx.x; ch < chunks; ch += 2 * grid) {
+    const bool more = ch + grid < chunks;
+    if (more) lp_fetch(piece_of(ch + grid), b);
+    finish(ch, a);
+    if (ch + 2 * grid < chunks) lp_fetch(piece_of(ch + 2 * grid), a);
+    if (more) finish(ch + grid, b);
+  }
+  return n;
+}
+
+template <class M, int LP_STAGES, int SRC>
 __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__ wp, const float* __restrict__ x0,
                                           float* act, float* xout, float* x2out, unsigned* cnt, unsigned* err,
                                           int layers, int P, int mode) {
   constexpr int LP_K = M::K, LP_NQKV = M::NQKV, LP_Q = M::Q, LP_HD = M::HD, LP_HEADS = M::HEADS, LP_FF = M::FF;
+  constexpr bool BULK = SRC == LP_SRC_BULK, REG = SRC == LP_SRC_REG;
+  constexpr int NW = REG ? LP_MAX_WARPS : LP_CONSUMERS / 32, NT = 32 * NW;   // consumer warps and threads
+  constexpr int LP_RING = LP_STAGES > 0 ? LP_STAGES : 1;                  // the stage arithmetic's modulus
   constexpr int LP_CH_QKV = LP_NQKV / 8, LP_CH_O = LP_K / 8, LP_CH_GU = LP_FF / 4, LP_CH_DN = LP_K / 2;
   constexpr int LP_ACT = LP_NQKV + LP_Q + LP_K + LP_FF + LP_K;  // a layer's activations: qkv, a, o, h, d
   constexpr int LP_A = LP_NQKV, LP_O = LP_A + LP_Q, LP_H = LP_O + LP_K, LP_D = LP_H + LP_FF;
-  static_assert(LP_K % 256 == 0 && LP_Q % 256 == 0 && LP_FF % 1024 == 0 && LP_HD % 8 == 0 && LP_HD <= LP_CONSUMERS);
+  static_assert(LP_K % 256 == 0 && LP_Q % 256 == 0 && LP_FF % 1024 == 0 && LP_HD % 8 == 0 && LP_HD <= NT);
   static_assert(LP_K / 256 <= LP_MAX_VECS && LP_Q / 256 <= LP_MAX_VECS && LP_FF / 1024 <= LP_MAX_VECS);
   static_assert(8 * LP_K * 2 <= LP_STAGE_BYTES && 8 * LP_Q * 2 <= LP_STAGE_BYTES && 2 * LP_FF * 2 <= LP_STAGE_BYTES);
   // chunks of GEMV g (0 qkv, 1 o, 2 gate-up, 3 down), a stage each, and a chunk's bytes
@@ -226,8 +311,8 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   float* ys = reinterpret_cast<float*>(lp_smem + LP_STAGES * LP_STAGE_BYTES);
   float* xs = ys + LP_K;
   float* red = xs + LP_K;
-  float* part = red + 16;
-  unsigned long long* full = reinterpret_cast<unsigned long long*>(part + 8);
+  float* part = red + 2 * LP_MAX_WARPS;
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(part + LP_MAX_WARPS);
   unsigned long long* empty = full + LP_STAGES;
   const unsigned ring = lp_saddr(lp_smem);
   const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
@@ -235,7 +320,7 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   if (threadIdx.x == 0) {
     for (int s = 0; s < LP_STAGES; ++s) {
       lp_mbar_init(lp_saddr(full + s), BULK ? 1 : 32);
-      lp_mbar_init(lp_saddr(empty + s), 8);
+      lp_mbar_init(lp_saddr(empty + s), NW);
     }
     lp_mbar_init_fence();
   }
@@ -248,8 +333,8 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
     return g == 0 && l == 0 ? nullptr : cnt + c;
   };
 
-  if (warp == LP_CONSUMERS / 32) {              // the producer: weights only, in the consumers' order
-    if (!BULK || lane == 0) {
+  if (warp == NW) {                    // the producer: weights only, in the consumers' order
+    if (!REG && (!BULK || lane == 0)) {
       unsigned n = 0;                           // stages issued
       for (int l = 0; l < layers; ++l) {
         const unsigned long long* w = wp + (l & 1) * LP_WEIGHTS;
@@ -266,9 +351,9 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
             if (!BULK) __syncwarp();
           }
           for (int ch = block; ch < chunks(g); ch += grid, ++n) {
-            const int s = (int)(n % LP_STAGES);
-            if (n >= LP_STAGES)
-              lp_mbar_wait(lp_saddr(empty + s), (n / LP_STAGES - 1) & 1, err);
+            const int s = (int)(n % LP_RING);
+            if (n >= LP_RING)
+              lp_mbar_wait(lp_saddr(empty + s), (n / LP_RING - 1) & 1, err);
             const unsigned fb = lp_saddr(full + s), dst = ring + s * LP_STAGE_BYTES;
             const unsigned bytes = chunk_bytes(g);
             if (BULK) lp_mbar_expect(fb, bytes);
@@ -293,78 +378,99 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   // a GEMV's stage: wait until its weights have landed (take), hand it back to the producer once this warp has
   // read it (give)
   auto take = [&]() -> const unsigned short* {
-    const int s = (int)(n % LP_STAGES);
-    lp_mbar_wait(lp_saddr(full + s), (n / LP_STAGES) & 1, err);
+    const int s = (int)(n % LP_RING);
+    lp_mbar_wait(lp_saddr(full + s), (n / LP_RING) & 1, err);
     return reinterpret_cast<const unsigned short*>(lp_smem + s * LP_STAGE_BYTES);
   };
   auto give = [&]() {
     __syncwarp();
-    if (lane == 0) lp_mbar_arrive(lp_saddr(empty + n % LP_STAGES));
+    if (lane == 0) lp_mbar_arrive(lp_saddr(empty + n % LP_RING));
     ++n;
   };
   // xs ← base + rms(v) (v: LP_K floats another block stored), ys ← rms(xs); block 0 stores xs at out
   auto residual = [&](const float* v, float* out) {
-    float e[LP_K / LP_CONSUMERS], s = 0.0f;
+    float e[LP_K / NT], s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < LP_K / LP_CONSUMERS; ++i) {
-      e[i] = v != nullptr ? __ldcg(v + t + i * LP_CONSUMERS) : x0[t + i * LP_CONSUMERS];
+    for (int i = 0; i < LP_K / NT; ++i) {
+      e[i] = v != nullptr ? __ldcg(v + t + i * NT) : x0[t + i * NT];
       s += e[i] * e[i];
     }
-    const float r = v != nullptr ? rsqrtf(lp_reduce<false>(s, part) / LP_K + eps) : 1.0f;
+    const float r = v != nullptr ? rsqrtf(lp_reduce<false, NW>(s, part) / LP_K + eps) : 1.0f;
     s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < LP_K / LP_CONSUMERS; ++i) {
-      const int k = t + i * LP_CONSUMERS;
+    for (int i = 0; i < LP_K / NT; ++i) {
+      const int k = t + i * NT;
       e[i] = v != nullptr ? xs[k] + e[i] * r : e[i];
       s += e[i] * e[i];
     }
-    const float r2 = rsqrtf(lp_reduce<false>(s, part) / LP_K + eps);
+    const float r2 = rsqrtf(lp_reduce<false, NW>(s, part) / LP_K + eps);
 #pragma unroll
-    for (int i = 0; i < LP_K / LP_CONSUMERS; ++i) {
-      const int k = t + i * LP_CONSUMERS;
+    for (int i = 0; i < LP_K / NT; ++i) {
+      const int k = t + i * NT;
       xs[k] = e[i];
       ys[k] = e[i] * r2;
       if (block == 0) out[k] = e[i];
     }
-    lp_bar();
+    lp_bar<NW>();
   };
 
+  // without a ring: each warp's piece of a GEMV's first chunk is loaded before the GEMV's wait or after it
+  const bool before_wait = REG && mode == LP_AHEAD, after_wait = REG && mode != LP_AHEAD;
+  const int r8 = warp % 8, h2 = warp / 8;       // without a ring: a warp's row of 8 in a chunk, and its half
+  // ... and the o and down GEMVs' input, which other blocks stored, copied into the one stage (qkv's and
+  // gate-up's is ys)
+  float* const xin = reinterpret_cast<float*>(lp_smem);
+  auto stage_input = [&](const float* v, int n) {
+    for (int k = t; k < n; k += NT) xin[k] = __ldcg(v + k);
+    lp_bar<NW>();
+  };
   for (int l = 0; l < layers; ++l) {
     float* a = act + (size_t)l * LP_ACT;
     const unsigned long long* w = wp + (l & 1) * LP_WEIGHTS;
+    auto weights = [=](int i) { return reinterpret_cast<const unsigned short*>(w[i]); };
     unsigned target;
     const unsigned* c;
     // qkv
+    auto qkv_piece = [=](int ch) { return weights(LP_W_QKV) + (size_t)(ch * 8 + r8) * LP_K + h2 * (LP_K / 2); };
+    LpPiece<LP_K / 512> pk;
+    lp_first(pk, qkv_piece, LP_CH_QKV, before_wait);
     if (l > 0) {
       c = dep(l, 0, target);
-      lp_wait_count(c, target, err, mode);
+      lp_wait_count<NW>(c, target, err, mode);
       residual(a - LP_ACT + LP_D, xout + (size_t)l * LP_K);
     } else {
       residual(nullptr, xout);
     }
+    lp_first(pk, qkv_piece, LP_CH_QKV, after_wait);
     float xr[LP_MAX_VECS * 8];
-    lp_input<LP_K / 256, false>(ys, xr);
     int mine = 0;
-    for (int ch = block; ch < LP_CH_QKV; ch += grid, ++mine) {
-      const float v = lp_row<LP_K / 256>(take() + warp * LP_K, xr);
-      give();
-      if (lane == 0) a[ch * 8 + warp] = v;
+    if constexpr (REG) {
+      mine = lp_reg_gemv(pk, LP_CH_QKV, qkv_piece, ys + h2 * (LP_K / 2), red, [&](int ch, const float* r) {
+        if (warp < 8 && lane == 0) a[ch * 8 + warp] = r[warp] + r[warp + 8];
+      });
+    } else {
+      lp_input<LP_K / 256, false>(ys, xr);
+      for (int ch = block; ch < LP_CH_QKV; ch += grid, ++mine) {
+        const float v = lp_row<LP_K / 256>(take() + warp * LP_K, xr);
+        give();
+        if (lane == 0) a[ch * 8 + warp] = v;
+      }
     }
-    lp_signal(cnt + l * LP_COUNTERS + LP_C_QKV, mine);
+    lp_signal<NW>(cnt + l * LP_COUNTERS + LP_C_QKV, mine);
     // attention: query head `head` on block head (and head + grid ...)
     for (int head = block; head < LP_HEADS; head += grid) {
       c = cnt + l * LP_COUNTERS + LP_C_QKV;
-      lp_wait_count(c, LP_CH_QKV, err, mode);
+      lp_wait_count<NW>(c, LP_CH_QKV, err, mode);
       const float q = t < LP_HD ? __ldcg(a + head * LP_HD + t) : 0.0f;
-      const float qn = q * rsqrtf(lp_reduce<false>(q * q, part) / LP_HD + eps);
+      const float qn = q * rsqrtf(lp_reduce<false, NW>(q * q, part) / LP_HD + eps);
       if (t < LP_HD) ys[t] = qn;
-      lp_bar();
+      lp_bar<NW>();
       float* sc = ys + LP_HD;
       const size_t kv = (size_t)(head / (LP_HEADS / M::KV_HEADS)) * P * LP_HD;
       const unsigned short* kc = reinterpret_cast<const unsigned short*>(w[LP_W_KC]) + kv;
       const unsigned short* vc = reinterpret_cast<const unsigned short*>(w[LP_W_VC]) + kv;
       const float scale = rsqrtf((float)LP_HD);
-      for (int j = warp; j < P; j += 8) {
+      for (int j = warp; j < P; j += NW) {
         float d = 0.0f;
         if (lane * 8 < LP_HD) {
           const uint4 key = __ldg(reinterpret_cast<const uint4*>(kc + (size_t)j * LP_HD + lane * 8));
@@ -374,81 +480,124 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
         for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
         if (lane == 0) sc[j] = d * scale;
       }
-      lp_bar();
+      lp_bar<NW>();
       float m = -LUM_INF_F32;
-      for (int j = t; j < P; j += LP_CONSUMERS) m = fmaxf(m, sc[j]);
-      m = lp_reduce<true>(m, part);
+      for (int j = t; j < P; j += NT) m = fmaxf(m, sc[j]);
+      m = lp_reduce<true, NW>(m, part);
       float sum = 0.0f;
-      for (int j = t; j < P; j += LP_CONSUMERS) {
+      for (int j = t; j < P; j += NT) {
         sc[j] = __expf(sc[j] - m);
         sum += sc[j];
       }
-      sum = lp_reduce<false>(sum, part);       // its barriers publish sc
+      sum = lp_reduce<false, NW>(sum, part);       // its barriers publish sc
       if (t < LP_HD) {
         float acc = 0.0f;
 #pragma unroll 8
         for (int j = 0; j < P; ++j) acc += sc[j] * __uint_as_float((unsigned)__ldg(vc + (size_t)j * LP_HD + t) << 16);
         a[LP_A + head * LP_HD + t] = acc / sum;
       }
-      lp_signal(cnt + l * LP_COUNTERS + LP_C_ATT, 1);
+      lp_signal<NW>(cnt + l * LP_COUNTERS + LP_C_ATT, 1);
     }
     // o
+    auto o_piece = [=](int ch) { return weights(LP_W_O) + (size_t)(ch * 8 + r8) * LP_Q + h2 * (LP_Q / 2); };
+    LpPiece<LP_Q / 512> po;
+    lp_first(po, o_piece, LP_CH_O, before_wait);
     c = dep(l, 1, target);
-    lp_wait_count(c, target, err, mode);
-    lp_input<LP_Q / 256, true>(a + LP_A, xr);
+    lp_wait_count<NW>(c, target, err, mode);
+    lp_first(po, o_piece, LP_CH_O, after_wait);
     mine = 0;
-    for (int ch = block; ch < LP_CH_O; ch += grid, ++mine) {
-      const float v = lp_row<LP_Q / 256>(take() + warp * LP_Q, xr);
-      give();
-      if (lane == 0) a[LP_O + ch * 8 + warp] = v;
+    if constexpr (REG) {
+      stage_input(a + LP_A, LP_Q);
+      mine = lp_reg_gemv(po, LP_CH_O, o_piece, xin + h2 * (LP_Q / 2), red, [&](int ch, const float* r) {
+        if (warp < 8 && lane == 0) a[LP_O + ch * 8 + warp] = r[warp] + r[warp + 8];
+      });
+    } else {
+      lp_input<LP_Q / 256, true>(a + LP_A, xr);
+      for (int ch = block; ch < LP_CH_O; ch += grid, ++mine) {
+        const float v = lp_row<LP_Q / 256>(take() + warp * LP_Q, xr);
+        give();
+        if (lane == 0) a[LP_O + ch * 8 + warp] = v;
+      }
     }
-    lp_signal(cnt + l * LP_COUNTERS + LP_C_O, mine);
-    // gate-up
+    lp_signal<NW>(cnt + l * LP_COUNTERS + LP_C_O, mine);
+    // gate-up: 4 rows of the gate, then the same 4 of up
+    auto gu_piece = [=](int ch) {
+      return weights(r8 < 4 ? LP_W_G : LP_W_U) + (size_t)(ch * 4 + r8 % 4) * LP_K + h2 * (LP_K / 2);
+    };
+    lp_first(pk, gu_piece, LP_CH_GU, before_wait);
     c = dep(l, 2, target);
-    lp_wait_count(c, target, err, mode);
+    lp_wait_count<NW>(c, target, err, mode);
     residual(a + LP_O, x2out + (size_t)l * LP_K);
-    lp_input<LP_K / 256, false>(ys, xr);
+    lp_first(pk, gu_piece, LP_CH_GU, after_wait);
     mine = 0;
-    for (int ch = block; ch < LP_CH_GU; ch += grid, ++mine) {
-      float* r = red + (mine & 1) * 8;
-      const float v = lp_row<LP_K / 256>(take() + warp * LP_K, xr);
-      give();
-      if (lane == 0) r[warp] = v;
-      lp_bar();
-      if (warp < 4 && lane == 0) a[LP_H + ch * 4 + warp] = r[warp] * 2.0f / (1.0f + __expf(-r[warp + 4]));
+    if constexpr (REG) {
+      mine = lp_reg_gemv(pk, LP_CH_GU, gu_piece, ys + h2 * (LP_K / 2), red, [&](int ch, const float* r) {
+        if (warp < 4 && lane == 0)
+          a[LP_H + ch * 4 + warp] = (r[warp] + r[warp + 8]) * 2.0f / (1.0f + __expf(-(r[warp + 4] + r[warp + 12])));
+      });
+    } else {
+      lp_input<LP_K / 256, false>(ys, xr);
+      for (int ch = block; ch < LP_CH_GU; ch += grid, ++mine) {
+        float* r = red + (mine & 1) * 8;
+        const float v = lp_row<LP_K / 256>(take() + warp * LP_K, xr);
+        give();
+        if (lane == 0) r[warp] = v;
+        lp_bar<NW>();
+        if (warp < 4 && lane == 0) a[LP_H + ch * 4 + warp] = r[warp] * 2.0f / (1.0f + __expf(-r[warp + 4]));
+      }
     }
-    lp_signal(cnt + l * LP_COUNTERS + LP_C_GU, mine);
-    // down
+    lp_signal<NW>(cnt + l * LP_COUNTERS + LP_C_GU, mine);
+    // down: a chunk is 2 rows; with the ring a warp takes a quarter of one, without it an eighth
+    auto down_piece = [=](int ch) {
+      return weights(LP_W_D) + (size_t)(ch * 2 + h2) * LP_FF + r8 * (LP_FF / 8);
+    };
+    LpPiece<LP_FF / 2048> pd;
+    lp_first(pd, down_piece, LP_CH_DN, before_wait);
     c = dep(l, 3, target);
-    lp_wait_count(c, target, err, mode);
-    const int row = warp / 4, quarter = warp % 4;
-    lp_input<LP_FF / 4 / 256, true>(a + LP_H + quarter * (LP_FF / 4), xr);
+    lp_wait_count<NW>(c, target, err, mode);
+    lp_first(pd, down_piece, LP_CH_DN, after_wait);
     mine = 0;
-    for (int ch = block; ch < LP_CH_DN; ch += grid, ++mine) {
-      float* r = red + (mine & 1) * 8;
-      const float v = lp_row<LP_FF / 4 / 256>(take() + row * LP_FF + quarter * (LP_FF / 4), xr);
-      give();
-      if (lane == 0) r[warp] = v;
-      lp_bar();
-      if (quarter == 0 && lane == 0) a[LP_D + ch * 2 + row] = ((r[warp] + r[warp + 1]) + r[warp + 2]) + r[warp + 3];
+    if constexpr (REG) {
+      stage_input(a + LP_H, LP_FF);
+      mine = lp_reg_gemv(pd, LP_CH_DN, down_piece, xin + r8 * (LP_FF / 8), red, [&](int ch, const float* r) {
+        if (r8 == 0 && lane == 0) {
+          float d = r[warp];
+#pragma unroll
+          for (int i = 1; i < 8; ++i) d += r[warp + i];
+          a[LP_D + ch * 2 + h2] = d;
+        }
+      });
+    } else {
+      const int row = warp / 4, quarter = warp % 4;
+      lp_input<LP_FF / 4 / 256, true>(a + LP_H + quarter * (LP_FF / 4), xr);
+      for (int ch = block; ch < LP_CH_DN; ch += grid, ++mine) {
+        float* r = red + (mine & 1) * 8;
+        const float v = lp_row<LP_FF / 4 / 256>(take() + row * LP_FF + quarter * (LP_FF / 4), xr);
+        give();
+        if (lane == 0) r[warp] = v;
+        lp_bar<NW>();
+        if (quarter == 0 && lane == 0) a[LP_D + ch * 2 + row] = ((r[warp] + r[warp + 1]) + r[warp + 2]) + r[warp + 3];
+      }
     }
-    lp_signal(cnt + l * LP_COUNTERS + LP_C_DN, mine);
+    lp_signal<NW>(cnt + l * LP_COUNTERS + LP_C_DN, mine);
   }
   if (block == 0) {                             // the last layer's output
-    lp_wait_count(cnt + (layers - 1) * LP_COUNTERS + LP_C_DN, LP_CH_DN, err, mode);
+    lp_wait_count<NW>(cnt + (layers - 1) * LP_COUNTERS + LP_C_DN, LP_CH_DN, err, mode);
     residual(act + (size_t)(layers - 1) * LP_ACT + LP_D, xout + (size_t)layers * LP_K);
   }
 }
 
-#define LP_ENTRY(NAME, M, S, BULK)                                                                                \
-  extern "C" __global__ void __launch_bounds__(LP_THREADS, 1)                                                     \
+#define LP_ENTRY(NAME, M, S, SRC)                                                                                \
+  extern "C" __global__ void __launch_bounds__(SRC == LP_SRC_REG ? 32 * LP_MAX_WARPS : LP_THREADS, 1)          \
   NAME(const unsigned long long* __restrict__ wp, const float* __restrict__ x0, float* act, float* xout,           \
        float* x2out, unsigned* cnt, unsigned* err, int layers, int P, int mode) {                                 \
-    lp_layers<M, S, BULK>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                 \
+    lp_layers<M, S, SRC>(wp, x0, act, xout, x2out, cnt, err, layers, P, mode);                                 \
   }
-LP_ENTRY(lp_bulk_5_gemma, LpGemma, 5, true)
-LP_ENTRY(lp_bulk_2_gemma, LpGemma, 2, true)
-LP_ENTRY(lp_async_5_gemma, LpGemma, 5, false)
-LP_ENTRY(lp_bulk_5_llama, LpLlama, 5, true)
-LP_ENTRY(lp_bulk_2_llama, LpLlama, 2, true)
-LP_ENTRY(lp_async_5_llama, LpLlama, 5, false)
+LP_ENTRY(lp_bulk_5_gemma, LpGemma, 5, LP_SRC_BULK)
+LP_ENTRY(lp_bulk_2_gemma, LpGemma, 2, LP_SRC_BULK)
+LP_ENTRY(lp_async_5_gemma, LpGemma, 5, LP_SRC_ASYNC)
+LP_ENTRY(lp_reg_1_gemma, LpGemma, 1, LP_SRC_REG)
+LP_ENTRY(lp_bulk_5_llama, LpLlama, 5, LP_SRC_BULK)
+LP_ENTRY(lp_bulk_2_llama, LpLlama, 2, LP_SRC_BULK)
+LP_ENTRY(lp_async_5_llama, LpLlama, 5, LP_SRC_ASYNC)
+LP_ENTRY(lp_reg_1_llama, LpLlama, 1, LP_SRC_REG)

@@ -25,6 +25,10 @@ sets alternating, so none is in L2). Modes:
 * ``-async``: the same with the stages filled by the producer warp's 32 lanes, 16-byte ``cp.async`` each,
   rather than by one copy-engine request a stage (``cp.async.bulk``): an earlier probe moved 21 MB of
   bulk copies at ≈ 2 TB/s (16 GB/s an SM, NOTES.md), so the bulk engine may be what caps a ring.
+* ``-reg``: no ring: 16 consumer warps, each loading its piece of a chunk (half a row) straight into
+  registers as lum's GEMVs do, the next chunk's piece in flight during a chunk's dot (≈ 80 KB an SM);
+  ``ahead-reg`` loads each GEMV's first piece before its wait, ``gated-reg`` after it. Both rings ran at
+  62–65% of the copy rate even in ``stream`` (2026-12-05): whether registers feed a persistent layer faster.
 
 Printed and saved (``<out>/layer-probe-<model>-<date>.json``): µs a layer, the rate over the weight bytes and its
 fraction of the copy rate measured in the same run (a 2 GiB device copy, bytes read + written), each mode
@@ -80,12 +84,14 @@ class Dims:
 
 MODELS = {"gemma3-4b": Dims("gemma", 2560, 4096, 2048, 256, 8, 4, 10240, 34),
           "llama3-1b": Dims("llama", 2048, 3072, 2048, 64, 32, 8, 8192, 16)}
-THREADS, STAGE_BYTES = 256 + 32, 40960
+THREADS, REG_THREADS, STAGE_BYTES = 256 + 32, 512, 40960   # a ring's kernels: 8 warps and the producer
+MAX_WARPS = 16
 COUNTERS = 5
 MODES = {"ahead": ("bulk_5", 0), "ahead-2": ("bulk_2", 0), "gated": ("bulk_5", 1),   # (kernel, LP_AHEAD ...)
          "stream": ("bulk_5", 2), "ahead-async": ("async_5", 0), "gated-async": ("async_5", 1),
-         "stream-async": ("async_5", 2)}
-CHECKED = ("ahead", "ahead-2", "gated", "ahead-async", "gated-async")
+         "stream-async": ("async_5", 2), "ahead-reg": ("reg_1", 0), "gated-reg": ("reg_1", 1),
+         "stream-reg": ("reg_1", 2)}
+CHECKED = ("ahead", "ahead-2", "gated", "ahead-async", "gated-async", "ahead-reg", "gated-reg")
 MAX_KEYS = 1024
 SETS = 2
 EPS = 1e-6
@@ -149,6 +155,11 @@ def kernel_name(kind: str, m: Dims) -> str:
     return f"lp_{kind}_{m.tag}"
 
 
+def threads_of(kind: str) -> int:
+    """A MODES kernel's block: a ring's kernels 8 consumer warps and the producer, ``reg`` 16 warps."""
+    return REG_THREADS if kind.startswith("reg") else THREADS
+
+
 def stages_of(kind: str) -> int:
     """The ring's stages of a MODES kernel (<copy>_<stages>)."""
     return int(kind.rsplit("_", 1)[1])
@@ -156,7 +167,7 @@ def stages_of(kind: str) -> int:
 
 def smem_bytes(stages: int, m: Dims) -> int:
     """layer_probe.cu lp_smem_bytes: the ring, ys and xs, partial sums, the mbarriers."""
-    return stages * STAGE_BYTES + (2 * m.k + 16 + 8) * 4 + 2 * stages * 8
+    return stages * STAGE_BYTES + (2 * m.k + 3 * MAX_WARPS) * 4 + 2 * stages * 8
 
 
 def copy_GBps(dev, reps: int) -> float:
@@ -197,7 +208,7 @@ def main(argv=None) -> int:
     for kind in sorted({k for k, _ in MODES.values()}):
         name, smem = kernel_name(kind, m), smem_bytes(stages_of(kind), m)
         f = kernels[kind] = dev.module.function(name, smem)
-        if cu.call(dev.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, f, THREADS, smem) < 1:
+        if cu.call(dev.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, f, threads_of(kind), smem) < 1:
             log(f"{name} does not fit an SM ({smem} bytes of shared memory)")
             return 1
     copy = copy_GBps(dev, args.reps)
@@ -208,9 +219,9 @@ def main(argv=None) -> int:
         cu.memset(err.ptr, 0, 4, dev.stream)
         params = dev.pack([wp.ptr, x0_buf.ptr, act.ptr, xout.ptr, x2out.ptr, cnt.ptr, err.ptr, n, args.keys, code])
 
-        def rec(st, params=params, f=kernels[kind], smem=smem_bytes(stages, m)) -> None:
+        def rec(st, params=params, f=kernels[kind], smem=smem_bytes(stages, m), threads=threads_of(kind)) -> None:
             cu.memset(cnt.ptr, 0, n * COUNTERS * 4, st)
-            cu.launch_kernel(f, (grid, 1, 1), (THREADS, 1, 1), smem, st, params)
+            cu.launch_kernel(f, (grid, 1, 1), (threads, 1, 1), smem, st, params)
 
         def checked(got, mode=mode) -> tuple[float, bool]:
             xs, x2s = got[0].reshape(n + 1, m.k), got[1].reshape(n + 1, m.k)[:n]
@@ -225,13 +236,15 @@ def main(argv=None) -> int:
         us = t / n * 1e6
         rate = wbytes / (us * 1e-6) / 1e9
         ok = not gave_up and (mode not in CHECKED or (finite and rel < TOLERANCE))
-        results[mode] = {"kernel": kernel_name(kind, m), "stages": stages, "smem": smem_bytes(stages, m),
+        results[mode] = {"kernel": kernel_name(kind, m), "threads": threads_of(kind), "stages": stages,
+                         "smem": smem_bytes(stages, m),
                          "layer_us": round(us, 3), "weight_GBps": round(rate, 1),
                          "of_copy_rate": round(rate / copy, 4), "checked": mode in CHECKED,
                          "rel_err": rel if mode in CHECKED else None, "finite": finite, "wait_gave_up": gave_up,
                          "ok": ok}
     for mode, r in results.items():      # against the stream of the same copy kind
-        floor = results["stream-async" if "async" in mode else "stream"]["layer_us"]
+        kind = mode.rsplit("-", 1)[1] if mode.endswith(("-async", "-reg")) else None
+        floor = results[f"stream-{kind}" if kind else "stream"]["layer_us"]
         r["vs_stream"] = round(r["layer_us"] / floor, 4)
         err_txt = f"rel err {r['rel_err']:.2e}" if r["checked"] else "not checked"
         log(f"{mode:12s} {r['layer_us']:8.2f} us a layer ({r['weight_GBps']:.0f} GB/s of weights, "
@@ -239,7 +252,7 @@ def main(argv=None) -> int:
             f"ok={r['ok']}")
     log(f"copy rate {copy:.0f} GB/s; at it a layer's {wbytes / 1e6:.1f} MB take {wbytes / copy / 1e3:.2f} us")
     record = {**record_head("layer-probe", args.commit, dev.info.name), "model": args.model, "layers": n,
-              "keys": args.keys, "grid": grid, "threads": THREADS, "stage_bytes": STAGE_BYTES,
+              "keys": args.keys, "grid": grid, "stage_bytes": STAGE_BYTES,
               "weight_bytes_a_layer": wbytes, "copy_GBps": round(copy, 1), "modes": results}
     log(f"wrote {write_record(record, args.out, f'layer-probe-{args.model}')}")
     dev.close()

@@ -121,7 +121,8 @@ def layer_probe_run(tmp_path_factory):
         vals = [ctypes.c_void_p(a.ctypes.data) for a in (wp, x0, act, xout, x2out, cnt, err)]
         vals += [ctypes.c_int(v) for v in (layers, keys, code)]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        getattr(lib, f"run_{lp.kernel_name(kind, m)}")(params, grid, lp.THREADS, lp.smem_bytes(lp.stages_of(kind), m))
+        getattr(lib, f"run_{lp.kernel_name(kind, m)}")(params, grid, lp.threads_of(kind),
+                                                         lp.smem_bytes(lp.stages_of(kind), m))
         xs = xout.reshape(layers + 1, m.k).astype(np.float64)
         x2s = x2out.reshape(layers + 1, m.k)[:layers].astype(np.float64)
         return m, cnt.reshape(layers, lp.COUNTERS), int(err[0]), lp.check(xs, x2s, [dense32] * lp.SETS, m)
@@ -130,11 +131,13 @@ def layer_probe_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
-@pytest.mark.parametrize("mode", ["ahead", "ahead-2", "gated", "ahead-async", "gated-async", "stream"])
+@pytest.mark.parametrize("mode", ["ahead", "ahead-2", "gated", "ahead-async", "gated-async", "stream",
+                                  "ahead-reg", "gated-reg"])
 def test_layer_probe_kernel_emulated(layer_probe_run, model, mode):
     """The persistent layer probe's kernel on the host at either model's shapes (llama3-1b: 32 query heads
     of 64 on 16 blocks, two a block), blocks waiting for each other's counters and consumers for the
-    producer's ring stages: with its dependencies kept two layers match float64 (each from its own input),
+    producer's ring stages (``-reg``: 16 warps loading their pieces of each chunk into registers, no ring;
+    two pieces in flight a lane): with its dependencies kept two layers match float64 (each from its own input),
     every counter at its full count and no wait given up. Without them (stream) it still runs to the end;
     at gemma3-4b's shapes the emulator's round-robin schedule then has a consumer read an input before it is
     written (NaN), which the check catches (at llama3-1b's, that schedule happens to keep the order)."""
