@@ -215,18 +215,27 @@ __device__ __forceinline__ float lp_row(const unsigned short* w, const float* xr
 }
 
 // A warp's piece of a GEMV chunk in registers: its lane's VECS 16-byte vectors (lane + 32 i, as lp_row and
-// lp_input index them), loaded with lum's weight loads (no L1, L2 evict-first).
+// lp_input index them), loaded as lum's GEMVs load weights (no L1, L2 evict-first) but volatile: the compiler
+// may not move them across the waits (gated-reg loads after its wait) nor hoist the next pieces early (which
+// took registers the kernel does not have).
 template <int VECS>
 struct LpPiece { uint4 v[VECS]; };
 
 template <int VECS>
 __device__ __forceinline__ void lp_fetch(const unsigned short* w, LpPiece<VECS>& r) {
   const int lane = (int)threadIdx.x % 32;
+#if defined(__CUDA_ARCH__)
+  const unsigned long long policy = lum_evict_first_policy();
+#endif
 #pragma unroll
   for (int i = 0; i < VECS; ++i) {
-    unsigned e[4];
-    lum_load_stream<4>(reinterpret_cast<const unsigned*>(w + (lane + 32 * i) * 8), e);
-    r.v[i] = uint4{e[0], e[1], e[2], e[3]};
+    const unsigned short* p = w + (lane + 32 * i) * 8;
+#if defined(__CUDA_ARCH__)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.v[i].x), "=r"(r.v[i].y), "=r"(r.v[i].z), "=r"(r.v[i].w) : "l"(p), "l"(policy));
+#else
+    std::memcpy(&r.v[i], p, 16);
+#endif
   }
 }
 
