@@ -33,6 +33,7 @@ def test_decode_benchmark_smoke(tmp_path):
     for key in ("commit", "gpu", "driver", "date", "copy_GBps", "rows"):
         assert key in d
     assert d["commit"] == "test" and d["copy_GBps"] > 0
+    assert d["copy_GBps"] == max(d["copy_GBps_first"], d["copy_GBps_last"])    # measured before and after
     assert d["config"]["budget"] == 2          # passed to lum build (no GPU here: it notes the cost model)
     rows = {r["system"]: r for r in d["rows"]}
     assert set(rows) == {"lum", "lum-noprologue", "hf-eager"}
@@ -41,6 +42,7 @@ def test_decode_benchmark_smoke(tmp_path):
         assert r["model"] == "tiny-llama" and r["dtype"] == "f32"
         assert r["tok_per_s"] > 0 and r["weight_bytes"] > 0 and r["roofline_tok_per_s"] > 0
         assert 0 < r["roofline_with_kv_tok_per_s"] < r["roofline_tok_per_s"]     # K/V rows read too
+        assert abs(r["fraction_of_roofline"] - r["tok_per_s"] / r["roofline_tok_per_s"]) <= 1e-3
     assert d["kv_bytes_per_step"] > 0
     assert rows["lum"]["open_to_first_token_s"] > 0
     # the same weights and greedy decoding: lum's reference backend reproduces HF's tokens
