@@ -302,7 +302,6 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   constexpr int LP_K = M::K, LP_NQKV = M::NQKV, LP_Q = M::Q, LP_HD = M::HD, LP_HEADS = M::HEADS, LP_FF = M::FF;
   constexpr bool BULK = SRC == LP_SRC_BULK, REG = SRC == LP_SRC_REG;
   constexpr int NW = REG ? LP_MAX_WARPS : LP_CONSUMERS / 32, NT = 32 * NW;   // consumer warps and threads
-  constexpr int LP_RING = LP_STAGES > 0 ? LP_STAGES : 1;                  // the stage arithmetic's modulus
   constexpr int LP_CH_QKV = LP_NQKV / 8, LP_CH_O = LP_K / 8, LP_CH_GU = LP_FF / 4, LP_CH_DN = LP_K / 2;
   constexpr int LP_ACT = LP_NQKV + LP_Q + LP_K + LP_FF + LP_K;  // a layer's activations: qkv, a, o, h, d
   constexpr int LP_A = LP_NQKV, LP_O = LP_A + LP_Q, LP_H = LP_O + LP_K, LP_D = LP_H + LP_FF;
@@ -342,7 +341,7 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
     return g == 0 && l == 0 ? nullptr : cnt + c;
   };
 
-  if (warp == NW) {                    // the producer: weights only, in the consumers' order
+  if (warp == NW) {                             // the producer: weights only, in the consumers' order
     if (!REG && (!BULK || lane == 0)) {
       unsigned n = 0;                           // stages issued
       for (int l = 0; l < layers; ++l) {
@@ -360,9 +359,9 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
             if (!BULK) __syncwarp();
           }
           for (int ch = block; ch < chunks(g); ch += grid, ++n) {
-            const int s = (int)(n % LP_RING);
-            if (n >= LP_RING)
-              lp_mbar_wait(lp_saddr(empty + s), (n / LP_RING - 1) & 1, err);
+            const int s = (int)(n % LP_STAGES);
+            if (n >= LP_STAGES)
+              lp_mbar_wait(lp_saddr(empty + s), (n / LP_STAGES - 1) & 1, err);
             const unsigned fb = lp_saddr(full + s), dst = ring + s * LP_STAGE_BYTES;
             const unsigned bytes = chunk_bytes(g);
             if (BULK) lp_mbar_expect(fb, bytes);
@@ -387,13 +386,13 @@ __device__ __forceinline__ void lp_layers(const unsigned long long* __restrict__
   // a GEMV's stage: wait until its weights have landed (take), hand it back to the producer once this warp has
   // read it (give)
   auto take = [&]() -> const unsigned short* {
-    const int s = (int)(n % LP_RING);
-    lp_mbar_wait(lp_saddr(full + s), (n / LP_RING) & 1, err);
+    const int s = (int)(n % LP_STAGES);
+    lp_mbar_wait(lp_saddr(full + s), (n / LP_STAGES) & 1, err);
     return reinterpret_cast<const unsigned short*>(lp_smem + s * LP_STAGE_BYTES);
   };
   auto give = [&]() {
     __syncwarp();
-    if (lane == 0) lp_mbar_arrive(lp_saddr(empty + n % LP_RING));
+    if (lane == 0) lp_mbar_arrive(lp_saddr(empty + n % LP_STAGES));
     ++n;
   };
   // xs ← base + rms(v) (v: LP_K floats another block stored), ys ← rms(xs); block 0 stores xs at out
