@@ -84,8 +84,9 @@ class Dims:
 
 MODELS = {"gemma3-4b": Dims("gemma", 2560, 4096, 2048, 256, 8, 4, 10240, 34),
           "llama3-1b": Dims("llama", 2048, 3072, 2048, 64, 32, 8, 8192, 16)}
-THREADS, REG_THREADS, STAGE_BYTES = 256 + 32, 512, 40960   # a ring's kernels: 8 warps and the producer
-MAX_WARPS = 16
+MAX_WARPS = 16                             # layer_probe.cu LP_MAX_WARPS: sizes the partial sums
+THREADS, STAGE_BYTES = 256 + 32, 40960     # a ring's kernels: 8 consumer warps and the producer
+REG_THREADS = 32 * MAX_WARPS               # the register-fed kernels (lp_reg_*): 16 consumer warps
 COUNTERS = 5
 MODES = {"ahead": ("bulk_5", 0), "ahead-2": ("bulk_2", 0), "gated": ("bulk_5", 1),   # (kernel, LP_AHEAD ...)
          "stream": ("bulk_5", 2), "ahead-async": ("async_5", 0), "gated-async": ("async_5", 1),
@@ -243,8 +244,8 @@ def main(argv=None) -> int:
                          "rel_err": rel if mode in CHECKED else None, "finite": finite, "wait_gave_up": gave_up,
                          "ok": ok}
     for mode, r in results.items():      # against the stream of the same copy kind
-        kind = mode.rsplit("-", 1)[1] if mode.endswith(("-async", "-reg")) else None
-        floor = results[f"stream-{kind}" if kind else "stream"]["layer_us"]
+        fill = mode.rsplit("-", 1)[1] if mode.endswith(("-async", "-reg")) else None
+        floor = results[f"stream-{fill}" if fill else "stream"]["layer_us"]
         r["vs_stream"] = round(r["layer_us"] / floor, 4)
         err_txt = f"rel err {r['rel_err']:.2e}" if r["checked"] else "not checked"
         log(f"{mode:12s} {r['layer_us']:8.2f} us a layer ({r['weight_GBps']:.0f} GB/s of weights, "

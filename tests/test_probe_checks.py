@@ -137,8 +137,8 @@ def test_layer_probe_kernel_emulated(layer_probe_run, model, mode):
     """The persistent layer probe's kernel on the host at either model's shapes (llama3-1b: 32 query heads
     of 64 on 16 blocks, two a block), blocks waiting for each other's counters and consumers for the
     producer's ring stages (``-reg``: 16 warps loading their pieces of each chunk into registers, no ring;
-    two pieces in flight a lane): with its dependencies kept two layers match float64 (each from its own input),
-    every counter at its full count and no wait given up. Without them (stream) it still runs to the end;
+    two pieces in flight a lane): with its dependencies kept two layers match float64 (each from its own
+    input), every counter at its full count and no wait given up. Without them (stream) it still runs to the end;
     at gemma3-4b's shapes the emulator's round-robin schedule then has a consumer read an input before it is
     written (NaN), which the check catches (at llama3-1b's, that schedule happens to keep the order)."""
     lp, run = layer_probe_run
