@@ -81,8 +81,8 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     step where that is larger, and the persistent package's median error no more than 1.25× the default's
     (its ring GEMVs sum in another order, so bf16 activations round differently; on the H200 the two
     packages lay 0.6–1.1e-2 apart, 9e4a03a). Where their greedy tokens part, the default's
-    top two logits must lie closer than the packages' largest difference there (a near tie flipped by
-    rounding, not a wrong value). The tiny models' GPU variant case checks the same kernels at toy sizes; this
+    top two logits must lie within twice the packages' largest difference there (each logit moved at most
+    that much: a near tie flipped by rounding, not a wrong value). The tiny models' GPU variant case checks the same kernels at toy sizes; this
     one checks them at a real layer's grid, ring tiles and split-K."""
     import torch
 
@@ -137,4 +137,4 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     for g, w in zip(got, want):
         if int(np.argmax(g)) != int(np.argmax(w)):
             top2 = np.sort(w)[-2:]
-            assert top2[1] - top2[0] <= np.max(np.abs(g - w)), (top2, np.max(np.abs(g - w)))
+            assert top2[1] - top2[0] <= 2 * np.max(np.abs(g - w)), (top2, np.max(np.abs(g - w)))
