@@ -27,8 +27,9 @@ of the run its tails (table version 2), so the loader keeps every buffer the run
 and no two ops of the run share memory. The grid is :data:`~lum.builder.codegen.SMS` blocks, all resident
 (over 113 KB of shared memory a block: one an SM); a wait that never ends traps instead of hanging.
 
-Off unless ``$LUM_PERSISTENT`` is ``1`` (or ``async``: :func:`persistent_mode`): built, not yet measured on a
-GPU (benchmarks/NOTES.md).
+Off unless ``$LUM_PERSISTENT`` is ``1`` (or ``async``: :func:`persistent_mode`): correct on the H200 but 37%
+slower than the kernels it replaces, since its ring streams weights at only ≈ 2.1–3.3 TB/s (benchmarks/NOTES.md,
+2026-12-05).
 """
 
 from __future__ import annotations

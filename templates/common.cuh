@@ -453,8 +453,9 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
 // GEMV); every thread waits for a stage's phase (lum_ring_acquire); once the block is done with it
 // (lum_ring_release) thread 0 (warp 0) refills it with the tile `stages` ahead. So while the block waits
 // for another's results (a dependency between two ops of the kernel) its next tiles are already on their
-// way: the stream does not stop at the dependency, as it does at a kernel boundary. The ring's state and its stages are the kernel's dynamic
-// shared memory: LumRing at offset 0, stage s at LUM_RING_HEADER + s * stage_bytes.
+// way: the stream does not stop at the dependency, as it does at a kernel boundary. The ring's state and its
+// stages are the kernel's dynamic shared memory: LumRing at offset 0, stage s at LUM_RING_HEADER + s *
+// stage_bytes.
 // Host emulation (tests/cuda_emulation.py): a copy lands at once; an mbarrier is (arrivals left | phase
 // parity << 16, bytes pending) in its 8 bytes.
 #if defined(__CUDA_ARCH__) || defined(LUM_EMU_RESIDENT)   // the GPU, or the emulator's resident runs
