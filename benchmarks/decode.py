@@ -84,8 +84,11 @@ What it does, in one run on one GPU:
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
      llama3-1b, even on gemma3-4b), ``lum-persistent`` with ``LUM_PERSISTENT=1`` (each decoder layer one persistent
      launch whose GEMVs stream their weights through a shared-memory ring across the layer's dependencies,
-     builder/persistent.py; not yet measured), ``lum-persistent-async`` the same with ``LUM_PERSISTENT=async`` (the
-     ring filled by warp 0's 16-byte cp.async copies rather than bulk copies),
+     builder/persistent.py; measured 37% slower), ``lum-persistent-async`` the same with ``LUM_PERSISTENT=async``
+     (the ring filled by warp 0's 16-byte cp.async copies rather than bulk copies), ``lum-persistent-reg`` with
+     ``LUM_PERSISTENT=reg`` (no ring: each GEMV item loads its weights into registers, its first vectors across
+     its wait; as many blocks an SM as its registers allow; ``lum-persistent-reg2``: two,
+     ``LUM_PERSISTENT_BLOCKS=2``),
      ``lum-narrow-a`` with
      ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
@@ -175,6 +178,8 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-combine-late": {"LUM_COMBINE_TRIGGER_LATE": "1"},
                  "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                  "lum-persistent": {"LUM_PERSISTENT": "1"}, "lum-persistent-async": {"LUM_PERSISTENT": "async"},
+                 "lum-persistent-reg": {"LUM_PERSISTENT": "reg"},
+                 "lum-persistent-reg2": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},

@@ -1157,7 +1157,8 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     common, per = split_gemv_tuning(tuning)
     rank = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     after_small, after_gemv = int(gemv_preload_after_small()), gemv_preload_after_gemv()
-    prologue_n, shared = gemv_preload_prologue(), gemv_preload_shared()
+    prologue_n = gemv_preload_prologue()
+    shared = None if common.get("preload_shared") is False else gemv_preload_shared()   # False: in registers
     in_registers: dict[int, dict[str, Any]] = {}     # rank -> its tuning with the preload in registers instead
     if (after_small or after_gemv or prologue_n or shared) and "preload" not in common:
         small = gemv_after_small(program)

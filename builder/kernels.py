@@ -122,18 +122,20 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
 
 
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
+_ITEM_PDL_WAIT = re.compile(r"lum_run_item_waiting\([^;]*, lum_vb == blockIdx\.x\);")   # persistent.py, reg
 
 
 def _waits(ks: KernelSource) -> bool:
     """Every kernel entry of ``ks`` waits for its predecessor on the device (codegen's preamble, or gemv.cu's
     own wait after its preload), so the loader may launch it with programmatic stream serialization. An
     entry whose first statement calls a device function of the body that waits counts too: a kernel with
-    tails (templates/tail.cu), whose head body waits before any global access."""
+    tails (templates/tail.cu), whose head body waits before any global access, and a register-fed persistent
+    kernel whose first item waits inside its body, every block without a block of that item before it."""
     parts = ks.body.split('extern "C" __global__')
     entries, before = parts[1:], parts[0]
 
     def waits(entry: str) -> bool:
-        if "lum_pdl_wait();" in entry:
+        if "lum_pdl_wait();" in entry or ("(lum_pdl_wait)();" in entry and _ITEM_PDL_WAIT.search(entry)):
             return True
         m = _FIRST_CALL.search(entry)
         if m is None:
@@ -161,18 +163,30 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
     the group at the persistent kernels' block size and its runs of kernels as persistent kernels
     (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
-    from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGES, fuse_persistent, persistent_mode
+    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, REG_PRELOAD, RING_STAGES, fuse_persistent,
+                                       persistent_blocks, persistent_mode)
 
     mode = persistent_mode()
     if mode:                    # the group at the persistent kernel's block size, its runs as persistent kernels
-        wide = _fused_kernels(program, dyn_vars, max_dyn, {**(tuning or {}), "threads": PERSISTENT_THREADS}, arch,
-                              cache_dir, weights)
-        for stages in range(RING_STAGES, 1, -1):    # a ring that fits beside the items' static shared memory
-            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages, mode)
+        wide_tuning = {**(tuning or {}), "threads": PERSISTENT_THREADS}
+        if mode == "reg":       # every GEMV's first vectors into registers before its wait, none in shared memory
+            wide_tuning = {"preload": REG_PRELOAD, **wide_tuning, "preload_shared": False}
+        if mode != "reg":
+            wide = _fused_kernels(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights)
+        # ring: the deepest ring that fits beside the items' static shared memory; reg: the most blocks an SM
+        # that fit and spill at most REG_MAX_SPILL bytes a thread (any, where one count is asked for)
+        tries = persistent_blocks()
+        shapes = [(0, b) for b in tries] if mode == "reg" else [(s, 1) for s in range(RING_STAGES, 1, -1)]
+        for stages, blocks in shapes:
+            if mode == "reg":
+                wide = _balanced_items(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights,
+                                       SMS * blocks)
+            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages, mode, blocks)
             kernels = [ks for ks in fused.values() if ks is not None and ks.tuning.get("persistent")]
             if not kernels:
                 break
-            if _shared_fits(kernels, arch, cache_dir):
+            spill = REG_MAX_SPILL if mode == "reg" and blocks > 1 and len(tries) > 1 else None
+            if _shared_fits(kernels, arch, cache_dir, blocks, spill):
                 return {i: ks for i, ks in fused.items() if ks is not None}
         else:
             warnings.warn("lum: no persistent kernel of this group fits its shared memory; it keeps its kernels",
@@ -181,35 +195,40 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     return {i: ks for i, ks in gen.items() if ks is not None}
 
 
-def _shared_fits(kernels: list[KernelSource], arch: str, cache_dir: Any) -> bool:
+def _shared_fits(kernels: list[KernelSource], arch: str, cache_dir: Any, blocks: int = 1,
+                 max_spill: int | None = None) -> bool:
     """Whether each kernel's static shared memory (``ptxas -v``) and its dynamic shared memory fit an SM's
-    :data:`~lum.format.manifest.MAX_SHARED_MEM`; True without NVRTC (nothing is compiled then)."""
+    :data:`~lum.format.manifest.MAX_SHARED_MEM`, and more than one block an SM: whether ``blocks`` of them
+    are resident at once (:func:`resident_blocks`); with ``max_spill``, that none spills more bytes a thread.
+    True without NVRTC (nothing is compiled then)."""
     from lum.builder import nvrtc
 
     log = _ptxas_log(kernels, arch, cache_dir)
     if log is None:
         return True
-    static = nvrtc.ptxas_shared(log)
-    return all(static.get(ks.name, 0) + ks.shared_mem <= MAX_SHARED_MEM for ks in kernels)
+    if max_spill is not None and any(v > max_spill for v in nvrtc.ptxas_spills(log).values()):
+        return False
+    static, regs = nvrtc.ptxas_shared(log), nvrtc.ptxas_registers(log)
+    return all(static.get(ks.name, 0) + ks.shared_mem <= MAX_SHARED_MEM and (
+        blocks == 1 or resident_blocks(ks.launches[0].block[0], regs.get(ks.name, 255),
+                                       static.get(ks.name, 0) + ks.shared_mem) >= blocks) for ks in kernels)
 
 
 def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-                   tuning: Mapping[str, Any] | None, arch: str, cache_dir: Any, weights: frozenset[int]
-                   ) -> dict[int, KernelSource | None]:
-    """:func:`group_kernel_sources` before persistent kernels."""
+                   tuning: Mapping[str, Any] | None, arch: str, cache_dir: Any, weights: frozenset[int],
+                   items: bool = False) -> dict[int, KernelSource | None]:
+    """:func:`group_kernel_sources` before persistent kernels; ``items``: as a register-fed persistent kernel's
+    items, whose loads ahead and grids its launch bounds and grid-stride walk decide, not one launch's."""
     from lum.builder.attention_combine import attention_combine_mode, fuse_attention_combines
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
     from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
-    tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
-                                              weights)
-    capped, capped_gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
-    if any(ks is not None and ks.tuning.get("preload_shared") and not capped_gen[i].tuning.get("preload_shared")
-           for i, ks in gen.items()):   # capped, a prologue GEMV walks tiles: its preload went to registers,
-        tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, capped, arch, cache_dir, weights)
-    else:                               # which must not spill either (codegen._prologue_walks_tiles)
-        tuning, gen = capped, capped_gen
+    if items:           # a register-fed persistent kernel's items: its own launch bounds hold the registers
+        tuning = dict(tuning or {})
+        gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
+    else:
+        tuning, gen = _kernels_in_registers(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     combine = attention_combine_mode()
     if combine == "counted" or (combine == "cluster" and sm_version(arch) >= 90):
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
@@ -222,6 +241,46 @@ def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[s
         gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
                          registers=lambda heads: _registers(heads, arch, cache_dir))
     return gen
+
+
+def _balanced_items(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
+                    tuning: Mapping[str, Any], arch: str, cache_dir: Any, weights: frozenset[int], launch: int
+                    ) -> dict[int, KernelSource | None]:
+    """A register-fed persistent kernel's items (:func:`_fused_kernels` with ``items``), each GEMV's threads a
+    column (``group``) doubled, up to its block, while its tiles would load the launch's ``launch`` blocks
+    unevenly (:func:`~lum.builder.codegen.blocks_unbalanced`): an item's blocks walk the launch grid-stride, so
+    gemma3-4b's down (640 tiles at 64 threads a column) would give 112 of 528 blocks a second tile, and the
+    item would last two tiles; at 256 threads a column it is 2,560 tiles, under five a block."""
+    tuning = dict(tuning)
+    gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights, items=True)
+    for _ in range(4):         # each round doubles some group; a block's threads bound it
+        more = {}
+        for rank, op in enumerate(gemv_kernel_ops(program)):
+            ks = gen.get(op.id)
+            group = ks.tuning.get("group") if ks is not None else None
+            if (group and ks.grid[0].is_const and 2 * group <= ks.block[0]
+                    and blocks_unbalanced(ks.grid[0].value, launch)):
+                more[f"gemv{rank}.group"] = 2 * group
+        if not more:
+            break
+        tuning.update(more)
+        gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights, items=True)
+    return gen
+
+
+def _kernels_in_registers(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
+                          tuning: Mapping[str, Any] | None, arch: str, cache_dir: Any, weights: frozenset[int]
+                          ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
+    """(``tuning``, the program's kernels): :func:`_loads_ahead_without_spills`, then
+    :func:`_grids_in_one_wave`, whose capped prologue GEMVs may walk tiles with their preload in registers,
+    which must not spill either (codegen._prologue_walks_tiles)."""
+    tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
+                                              weights)
+    capped, capped_gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
+    if any(ks is not None and ks.tuning.get("preload_shared") and not capped_gen[i].tuning.get("preload_shared")
+           for i, ks in gen.items()):
+        return _loads_ahead_without_spills(program, dyn_vars, max_dyn, capped, arch, cache_dir, weights)
+    return capped, capped_gen
 
 
 def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,

@@ -1,5 +1,6 @@
 """Persistent kernels: a run of a group's kernels (a decoder layer) as one launch whose GEMVs stream their
-weights through a ring of shared-memory stages across the dependencies between the run's ops.
+weights through a ring of shared-memory stages across the dependencies between the run's ops (or, ``reg``,
+load them into registers, each GEMV's first across the wait before it).
 
 A decode layer's bus idles along its chain of dependent kernels: from down's end to gate-up's start the
 H200 moved 31.5 MB in ≈ 19 µs where it could move ≈ 80 MB (benchmarks/NOTES.md, the block stamps), because
@@ -27,14 +28,26 @@ of the run its tails (table version 2), so the loader keeps every buffer the run
 and no two ops of the run share memory. The grid is :data:`~lum.builder.codegen.SMS` blocks, all resident
 (over 113 KB of shared memory a block: one an SM); a wait that never ends traps instead of hanging.
 
-Off unless ``$LUM_PERSISTENT`` is ``1`` (or ``async``: :func:`persistent_mode`): correct on the H200 but 37%
-slower than the kernels it replaces, since its ring streams weights at only ≈ 2.1–3.3 TB/s (benchmarks/NOTES.md,
-2026-12-05).
+Register-fed (``reg``): no ring. Every kernel of the run is an item of the second kind, the GEMVs too, as
+lum's own register GEMVs (each lane's first :data:`REG_PRELOAD` weight vectors loaded before its wait, none
+in shared memory), and the launch is :data:`~lum.builder.codegen.SMS` × ``blocks`` blocks of
+:data:`PERSISTENT_THREADS` threads, ``blocks`` (:func:`persistent_blocks`) as many an SM as the registers
+allow spilling at most :data:`REG_MAX_SPILL` bytes a thread (4 on gemma3-4b and llama3-1b, 64 registers),
+so that as many threads an SM keep weight loads in flight as lum's GEMV kernels do. Each item waits inside
+its body where its kernel waited for the one before (common.cuh lum_item_wait), so its preload crosses the
+wait, as it crosses a kernel boundary; the run's first item waits there for the previous launch. Why: the
+layer probe's waits cost a persistent layer 4.3–7.5% where kernel boundaries cost lum ≈ 28%, and the ring
+lost only because one block an SM could not stream through shared memory (benchmarks/NOTES.md, 2026-12-05).
+
+Off unless ``$LUM_PERSISTENT`` is ``1``, ``async`` or ``reg`` (:func:`persistent_mode`). The ring is correct
+on the H200 but 37% slower than the kernels it replaces, since it streams weights at only ≈ 2.1–3.3 TB/s
+(benchmarks/NOTES.md, 2026-12-05); ``reg`` is not yet measured on a GPU.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -44,7 +57,8 @@ from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param,
 from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.llir import LOp, Program
 
-__all__ = ["ENV_PERSISTENT", "PERSISTENT_MODES", "PERSISTENT_THREADS", "RING_STAGES", "RING_STAGE_BYTES",
+__all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "PERSISTENT_MODES", "PERSISTENT_THREADS", "REG_BLOCKS",
+           "REG_MAX_SPILL", "REG_PRELOAD", "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks",
            "persistent_mode", "fuse_persistent"]
 
 ENV_PERSISTENT = "LUM_PERSISTENT"
@@ -56,16 +70,34 @@ RING_HEADER = 1024                    # common.cuh LUM_RING_HEADER
 RING_MAX_ITEMS = 16                   # common.cuh LUM_RING_MAX_ITEMS
 _ENTRY = "lum_persistent_entry"
 _PDL = re.compile(r"\blum_pdl_(?:wait|trigger)\(\)")
+_PDL_WAIT = re.compile(r"\blum_pdl_wait\(\)")
 
 
-PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async"}
+PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async", "reg": "reg"}
+REG_BLOCKS = (4, 3, 2, 1)             # `reg`: blocks an SM to try, the most whose registers spill at most ...
+REG_MAX_SPILL = 32                    # ... these bytes a thread (gemma3-4b's attention item at 64 registers: 24)
+REG_PRELOAD = 1                       # `reg`: vectors a GEMV lane loads into registers before its item's wait
+ENV_PERSISTENT_BLOCKS = "LUM_PERSISTENT_BLOCKS"
 
 
 def persistent_mode() -> str | None:
     """``$LUM_PERSISTENT``: ``1`` runs each decoder layer's run of kernels as one persistent launch whose ring
     thread 0 fills with bulk copies (``bulk``), ``async`` the same filled by warp 0's 16-byte cp.async copies
-    (the layer probe's ``-async`` modes), ``0`` (the default) keeps them kernels of their own (None)."""
+    (the layer probe's ``-async`` modes), ``reg`` with no ring, each GEMV loading its weights into registers
+    by its own code across the wait before it (the layer probe's ``-reg`` modes), ``0`` (the default) keeps
+    them kernels of their own (None)."""
     return _env_choice(ENV_PERSISTENT, PERSISTENT_MODES, "0")
+
+
+def persistent_blocks() -> tuple[int, ...]:
+    """``$LUM_PERSISTENT_BLOCKS`` (1–8: `reg` kernels of that many blocks an SM, whatever they spill), else
+    :data:`REG_BLOCKS`, of which the build takes the first that spills at most :data:`REG_MAX_SPILL`."""
+    raw = os.environ.get(ENV_PERSISTENT_BLOCKS)
+    if raw is None:
+        return REG_BLOCKS
+    if raw not in [str(b) for b in range(1, 9)]:
+        raise ValueError(f"${ENV_PERSISTENT_BLOCKS} must be a block count from 1 to 8, got {raw!r}")
+    return (int(raw),)
 
 
 @dataclass(frozen=True)
@@ -73,14 +105,17 @@ class _Item:
     op: LOp
     ks: KernelSource
     ring: bool                        # a GEMV of the ring: one call a block, the launch's grid
+    waits: bool = False               # its body waits where its kernel did (lum_pdl_wait): `reg` mode
 
 
 def _member(op: LOp, ks: KernelSource | None, program: Program, dyn_vars: Sequence[str],
-            max_dyn: Mapping[str, int] | None, tuning: Mapping[str, Any], weights: frozenset[int]) -> _Item | None:
-    """Op ``op`` as an item of a persistent kernel (its kernel ``ks`` at PERSISTENT_THREADS), or None."""
+            max_dyn: Mapping[str, int] | None, tuning: Mapping[str, Any], weights: frozenset[int],
+            mode: str = "bulk") -> _Item | None:
+    """Op ``op`` as an item of a persistent kernel (its kernel ``ks`` at PERSISTENT_THREADS) in ``mode``, or
+    None."""
     if ks is None or len(ks.launches) != 1:
         return None
-    if op.kind == "gemm" and not ks.tails:
+    if mode != "reg" and op.kind == "gemm" and not ks.tails:
         jb = gemm_parts(op)[0]
         dtb = program.ops[op.args[jb].src].dtype
         if op.args[jb].src in weights:
@@ -99,16 +134,16 @@ def _member(op: LOp, ks: KernelSource | None, program: Program, dyn_vars: Sequen
     if lc.block != (PERSISTENT_THREADS, 1, 1) or lc.cluster > 1 or lc.shared_mem or any(
             str(g) != "1" for g in lc.grid[1:]):
         return None
-    return _Item(op, ks, False)
+    return _Item(op, ks, False, mode == "reg" and len(_PDL_WAIT.findall(ks.body)) == 1)
 
 
 def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
                     max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
-                    weights: frozenset[int] = frozenset(), stages: int = RING_STAGES, mode: str = "bulk"
-                    ) -> dict[int, KernelSource | None]:
+                    weights: frozenset[int] = frozenset(), stages: int = RING_STAGES, mode: str = "bulk",
+                    blocks: int = 1) -> dict[int, KernelSource | None]:
     """``sources`` (op id -> kernel, generated at PERSISTENT_THREADS) with each run (module docstring) as one
-    persistent kernel of a ring of ``stages`` stages filled in ``mode`` (:func:`persistent_mode`), named by its
-    first op, the others its tails."""
+    persistent kernel of a ring of ``stages`` stages filled in ``mode`` (:func:`persistent_mode`), or in
+    ``reg`` mode of ``blocks`` blocks an SM and no ring, named by its first op, the others its tails."""
     common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k not in ("threads", "max_dyn")}
     covered = {t for ks in sources.values() if ks is not None for t in ks.tails}
     out: dict[int, KernelSource | None] = dict(sources)
@@ -117,7 +152,7 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
     for op in program.ops:
         if op.kind in _NO_WORK or op.id in covered:
             continue
-        item = _member(op, sources.get(op.id), program, dyn_vars, max_dyn, common, weights)
+        item = _member(op, sources.get(op.id), program, dyn_vars, max_dyn, common, weights, mode)
         if item is None:
             runs.append(run)
             run = []
@@ -127,9 +162,9 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
     for run in runs:
         while run and sum(i.ring for i in run) > RING_MAX_ITEMS:
             run = run[:-1]
-        if len(run) < 2 or not any(i.ring for i in run):
+        if len(run) < 2 or not any(i.ring or (mode == "reg" and i.op.kind == "gemm") for i in run):
             continue
-        ks = persistent_kernel(program, run, dyn_vars, max_dyn, stages, mode)
+        ks = persistent_kernel(program, run, dyn_vars, max_dyn, stages, mode, blocks)
         out[run[0].op.id] = ks
         for item in run[1:]:
             out.pop(item.op.id, None)
@@ -138,10 +173,12 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
 
 def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequence[str],
                       max_dyn: Mapping[str, int] | None = None, stages: int = RING_STAGES,
-                      mode: str = "bulk") -> KernelSource:
-    """One kernel running ``items`` in order (templates/persistent.cu). Parameters: the first item's op's
-    (``out, in0…, dyn``), then per other op of the run (an item's own op, then the ops its kernel runs as tails)
-    ``t<j>_out, t<j>_in0…``."""
+                      mode: str = "bulk", blocks: int = 1) -> KernelSource:
+    """One kernel running ``items`` in order (templates/persistent.cu), ``blocks`` blocks an SM (``reg``: no
+    ring, so ``stages`` is ignored). Parameters: the first item's op's (``out, in0…, dyn``), then per other op
+    of the run (an item's own op, then the ops its kernel runs as tails) ``t<j>_out, t<j>_in0…``."""
+    reg = mode == "reg"
+    stages = 0 if reg else stages
     head = items[0]
     ops = [op_id for it in items for op_id in (it.op.id, *it.ks.tails)]
     index = {op_id: j - 1 for j, op_id in enumerate(ops)}      # -1: the head op
@@ -156,19 +193,21 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
     def pname(op_id: int, name: str) -> str:
         return name if index[op_id] < 0 else f"t{index[op_id]}_{name}"
 
+    def own(it: _Item, name: str) -> str:       # a parameter of item ``it``'s kernel, as the run names it
+        m = re.fullmatch(r"t(\d+)_(\w+)", name)
+        return pname(it.ks.tails[int(m.group(1))], m.group(2)) if m else pname(it.op.id, name)
+
     for n, it in enumerate(items):
         ks = it.ks
         fn = f"{_ENTRY}_{ks.name}"
         if fn not in funcs:
-            funcs[fn] = _item_function(ks, fn)
+            funcs[fn] = _item_function(ks, fn, it.waits)
         names = []
         for p in ks.params:
             if p.role == "dyn":
                 names.append("dyn")
                 continue
-            m = re.fullmatch(r"t(\d+)_(\w+)", p.name)
-            owner, own = (ks.tails[int(m.group(1))], m.group(2)) if m else (it.op.id, p.name)
-            name = pname(owner, own)
+            name = own(it, p.name)
             if not any(q.name == name for q in params):
                 params.append(_renamed(p, name))
             names.append(name)
@@ -176,8 +215,26 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
         args = ", ".join(names)
         lines = [f"  // item {n}: op {it.op.id} ({it.op.kind}{', ring' if it.ring else ''})",
                  f"  LUM_STAMP_ITEM({n}, 0);"]
+        wait = f"&{_ENTRY}_done[{n - 1}]" if n else None
+        if it.waits:       # reg: the body waits itself (the first item for the previous launch), once a block
+            early += [own(it, e) for e in ks.early if own(it, e) not in early]
+            grid = ctx.c(ks.grid[0])
+            waiting = f"lum_vb == blockIdx.x ? {wait} : nullptr" if wait else "nullptr"
+            lines += [f"  LUM_STAMP_ITEM({n}, 1);  // reg: the call, not the wait's return",
+                      f"  {{ const unsigned lum_g = (unsigned)({grid});",
+                      "    for (unsigned lum_vb = blockIdx.x; lum_vb < lum_g; lum_vb += gridDim.x) {",
+                      f"      lum_run_item_waiting(lum_vb, lum_g, {waiting}, gridDim.x, "
+                      f"{'lum_vb == blockIdx.x' if not n else '0u'});",
+                      f"      {fn}({args});", "      __syncthreads();", "    }"]
+            lines += ["    if (blockIdx.x >= lum_g) (lum_pdl_wait)();   // no block of it here: wait all the same",
+                      "  }"] if not n else ["  }"]
+            lines += [f"  LUM_STAMP_ITEM({n}, 2);", f"  lum_count_block(&{_ENTRY}_done[{n}]);"]
+            body += lines
+            continue
         if n:
-            lines.append(f"  lum_wait_count(&{_ENTRY}_done[{n - 1}], gridDim.x);")
+            lines.append(f"  lum_wait_count({wait}, gridDim.x);")
+        elif reg:
+            lines.append("  lum_pdl_wait();")
         lines.append(f"  LUM_STAMP_ITEM({n}, 1);")
         if it.ring:
             lines += ["  lum_run_item(blockIdx.x, gridDim.x);", f"  {fn}({args});"]
@@ -196,7 +253,8 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
     dyn_loads, used = ctx.dyn_loads(wait=False, trigger="template")
     slots.update(used)
     src = render(load_template("persistent.cu"), {
-        "KERNEL": _ENTRY, "THREADS": PERSISTENT_THREADS, "PARAMS": ", ".join(p.ctype for p in ordered),
+        "KERNEL": _ENTRY, "THREADS": PERSISTENT_THREADS, "MIN_BLOCKS": blocks,
+        "WAIT": "" if reg else "  lum_pdl_wait();", "PARAMS": ", ".join(p.ctype for p in ordered),
         "FUNCTIONS": "\n".join(funcs.values()), "DYN_LOADS": dyn_loads, "RING_ITEMS": "\n".join(ring_lines),
         "N_RING": len(ring_lines), "STAGES": stages, "ASYNC": int(mode == "async"), "STAGE_BYTES": RING_STAGE_BYTES,
         "ITEMS": len(items), "BODY": "\n".join(body)})
@@ -205,24 +263,28 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
     src = src.replace(_ENTRY, name)
     smem = RING_HEADER + stages * RING_STAGE_BYTES
     return KernelSource(name=name, kind=head.op.kind, op=head.op.op, source=common_header() + "\n" + src, body=src,
-                        launches=(Launch(name, (SMS, 1, 1), (PERSISTENT_THREADS, 1, 1), smem),),
+                        launches=(Launch(name, (SMS * blocks, 1, 1), (PERSISTENT_THREADS, 1, 1), smem),),
                         params=tuple(ordered), dyn_vars=tuple(dyn_vars),
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                         tuning={"persistent": [{"op": it.op.id, **it.ks.tuning} for it in items],
-                                "ring": {"stages": stages, "stage_bytes": RING_STAGE_BYTES, "fill": mode}},
+                                "ring": {"stages": stages, "stage_bytes": 0 if reg else RING_STAGE_BYTES,
+                                         "fill": mode}, "blocks_per_sm": blocks},
                         tails=tuple(ops[1:]), early=tuple(early))
 
 
-def _item_function(ks: KernelSource, name: str) -> str:
+def _item_function(ks: KernelSource, name: str, waits: bool = False) -> str:
     """Kernel ``ks``'s body as ``__device__`` function ``name`` of its parameters, blockIdx and gridDim the
     item's (common.cuh lum_virtual_block, set by lum_run_item) in its text and in every function the body
     defines; no pointer ``__restrict__`` (another block of the launch wrote what it reads), no programmatic
-    launch wait or trigger (the item counters order it)."""
+    launch trigger, and its wait the item's (``waits``: common.cuh lum_item_wait, where the kernel waited)
+    or none (the item counters order it before the call)."""
     found = _ENTRY_RE.findall(ks.body)
     if found != [ks.launches[0].kernel]:
         raise CodegenError(f"kernel {ks.name}: an item needs a body of exactly one kernel, found {found}")
     body = _ENTRY_RE.sub(f"__device__ __noinline__ void {ks.name}(", ks.body, count=1).replace("__restrict__ ", "")
     body = body.replace(ks.name, name)      # the functions and globals the body defines: named after the item
+    if waits:
+        body = _PDL_WAIT.sub("lum_item_wait()", body)
     body = _PDL.sub("((void)0)", body)
     return ("#define blockIdx lum_virtual_block()\n#define gridDim lum_virtual_grid()\n"
             f"{body.rstrip()}\n#undef blockIdx\n#undef gridDim\n")

@@ -472,6 +472,8 @@ struct LumRing {
   unsigned long long bars[LUM_RING_MAX_STAGES];
   unsigned stage_bytes, stages, used, issued, item, tile, n_items;
   unsigned vb, vg;               // the block index and grid an item's body sees (lum_virtual_block)
+  const unsigned* wait_c;        // register-fed items: the counter the body's wait polls (lum_item_wait) ...
+  unsigned wait_n, wait_pdl;     // ... until it holds wait_n; wait_pdl: the wait for the previous launch instead
   unsigned async;                // 1: warp 0's lanes copy 16 bytes each (cp.async), 0: thread 0 a bulk copy
   LumRingGemv items[LUM_RING_MAX_ITEMS];
 };
@@ -556,6 +558,26 @@ LUM_D void lum_run_item(unsigned vb, unsigned vg) {
     lum_ring()->vg = vg;
   }
   __syncthreads();
+}
+// A register-fed item (builder/persistent.py `reg`) waits inside its body, where its kernel waited for the one
+// before (lum_pdl_wait, which the item's text calls lum_item_wait): its preload into registers is then on its
+// way across the wait, as it is across a kernel boundary. Block vb of a grid of vg, waiting for counter c to
+// hold n (c null: no wait, the block waited already), or, pdl, for the previous launch (the run's first item).
+LUM_D void lum_run_item_waiting(unsigned vb, unsigned vg, const unsigned* c, unsigned n, unsigned pdl) {
+  if (threadIdx.x == 0) {
+    LumRing* r = lum_ring();
+    r->vb = vb;
+    r->vg = vg;
+    r->wait_c = c;
+    r->wait_n = n;
+    r->wait_pdl = pdl;
+  }
+  __syncthreads();
+}
+LUM_D void lum_item_wait() {
+  const LumRing* r = lum_ring();
+  if (r->wait_pdl) (lum_pdl_wait)();                 // parenthesized: the function, not the stamps' macro
+  else if (r->wait_c) lum_wait_count(r->wait_c, r->wait_n);
 }
 LUM_D unsigned char* lum_ring_stage(LumRing* r, unsigned s) {
   return reinterpret_cast<unsigned char*>(r) + LUM_RING_HEADER + (unsigned long long)s * r->stage_bytes;

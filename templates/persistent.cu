@@ -21,14 +21,21 @@
 //! every earlier item. The block that counts last at the end, when every block is past every wait, zeroes the
 //! counters for the next launch (the next layer's, which waits for this grid to complete first).
 //!
-//! Placeholders: KERNEL THREADS PARAMS; FUNCTIONS (the items' bodies as device functions); DYN_LOADS (the
-//!   dyn vars the grids use); RING_ITEMS (thread 0 filling lum_ring()->items) N_RING STAGES STAGE_BYTES ASYNC
-//!   (1: warp 0 copies the tiles in 16-byte cp.async, 0: thread 0 in bulk copies);
-//!   ITEMS (their count); BODY (each item: its wait, its calls, its count).
+//! Register-fed (`reg`): no ring (N_RING and STAGES 0): each GEMV item is its kernel's body run grid-stride like
+//! any other item, its weights loaded into registers by its own code, and the launch is MIN_BLOCKS blocks an SM.
+//! Each item's first virtual block waits inside its body, where its kernel waited for the one before
+//! (common.cuh lum_item_wait), so that its preload is on its way across the wait; the run's first item waits
+//! there for the previous launch (WAIT empty). A block with no virtual block of an item does not wait for it.
+//!
+//! Placeholders: KERNEL THREADS MIN_BLOCKS (blocks an SM the registers must allow) PARAMS; WAIT (the wait for
+//!   the previous launch before the items, empty where the first item waits itself); FUNCTIONS (the items'
+//!   bodies as device functions); DYN_LOADS (the dyn vars the grids use); RING_ITEMS (thread 0 filling
+//!   lum_ring()->items) N_RING STAGES STAGE_BYTES ASYNC (1: warp 0 copies the tiles in 16-byte cp.async, 0:
+//!   thread 0 in bulk copies); ITEMS (their count); BODY (each item: its wait, its calls, its count).
 {{FUNCTIONS}}
 __device__ unsigned int {{KERNEL}}_done[{{ITEMS}} + 1];   // blocks that finished item i; the last: every item
 
-extern "C" __global__ void __launch_bounds__({{THREADS}}, 1) {{KERNEL}}({{PARAMS}}) {
+extern "C" __global__ void __launch_bounds__({{THREADS}}, {{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef long long idx_t;
   lum_pdl_trigger();          // the next layer's blocks take each SM as this launch's block leaves it
   if (threadIdx.x < ({{ASYNC}} ? 32u : 1u)) {   // the weights' first tiles on their way before the wait
@@ -40,7 +47,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}, 1) {{KERNEL}}({{PARAMS
   }
   __syncthreads();
 {{DYN_LOADS}}
-  lum_pdl_wait();
+{{WAIT}}
 {{BODY}}
   __syncthreads();
   if (threadIdx.x == 0 && lum_count_done(&{{KERNEL}}_done[{{ITEMS}}]) == gridDim.x - 1u) {

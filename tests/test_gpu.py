@@ -416,7 +416,9 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                                                     lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger")),
                   "persistent": ({"LUM_PERSISTENT": "1"}, None, lambda op: op.tuning.get("persistent")),
                   "persistent-async": ({"LUM_PERSISTENT": "async"}, None,
-                                       lambda op: op.tuning.get("ring", {}).get("fill") == "async")}
+                                       lambda op: op.tuning.get("ring", {}).get("fill") == "async"),
+                  "persistent-reg": ({"LUM_PERSISTENT": "reg"}, None,
+                                     lambda op: op.tuning.get("ring", {}).get("fill") == "reg")}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -434,7 +436,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     its wait (``LUM_COMBINE_TRIGGER_LATE=1``; both off by default), or the attention letting it launch after its
     stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
     persistent launch whose GEMVs read their weights from a shared-memory ring (``LUM_PERSISTENT=1``, filled by
-    bulk copies; ``async``: by 16-byte cp.async copies; builder/persistent.py; its blocks wait for each other, so
+    bulk copies; ``async``: by 16-byte cp.async copies; ``reg``: no ring, its GEMVs' weights in registers, several
+    blocks an SM, each item waiting inside its body; builder/persistent.py; its blocks wait for each other, so
     this is where their memory order and the copies are checked);
     none changes a value. Decode
     logits of the fused package as the

@@ -73,17 +73,19 @@ def test_real_model_matches_transformers(name, dtype, tol, steps, tmp_path, cuda
             assert tokens == ref_tokens, f"{name} {dtype}: lum {tokens} vs transformers {ref_tokens}"
 
 
-def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_device, monkeypatch):
-    """llama3-1b bf16 built with persistent decode layers (``LUM_PERSISTENT=1``, builder/persistent.py) and the
-    default package, both teacher-forced on the default's greedy tokens, against transformers' f32 computation
-    on the same weights over the same tokens: every decode step's logits of either package within 2e-2 of it
-    (the bf16 bound of test_real_model_matches_transformers) or within transformers' own bf16 error at that
-    step where that is larger, and the persistent package's median error no more than 1.25× the default's
-    (its ring GEMVs sum in another order, so bf16 activations round differently; on the H200 the two
-    packages lay 0.6–1.1e-2 apart, 9e4a03a). Where their greedy tokens part, the default's
-    top two logits must lie within twice the packages' largest difference there (each logit moved at most
-    that much: a near tie flipped by rounding, not a wrong value). The tiny models' GPU variant case checks the same kernels at toy sizes; this
-    one checks them at a real layer's grid, ring tiles and split-K."""
+@pytest.mark.parametrize("mode", ["1", "reg"])
+def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_device, monkeypatch, mode):
+    """llama3-1b bf16 built with persistent decode layers (``LUM_PERSISTENT=1``, builder/persistent.py; ``reg``:
+    register-fed, four blocks an SM) and the default package, both teacher-forced on the default's greedy
+    tokens, against transformers' f32 computation on the same weights over the same tokens: every decode
+    step's logits of either package within 2e-2 of it (the bf16 bound of test_real_model_matches_transformers)
+    or within transformers' own bf16 error at that step where that is larger, and the persistent package's
+    median error no more than 1.25× the default's (its GEMVs may sum in another order, so bf16 activations
+    round differently; on the H200 the ring's and the default's logits lay 0.6–1.1e-2 apart, 9e4a03a). Where
+    their greedy tokens part, the default's top two logits must lie within twice the packages' largest
+    difference there (each logit moved at most that much: a near tie flipped by rounding, not a wrong value).
+    The tiny models' GPU variant case checks the same kernels at toy sizes; this one checks them at a real
+    layer's grid, ring tiles or blocks an SM, and split-K."""
     import torch
 
     import lum.loader
@@ -95,7 +97,7 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     model = save_hf_model("llama3-1b", tmp_path / "hf", dtype=torch.bfloat16, device="cuda", scale=1.0)
     spec = lambda: load_spec(src=str(tmp_path / "hf"), dtype="bf16", max_seq=96)   # noqa: E731
     default = build_package(spec(), tmp_path / "default.lumpkg")
-    monkeypatch.setenv("LUM_PERSISTENT", "1")
+    monkeypatch.setenv("LUM_PERSISTENT", mode)
     persistent = build_package(spec(), tmp_path / "persistent.lumpkg")
     pkg = lum.loader.open(persistent)
     assert any(op.tuning.get("persistent") for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
@@ -128,7 +130,7 @@ def test_persistent_layers_decode_as_the_default_on_a_real_model(tmp_path, cuda_
     err_persistent = [_rel(g, e) for g, e in zip(got, exact)]
     bound = [max(2e-2, _rel(h, e)) for h, e in zip(hf_bf16, exact)]   # or transformers' own bf16 error there
     apart = [_rel(g, w) for g, w in zip(got, want)]
-    print(f"llama3-1b bf16 decode logits vs f32 over {steps} steps: default max {max(err_default):.2e} median "
+    print(f"llama3-1b bf16 decode logits vs f32 over {steps} steps ({mode}): default max {max(err_default):.2e} median "
           f"{np.median(err_default):.2e}; persistent max {max(err_persistent):.2e} median "
           f"{np.median(err_persistent):.2e}; transformers bf16 median {np.median(bound):.2e}; the two apart max "
           f"{max(apart):.2e}")

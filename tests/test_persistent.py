@@ -1,6 +1,7 @@
 """Persistent kernels (builder/persistent.py, templates/persistent.cu): a decoder layer's kernels as one launch
-whose GEMVs stream their weights through a shared-memory ring. What they are at real shapes (CPU, NVRTC) and
-that the tiny models built with them generate the reference backend's tokens on the emulated driver."""
+whose GEMVs stream their weights through a shared-memory ring, or (``reg``) load them into registers. What
+they are at real shapes (CPU, NVRTC) and that the tiny models built with them generate the reference
+backend's tokens on the emulated driver."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lum.format.dtypes import DType
 from tests import cuda_emulation as emu
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
-MODES = ["1", "async"]
+MODES = ["1", "async", "reg"]
 MAX_SEQ = 16
 
 
@@ -61,6 +62,49 @@ def test_a_decoder_layer_is_one_persistent_kernel(model, mode, monkeypatch):
     assert ("lum_ring_start(lum_r, 4u, 4u, 40960u, 1u)" in ks.body) == (mode == "async")    # warp 0 fills it
 
 
+@pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
+def test_a_register_fed_layer_is_one_persistent_kernel(model, monkeypatch):
+    """``LUM_PERSISTENT=reg``: the layer's kernel ops in one persistent kernel with no ring (its dynamic shared
+    memory the 1 KB header), as many blocks an SM as spill at most REG_MAX_SPILL bytes a thread (4 on both
+    models at 64 registers), every GEMV item preloading REG_PRELOAD vectors a lane; each item's body waits
+    where its kernel did (lum_item_wait), the first item's for the previous launch (every block, even one with
+    none of its grid); every weight its items read before a wait is named early. ``LUM_PERSISTENT_BLOCKS=2``
+    asks for two blocks an SM, and a count out of range is an error."""
+    from lum.builder import nvrtc
+    from lum.builder.kernels import group_kernel_sources, launch_table
+    from lum.builder.persistent import REG_MAX_SPILL, REG_PRELOAD, persistent_blocks
+
+    monkeypatch.setenv("LUM_PERSISTENT", "reg")
+    cgs, dv = _layer_group(model)
+    prog = cgs[1].program
+    weights = frozenset(o.id for o in prog.ops if o.kind == "input")
+    (ks,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights).values()
+    assert ks.tuning["blocks_per_sm"] == 4 and ks.launches[0].grid == (4 * 132, 1, 1)
+    assert ks.launches[0].shared_mem == 1024 and ks.tuning["ring"]["fill"] == "reg"
+    assert "__launch_bounds__(256, 4)" in ks.body
+    items = ks.tuning["persistent"]
+    gemvs = [t for t in items if t.get("scheme") == "dot"]
+    assert len(gemvs) == sum(o.kind == "gemm" for o in prog.ops) >= 3
+    assert all(t["preload"] == REG_PRELOAD for t in gemvs)
+    assert ks.body.count("lum_item_wait()") == len(items)
+    assert ks.body.count("gridDim.x, lum_vb == blockIdx.x);") == 1             # the first item: the launch's wait
+    assert "if (blockIdx.x >= lum_g) (lum_pdl_wait)();" in ks.body
+    assert len(ks.early) >= len(gemvs) and not set(ks.early) & {"out", "dyn"}
+    table = launch_table(prog, {next(iter(group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights))): ks},
+                         arch="sm_90", dyn_vars=dv, max_dyn={"p": 512})
+    assert table["programmatic"]
+    log = nvrtc.compile_cuda(ks.source, "sm_90", ptx=False, extra_options=["--ptxas-options=-v"],
+                             cache_dir=False).log
+    assert nvrtc.ptxas_registers(log)[ks.name] <= 64
+    assert all(v <= REG_MAX_SPILL for v in nvrtc.ptxas_spills(log).values()), log
+    monkeypatch.setenv("LUM_PERSISTENT_BLOCKS", "2")
+    (two,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights).values()
+    assert two.tuning["blocks_per_sm"] == 2 and two.launches[0].grid == (264, 1, 1)
+    monkeypatch.setenv("LUM_PERSISTENT_BLOCKS", "9")
+    with pytest.raises(ValueError, match="LUM_PERSISTENT_BLOCKS"):
+        persistent_blocks()
+
+
 def test_off_by_default_and_ring_tiles():
     """Without ``LUM_PERSISTENT`` the layer keeps its kernels; a ring tile is the largest power of two of
     rows up to 8 whose segments fit a stage, and none where B is not a static dense [n, k]."""
@@ -104,9 +148,10 @@ def emulated(tmp_path_factory):
 @pytest.mark.parametrize("model", MODELS)
 def test_tiny_models_generate_the_reference_tokens(emulated, model, mode):
     """Built with ``LUM_PERSISTENT`` (``1``: the ring filled by bulk copies, ``async``: by warp 0's 16-byte
-    copies), each tiny model's decode layers are persistent kernels (two emulated blocks, as the fake driver
-    caps a grid), and its greedy tokens are the reference backend's, with and without graphs, session after
-    session (the counters start each launch at zero)."""
+    copies, ``reg``: no ring, the items waiting inside their bodies), each tiny model's decode layers are
+    persistent kernels (two emulated blocks, as the fake driver caps a grid), and its greedy tokens are the
+    reference backend's, with and without graphs, session after session (the counters start each launch at
+    zero)."""
     res = emu.run_emulated(f"PKGS = {emulated['pkgs']!r}\n" + r'''
 import lum.loader as L
 from tests.kernel_cases import compare

@@ -620,8 +620,9 @@ def stored_gemm_algos(manifest: Any, lt_version: int | None, groups: Any = None)
 
 
 def _check_resident(kop: Any, lc: Any, sms: int) -> None:
-    """A persistent kernel (builder/persistent.py: its blocks wait for each other, one block an SM) needs every
-    block resident at once: a grid larger than this GPU's SMs would wait forever (its kernel traps instead)."""
+    """A persistent kernel (builder/persistent.py: its blocks wait for each other, ``blocks_per_sm`` of them an
+    SM) needs every block resident at once: a grid larger than this GPU holds would wait forever (its kernel
+    traps instead)."""
     if not kop.tuning.get("persistent"):
         return
     blocks = 1
@@ -629,7 +630,8 @@ def _check_resident(kop: Any, lc: Any, sms: int) -> None:
         if g.vars():
             raise BackendUnavailableError(f"kernel {lc.kernel}: a persistent kernel's grid must be static, not {g}")
         blocks *= int(g.evaluate({}))
-    if blocks > sms:
+    per_sm = int(kop.tuning.get("blocks_per_sm", 1))
+    if blocks > sms * per_sm:
         raise BackendUnavailableError(
-            f"kernel {lc.kernel} is a persistent kernel of {blocks} blocks, one an SM, and this GPU has {sms} SMs: "
-            "rebuild the package on it, or with LUM_PERSISTENT=0")
+            f"kernel {lc.kernel} is a persistent kernel of {blocks} blocks, {per_sm} an SM, and this GPU has {sms} "
+            "SMs: rebuild the package on it, or with LUM_PERSISTENT=0")
