@@ -163,14 +163,14 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
     the group at the persistent kernels' block size and its runs of kernels as persistent kernels
     (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
-    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, REG_PRELOAD, RING_STAGES, fuse_persistent,
-                                       persistent_blocks, persistent_mode)
+    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, RING_STAGES, fuse_persistent,
+                                       persistent_blocks, persistent_mode, reg_preload)
 
     mode = persistent_mode()
     if mode:                    # the group at the persistent kernel's block size, its runs as persistent kernels
         wide_tuning = {**(tuning or {}), "threads": PERSISTENT_THREADS}
         if mode == "reg":       # every GEMV's first vectors into registers before its wait, none in shared memory
-            wide_tuning = {"preload": REG_PRELOAD, **wide_tuning, "preload_shared": False}
+            wide_tuning = {"preload": reg_preload(), **wide_tuning, "preload_shared": False}
         if mode != "reg":
             wide = _fused_kernels(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights)
         # ring: the deepest ring that fits beside the items' static shared memory; reg: the most blocks an SM

@@ -52,13 +52,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (SMS, CodegenError, KernelSource, Launch, Param, _Ctx, _env_choice, common_header,
-                                 gemm_parts, gemv_ring_tile, generate, load_template, render, split_gemv_tuning)
+from lum.builder.codegen import (GEMV_PRELOAD_VECTORS, SMS, CodegenError, KernelSource, Launch, Param,
+                                 _Ctx, _env_choice, _env_count, common_header, gemm_parts, gemv_ring_tile, generate,
+                                 load_template, render, split_gemv_tuning)
 from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.llir import LOp, Program
 
-__all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "PERSISTENT_MODES", "PERSISTENT_THREADS", "REG_BLOCKS",
-           "REG_MAX_SPILL", "REG_PRELOAD", "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks",
+__all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "ENV_PERSISTENT_PRELOAD", "PERSISTENT_MODES", "PERSISTENT_THREADS", "REG_BLOCKS",
+           "REG_MAX_SPILL", "REG_PRELOAD", "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks", "reg_preload",
            "persistent_mode", "fuse_persistent"]
 
 ENV_PERSISTENT = "LUM_PERSISTENT"
@@ -77,7 +78,9 @@ PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async", "reg": "reg"}
 REG_BLOCKS = (4, 3, 2, 1)             # `reg`: blocks an SM to try, the most whose registers spill at most ...
 REG_MAX_SPILL = 32                    # ... these bytes a thread (gemma3-4b's attention item at 64 registers: 24)
 REG_PRELOAD = 1                       # `reg`: vectors a GEMV lane loads into registers before its item's wait
+#                                       ($LUM_PERSISTENT_PRELOAD where set: reg_preload)
 ENV_PERSISTENT_BLOCKS = "LUM_PERSISTENT_BLOCKS"
+ENV_PERSISTENT_PRELOAD = "LUM_PERSISTENT_PRELOAD"
 
 
 def persistent_mode() -> str | None:
@@ -87,6 +90,13 @@ def persistent_mode() -> str | None:
     by its own code across the wait before it (the layer probe's ``-reg`` modes), ``0`` (the default) keeps
     them kernels of their own (None)."""
     return _env_choice(ENV_PERSISTENT, PERSISTENT_MODES, "0")
+
+
+def reg_preload() -> int:
+    """Weight vectors a `reg` kernel's GEMV lanes load before their item's wait: ``$LUM_PERSISTENT_PRELOAD``
+    (0–32), else :data:`REG_PRELOAD`. Its own switch, not ``$LUM_GEMV_PRELOAD``, which would change the GEMVs
+    outside the persistent kernels too (the LM head)."""
+    return _env_count(ENV_PERSISTENT_PRELOAD, GEMV_PRELOAD_VECTORS, REG_PRELOAD)
 
 
 def persistent_blocks() -> tuple[int, ...]:
