@@ -224,18 +224,11 @@ struct LpPiece { uint4 v[VECS]; };
 template <int VECS>
 __device__ __forceinline__ void lp_fetch(const unsigned short* w, LpPiece<VECS>& r) {
   const int lane = (int)threadIdx.x % 32;
-#if defined(__CUDA_ARCH__)
-  const unsigned long long policy = lum_evict_first_policy();
-#endif
 #pragma unroll
-  for (int i = 0; i < VECS; ++i) {
-    const unsigned short* p = w + (lane + 32 * i) * 8;
-#if defined(__CUDA_ARCH__)
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(r.v[i].x), "=r"(r.v[i].y), "=r"(r.v[i].z), "=r"(r.v[i].w) : "l"(p), "l"(policy));
-#else
-    std::memcpy(&r.v[i], p, 16);
-#endif
+  for (int i = 0; i < VECS; ++i) {   // volatile: `gated-reg` keeps its loads after the wait, where written
+    unsigned raw[4];
+    lum_load_stream<4, unsigned, true>(reinterpret_cast<const unsigned*>(w + (lane + 32 * i) * 8), raw);
+    r.v[i] = uint4{raw[0], raw[1], raw[2], raw[3]};
   }
 }
 

@@ -243,8 +243,10 @@ LUM_D unsigned lum_shared_addr(const void* p) {
 // lum_load_raw for data each step reads once and nothing rereads (a decode GEMV's weights): its 16-byte
 // accesses carry an L2 evict-first policy and skip L1, so that streaming gigabytes of weights through the
 // L2 does not evict the small tensors the next kernels and the next step read again (norm weights, the KV
-// cache, activations). Read-only data only (ld.global.nc); other widths load as lum_load_raw.
-template <int N, typename T>
+// cache, activations). Read-only data only (ld.global.nc); other widths load as lum_load_raw. Volatile: the
+// load stays where it is written (not moved across a wait that orders nothing it reads: a probe's, whose
+// point is where the load is issued; benchmarks/layer_probe.cu).
+template <int N, typename T, bool Volatile = false>
 LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
 #if defined(__CUDA_ARCH__)
   constexpr int P = (int)(16 / sizeof(T));
@@ -253,8 +255,12 @@ LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
 #pragma unroll
     for (int q = 0; q < N / P; ++q) {
       lum_vec<unsigned, 4> w;
-      asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-          : "=r"(w.v[0]), "=r"(w.v[1]), "=r"(w.v[2]), "=r"(w.v[3]) : "l"(p + q * P), "l"(lum_policy));
+      if constexpr (Volatile)
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(w.v[0]), "=r"(w.v[1]), "=r"(w.v[2]), "=r"(w.v[3]) : "l"(p + q * P), "l"(lum_policy));
+      else
+        asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(w.v[0]), "=r"(w.v[1]), "=r"(w.v[2]), "=r"(w.v[3]) : "l"(p + q * P), "l"(lum_policy));
       const lum_vec<T, P> v = *reinterpret_cast<const lum_vec<T, P>*>(&w);
 #pragma unroll
       for (int e = 0; e < P; ++e) out[q * P + e] = v.v[e];
