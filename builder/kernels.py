@@ -171,7 +171,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
         wide_tuning = {**(tuning or {}), "threads": PERSISTENT_THREADS}
         if mode == "reg":       # every GEMV's first vectors into registers before its wait, none in shared memory
             wide_tuning = {"preload": reg_preload(), **wide_tuning, "preload_shared": False}
-        if mode != "reg":
+        else:
             wide = _fused_kernels(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights)
         # ring: the deepest ring that fits beside the items' static shared memory; reg: the most blocks an SM
         # that fit and spill at most REG_MAX_SPILL bytes a thread (any, where one count is asked for)

@@ -58,8 +58,8 @@ from lum.builder.codegen import (GEMV_PRELOAD_VECTORS, SMS, CodegenError, Kernel
 from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.llir import LOp, Program
 
-__all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "ENV_PERSISTENT_PRELOAD", "PERSISTENT_MODES", "PERSISTENT_THREADS", "REG_BLOCKS",
-           "REG_MAX_SPILL", "REG_PRELOAD", "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks", "reg_preload",
+__all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "ENV_PERSISTENT_PRELOAD", "PERSISTENT_MODES",
+           "PERSISTENT_THREADS", "REG_BLOCKS", "REG_MAX_SPILL", "REG_PRELOAD", "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks", "reg_preload",
            "persistent_mode", "fuse_persistent"]
 
 ENV_PERSISTENT = "LUM_PERSISTENT"
@@ -76,7 +76,7 @@ _PDL_WAIT = re.compile(r"\blum_pdl_wait\(\)")
 
 PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async", "reg": "reg"}
 REG_BLOCKS = (4, 3, 2, 1)             # `reg`: blocks an SM to try, the most whose registers spill at most ...
-REG_MAX_SPILL = 32                    # ... these bytes a thread (gemma3-4b's attention item at 64 registers: 24)
+REG_MAX_SPILL = 32                    # ... these bytes a thread (gemma3-4b's layer at 64 registers: 28)
 REG_PRELOAD = 1                       # `reg`: vectors a GEMV lane loads into registers before its item's wait
 #                                       ($LUM_PERSISTENT_PRELOAD where set: reg_preload)
 ENV_PERSISTENT_BLOCKS = "LUM_PERSISTENT_BLOCKS"
