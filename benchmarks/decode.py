@@ -89,7 +89,8 @@ What it does, in one run on one GPU:
      ``LUM_PERSISTENT=reg`` (no ring: each GEMV item loads its weights into registers, its first vectors across
      its wait; as many blocks an SM as its registers allow; ``lum-persistent-reg2``: two,
      ``LUM_PERSISTENT_BLOCKS=2``; ``lum-persistent-reg2-pre4``: two, each GEMV lane loading 4 vectors before its
-     wait, ``LUM_PERSISTENT_PRELOAD=4``),
+     wait, ``LUM_PERSISTENT_PRELOAD=4``; ``lum-persistent-reg-shared``: those first vectors, up to 4 a lane,
+     copied into shared memory, ``LUM_PERSISTENT=reg-shared``),
      ``lum-narrow-a`` with
      ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
@@ -183,6 +184,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-persistent-reg2": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2"},
                  "lum-persistent-reg2-pre4": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2",
                                               "LUM_PERSISTENT_PRELOAD": "4"},
+                 "lum-persistent-reg-shared": {"LUM_PERSISTENT": "reg-shared"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},

@@ -163,29 +163,30 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
     the group at the persistent kernels' block size and its runs of kernels as persistent kernels
     (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
-    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, RING_STAGES, fuse_persistent,
+    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, REG_MODES, RING_STAGES, fuse_persistent,
                                        persistent_blocks, persistent_mode, reg_preload)
 
     mode = persistent_mode()
     if mode:                    # the group at the persistent kernel's block size, its runs as persistent kernels
         wide_tuning = {**(tuning or {}), "threads": PERSISTENT_THREADS}
-        if mode == "reg":       # every GEMV's first vectors into registers before its wait, none in shared memory
-            wide_tuning = {"preload": reg_preload(), **wide_tuning, "preload_shared": False}
+        reg = mode in REG_MODES
+        if reg:                 # every GEMV's first vectors before its wait, into registers (or shared memory)
+            wide_tuning = {"preload": reg_preload(mode), **wide_tuning, "preload_shared": mode == "reg-shared"}
         else:
             wide = _fused_kernels(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights)
         # ring: the deepest ring that fits beside the items' static shared memory; reg: the most blocks an SM
         # that fit and spill at most REG_MAX_SPILL bytes a thread (any, where one count is asked for)
         tries = persistent_blocks()
-        shapes = [(0, b) for b in tries] if mode == "reg" else [(s, 1) for s in range(RING_STAGES, 1, -1)]
+        shapes = [(0, b) for b in tries] if reg else [(s, 1) for s in range(RING_STAGES, 1, -1)]
         for stages, blocks in shapes:
-            if mode == "reg":
+            if reg:
                 wide = _balanced_items(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights,
                                        SMS * blocks)
             fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages, mode, blocks)
             kernels = [ks for ks in fused.values() if ks is not None and ks.tuning.get("persistent")]
             if not kernels:
                 break
-            spill = REG_MAX_SPILL if mode == "reg" and blocks > 1 and len(tries) > 1 else None
+            spill = REG_MAX_SPILL if reg and blocks > 1 and len(tries) > 1 else None
             if _shared_fits(kernels, arch, cache_dir, blocks, spill):
                 return {i: ks for i, ks in fused.items() if ks is not None}
         else:

@@ -38,10 +38,13 @@ its body where its kernel waited for the one before (common.cuh lum_item_wait), 
 wait, as it crosses a kernel boundary; the run's first item waits there for the previous launch. Why: the
 layer probe's waits cost a persistent layer 4.3–7.5% where kernel boundaries cost lum ≈ 28%, and the ring
 lost only because one block an SM could not stream through shared memory (benchmarks/NOTES.md, 2026-12-05).
+``reg-shared``: the same with each GEMV's first :data:`REG_SHARED_PRELOAD` vectors a lane copied into shared
+memory (gemv.cu's shared preload, its buffer moved past the item header: common.cuh lum_item_smem), more
+bytes on their way across each wait than registers hold, fewer blocks an SM where they do not fit.
 
-Off unless ``$LUM_PERSISTENT`` is ``1``, ``async`` or ``reg`` (:func:`persistent_mode`). The ring is correct
+Off unless ``$LUM_PERSISTENT`` is ``1``, ``async``, ``reg`` or ``reg-shared`` (:func:`persistent_mode`). The ring is correct
 on the H200 but 37% slower than the kernels it replaces, since it streams weights at only ≈ 2.1–3.3 TB/s
-(benchmarks/NOTES.md, 2026-12-05); ``reg`` is not yet measured on a GPU.
+(benchmarks/NOTES.md, 2026-12-05); the register-fed modes are not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -59,8 +62,9 @@ from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
 from lum.format.llir import LOp, Program
 
 __all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "ENV_PERSISTENT_PRELOAD", "PERSISTENT_MODES",
-           "PERSISTENT_THREADS", "REG_BLOCKS", "REG_MAX_SPILL", "REG_PRELOAD", "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks", "reg_preload",
-           "persistent_mode", "fuse_persistent"]
+           "PERSISTENT_THREADS", "REG_BLOCKS", "REG_MAX_SPILL", "REG_MODES", "REG_PRELOAD", "REG_SHARED_PRELOAD",
+           "RING_STAGES", "RING_STAGE_BYTES", "persistent_blocks", "reg_preload", "persistent_mode",
+           "fuse_persistent"]
 
 ENV_PERSISTENT = "LUM_PERSISTENT"
 PERSISTENT_THREADS = 256
@@ -72,13 +76,17 @@ RING_MAX_ITEMS = 16                   # common.cuh LUM_RING_MAX_ITEMS
 _ENTRY = "lum_persistent_entry"
 _PDL = re.compile(r"\blum_pdl_(?:wait|trigger)\(\)")
 _PDL_WAIT = re.compile(r"\blum_pdl_wait\(\)")
+_GEMV_SHARED = re.compile(   # gemv.cu's shared preload buffer, whose start an item moves past its header
+    r"#if defined\(__CUDA_ARCH__\)\n\s*extern __shared__ lum_vec<unsigned, 4> lum_pre_s"
+    r"\[\];[^\n]*\n#else\n\s*static lum_vec<unsigned, 4> lum_pre_s\[[^\n]*\n#endif\n")
 
 
-PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async", "reg": "reg"}
+PERSISTENT_MODES = {"0": None, "1": "bulk", "async": "async", "reg": "reg", "reg-shared": "reg-shared"}
+REG_MODES = ("reg", "reg-shared")
 REG_BLOCKS = (4, 3, 2, 1)             # `reg`: blocks an SM to try, the most whose registers spill at most ...
 REG_MAX_SPILL = 32                    # ... these bytes a thread (gemma3-4b's layer at 64 registers: 28)
 REG_PRELOAD = 1                       # `reg`: vectors a GEMV lane loads into registers before its item's wait
-#                                       ($LUM_PERSISTENT_PRELOAD where set: reg_preload)
+REG_SHARED_PRELOAD = 4                # `reg-shared`: ... into shared memory ($LUM_PERSISTENT_PRELOAD: reg_preload)
 ENV_PERSISTENT_BLOCKS = "LUM_PERSISTENT_BLOCKS"
 ENV_PERSISTENT_PRELOAD = "LUM_PERSISTENT_PRELOAD"
 
@@ -87,16 +95,19 @@ def persistent_mode() -> str | None:
     """``$LUM_PERSISTENT``: ``1`` runs each decoder layer's run of kernels as one persistent launch whose ring
     thread 0 fills with bulk copies (``bulk``), ``async`` the same filled by warp 0's 16-byte cp.async copies
     (the layer probe's ``-async`` modes), ``reg`` with no ring, each GEMV loading its weights into registers
-    by its own code across the wait before it (the layer probe's ``-reg`` modes), ``0`` (the default) keeps
-    them kernels of their own (None)."""
+    by its own code, its first across the wait before it (the layer probe's ``-reg`` modes), ``reg-shared``
+    the same with those first weights copied into shared memory, ``0`` (the default) keeps them kernels of
+    their own (None)."""
     return _env_choice(ENV_PERSISTENT, PERSISTENT_MODES, "0")
 
 
-def reg_preload() -> int:
-    """Weight vectors a `reg` kernel's GEMV lanes load before their item's wait: ``$LUM_PERSISTENT_PRELOAD``
-    (0–32), else :data:`REG_PRELOAD`. Its own switch, not ``$LUM_GEMV_PRELOAD``, which would change the GEMVs
-    outside the persistent kernels too (the LM head)."""
-    return _env_count(ENV_PERSISTENT_PRELOAD, GEMV_PRELOAD_VECTORS, REG_PRELOAD)
+def reg_preload(mode: str = "reg") -> int:
+    """Weight vectors a `reg` (`reg-shared`) kernel's GEMV lanes load into registers (shared memory) before
+    their item's wait: ``$LUM_PERSISTENT_PRELOAD`` (0–32), else :data:`REG_PRELOAD` (:data:`REG_SHARED_PRELOAD`).
+    Its own switch, not ``$LUM_GEMV_PRELOAD``, which would change the GEMVs outside the persistent kernels too
+    (the LM head)."""
+    default = REG_SHARED_PRELOAD if mode == "reg-shared" else REG_PRELOAD
+    return _env_count(ENV_PERSISTENT_PRELOAD, GEMV_PRELOAD_VECTORS, default)
 
 
 def persistent_blocks() -> tuple[int, ...]:
@@ -125,7 +136,7 @@ def _member(op: LOp, ks: KernelSource | None, program: Program, dyn_vars: Sequen
     None."""
     if ks is None or len(ks.launches) != 1:
         return None
-    if mode != "reg" and op.kind == "gemm" and not ks.tails:
+    if mode not in REG_MODES and op.kind == "gemm" and not ks.tails:
         jb = gemm_parts(op)[0]
         dtb = program.ops[op.args[jb].src].dtype
         if op.args[jb].src in weights:
@@ -141,10 +152,11 @@ def _member(op: LOp, ks: KernelSource | None, program: Program, dyn_vars: Sequen
                 if rk is not None and rk.tuning.get("ring"):
                     return _Item(op, rk, True)
     lc = ks.launches[0]
-    if lc.block != (PERSISTENT_THREADS, 1, 1) or lc.cluster > 1 or lc.shared_mem or any(
+    shared_ok = mode == "reg-shared" and len(_GEMV_SHARED.findall(ks.body)) == 1   # a GEMV's shared preload
+    if lc.block != (PERSISTENT_THREADS, 1, 1) or lc.cluster > 1 or (lc.shared_mem and not shared_ok) or any(
             str(g) != "1" for g in lc.grid[1:]):
         return None
-    return _Item(op, ks, False, mode == "reg" and len(_PDL_WAIT.findall(ks.body)) == 1)
+    return _Item(op, ks, False, mode in REG_MODES and len(_PDL_WAIT.findall(ks.body)) == 1)
 
 
 def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
@@ -172,7 +184,7 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
     for run in runs:
         while run and sum(i.ring for i in run) > RING_MAX_ITEMS:
             run = run[:-1]
-        if len(run) < 2 or not any(i.ring or (mode == "reg" and i.op.kind == "gemm") for i in run):
+        if len(run) < 2 or not any(i.ring or (mode in REG_MODES and i.op.kind == "gemm") for i in run):
             continue
         ks = persistent_kernel(program, run, dyn_vars, max_dyn, stages, mode, blocks)
         out[run[0].op.id] = ks
@@ -187,7 +199,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
     """One kernel running ``items`` in order (templates/persistent.cu), ``blocks`` blocks an SM (``reg``: no
     ring, so ``stages`` is ignored). Parameters: the first item's op's (``out, in0…, dyn``), then per other op
     of the run (an item's own op, then the ops its kernel runs as tails) ``t<j>_out, t<j>_in0…``."""
-    reg = mode == "reg"
+    reg = mode in REG_MODES
     stages = 0 if reg else stages
     head = items[0]
     ops = [op_id for it in items for op_id in (it.op.id, *it.ks.tails)]
@@ -271,7 +283,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
     digest = hashlib.sha256(f"persistent/{head.op.kind}\n{src}".encode()).hexdigest()[:16]
     name = f"lum_persistent_{digest}"
     src = src.replace(_ENTRY, name)
-    smem = RING_HEADER + stages * RING_STAGE_BYTES
+    smem = RING_HEADER + (max(it.ks.launches[0].shared_mem for it in items) if reg else stages * RING_STAGE_BYTES)
     return KernelSource(name=name, kind=head.op.kind, op=head.op.op, source=common_header() + "\n" + src, body=src,
                         launches=(Launch(name, (SMS * blocks, 1, 1), (PERSISTENT_THREADS, 1, 1), smem),),
                         params=tuple(ordered), dyn_vars=tuple(dyn_vars),
@@ -286,8 +298,9 @@ def _item_function(ks: KernelSource, name: str, waits: bool = False) -> str:
     """Kernel ``ks``'s body as ``__device__`` function ``name`` of its parameters, blockIdx and gridDim the
     item's (common.cuh lum_virtual_block, set by lum_run_item) in its text and in every function the body
     defines; no pointer ``__restrict__`` (another block of the launch wrote what it reads), no programmatic
-    launch trigger, and its wait the item's (``waits``: common.cuh lum_item_wait, where the kernel waited)
-    or none (the item counters order it before the call)."""
+    launch trigger, its wait the item's (``waits``: common.cuh lum_item_wait, where the kernel waited) or none
+    (the item counters order it before the call), and a GEMV's shared preload after the item header
+    (common.cuh lum_item_smem), not at the dynamic shared memory's start."""
     found = _ENTRY_RE.findall(ks.body)
     if found != [ks.launches[0].kernel]:
         raise CodegenError(f"kernel {ks.name}: an item needs a body of exactly one kernel, found {found}")
@@ -295,6 +308,8 @@ def _item_function(ks: KernelSource, name: str, waits: bool = False) -> str:
     body = body.replace(ks.name, name)      # the functions and globals the body defines: named after the item
     if waits:
         body = _PDL_WAIT.sub("lum_item_wait()", body)
+    body = _GEMV_SHARED.sub("  lum_vec<unsigned, 4>* const lum_pre_s =   // after the item header (reg-shared)\n"
+                            "      reinterpret_cast<lum_vec<unsigned, 4>*>(lum_item_smem());\n", body)
     body = _PDL.sub("((void)0)", body)
     return ("#define blockIdx lum_virtual_block()\n#define gridDim lum_virtual_grid()\n"
             f"{body.rstrip()}\n#undef blockIdx\n#undef gridDim\n")

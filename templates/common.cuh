@@ -580,6 +580,8 @@ LUM_D void lum_run_item_waiting(unsigned vb, unsigned vg, const unsigned* c, uns
   }
   __syncthreads();
 }
+// A register-fed item's dynamic shared memory (a GEMV's shared preload, `reg-shared`): after the header.
+LUM_D unsigned char* lum_item_smem() { return reinterpret_cast<unsigned char*>(lum_ring()) + LUM_RING_HEADER; }
 LUM_D void lum_item_wait() {
   const LumRing* r = lum_ring();
   if (r->wait_pdl) (lum_pdl_wait)();                 // parenthesized: the function, not the stamps' macro

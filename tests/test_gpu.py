@@ -418,7 +418,9 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                   "persistent-async": ({"LUM_PERSISTENT": "async"}, None,
                                        lambda op: op.tuning.get("ring", {}).get("fill") == "async"),
                   "persistent-reg": ({"LUM_PERSISTENT": "reg"}, None,
-                                     lambda op: op.tuning.get("ring", {}).get("fill") == "reg")}
+                                     lambda op: op.tuning.get("ring", {}).get("fill") == "reg"),
+                  "persistent-reg-shared": ({"LUM_PERSISTENT": "reg-shared"}, None,
+                                            lambda op: op.tuning.get("ring", {}).get("fill") == "reg-shared")}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -437,7 +439,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
     persistent launch whose GEMVs read their weights from a shared-memory ring (``LUM_PERSISTENT=1``, filled by
     bulk copies; ``async``: by 16-byte cp.async copies; ``reg``: no ring, its GEMVs' weights in registers, several
-    blocks an SM, each item waiting inside its body; builder/persistent.py; its blocks wait for each other, so
+    blocks an SM, each item waiting inside its body; ``reg-shared``: their first weights copied into shared
+    memory; builder/persistent.py; its blocks wait for each other, so
     this is where their memory order and the copies are checked);
     none changes a value. Decode
     logits of the fused package as the

@@ -13,7 +13,7 @@ from lum.format.dtypes import DType
 from tests import cuda_emulation as emu
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
-MODES = ["1", "async", "reg"]
+MODES = ["1", "async", "reg", "reg-shared"]
 MAX_SEQ = 16
 
 
@@ -62,30 +62,38 @@ def test_a_decoder_layer_is_one_persistent_kernel(model, mode, monkeypatch):
     assert ("lum_ring_start(lum_r, 4u, 4u, 40960u, 1u)" in ks.body) == (mode == "async")    # warp 0 fills it
 
 
-@pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
-def test_a_register_fed_layer_is_one_persistent_kernel(model, monkeypatch):
+@pytest.mark.parametrize("model,mode,blocks", [("gemma3-4b", "reg", 4), ("llama3-1b", "reg", 4),
+                                               ("gemma3-4b", "reg-shared", 3), ("llama3-1b", "reg-shared", 4)])
+def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monkeypatch):
     """``LUM_PERSISTENT=reg``: the layer's kernel ops in one persistent kernel with no ring (its dynamic shared
-    memory the 1 KB header), as many blocks an SM as spill at most REG_MAX_SPILL bytes a thread (4 on both
-    models at 64 registers), every GEMV item preloading REG_PRELOAD vectors a lane; each item's body waits
-    where its kernel did (lum_item_wait), the first item's for the previous launch (every block, even one with
-    none of its grid); every weight its items read before a wait is named early. ``LUM_PERSISTENT_BLOCKS=2``
+    memory the 1 KB header), as many blocks an SM as fit and spill at most REG_MAX_SPILL bytes a thread (4 on
+    both models at 64 registers), every GEMV item preloading REG_PRELOAD vectors a lane into registers; each
+    item's body waits where its kernel did (lum_item_wait), the first item's for the previous launch (every
+    block, even one with none of its grid); every weight its items read before a wait is named early.
+    ``reg-shared``: the GEMVs preload up to REG_SHARED_PRELOAD vectors a lane into shared memory after the
+    header (lum_item_smem; gemma3-4b's gate-up 32 KB a block, so 3 blocks an SM). ``LUM_PERSISTENT_BLOCKS=2``
     asks for two blocks an SM, and a count out of range is an error."""
     from lum.builder import nvrtc
     from lum.builder.kernels import group_kernel_sources, launch_table
-    from lum.builder.persistent import REG_MAX_SPILL, REG_PRELOAD, persistent_blocks
+    from lum.builder.persistent import REG_MAX_SPILL, REG_PRELOAD, REG_SHARED_PRELOAD, persistent_blocks
 
-    monkeypatch.setenv("LUM_PERSISTENT", "reg")
+    monkeypatch.setenv("LUM_PERSISTENT", mode)
     cgs, dv = _layer_group(model)
     prog = cgs[1].program
     weights = frozenset(o.id for o in prog.ops if o.kind == "input")
     (ks,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights).values()
-    assert ks.tuning["blocks_per_sm"] == 4 and ks.launches[0].grid == (4 * 132, 1, 1)
-    assert ks.launches[0].shared_mem == 1024 and ks.tuning["ring"]["fill"] == "reg"
-    assert "__launch_bounds__(256, 4)" in ks.body
+    assert ks.tuning["blocks_per_sm"] == blocks and ks.launches[0].grid == (blocks * 132, 1, 1)
+    assert f"__launch_bounds__(256, {blocks})" in ks.body and ks.tuning["ring"]["fill"] == mode
     items = ks.tuning["persistent"]
     gemvs = [t for t in items if t.get("scheme") == "dot"]
     assert len(gemvs) == sum(o.kind == "gemm" for o in prog.ops) >= 3
-    assert all(t["preload"] == REG_PRELOAD for t in gemvs)
+    if mode == "reg":
+        assert ks.launches[0].shared_mem == 1024
+        assert all(t["preload"] == REG_PRELOAD and not t.get("preload_shared") for t in gemvs)
+    else:
+        assert 1024 < ks.launches[0].shared_mem <= 1024 + REG_SHARED_PRELOAD * 16 * 256 * 2   # ≤ 2 segments
+        assert all(1 <= t["preload"] <= REG_SHARED_PRELOAD and t["preload_shared"] for t in gemvs)
+    assert "extern __shared__ lum_vec" not in ks.body      # every GEMV's preload buffer after the item header
     assert ks.body.count("lum_item_wait()") == len(items)
     assert ks.body.count("gridDim.x, lum_vb == blockIdx.x);") == 1             # the first item: the launch's wait
     assert "if (blockIdx.x >= lum_g) (lum_pdl_wait)();" in ks.body
@@ -95,7 +103,7 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, monkeypatch):
     assert table["programmatic"]
     log = nvrtc.compile_cuda(ks.source, "sm_90", ptx=False, extra_options=["--ptxas-options=-v"],
                              cache_dir=False).log
-    assert nvrtc.ptxas_registers(log)[ks.name] <= 64
+    assert nvrtc.ptxas_registers(log)[ks.name] <= 65536 // (256 * blocks)
     assert all(v <= REG_MAX_SPILL for v in nvrtc.ptxas_spills(log).values()), log
     monkeypatch.setenv("LUM_PERSISTENT_BLOCKS", "2")
     (two,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights).values()
