@@ -209,3 +209,28 @@ def test_a_stamped_persistent_kernel_stamps_each_item(monkeypatch):
     names = item_names(pkg, "decode")
     assert sorted(names) == [stamp_tag(ks.name) + 1 + n for n in range(items)]
     assert names[stamp_tag(ks.name) + 1].endswith(f"item 0: op {ks.tuning['persistent'][0]['op']} gemm")
+
+
+def test_the_loader_needs_every_block_of_a_persistent_kernel_resident():
+    """A persistent kernel's blocks wait for each other, so the loader refuses a grid larger than the GPU holds
+    at once: its SMs times the kernel's ``blocks_per_sm`` (one for the ring modes, which record none)."""
+    from types import SimpleNamespace as NS
+
+    from lum.format.expr import Var, as_expr
+    from lum.loader.cuda.runner import _check_resident
+    from lum.loader.errors import BackendUnavailableError
+
+    def launch(blocks):
+        return NS(kernel="k", grid=(as_expr(blocks), as_expr(1), as_expr(1)))
+
+    reg = NS(tuning={"persistent": [{}], "blocks_per_sm": 4})
+    ring = NS(tuning={"persistent": [{}]})
+    _check_resident(reg, launch(528), 132)
+    _check_resident(ring, launch(132), 132)
+    _check_resident(NS(tuning={}), launch(10_000), 132)          # not persistent: any grid
+    with pytest.raises(BackendUnavailableError, match="528 blocks, 4 an SM, and this GPU has 114 SMs"):
+        _check_resident(reg, launch(528), 114)
+    with pytest.raises(BackendUnavailableError, match="133 blocks, 1 an SM"):
+        _check_resident(ring, launch(133), 132)
+    with pytest.raises(BackendUnavailableError, match="must be static"):
+        _check_resident(ring, NS(kernel="k", grid=(Var("p"), as_expr(1), as_expr(1))), 132)
