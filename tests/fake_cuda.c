@@ -377,6 +377,16 @@ CUresult cuModuleGetFunction(void **out, void *mod, const char *name) {
 }
 /* Dynamic shared memory above 48 KB needs the function's opt-in, as on a GPU: a launch asking more than its
    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8; at most 227 KB) fails with CUDA_ERROR_INVALID_VALUE. */
+/* Static shared memory (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, 1): none, the emulated kernels' is host memory;
+   the opt-in limit (8) as set. */
+CUresult cuFuncGetAttribute(int *pi, int attr, void *func) {
+  Function *f = func;
+  if (!f || f->magic != MAGIC_FUNC || !pi) return E_INVALID_HANDLE;
+  if (attr == 1) *pi = 0;
+  else if (attr == 8) *pi = f->max_shared;
+  else return E_INVALID_VALUE;
+  return OK;
+}
 static long g_shared_optins = 0;
 long fake_shared_optins(void) { return g_shared_optins; }
 CUresult cuFuncSetAttribute(void *func, int attr, int value) {

@@ -594,3 +594,27 @@ def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg_apart, monkeyp
         set(range(seg.schedule.streams - 1))
     o_proj = [plan.steps[i + 1:] for i in idx]
     assert any("(gemm " in next(s for s in rest if s.weights).where for rest in o_proj)
+
+
+def test_a_kernel_opts_in_where_its_static_and_dynamic_shared_memory_pass_48_kb(monkeypatch):
+    """The loader raises a kernel's limit of dynamic shared memory where what it asks passes 48 KB alone or
+    beside its static shared memory (a register-fed persistent kernel: 24 KB static, 33 KB dynamic), and
+    leaves it where both fit: the driver's default limit is 48 KB less the static part."""
+    from types import SimpleNamespace as NS
+
+    cu = pytest.importorskip("lum.loader.cuda.driver")
+    static = {"a": 24 * 1024, "b": 0}
+    raised: list[tuple[str, int]] = []
+    attrs = NS(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES="static", CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max")
+    monkeypatch.setattr(cu, "drv", NS(CUfunction_attribute=attrs, cuModuleGetFunction=lambda h, n: (0, n.decode()),
+                                      cuFuncGetAttribute=lambda a, f: (0, static[f] if a == "static" else -1),
+                                      cuFuncSetAttribute=lambda f, a, v: (raised.append((f, v)), 0)[1]))
+    mod = object.__new__(cu.Module)
+    mod.handle, mod.what, mod._functions, mod._shared = 1, "test", {}, {}
+    assert mod.function("a", 33 * 1024) == "a" and raised == [("a", 33 * 1024)]
+    assert mod.function("a", 33 * 1024) == "a" and len(raised) == 1        # raised once
+    mod.function("b", 33 * 1024)
+    mod.function("b")
+    assert len(raised) == 1                                                   # 33 KB and no static part: fits
+    mod.function("b", 100 * 1024)
+    assert raised[-1] == ("b", 100 * 1024)

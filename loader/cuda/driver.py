@@ -272,18 +272,25 @@ class Module:
         self._shared: dict[str, int] = {}
 
     def function(self, name: str, shared_mem: int = 0) -> Any:
-        """The kernel ``name``; with ``shared_mem`` above :data:`DEFAULT_SHARED_MEM` bytes, its limit of dynamic
-        shared memory raised to at least that (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``: a launch
-        asking more than 48 KB fails without it)."""
+        """The kernel ``name``; with ``shared_mem`` bytes of dynamic shared memory that pass
+        :data:`DEFAULT_SHARED_MEM` alone or beside the kernel's static shared memory, its limit of dynamic
+        shared memory raised to at least that (``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``: without it
+        a launch fails that asks more than 48 KB less the static part)."""
         f = self._functions.get(name)
         if f is None:
             f = self._functions[name] = call(drv.cuModuleGetFunction, self.handle, name.encode(),
                                              detail=f"kernel {name!r} in {self.what}")
-        if shared_mem > max(DEFAULT_SHARED_MEM, self._shared.get(name, 0)):
-            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            call(drv.cuFuncSetAttribute, f, attr, int(shared_mem),
-                 detail=f"kernel {name!r} in {self.what}: {shared_mem} bytes of dynamic shared memory")
-            self._shared[name] = int(shared_mem)
+        if shared_mem <= self._shared.get(name, 0):
+            return f
+        if shared_mem <= DEFAULT_SHARED_MEM:      # within the default, unless the static part takes it past
+            static = call(drv.cuFuncGetAttribute, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f,
+                          detail=f"kernel {name!r} in {self.what}: its static shared memory")
+            if int(static) + shared_mem <= DEFAULT_SHARED_MEM:
+                return f
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        call(drv.cuFuncSetAttribute, f, attr, int(shared_mem),
+             detail=f"kernel {name!r} in {self.what}: {shared_mem} bytes of dynamic shared memory")
+        self._shared[name] = int(shared_mem)
         return f
 
     def close(self) -> None:

@@ -225,9 +225,9 @@ class CudaRunner:
             else:
                 image, what = bytes(pkg.reader.section_view(t.cubin)), f"group {g} cubin ({t.cubin})"
             self.modules[g] = self._own(cu.Module(image, what))
-            for kop in t.ops:                  # kernels asking more dynamic shared memory than the default
+            for kop in t.ops:                  # kernels whose shared memory passes the default: their opt-in
                 for lc in kop.launches:
-                    if lc.shared_mem > cu.DEFAULT_SHARED_MEM:
+                    if lc.shared_mem:
                         self.modules[g].function(lc.kernel, lc.shared_mem)
                     _check_resident(kop, lc, self.device.multiprocessors)
         # weights
