@@ -42,9 +42,9 @@ lost only because one block an SM could not stream through shared memory (benchm
 memory (gemv.cu's shared preload, its buffer moved past the item header: common.cuh lum_item_smem), more
 bytes on their way across each wait than registers hold, fewer blocks an SM where they do not fit.
 
-Off unless ``$LUM_PERSISTENT`` is ``1``, ``async``, ``reg`` or ``reg-shared`` (:func:`persistent_mode`). The ring is correct
-on the H200 but 37% slower than the kernels it replaces, since it streams weights at only ≈ 2.1–3.3 TB/s
-(benchmarks/NOTES.md, 2026-12-05); the register-fed modes are not yet measured on a GPU.
+Off unless ``$LUM_PERSISTENT`` is ``1``, ``async``, ``reg`` or ``reg-shared`` (:func:`persistent_mode`). The
+ring is correct on the H200 but 37% slower than the kernels it replaces, since it streams weights at only ≈
+2.1–3.3 TB/s (benchmarks/NOTES.md, 2026-12-05); the register-fed modes are not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -240,34 +240,25 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
         wait = f"&{_ENTRY}_done[{n - 1}]" if n else None
         if it.waits:       # reg: the body waits itself (the first item for the previous launch), once a block
             early += [own(it, e) for e in ks.early if own(it, e) not in early]
-            grid = ctx.c(ks.grid[0])
-            waiting = f"lum_vb == blockIdx.x ? {wait} : nullptr" if wait else "nullptr"
-            lines += [f"  LUM_STAMP_ITEM({n}, 1);  // reg: the call, not the wait's return",
-                      f"  {{ const unsigned lum_g = (unsigned)({grid});",
-                      "    for (unsigned lum_vb = blockIdx.x; lum_vb < lum_g; lum_vb += gridDim.x) {",
-                      f"      lum_run_item_waiting(lum_vb, lum_g, {waiting}, gridDim.x, "
-                      f"{'lum_vb == blockIdx.x' if not n else '0u'});",
-                      f"      {fn}({args});", "      __syncthreads();", "    }"]
-            lines += ["    if (blockIdx.x >= lum_g) (lum_pdl_wait)();   // no block of it here: wait all the same",
-                      "  }"] if not n else ["  }"]
-            lines += [f"  LUM_STAMP_ITEM({n}, 2);", f"  lum_count_block(&{_ENTRY}_done[{n}]);"]
-            body += lines
-            continue
-        if n:
+        elif n:
             lines.append(f"  lum_wait_count({wait}, gridDim.x);")
         elif reg:
             lines.append("  lum_pdl_wait();")
-        lines.append(f"  LUM_STAMP_ITEM({n}, 1);")
+        lines.append(f"  LUM_STAMP_ITEM({n}, 1);" + ("  // reg: the call, not the wait's return" if it.waits else ""))
         if it.ring:
             lines += ["  lum_run_item(blockIdx.x, gridDim.x);", f"  {fn}({args});"]
             ring_lines.append(_ring_item(len(ring_lines), it, pname))
             early.append(pname(it.op.id, f"in{_b_arg(it.op)}"))
         else:
-            grid = ctx.c(ks.grid[0])
-            lines += [f"  {{ const unsigned lum_g = (unsigned)({grid});",
+            first = "lum_vb == blockIdx.x"
+            run = (f"lum_run_item_waiting(lum_vb, lum_g, {f'{first} ? {wait} : nullptr' if n else 'nullptr'}, "
+                   f"gridDim.x, {'0u' if n else first});" if it.waits else "lum_run_item(lum_vb, lum_g);")
+            lines += [f"  {{ const unsigned lum_g = (unsigned)({ctx.c(ks.grid[0])});",
                       "    for (unsigned lum_vb = blockIdx.x; lum_vb < lum_g; lum_vb += gridDim.x) {",
-                      "      lum_run_item(lum_vb, lum_g);", f"      {fn}({args});", "      __syncthreads();", "    }",
-                      "  }"]
+                      f"      {run}", f"      {fn}({args});", "      __syncthreads();", "    }"]
+            if it.waits and not n:
+                lines.append("    if (blockIdx.x >= lum_g) (lum_pdl_wait)();   // none of it here: wait all the same")
+            lines.append("  }")
         lines += [f"  LUM_STAMP_ITEM({n}, 2);", f"  lum_count_block(&{_ENTRY}_done[{n}]);"]
         body += lines
     dyn_param = next(p for p in head.ks.params if p.role == "dyn")
