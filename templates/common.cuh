@@ -565,10 +565,10 @@ LUM_D void lum_run_item(unsigned vb, unsigned vg) {
   }
   __syncthreads();
 }
-// A register-fed item (builder/persistent.py `reg`) waits inside its body, where its kernel waited for the one
-// before (lum_pdl_wait, which the item's text calls lum_item_wait): its preload into registers is then on its
-// way across the wait, as it is across a kernel boundary. Block vb of a grid of vg, waiting for counter c to
-// hold n (c null: no wait, the block waited already), or, pdl, for the previous launch (the run's first item).
+// A register-fed item (builder/persistent.py `reg`, `reg-shared`) waits inside its body, where its kernel
+// waited for the one before (lum_pdl_wait, which the item's text calls lum_item_wait): its preload is then on
+// its way across the wait, as it is across a kernel boundary. Block vb of a grid of vg, waiting for counter c
+// to hold n (c null: no wait, the block waited already), or, pdl, for the previous launch (the first item).
 LUM_D void lum_run_item_waiting(unsigned vb, unsigned vg, const unsigned* c, unsigned n, unsigned pdl) {
   if (threadIdx.x == 0) {
     LumRing* r = lum_ring();

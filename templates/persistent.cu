@@ -26,6 +26,7 @@
 //! Each item's first virtual block waits inside its body, where its kernel waited for the one before
 //! (common.cuh lum_item_wait), so that its preload is on its way across the wait; the run's first item waits
 //! there for the previous launch (WAIT empty). A block with no virtual block of an item does not wait for it.
+//! `reg-shared`: the same, each GEMV's first weights copied into shared memory after the header (lum_item_smem).
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (blocks an SM the registers must allow) PARAMS; WAIT (the wait for
 //!   the previous launch before the items, empty where the first item waits itself); FUNCTIONS (the items'

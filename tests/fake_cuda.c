@@ -375,8 +375,6 @@ CUresult cuModuleGetFunction(void **out, void *mod, const char *name) {
   Function *f = calloc(1, sizeof(Function)); f->fn = fn; f->magic = MAGIC_FUNC; f->max_shared = 48 * 1024;
   snprintf(f->name, sizeof f->name, "%s", name); *out = f; return OK;
 }
-/* Dynamic shared memory above 48 KB needs the function's opt-in, as on a GPU: a launch asking more than its
-   CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8; at most 227 KB) fails with CUDA_ERROR_INVALID_VALUE. */
 /* Static shared memory (CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, 1): none, the emulated kernels' is host memory;
    the opt-in limit (8) as set. */
 CUresult cuFuncGetAttribute(int *pi, int attr, void *func) {
@@ -387,6 +385,8 @@ CUresult cuFuncGetAttribute(int *pi, int attr, void *func) {
   else return E_INVALID_VALUE;
   return OK;
 }
+/* Dynamic shared memory above 48 KB needs the function's opt-in, as on a GPU: a launch asking more than its
+   CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8; at most 227 KB) fails with CUDA_ERROR_INVALID_VALUE. */
 static long g_shared_optins = 0;
 long fake_shared_optins(void) { return g_shared_optins; }
 CUresult cuFuncSetAttribute(void *func, int attr, int value) {
