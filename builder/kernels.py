@@ -122,7 +122,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
 
 
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
-_ITEM_PDL_WAIT = re.compile(r"lum_run_item_waiting\([^;]*, lum_vb == blockIdx\.x\);")   # persistent.py, reg
+_ITEM_PDL_WAIT = re.compile(r"lum_run_item\([^;]*, lum_vb == blockIdx\.x\);")   # persistent.py, reg
 
 
 def _waits(ks: KernelSource) -> bool:

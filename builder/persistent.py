@@ -50,7 +50,6 @@ ring is correct on the H200 but 37% slower than the kernels it replaces, since i
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -112,13 +111,8 @@ def reg_preload(mode: str = "reg") -> int:
 
 def persistent_blocks() -> tuple[int, ...]:
     """``$LUM_PERSISTENT_BLOCKS`` (1–8: `reg` kernels of that many blocks an SM, whatever they spill), else
-    :data:`REG_BLOCKS`, of which the build takes the first that spills at most :data:`REG_MAX_SPILL`."""
-    raw = os.environ.get(ENV_PERSISTENT_BLOCKS)
-    if raw is None:
-        return REG_BLOCKS
-    if raw not in [str(b) for b in range(1, 9)]:
-        raise ValueError(f"${ENV_PERSISTENT_BLOCKS} must be a block count from 1 to 8, got {raw!r}")
-    return (int(raw),)
+    (``auto``) :data:`REG_BLOCKS`, of which the build takes the first that spills at most :data:`REG_MAX_SPILL`."""
+    return _env_choice(ENV_PERSISTENT_BLOCKS, {"auto": REG_BLOCKS, **{str(b): (b,) for b in range(1, 9)}}, "auto")
 
 
 @dataclass(frozen=True)
@@ -251,7 +245,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
             early.append(pname(it.op.id, f"in{_b_arg(it.op)}"))
         else:
             first = "lum_vb == blockIdx.x"
-            run = (f"lum_run_item_waiting(lum_vb, lum_g, {f'{first} ? {wait} : nullptr' if n else 'nullptr'}, "
+            run = (f"lum_run_item(lum_vb, lum_g, {f'{first} ? {wait} : nullptr' if n else 'nullptr'}, "
                    f"gridDim.x, {'0u' if n else first});" if it.waits else "lum_run_item(lum_vb, lum_g);")
             lines += [f"  {{ const unsigned lum_g = (unsigned)({ctx.c(ks.grid[0])});",
                       "    for (unsigned lum_vb = blockIdx.x; lum_vb < lum_g; lum_vb += gridDim.x) {",

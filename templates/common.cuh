@@ -557,19 +557,12 @@ LUM_D void lum_async_arrive(unsigned long long* bar) {   // the thread's copies 
 // each body): block vb of a grid of vg, one dimension.
 LUM_D auto lum_virtual_block() { auto b = blockIdx; b.x = lum_ring()->vb; b.y = b.z = 0; return b; }
 LUM_D auto lum_virtual_grid() { auto g = gridDim; g.x = lum_ring()->vg; g.y = g.z = 1; return g; }
-// Block vb of a grid of vg, for the item body called next: every thread sees it after the barrier.
-LUM_D void lum_run_item(unsigned vb, unsigned vg) {
-  if (threadIdx.x == 0) {
-    lum_ring()->vb = vb;
-    lum_ring()->vg = vg;
-  }
-  __syncthreads();
-}
-// A register-fed item (builder/persistent.py `reg`, `reg-shared`) waits inside its body, where its kernel
+// Block vb of a grid of vg, for the item body called next: every thread sees it after the barrier. A
+// register-fed item (builder/persistent.py `reg`, `reg-shared`) waits inside its body, where its kernel
 // waited for the one before (lum_pdl_wait, which the item's text calls lum_item_wait): its preload is then on
-// its way across the wait, as it is across a kernel boundary. Block vb of a grid of vg, waiting for counter c
-// to hold n (c null: no wait, the block waited already), or, pdl, for the previous launch (the first item).
-LUM_D void lum_run_item_waiting(unsigned vb, unsigned vg, const unsigned* c, unsigned n, unsigned pdl) {
+// its way across the wait, as it is across a kernel boundary. Its body's wait is for counter c to hold n (c
+// null: no wait, the block waited already), or, pdl, for the previous launch (the first item).
+LUM_D void lum_run_item(unsigned vb, unsigned vg, const unsigned* c = nullptr, unsigned n = 0u, unsigned pdl = 0u) {
   if (threadIdx.x == 0) {
     LumRing* r = lum_ring();
     r->vb = vb;
