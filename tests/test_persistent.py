@@ -81,7 +81,8 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monk
     cgs, dv = _layer_group(model)
     prog = cgs[1].program
     weights = frozenset(o.id for o in prog.ops if o.kind == "input")
-    (ks,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights).values()
+    gen = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights)
+    (ks,) = gen.values()
     assert ks.tuning["blocks_per_sm"] == blocks and ks.launches[0].grid == (blocks * 132, 1, 1)
     assert f"__launch_bounds__(256, {blocks})" in ks.body and ks.tuning["ring"]["fill"] == mode
     items = ks.tuning["persistent"]
@@ -98,8 +99,7 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monk
     assert ks.body.count("gridDim.x, lum_vb == blockIdx.x);") == 1             # the first item: the launch's wait
     assert "if (blockIdx.x >= lum_g) (lum_pdl_wait)();" in ks.body
     assert len(ks.early) >= len(gemvs) and not set(ks.early) & {"out", "dyn"}
-    table = launch_table(prog, {next(iter(group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights))): ks},
-                         arch="sm_90", dyn_vars=dv, max_dyn={"p": 512})
+    table = launch_table(prog, gen, arch="sm_90", dyn_vars=dv, max_dyn={"p": 512})
     assert table["programmatic"]
     log = nvrtc.compile_cuda(ks.source, "sm_90", ptx=False, extra_options=["--ptxas-options=-v"],
                              cache_dir=False).log
