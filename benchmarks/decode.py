@@ -82,12 +82,9 @@ What it does, in one run on one GPU:
      ``LUM_COMBINE_TRIGGER_LATE=1`` (the attention combine lets o launch after its wait, not as it starts;
      measured slower), ``lum-trigger-first`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
-     llama3-1b, even on gemma3-4b), ``lum-persistent`` with ``LUM_PERSISTENT=1`` (each decoder layer one persistent
-     launch whose GEMVs stream their weights through a shared-memory ring across the layer's dependencies,
-     builder/persistent.py; measured 37% slower), ``lum-persistent-async`` the same with ``LUM_PERSISTENT=async``
-     (the ring filled by warp 0's 16-byte cp.async copies rather than bulk copies), ``lum-persistent-reg`` with
-     ``LUM_PERSISTENT=reg`` (no ring: each GEMV item loads its weights into registers, its first vectors across
-     its wait; as many blocks an SM as its registers allow; ``lum-persistent-reg2``: two,
+     llama3-1b, even on gemma3-4b), ``lum-persistent-reg`` with ``LUM_PERSISTENT=reg`` (each decoder layer one
+     persistent launch, builder/persistent.py: each GEMV item loads its weights into registers, its first vectors
+     across its wait; as many blocks an SM as its registers allow; ``lum-persistent-reg2``: two,
      ``LUM_PERSISTENT_BLOCKS=2``; ``lum-persistent-reg2-pre4``: two, each GEMV lane loading 4 vectors before its
      wait, ``LUM_PERSISTENT_PRELOAD=4``; ``lum-persistent-reg-shared``: those first vectors, up to 4 a lane,
      copied into shared memory, ``LUM_PERSISTENT=reg-shared``),
@@ -179,7 +176,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-stage-prefetch": {"LUM_ATTENTION_STAGE_PREFETCH": "1"},
                  "lum-combine-late": {"LUM_COMBINE_TRIGGER_LATE": "1"},
                  "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
-                 "lum-persistent": {"LUM_PERSISTENT": "1"}, "lum-persistent-async": {"LUM_PERSISTENT": "async"},
                  "lum-persistent-reg": {"LUM_PERSISTENT": "reg"},
                  "lum-persistent-reg2": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2"},
                  "lum-persistent-reg2-pre4": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2",

@@ -105,7 +105,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "prologue_fit_threads",
-           "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs", "gemv_ring_tile",
+           "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
            "ENV_ROW_EARLY", "row_early_default", "ENV_COMBINE_TRIGGER_LATE", "combine_trigger_late",
            "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
@@ -610,26 +610,6 @@ def gemv_rows(op: LOp) -> int | None:
     return m.value
 
 
-def gemv_ring_tile(op: LOp, b_dtype: DType, stage_bytes: int, segments: int = 1) -> int | None:
-    """Rows of B a block tile of gemm ``op`` takes when its B streams through a persistent kernel's ring of
-    ``stage_bytes`` stages (templates/gemv.cu RING): the largest power of two up to 8 whose ``segments``
-    (an epilogue's product column segments) of rows fit a stage; None where B cannot stream so (the dot scheme
-    with a static n and k, batch 1, B [n, k] dense from its start, rows of whole 16-byte vectors)."""
-    p = {name: as_expr(op.params.get(name, GEMM_DEFAULTS.get(name))) for name in ("n", "k", "batch", "ldb", "offset_b")}
-    if op.params.get("layout", "")[2:] != "Cm" or gemv_rows(op) is None:
-        return None
-    if not (p["n"].is_const and p["k"].is_const and p["batch"] == as_expr(1) and p["ldb"] == p["k"]
-            and p["offset_b"] == as_expr(0)):
-        return None
-    row = p["k"].value * b_dtype.itemsize
-    if row % 16 or not 1 <= segments <= GEMV_MAX_ACC:
-        return None
-    rows = 8
-    while rows and rows * row * segments > stage_bytes:
-        rows //= 2
-    return rows or None
-
-
 def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[Expr]) -> str | None:
     """Why lum's GEMV cannot compute its A operand as a fused prologue over domain ``dom`` (None: it can):
     the dot scheme (``RmCm``), no batch, A's buffer read from its start row-major, a static A of
@@ -885,7 +865,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              row_early: bool | None = None, combine: LOp | None = None, combine_cluster: bool = False,
              stage: AttentionStage | None = None, tile_keys: int | None = None,
-             trigger_late: bool = False, ring: int = 0) -> KernelSource | None:
+             trigger_late: bool = False) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -893,9 +873,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     then runs as its tail (:mod:`lum.builder.attention_combine`), counted on per-kv-row counters or, with
     ``combine_cluster`` (sm_90), in a thread block cluster per kv row. ``stage``: the rows of the ops before it an
     attention kernel computes (:class:`AttentionStage`). ``trigger_late``: the kernel lets the next one launch
-    after its wait, not before (:func:`combine_trigger_late`). ``ring``: a gemv's B from a persistent kernel's
-    ring of shared-memory stages of this many bytes (:func:`gemv_ring_tile`; templates/gemv.cu RING). See the
-    module docstring for the tuning parameters."""
+    after its wait, not before (:func:`combine_trigger_late`). See the module docstring for the tuning
+    parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -930,9 +909,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
-               combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys, ring=ring)
-    if ring and op.kind != "gemm":
-        raise CodegenError(f"only a gemv reads its B from a ring, not a {op.kind} kernel")
+               combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys)
     if (combine is not None or stage is not None) and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a combine or a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
@@ -1275,9 +1252,8 @@ class _Gen:
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
                  combine: LOp | None = None, combine_cluster: bool = False, stage: AttentionStage | None = None,
-                 tile_keys: int | None = None, ring: int = 0):
+                 tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
-        self.ring = ring                           # gemv: B from a ring of stages of this many bytes (0: global)
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.combine = combine                     # an attention's combine reduce, run as its tail
         self.combine_cluster = combine_cluster     # ... in a cluster of blocks per kv row, not counted
@@ -2541,13 +2517,6 @@ class _Gen:
         elif pair:                                # column j and j + n/2 in one group, A read once for both
             n_out, acc_cols = as_expr(n.value // 2), [0, n.value // 2]
             epi = load_template("gemv_pairs.cuh")
-        ring_rows = 0
-        if self.ring:                             # a tile's rows of B in one stage: group = threads / rows
-            ring_rows = gemv_ring_tile(op, dtb, self.ring, len(acc_cols))
-            if ring_rows is None or self.threads % ring_rows:
-                raise CodegenError(f"gemm op {op.id}: B cannot stream through a ring of {self.ring}-byte stages")
-            self.group, self.inflight, self.preload, self.preload_shared = self.threads // ring_rows, 0, 0, False
-            p.update(ldb=p["k"])                                          # the stage: [segment][column][k]
         vec, vec_ok = self._gemv_vec(p, a_kc, b_kc, dta, dtb)
         group = self._gemv_group(p, b_kc, vec)
         unroll = 4 if self.unroll is None else self.unroll
@@ -2561,7 +2530,7 @@ class _Gen:
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight, shared) if b_kc else 0
         shared = shared if preload > 0 else 0
         self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
-        b_stream = b_kc and jb in self.weight_args and gemv_evict_first() and not self.ring
+        b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -2586,9 +2555,6 @@ class _Gen:
             tuning["stream"] = True
         if narrow:
             tuning["narrow_a"] = True
-        if ring_rows:       # and what the ring's issuer needs of B (common.cuh LumRingGemv)
-            tuning["ring"] = {"stage_bytes": self.ring, "rows": ring_rows, "row_bytes": k.value * dtb.itemsize,
-                              "n_out": int(n_out.evaluate({})), "acc_rows": list(acc_cols)}
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
@@ -2616,9 +2582,7 @@ class _Gen:
             "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
-            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok, "RING": int(bool(ring_rows)),
-            "NOT_RING": int(not ring_rows), "B_SEG": "RING_SEG" if ring_rows else "ACC_COLS",
-            "RING_SEG": ", ".join(str(t * ring_rows) for t in range(len(acc_cols)))})
+            "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
         smem = self.threads * preload * len(acc_cols) * 16 if shared else 0      # within ``shared``
         return [src], [("", grid, (self.threads, 1, 1), smem)], tuning, margin
 

@@ -161,37 +161,27 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
     ``0``; they take the same small kernels, into the kernel before them), each keeping the
     register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
-    the group at the persistent kernels' block size and its runs of kernels as persistent kernels
-    (:mod:`lum.builder.persistent`), their rings as deep as the SM's shared memory leaves room for."""
-    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, REG_MODES, RING_STAGES, fuse_persistent,
-                                       persistent_blocks, persistent_mode, reg_preload)
+    its runs of kernels as register-fed persistent kernels (:mod:`lum.builder.persistent`) of as many blocks an
+    SM as fit and spill at most REG_MAX_SPILL bytes a thread, every kernel generated at their block size."""
+    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, fuse_persistent, persistent_blocks,
+                                       persistent_mode, reg_preload)
 
     mode = persistent_mode()
-    if mode:                    # the group at the persistent kernel's block size, its runs as persistent kernels
-        wide_tuning = {**(tuning or {}), "threads": PERSISTENT_THREADS}
-        reg = mode in REG_MODES
-        if reg:                 # every GEMV's first vectors before its wait, into registers (or shared memory)
-            wide_tuning = {"preload": reg_preload(mode), **wide_tuning, "preload_shared": mode == "reg-shared"}
-        else:
-            wide = _fused_kernels(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights)
-        # ring: the deepest ring that fits beside the items' static shared memory; reg: the most blocks an SM
-        # that fit and spill at most REG_MAX_SPILL bytes a thread (any, where one count is asked for)
-        tries = persistent_blocks()
-        shapes = [(0, b) for b in tries] if reg else [(s, 1) for s in range(RING_STAGES, 1, -1)]
-        for stages, blocks in shapes:
-            if reg:
-                wide = _balanced_items(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights,
-                                       SMS * blocks)
-            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, tuning, weights, stages, mode, blocks)
+    if mode:                    # every GEMV's first vectors before its wait, into registers (or shared memory)
+        wide_tuning = {"preload": reg_preload(mode), **(tuning or {}), "threads": PERSISTENT_THREADS,
+                       "preload_shared": mode == "reg-shared"}
+        tries = persistent_blocks()     # the first that fits and spills at most REG_MAX_SPILL (any, if one asked)
+        for blocks in tries:
+            wide = _balanced_items(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights, SMS * blocks)
+            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, mode, blocks)
             kernels = [ks for ks in fused.values() if ks is not None and ks.tuning.get("persistent")]
             if not kernels:
                 break
-            spill = REG_MAX_SPILL if reg and blocks > 1 and len(tries) > 1 else None
+            spill = REG_MAX_SPILL if blocks > 1 and len(tries) > 1 else None
             if _shared_fits(kernels, arch, cache_dir, blocks, spill):
                 return {i: ks for i, ks in fused.items() if ks is not None}
         else:
-            warnings.warn("lum: no persistent kernel of this group fits its shared memory; it keeps its kernels",
-                          stacklevel=2)
+            warnings.warn("lum: no persistent kernel of this group fits an SM; it keeps its kernels", stacklevel=2)
     gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     return {i: ks for i, ks in gen.items() if ks is not None}
 

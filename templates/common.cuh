@@ -449,122 +449,41 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
   for (int e = 0; e < N; ++e) out[e] = cvt(raw[e]);
 }
 
-// ------------------------------------------------------------------------------ weights through a ring
-// A persistent kernel (templates/persistent.cu, builder/persistent.py) streams its GEMVs' weights through a
-// ring of shared-memory stages: one tile of a GEMV (its block tile's rows of B, for each product column
-// segment of an epilogue) a stage, copied by one cp.async.bulk request per segment that completes on the
-// stage's mbarrier (or, `async`, by warp 0's lanes in 16-byte cp.async copies, each lane's arrival counted
-// once its copies land). Thread 0 (warp 0) issues the copies, in the order the block will use the tiles
-// (each GEMV's tiles blockIdx.x, blockIdx.x + gridDim.x, … as gemv.cu's dot loop walks them, GEMV after
-// GEMV); every thread waits for a stage's phase (lum_ring_acquire); once the block is done with it
-// (lum_ring_release) thread 0 (warp 0) refills it with the tile `stages` ahead. So while the block waits
-// for another's results (a dependency between two ops of the kernel) its next tiles are already on their
-// way: the stream does not stop at the dependency, as it does at a kernel boundary. The ring's state and its
-// stages are the kernel's dynamic shared memory: LumRing at offset 0, stage s at LUM_RING_HEADER + s *
-// stage_bytes.
-// Host emulation (tests/cuda_emulation.py): a copy lands at once; an mbarrier is (arrivals left | phase
-// parity << 16, bytes pending) in its 8 bytes.
+// ------------------------------------------------------------------------------ persistent kernels' items
+// A persistent kernel (templates/persistent.cu, builder/persistent.py) calls its items' bodies one after
+// another; the block index and grid an item's body sees, and the wait it does inside its body, are in the
+// item header at the start of the kernel's dynamic shared memory (LUM_ITEM_HEADER bytes; a GEMV's shared
+// preload after it: lum_item_smem).
 #if defined(__CUDA_ARCH__) || defined(LUM_EMU_RESIDENT)   // the GPU, or the emulator's resident runs
-#define LUM_RING_MAX_ACC 4        // product column segments of a GEMV tile (codegen.GEMV_MAX_ACC)
-#define LUM_RING_MAX_ITEMS 16     // GEMVs a kernel streams
-#define LUM_RING_MAX_STAGES 8
-#define LUM_RING_HEADER 1024      // bytes before stage 0 (LumRing, rounded up)
-struct LumRingGemv {              // one GEMV's weights: B [n_rows (+ segments' offsets), row_bytes], rows a tile
-  const unsigned char* w;
-  unsigned row_bytes, rows, n_rows, nacc;
-  unsigned acc_rows[LUM_RING_MAX_ACC];   // each segment's first row in B (gemv.cu ACC_COLS)
-};
-struct LumRing {
-  unsigned long long bars[LUM_RING_MAX_STAGES];
-  unsigned stage_bytes, stages, used, issued, item, tile, n_items;
+#define LUM_ITEM_HEADER 128       // bytes before an item's own dynamic shared memory (LumItem, rounded up)
+struct LumItem {
   unsigned vb, vg;               // the block index and grid an item's body sees (lum_virtual_block)
-  const unsigned* wait_c;        // register-fed items: the counter the body's wait polls (lum_item_wait) ...
+  const unsigned* wait_c;        // the counter the body's wait polls (lum_item_wait) ...
   unsigned wait_n, wait_pdl;     // ... until it holds wait_n; wait_pdl: the wait for the previous launch instead
-  unsigned async;                // 1: warp 0's lanes copy 16 bytes each (cp.async), 0: thread 0 a bulk copy
-  LumRingGemv items[LUM_RING_MAX_ITEMS];
 };
-static_assert(sizeof(LumRing) <= LUM_RING_HEADER, "LumRing fits its header");
+static_assert(sizeof(LumItem) <= LUM_ITEM_HEADER, "LumItem fits its header");
 
 #if defined(__CUDA_ARCH__)
-LUM_D LumRing* lum_ring() {
-  extern __shared__ __align__(128) unsigned char lum_ring_smem[];
-  return reinterpret_cast<LumRing*>(lum_ring_smem);
+LUM_D LumItem* lum_item() {
+  extern __shared__ __align__(128) unsigned char lum_item_dyn_smem[];
+  return reinterpret_cast<LumItem*>(lum_item_dyn_smem);
 }
-LUM_D void lum_mbar_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(lum_shared_addr(bar)), "r"(count) : "memory");
-}
-LUM_D void lum_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-LUM_D void lum_mbar_expect(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-               :: "r"(lum_shared_addr(bar)), "r"(bytes) : "memory");
-}
-LUM_D bool lum_mbar_done(unsigned long long* bar, unsigned parity) {
-  unsigned done;
-  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-               : "=r"(done) : "r"(lum_shared_addr(bar)), "r"(parity) : "memory");
-  return done != 0;
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global g to shared s, completing on bar
-LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-               " [%0], [%1], %2, [%3], %4;"
-               :: "r"(lum_shared_addr(s)), "l"(g), "r"(bytes), "r"(lum_shared_addr(bar)),
-                  "l"(lum_evict_first_policy()) : "memory");
-}
-// An arrival on bar once every cp.async this thread issued has landed (counted among its expected arrivals).
-LUM_D void lum_async_arrive(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(lum_shared_addr(bar)) : "memory");
-}
-// Before an async-proxy copy overwrites a stage the block's threads read (generic proxy) before a barrier.
-LUM_D void lum_ring_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-#define lum_ring_spin() ((void)0)
 #else
-#define lum_ring_proxy_fence() ((void)0)
-LUM_D LumRing* lum_ring() { return reinterpret_cast<LumRing*>(lum_emu_dyn_smem()); }
-LUM_D unsigned* lum_mbar_words(unsigned long long* bar) { return reinterpret_cast<unsigned*>(bar); }
-LUM_D void lum_mbar_init(unsigned long long* bar, unsigned count) {
-  lum_mbar_words(bar)[0] = count | count << 8;      // expected arrivals, arrivals left, parity 0
-  lum_mbar_words(bar)[1] = 0;
-}
-LUM_D void lum_mbar_init_fence() {}
-LUM_D void lum_mbar_complete_if_done(unsigned* m) {   // no arrival and no byte pending: the phase completes
-  if (((m[0] >> 8) & 0xffu) == 0 && m[1] == 0) m[0] = ((m[0] & 0xffu) | (m[0] & 0xffu) << 8) | ((~m[0]) & 0x10000u);
-}
-LUM_D void lum_mbar_expect(unsigned long long* bar, unsigned bytes) {
-  unsigned* m = lum_mbar_words(bar);
-  m[1] += bytes;
-  m[0] -= 1u << 8;
-  lum_mbar_complete_if_done(m);
-}
-LUM_D bool lum_mbar_done(unsigned long long* bar, unsigned parity) {
-  return ((lum_mbar_words(bar)[0] >> 16) & 1u) != parity;
-}
-LUM_D void lum_bulk_copy(void* s, const void* g, unsigned bytes, unsigned long long* bar) {
-  std::memcpy(s, g, bytes);
-  unsigned* m = lum_mbar_words(bar);
-  m[1] -= bytes;
-  lum_mbar_complete_if_done(m);
-}
-LUM_D void lum_async_arrive(unsigned long long* bar) {   // the thread's copies have landed already
-  unsigned* m = lum_mbar_words(bar);
-  m[0] -= 1u << 8;
-  lum_mbar_complete_if_done(m);
-}
-#define lum_ring_spin() lum_spin_yield()
+LUM_D LumItem* lum_item() { return reinterpret_cast<LumItem*>(lum_emu_dyn_smem()); }
 #endif
 
 // An item's body sees blockIdx and gridDim as these (templates/persistent.cu defines the two names so around
 // each body): block vb of a grid of vg, one dimension.
-LUM_D auto lum_virtual_block() { auto b = blockIdx; b.x = lum_ring()->vb; b.y = b.z = 0; return b; }
-LUM_D auto lum_virtual_grid() { auto g = gridDim; g.x = lum_ring()->vg; g.y = g.z = 1; return g; }
-// Block vb of a grid of vg, for the item body called next: every thread sees it after the barrier. A
-// register-fed item (builder/persistent.py `reg`, `reg-shared`) waits inside its body, where its kernel
-// waited for the one before (lum_pdl_wait, which the item's text calls lum_item_wait): its preload is then on
-// its way across the wait, as it is across a kernel boundary. Its body's wait is for counter c to hold n (c
-// null: no wait, the block waited already), or, pdl, for the previous launch (the first item).
+LUM_D auto lum_virtual_block() { auto b = blockIdx; b.x = lum_item()->vb; b.y = b.z = 0; return b; }
+LUM_D auto lum_virtual_grid() { auto g = gridDim; g.x = lum_item()->vg; g.y = g.z = 1; return g; }
+// Block vb of a grid of vg, for the item body called next: every thread sees it after the barrier. An item
+// waits inside its body, where its kernel waited for the one before (lum_pdl_wait, which the item's text
+// calls lum_item_wait): its preload is then on its way across the wait, as it is across a kernel boundary.
+// Its body's wait is for counter c to hold n (c null: no wait, the block waited already), or, pdl, for the
+// previous launch (the first item).
 LUM_D void lum_run_item(unsigned vb, unsigned vg, const unsigned* c = nullptr, unsigned n = 0u, unsigned pdl = 0u) {
   if (threadIdx.x == 0) {
-    LumRing* r = lum_ring();
+    LumItem* r = lum_item();
     r->vb = vb;
     r->vg = vg;
     r->wait_c = c;
@@ -573,96 +492,12 @@ LUM_D void lum_run_item(unsigned vb, unsigned vg, const unsigned* c = nullptr, u
   }
   __syncthreads();
 }
-// A register-fed item's dynamic shared memory (a GEMV's shared preload, `reg-shared`): after the header.
-LUM_D unsigned char* lum_item_smem() { return reinterpret_cast<unsigned char*>(lum_ring()) + LUM_RING_HEADER; }
+// An item's own dynamic shared memory (a GEMV's shared preload, `reg-shared`): after the header.
+LUM_D unsigned char* lum_item_smem() { return reinterpret_cast<unsigned char*>(lum_item()) + LUM_ITEM_HEADER; }
 LUM_D void lum_item_wait() {
-  const LumRing* r = lum_ring();
+  const LumItem* r = lum_item();
   if (r->wait_pdl) (lum_pdl_wait)();                 // parenthesized: the function, not the stamps' macro
   else if (r->wait_c) lum_wait_count(r->wait_c, r->wait_n);
-}
-LUM_D unsigned char* lum_ring_stage(LumRing* r, unsigned s) {
-  return reinterpret_cast<unsigned char*>(r) + LUM_RING_HEADER + (unsigned long long)s * r->stage_bytes;
-}
-// The issuers (thread 0 of a bulk ring, warp 0 of an async one): the next tile of this block's walk into the
-// stage after the last one issued, if any is left. Every issuer reads the cursor; thread 0 moves it.
-LUM_D void lum_ring_issue(LumRing* r) {
-  const unsigned lane = threadIdx.x, mask = r->async ? 0xffffffffu : 1u;
-  while (r->item < r->n_items) {
-    const LumRingGemv& g = r->items[r->item];
-    const unsigned tiles = (g.n_rows + g.rows - 1u) / g.rows;
-    const unsigned c = blockIdx.x + r->tile * gridDim.x;
-    const bool here = c < tiles;
-    if (here) {
-      const unsigned s = r->issued % r->stages;
-      const unsigned rows = g.n_rows - c * g.rows < g.rows ? g.n_rows - c * g.rows : g.rows;
-      const unsigned bytes = rows * g.row_bytes;
-      for (unsigned t = 0; t < g.nacc; ++t) {
-        unsigned char* dst = lum_ring_stage(r, s) + (unsigned long long)t * g.rows * g.row_bytes;
-        const unsigned char* src = g.w + ((unsigned long long)g.acc_rows[t] + (unsigned long long)c * g.rows) *
-                                   g.row_bytes;
-        if (r->async) {
-          for (unsigned o = lane * 16u; o < bytes; o += 512u) lum_copy16_async(dst + o, src + o);
-        } else {
-          if (t == 0) {
-            lum_ring_proxy_fence();
-            lum_mbar_expect(&r->bars[s], bytes * g.nacc);
-          }
-          lum_bulk_copy(dst, src, bytes, &r->bars[s]);
-        }
-      }
-      if (r->async) lum_async_arrive(&r->bars[s]);
-    }
-    __syncwarp(mask);                       // every issuer has read the cursor
-    if (lane == 0) {
-      if (here) {
-        ++r->tile;
-        ++r->issued;
-      } else {
-        ++r->item;
-        r->tile = 0;
-      }
-    }
-    __syncwarp(mask);
-    if (here) return;
-  }
-}
-// The issuers, once thread 0 has put the items in r->items: the ring's first `stages` tiles on their way.
-// Weights depend on no kernel, so this may run before the wait for the kernel before.
-LUM_D void lum_ring_start(LumRing* r, unsigned n_items, unsigned stages, unsigned stage_bytes, unsigned async) {
-  const unsigned mask = async ? 0xffffffffu : 1u;
-  if (threadIdx.x == 0) {
-    r->n_items = n_items;
-    r->stages = stages;
-    r->stage_bytes = stage_bytes;
-    r->async = async;
-    r->used = r->issued = r->item = r->tile = 0;
-    for (unsigned s = 0; s < stages; ++s) lum_mbar_init(&r->bars[s], async ? 32u : 1u);
-    lum_mbar_init_fence();
-  }
-  __syncwarp(mask);
-  for (unsigned s = 0; s < stages; ++s) lum_ring_issue(r);
-}
-// Every thread of the block: the stage holding the block's next tile, once it has landed.
-LUM_D const unsigned char* lum_ring_acquire() {
-  LumRing* r = lum_ring();
-  const unsigned s = r->used % r->stages, parity = (r->used / r->stages) & 1u;
-  for (unsigned long long polls = 0; !lum_mbar_done(&r->bars[s], parity); ++polls) {
-    lum_ring_spin();
-#if defined(__CUDA_ARCH__)
-    if (polls > (1ull << 22)) __trap();     // a copy that never lands: an error, not a hang
-#endif
-  }
-  return lum_ring_stage(r, s);
-}
-// Every thread of the block, done reading the stage lum_ring_acquire gave: the issuers refill it.
-LUM_D void lum_ring_release() {
-  __syncthreads();
-  LumRing* r = lum_ring();
-  if (threadIdx.x < (r->async ? 32u : 1u)) {
-    lum_ring_issue(r);
-    if (threadIdx.x == 0) ++r->used;
-  }
-  __syncthreads();
 }
 #endif  // the GPU, or the emulator's resident runs
 #endif  // CUDA

@@ -37,12 +37,6 @@
 //! prefetch hints, per-thread cp.async staging of every tile and a bulk-copy preload into shared memory were
 //! tried here and measured slower: benchmarks/NOTES.md.)
 //!
-//! With RING (a GEMV of a persistent kernel, builder/persistent.py; dot scheme, batch 1, no preload, no loads
-//! ahead) each block tile's rows of B come from a stage of the kernel's ring of shared memory (common.cuh
-//! "weights through a ring": lum_ring_acquire before the tile, lum_ring_release after it), laid out
-//! [segment t][column of the tile][k]: B's rows are read at RING_SEG (t * SPAN) rather than ACC_COLS, and
-//! LDB is k.
-//!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS (empty, or ", b": blocks an SM must hold) IDX_T PARAMS DYN_LOADS;
 //!   A_PTR B_PTR (the operands: in0 / in1, or the prologue's shared array and the last input), PROLOGUE
 //!   (empty, or the code that fills lum_as); NACC ACC_COLS N_OUT HAS_EPILOGUE (1, 0, N, false without an
@@ -55,9 +49,7 @@
 //!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
-//!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression),
-//!   RING NOT_RING (1 and 0 for B from the ring, else 0 and 1), RING_SEG (with RING), B_SEG (ACC_COLS, or
-//!   RING_SEG with RING).
+//!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{A_T}} a_t;
@@ -73,9 +65,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int A_PIECE = (int)(16 / sizeof(a_t)) < VEC ? (int)(16 / sizeof(a_t)) : VEC;  // A elements per access
   constexpr int NACC = {{NACC}};                 // product columns per output column (dot scheme)
   constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
-#if {{RING}}
-  constexpr int RING_SEG[NACC] = {{{RING_SEG}}};  // the stage's row of each product column segment's first column
-#endif
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
   constexpr bool B_STREAM = {{B_STREAM}};        // dot scheme: B is a weight, read once: lum_load_stream
@@ -143,8 +132,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         if (lum_q < lum_kvec) {
 #pragma unroll
           for (int t = 0; t < NACC; ++t) {
-            if constexpr (PRELOAD_SHARED) lum_copy16_async(lum_pre_slot(u, t), lum_pp + {{B_SEG}}[t] * lum_ldb + lum_q);
-            else lum_b_raw(lum_pp + {{B_SEG}}[t] * lum_ldb + lum_q, lum_pre[u][t]);
+            if constexpr (PRELOAD_SHARED) lum_copy16_async(lum_pre_slot(u, t), lum_pp + ACC_COLS[t] * lum_ldb + lum_q);
+            else lum_b_raw(lum_pp + ACC_COLS[t] * lum_ldb + lum_q, lum_pre[u][t]);
           }
         }
       }
@@ -170,16 +159,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       float lum_acc[NACC * M];  // [t * M + i]: row i of product column j + ACC_COLS[t]
 #pragma unroll
       for (int r = 0; r < NACC * M; ++r) lum_acc[r] = 0.0f;
-#if {{RING}}
-      const b_t* lum_ring_tile = reinterpret_cast<const b_t*>(lum_ring_acquire());   // this tile's rows of B
-#endif
       if (lum_c < lum_cols) {
-#if {{RING}}
-        const b_t* lum_bp = lum_ring_tile + (idx_t)lum_g * lum_ldb;   // column j's row of the stage
-#endif
-#if {{NOT_RING}}
         const b_t* lum_bp = {{B_PTR}} + (lum_ob + lum_b * lum_sb + lum_j * lum_ldb);  // column j: k contiguous
-#endif
         const a_t* lum_ap = {{A_PTR}} + (lum_oa + lum_b * lum_sa);
         idx_t lum_kv = 0;  // k covered by whole vectors
         auto lum_fma = [&](idx_t lum_q, const float (&lum_bv)[NACC][VEC]) {   // += A(i, q .. q + VEC) · the vectors
@@ -204,7 +185,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             for (int u = 0; u < U; ++u) {
               if (lum_q0 + u * lum_step < lum_kv) {
 #pragma unroll
-                for (int t = 0; t < NACC; ++t) lum_b_raw(lum_bp + {{B_SEG}}[t] * lum_ldb + lum_q0 + u * lum_step, lum_braw[u][t]);
+                for (int t = 0; t < NACC; ++t) lum_b_raw(lum_bp + ACC_COLS[t] * lum_ldb + lum_q0 + u * lum_step, lum_braw[u][t]);
               }
             }
             if (A_EARLY) {
@@ -244,7 +225,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
             for (idx_t lum_q = lum_q0; lum_q < lum_kv; lum_q += (idx_t)GROUP * VEC) {
               float lum_bv[NACC][VEC];
 #pragma unroll
-              for (int t = 0; t < NACC; ++t) lum_b_f32(lum_bp + {{B_SEG}}[t] * lum_ldb + lum_q, lum_bv[t]);
+              for (int t = 0; t < NACC; ++t) lum_b_f32(lum_bp + ACC_COLS[t] * lum_ldb + lum_q, lum_bv[t]);
               lum_fma(lum_q, lum_bv);
             }
           };
@@ -277,7 +258,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         for (idx_t lum_kk = lum_kv + lum_lane; lum_kk < lum_k; lum_kk += GROUP) {
 #pragma unroll
           for (int t = 0; t < NACC; ++t) {
-            const float lum_bs = lum_cb(lum_bp[{{B_SEG}}[t] * lum_ldb + lum_kk]);
+            const float lum_bs = lum_cb(lum_bp[ACC_COLS[t] * lum_ldb + lum_kk]);
 #pragma unroll
             for (int i = 0; i < M; ++i) lum_acc[t * M + i] += lum_ca(lum_ap[i * lum_ars + lum_kk * lum_aks]) * lum_bs;
           }
@@ -307,9 +288,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         }
 {{EPILOGUE}}
       }
-#if {{RING}}
-      lum_ring_release();
-#endif
     }
     if constexpr (PRELOAD_SHARED) lum_copy_wait_all();   // copies no tile read (A misaligned: the scalar loop)
   } else {  // ------------------------------------------------------------------------ cols

@@ -414,13 +414,10 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                                            lambda op: op.tuning.get("trigger_late")),
                   "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                                                     lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger")),
-                  "persistent": ({"LUM_PERSISTENT": "1"}, None, lambda op: op.tuning.get("persistent")),
-                  "persistent-async": ({"LUM_PERSISTENT": "async"}, None,
-                                       lambda op: op.tuning.get("ring", {}).get("fill") == "async"),
                   "persistent-reg": ({"LUM_PERSISTENT": "reg"}, None,
-                                     lambda op: op.tuning.get("ring", {}).get("fill") == "reg"),
+                                     lambda op: op.tuning.get("persistent_mode") == "reg"),
                   "persistent-reg-shared": ({"LUM_PERSISTENT": "reg-shared"}, None,
-                                            lambda op: op.tuning.get("ring", {}).get("fill") == "reg-shared")}
+                                            lambda op: op.tuning.get("persistent_mode") == "reg-shared")}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -437,11 +434,9 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     wait (``LUM_ATTENTION_STAGE_PREFETCH=1``), or the attention combine letting the kernel after it launch after
     its wait (``LUM_COMBINE_TRIGGER_LATE=1``; both off by default), or the attention letting it launch after its
     stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
-    persistent launch whose GEMVs read their weights from a shared-memory ring (``LUM_PERSISTENT=1``, filled by
-    bulk copies; ``async``: by 16-byte cp.async copies; ``reg``: no ring, its GEMVs' weights in registers, several
-    blocks an SM, each item waiting inside its body; ``reg-shared``: their first weights copied into shared
-    memory; builder/persistent.py; its blocks wait for each other, so
-    this is where their memory order and the copies are checked);
+    persistent launch (``LUM_PERSISTENT=reg``: its GEMVs' weights in registers, several blocks an SM, each item
+    waiting inside its body; ``reg-shared``: their first weights copied into shared memory;
+    builder/persistent.py; its blocks wait for each other, so this is where their memory order is checked);
     none changes a value. Decode
     logits of the fused package as the
     reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as

@@ -1,5 +1,5 @@
 """Persistent kernels (builder/persistent.py, templates/persistent.cu): a decoder layer's kernels as one launch
-whose GEMVs stream their weights through a shared-memory ring, or (``reg``) load them into registers. What
+whose GEMVs load their weights into registers (``reg``; ``reg-shared``: their first into shared memory). What
 they are at real shapes (CPU, NVRTC) and that the tiny models built with them generate the reference
 backend's tokens on the emulated driver."""
 
@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 import lum.loader
-from lum.builder.codegen import gemv_ring_tile
 from lum.format.dtypes import DType
 from tests import cuda_emulation as emu
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
-MODES = ["1", "async", "reg", "reg-shared"]
+MODES = ["reg", "reg-shared"]
 MAX_SEQ = 16
 
 
@@ -27,55 +26,20 @@ def _layer_group(model: str):
     return cgs, program_dyn_vars([cg.program for cg in cgs])
 
 
-@pytest.mark.parametrize("model,mode", [("gemma3-4b", "1"), ("llama3-1b", "1"), ("gemma3-4b", "async")])
-def test_a_decoder_layer_is_one_persistent_kernel(model, mode, monkeypatch):
-    """At real shapes every kernel op of the layer group runs in one persistent kernel of 132 blocks, its
-    GEMVs in the ring (filled by bulk copies, or ``async`` by warp 0's 16-byte copies); its launch table entry
-    follows the convention, and NVRTC compiles it with its static shared memory beside the ring within the
-    227 KB an SM gives a block."""
-    from lum.builder import nvrtc
-    from lum.builder.kernels import group_kernel_sources, launch_table
-    from lum.builder.persistent import PERSISTENT_THREADS, RING_STAGE_BYTES, RING_STAGES
-
-    monkeypatch.setenv("LUM_PERSISTENT", mode)
-    cgs, dv = _layer_group(model)
-    prog = cgs[1].program
-    weights = frozenset(o.id for o in prog.ops if o.kind == "input")
-    gen = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights)
-    (ks,) = gen.values()
-    assert ks.tuning.get("persistent") and ks.launches[0].grid == (132, 1, 1)
-    assert ks.launches[0].block == (PERSISTENT_THREADS, 1, 1)
-    work = [o.id for o in prog.ops if o.kind not in ("input", "constant", "output")]
-    assert [next(iter(gen))] + list(ks.tails) == work          # every op of the layer, in program order
-    rings = [t for t in ks.tuning["persistent"] if t.get("ring")]
-    gemms = [o for o in prog.ops if o.kind == "gemm"]
-    assert len(rings) == len(gemms) == len(ks.early) >= 3
-    table = launch_table(prog, gen, arch="sm_90", dyn_vars=dv, max_dyn={"p": 512})
-    (entry,) = table["ops"]
-    assert entry["launches"][0]["shared_mem"] == 1024 + RING_STAGES * RING_STAGE_BYTES and table["programmatic"]
-    log = nvrtc.compile_cuda(ks.source, "sm_90", ptx=False, extra_options=["--ptxas-options=-v"],
-                             cache_dir=False).log
-    static = int(next(ln for ln in log.splitlines() if "bytes smem" in ln).split("bytes smem")[0].split()[-1])
-    assert static + entry["launches"][0]["shared_mem"] <= 227 * 1024, log
-    assert not nvrtc.ptxas_spills(log).get(ks.name), log
-    assert ks.tuning["ring"]["fill"] == {"1": "bulk", "async": "async"}[mode]
-    assert ("lum_ring_start(lum_r, 4u, 4u, 40960u, 1u)" in ks.body) == (mode == "async")    # warp 0 fills it
-
-
 @pytest.mark.parametrize("model,mode,blocks", [("gemma3-4b", "reg", 4), ("llama3-1b", "reg", 4),
-                                               ("gemma3-4b", "reg-shared", 3), ("llama3-1b", "reg-shared", 4)])
+                                               ("gemma3-4b", "reg-shared", 4), ("llama3-1b", "reg-shared", 4)])
 def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monkeypatch):
-    """``LUM_PERSISTENT=reg``: the layer's kernel ops in one persistent kernel with no ring (its dynamic shared
-    memory the 1 KB header), as many blocks an SM as fit and spill at most REG_MAX_SPILL bytes a thread (4 on
+    """``LUM_PERSISTENT=reg``: the layer's kernel ops in one persistent kernel (its dynamic shared
+    memory the item header), as many blocks an SM as fit and spill at most REG_MAX_SPILL bytes a thread (4 on
     both models at 64 registers), every GEMV item preloading REG_PRELOAD vectors a lane into registers; each
     item's body waits where its kernel did (lum_item_wait), the first item's for the previous launch (every
     block, even one with none of its grid); every weight its items read before a wait is named early.
     ``reg-shared``: the GEMVs preload up to REG_SHARED_PRELOAD vectors a lane into shared memory after the
-    header (lum_item_smem; gemma3-4b's gate-up 32 KB a block, so 3 blocks an SM). ``LUM_PERSISTENT_BLOCKS=2``
-    asks for two blocks an SM, and a count out of range is an error."""
+    header (lum_item_smem; gemma3-4b's gate-up 32 KB a block: four blocks an SM beside its static shared memory).
+    ``LUM_PERSISTENT_BLOCKS=2`` asks for two blocks an SM, and a count out of range is an error."""
     from lum.builder import nvrtc
     from lum.builder.kernels import group_kernel_sources, launch_table
-    from lum.builder.persistent import REG_MAX_SPILL, REG_PRELOAD, REG_SHARED_PRELOAD, persistent_blocks
+    from lum.builder.persistent import ITEM_HEADER, REG_MAX_SPILL, REG_PRELOAD, REG_SHARED_PRELOAD, persistent_blocks
 
     monkeypatch.setenv("LUM_PERSISTENT", mode)
     cgs, dv = _layer_group(model)
@@ -83,16 +47,18 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monk
     weights = frozenset(o.id for o in prog.ops if o.kind == "input")
     gen = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights)
     (ks,) = gen.values()
+    work = [o.id for o in prog.ops if o.kind not in ("input", "constant", "output")]
+    assert [next(iter(gen))] + list(ks.tails) == work          # every op of the layer, in program order
     assert ks.tuning["blocks_per_sm"] == blocks and ks.launches[0].grid == (blocks * 132, 1, 1)
-    assert f"__launch_bounds__(256, {blocks})" in ks.body and ks.tuning["ring"]["fill"] == mode
+    assert f"__launch_bounds__(256, {blocks})" in ks.body and ks.tuning["persistent_mode"] == mode
     items = ks.tuning["persistent"]
     gemvs = [t for t in items if t.get("scheme") == "dot"]
     assert len(gemvs) == sum(o.kind == "gemm" for o in prog.ops) >= 3
     if mode == "reg":
-        assert ks.launches[0].shared_mem == 1024
+        assert ks.launches[0].shared_mem == ITEM_HEADER
         assert all(t["preload"] == REG_PRELOAD and not t.get("preload_shared") for t in gemvs)
     else:
-        assert 1024 < ks.launches[0].shared_mem <= 1024 + REG_SHARED_PRELOAD * 16 * 256 * 2   # ≤ 2 segments
+        assert ITEM_HEADER < ks.launches[0].shared_mem <= ITEM_HEADER + REG_SHARED_PRELOAD * 16 * 256 * 2  # ≤ 2 segments
         assert all(1 <= t["preload"] <= REG_SHARED_PRELOAD and t["preload_shared"] for t in gemvs)
     assert "extern __shared__ lum_vec" not in ks.body      # every GEMV's preload buffer after the item header
     assert ks.body.count("lum_item_wait()") == len(items)
@@ -113,21 +79,20 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monk
         persistent_blocks()
 
 
-def test_off_by_default_and_ring_tiles():
-    """Without ``LUM_PERSISTENT`` the layer keeps its kernels; a ring tile is the largest power of two of
-    rows up to 8 whose segments fit a stage, and none where B is not a static dense [n, k]."""
+def test_off_by_default():
+    """Without ``LUM_PERSISTENT`` the layer keeps its kernels, and a mode it does not know is an error."""
     from lum.builder.kernels import group_kernel_sources
+    from lum.builder.persistent import persistent_mode
 
     cgs, dv = _layer_group("gemma3-4b")
     prog = cgs[1].program
     gen = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=frozenset(o.id for o in prog.ops
                                                                              if o.kind == "input"))
     assert len(gen) > 1 and not any(ks.tuning.get("persistent") for ks in gen.values())
-    gemms = {o.id: o for o in prog.ops if o.kind == "gemm"}
-    tiles = sorted(gemv_ring_tile(o, DType.bf16, 40960, len(o.params.get("acc_cols", [0]))) for o in gemms.values())
-    assert tiles == [2, 4, 8, 8]               # down (k 10,240), gate-up (two segments), o and qkv (k 2,560)
-    some = next(iter(gemms.values()))
-    assert gemv_ring_tile(some, DType.bf16, 1024) is None      # not one row of 2,560 bf16 in 1 KB
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_PERSISTENT", "1")
+        with pytest.raises(ValueError, match="LUM_PERSISTENT"):
+            persistent_mode()
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +120,8 @@ def emulated(tmp_path_factory):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", MODELS)
 def test_tiny_models_generate_the_reference_tokens(emulated, model, mode):
-    """Built with ``LUM_PERSISTENT`` (``1``: the ring filled by bulk copies, ``async``: by warp 0's 16-byte
-    copies, ``reg``: no ring, the items waiting inside their bodies), each tiny model's decode layers are
+    """Built with ``LUM_PERSISTENT`` (``reg``: the items waiting inside their bodies, their GEMVs' first weights
+    in registers; ``reg-shared``: in shared memory), each tiny model's decode layers are
     persistent kernels (two emulated blocks, as the fake driver caps a grid), and its greedy tokens are the
     reference backend's, with and without graphs, session after session (the counters start each launch at
     zero)."""
@@ -191,7 +156,7 @@ def test_a_stamped_persistent_kernel_stamps_each_item(monkeypatch):
     from lum.builder.kernels import group_kernel_sources
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    monkeypatch.setenv("LUM_PERSISTENT", "1")
+    monkeypatch.setenv("LUM_PERSISTENT", "reg")
     cgs, dv = _layer_group("llama3-1b")
     prog = cgs[1].program
     (ks,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=frozenset(o.id for o in prog.ops
@@ -213,7 +178,7 @@ def test_a_stamped_persistent_kernel_stamps_each_item(monkeypatch):
 
 def test_the_loader_needs_every_block_of_a_persistent_kernel_resident():
     """A persistent kernel's blocks wait for each other, so the loader refuses a grid larger than the GPU holds
-    at once: its SMs times the kernel's ``blocks_per_sm`` (one for the ring modes, which record none)."""
+    at once: its SMs times the kernel's ``blocks_per_sm`` (one where it records none)."""
     from types import SimpleNamespace as NS
 
     from lum.format.expr import Var, as_expr
@@ -224,13 +189,13 @@ def test_the_loader_needs_every_block_of_a_persistent_kernel_resident():
         return NS(kernel="k", grid=(as_expr(blocks), as_expr(1), as_expr(1)))
 
     reg = NS(tuning={"persistent": [{}], "blocks_per_sm": 4})
-    ring = NS(tuning={"persistent": [{}]})
+    one = NS(tuning={"persistent": [{}]})
     _check_resident(reg, launch(528), 132)
-    _check_resident(ring, launch(132), 132)
+    _check_resident(one, launch(132), 132)
     _check_resident(NS(tuning={}), launch(10_000), 132)          # not persistent: any grid
     with pytest.raises(BackendUnavailableError, match="528 blocks, 4 an SM, and this GPU has 114 SMs"):
         _check_resident(reg, launch(528), 114)
     with pytest.raises(BackendUnavailableError, match="133 blocks, 1 an SM"):
-        _check_resident(ring, launch(133), 132)
+        _check_resident(one, launch(133), 132)
     with pytest.raises(BackendUnavailableError, match="must be static"):
-        _check_resident(ring, NS(kernel="k", grid=(Var("p"), as_expr(1), as_expr(1))), 132)
+        _check_resident(one, NS(kernel="k", grid=(Var("p"), as_expr(1), as_expr(1))), 132)
