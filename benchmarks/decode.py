@@ -78,9 +78,7 @@ What it does, in one run on one GPU:
      ``lum-waves-shared`` with ``LUM_GEMV_SHARED_PRELOAD_WAVES=1`` (gemma3-4b's gate-up keeps its 5,120 blocks
      past one wave and copies half its tile into shared memory before its wait; measured slower),
      ``lum-stage-prefetch`` with ``LUM_ATTENTION_STAGE_PREFETCH=1`` (decode attention's blocks ask L2 for
-     their stage's norm weights and scalars before their wait; measured even), ``lum-combine-late`` with
-     ``LUM_COMBINE_TRIGGER_LATE=1`` (the attention combine lets o launch after its wait, not as it starts;
-     measured slower), ``lum-trigger-first`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
+     their stage's norm weights and scalars before their wait; measured even), ``lum-trigger-first`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
      llama3-1b, even on gemma3-4b), ``lum-persistent-reg`` with ``LUM_PERSISTENT=reg`` (each decoder layer one
      persistent launch, builder/persistent.py: each GEMV item loads its weights into registers, its first vectors
@@ -174,7 +172,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-small-gemv-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-gemv"},
                  "lum-waves-shared": {"LUM_GEMV_SHARED_PRELOAD_WAVES": "1"},
                  "lum-stage-prefetch": {"LUM_ATTENTION_STAGE_PREFETCH": "1"},
-                 "lum-combine-late": {"LUM_COMBINE_TRIGGER_LATE": "1"},
                  "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                  "lum-persistent-reg": {"LUM_PERSISTENT": "reg"},
                  "lum-persistent-reg2": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2"},

@@ -68,7 +68,7 @@ def attention_trigger_after_stage() -> bool:
     Why: under programmatic launch the combine (which triggers as it starts) and o (whose 320 blocks then copy
     10.5 MB of weights into shared memory before their wait) become resident as the attention starts, and the
     copies share the bus with the stage's reads: gemma3-4b's stage took 2.72 µs from the wait to its barrier
-    at b57ec6e, 1.86 µs with o launched after the combine's wait (``$LUM_COMBINE_TRIGGER_LATE``, c2fe51a,
+    at b57ec6e, 1.86 µs with o launched after the combine's wait (a switch since removed, c2fe51a,
     which lost 1.3% as o's copies had too little time left). After the stage, o's copies still have the
     chunk's keys, the stores and the combine (≈ 5 µs) to land in. Measured (2d7e1fb): the stage 2.72 → 1.76
     µs and o's link 2.94 → 4.38; gemma3-4b ±0, llama3-1b +0.7%, +0.6%, +0.6% in three same-run pairs

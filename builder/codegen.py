@@ -107,7 +107,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
-           "ENV_ROW_EARLY", "row_early_default", "ENV_COMBINE_TRIGGER_LATE", "combine_trigger_late",
+           "ENV_ROW_EARLY", "row_early_default",
            "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
@@ -145,7 +145,6 @@ ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
 ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
 ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
-ENV_COMBINE_TRIGGER_LATE = "LUM_COMBINE_TRIGGER_LATE"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
 ENV_STAGE_ONE_ROUND = "LUM_ATTENTION_STAGE_ONE_ROUND"  # 0: a stage's rows take two rounds of 4 warps where they are more than 4
@@ -406,18 +405,17 @@ class _Ctx:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
         because the template waits itself once it has issued its early reads (gemv.cu's preload, row.cu's
-        weights). ``trigger``: ``start`` (first), ``wait`` (after the wait: :func:`combine_trigger_late`) or
-        ``template`` (none here, the template triggers itself: an attention stage's ``trigger``)."""
-        if trigger not in ("start", "wait", "template"):
-            raise CodegenError(f"trigger is 'start', 'wait' or 'template', got {trigger!r}")
+        weights). ``trigger``: ``start`` (first) or ``template`` (none here, the template triggers itself: an
+        attention stage's ``trigger``)."""
+        if trigger not in ("start", "template"):
+            raise CodegenError(f"trigger is 'start' or 'template', got {trigger!r}")
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
-        first = {"start": ["  lum_pdl_trigger();  // common.cuh: launch order"], "wait": [],
+        first = {"start": ["  lum_pdl_trigger();  // common.cuh: launch order"],
                  "template": ["  LUM_STAMP_AT(0);  // stamps builds: the block's start (the template triggers later)"]}
         lines = list(first[trigger])
         lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
         lines += [] if slots else ["  (void)dyn;"]
         lines += ["  lum_pdl_wait();"] if wait else []
-        lines += ["  lum_pdl_trigger();  // late: after the wait"] if trigger == "wait" and wait else []
         return "\n".join(lines), slots
 
 
@@ -744,19 +742,6 @@ def gemv_preload_default() -> int:
     return _env_count(ENV_GEMV_PRELOAD, GEMV_PRELOAD_VECTORS)
 
 
-def combine_trigger_late() -> bool:
-    """``$LUM_COMBINE_TRIGGER_LATE`` (1; off by default): decode attention's combine (a reduce of the attention's
-    partials) lets the kernel after it launch only once its own wait has returned, not as it starts. Under
-    programmatic launch every kernel triggers as it starts, so o's blocks (behind the combine, copying 10.5 MB
-    of weights into shared memory before their wait on gemma3-4b) become resident while the qkv and attention
-    still run, and their copies share the bus with the attention stage's reads: the stamps at b57ec6e have
-    gemma3-4b's stage at 2.72 µs from its wait to its barrier, and 1.15 µs where the layer's kernels were
-    launched plainly, none resident beside another (0c7bc11). Late, o's copies start as the attention ends
-    and have the combine's ≈ 2 µs and their own wait to land. Measured (c2fe51a): the stage 2.72 → 1.86 µs, the
-    combine's link 2.1 → 4.2; gemma3-4b −1.3%, llama3-1b −1.6%."""
-    return env_switch(ENV_COMBINE_TRIGGER_LATE)
-
-
 def gemv_evict_first() -> bool:
     """``$LUM_GEMV_EVICT_FIRST`` (1, the default: a GEMV whose B is a weight loads it with an L2 evict-first
     policy, templates/common.cuh lum_load_stream; gemma3-4b bf16 decode +3.2%, llama3-1b −0.2%, 5f9afe5)."""
@@ -864,17 +849,14 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              row_early: bool | None = None, combine: LOp | None = None, combine_cluster: bool = False,
-             stage: AttentionStage | None = None, tile_keys: int | None = None,
-             trigger_late: bool = False) -> KernelSource | None:
+             stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
     the op's own dtype does not imply them. ``combine``: an attention op's combine reduce, which its kernel
     then runs as its tail (:mod:`lum.builder.attention_combine`), counted on per-kv-row counters or, with
     ``combine_cluster`` (sm_90), in a thread block cluster per kv row. ``stage``: the rows of the ops before it an
-    attention kernel computes (:class:`AttentionStage`). ``trigger_late``: the kernel lets the next one launch
-    after its wait, not before (:func:`combine_trigger_late`). See the module docstring for the tuning
-    parameters."""
+    attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -916,14 +898,11 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    if trigger_late and "@DYN_LOADS@" not in "\n".join(bodies):
-        raise CodegenError(f"a {op.kind} kernel cannot trigger late: its template waits itself")
-    dyn_loads, slots = ctx.dyn_loads(trigger="wait" if trigger_late else
-                                     "template" if stage is not None and stage.trigger else "start")
+    dyn_loads, slots = ctx.dyn_loads(trigger="template" if stage is not None and stage.trigger else "start")
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
-    tuning = {**tuning, "index_bits": index_bits, **({"trigger_late": True} if trigger_late else {})}
+    tuning = {**tuning, "index_bits": index_bits}
     digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
     name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
     body = body.replace(_ENTRY, name)
@@ -1156,15 +1135,12 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
                 mine["preload_shared"] = True
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
-    late = combine_trigger_late()
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
         dts = [program.ops[a.src].dtype for a in o.args]
         wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
         r = rank.get(o.id, -1)
-        late_here = late and o.kind == "reduce" and bool(o.args) and program.ops[o.args[0].src].kind == "attention"
-        ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})},
-                      **({"trigger_late": True} if late_here else {}))
+        ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})})
         if r in in_registers and shared != "all" and ks is not None and _prologue_walks_tiles(o, ks):
             ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
         out[o.id] = ks

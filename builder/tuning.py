@@ -69,7 +69,7 @@ from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.attention_stage import (ENV_ATTENTION_STAGE, ENV_ATTENTION_STAGE_AHEAD, ENV_ATTENTION_STAGE_PREFETCH,
                                          ENV_ATTENTION_TRIGGER_AFTER_STAGE)
 from lum.builder.persistent import persistent_blocks, persistent_mode, reg_preload
-from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_COMBINE_TRIGGER_LATE, ENV_GEMV_EVICT_FIRST,
+from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH, ENV_STAGE_ONE_ROUND, env_switch,
                                  flash_attention, flash_attention_enabled,
                                  gemv_balance, gemv_inflight_default,
@@ -103,7 +103,7 @@ DB_VERSION = 1
 KEY_SWITCHES = {ENV_STAGE_ONE_ROUND: True, ENV_STAGE_BRANCH: True, ENV_MERGE_ALL_ROWS: True,
                 ENV_ATTENTION_KEY_BATCH: True, ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True,
                 ENV_ATTENTION_STAGE_AHEAD: False, ENV_SHARED_PRELOAD_WAVES: False,
-                ENV_ATTENTION_STAGE_PREFETCH: False, ENV_COMBINE_TRIGGER_LATE: False,
+                ENV_ATTENTION_STAGE_PREFETCH: False,
                 ENV_ATTENTION_TRIGGER_AFTER_STAGE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map

@@ -170,24 +170,6 @@ def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
     assert all(names[n].role == "arg" for n, _ in asked)
 
 
-def test_combine_triggers_late(monkeypatch):
-    """``LUM_COMBINE_TRIGGER_LATE=1``: of gemma3-4b's decode layer kernels only the attention combine changes, its
-    trigger after its wait (o launches as the attention ends); it still waits first, so it is still launched
-    programmatically. Off by default: every kernel triggers before its wait."""
-    prog, dv = _layer("gemma3-4b", DType.bf16)
-    max_dyn = default_max_dyn(dv, MAX_SEQ)
-    monkeypatch.delenv("LUM_COMBINE_TRIGGER_LATE", raising=False)
-    default = group_kernel_sources(prog, dv, max_dyn)
-    monkeypatch.setenv("LUM_COMBINE_TRIGGER_LATE", "1")
-    late = group_kernel_sources(prog, dv, max_dyn)
-    changed = [i for i in default if default[i].name != late[i].name]
-    assert [(prog.ops[i].kind, prog.ops[prog.ops[i].args[0].src].kind) for i in changed] == [("reduce", "attention")]
-    body = late[changed[0]].body
-    assert body.index("lum_pdl_wait();") < body.index("lum_pdl_trigger();") and _waits(late[changed[0]])
-    assert all(ks.body.index("lum_pdl_trigger();") < ks.body.index("lum_pdl_wait();") for ks in default.values()
-               if "lum_pdl_wait();" in ks.body and ks.kind == "reduce")
-
-
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
 def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, block):
     """By default a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a

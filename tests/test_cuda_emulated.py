@@ -46,7 +46,6 @@ FUSED = {"combine": {"LUM_ATTENTION_COMBINE": "1"},     # kernel fusions: their 
          "postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"}, "row-regs-bounded": {"LUM_ROW_REGS_BOUNDED": "1"},
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
          "stage-prefetch": {"LUM_ATTENTION_STAGE_PREFETCH": "1"},
-         "late-trigger": {"LUM_COMBINE_TRIGGER_LATE": "1"},
          "stage-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"}}
 
 
@@ -397,10 +396,9 @@ def test_fused_kernel_variants_match_reference(env, variant):
     shared memory before it waits, where by default only those behind small kernels do: builder/codegen.py
     gemv_preload_shared) or ``stage-prefetch`` (``LUM_ATTENTION_STAGE_PREFETCH=1``: the stage's norm weights and
     scalars asked of L2 before the wait; a hint the emulation skips, so this checks that the kernels build and
-    run unchanged) or ``late-trigger`` (``LUM_COMBINE_TRIGGER_LATE=1``: the attention combine lets the kernel
-    after it launch after its wait; launch order only, as the emulation runs it) or ``stage-trigger-first``
-    (``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``: decode attention lets it launch as it starts, not after its stage
-    as by default; the same).
+    run unchanged) or ``stage-trigger-first`` (``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``: decode attention lets
+    the kernel after it launch as it starts, not after its stage as by default; launch order only, as the
+    emulation runs it).
     Every kernel case matches the reference backend, run three times in one session (the combine's per-kv-row
     counters start each launch from zero), with and without graphs; the tiny models' greedy tokens are the
     reference backend's, and their decode layers hold such a kernel."""

@@ -410,8 +410,6 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                   "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"}, lambda op: op.tuning.get("stream")),
                   "attention-stage-prefetch": ({"LUM_ATTENTION_STAGE_PREFETCH": "1"}, None,
                                                lambda op: _stage_kernel(op) and op.tuning.get("stage_prefetch")),
-                  "combine-trigger-late": ({"LUM_COMBINE_TRIGGER_LATE": "1"}, None,
-                                           lambda op: op.tuning.get("trigger_late")),
                   "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                                                     lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger")),
                   "persistent-reg": ({"LUM_PERSISTENT": "reg"}, None,
@@ -431,9 +429,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
     ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the stage's weights asked of L2 before the
-    wait (``LUM_ATTENTION_STAGE_PREFETCH=1``), or the attention combine letting the kernel after it launch after
-    its wait (``LUM_COMBINE_TRIGGER_LATE=1``; both off by default), or the attention letting it launch after its
-    stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
+    wait (``LUM_ATTENTION_STAGE_PREFETCH=1``, off by default), or the attention letting the kernels after it
+    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
     persistent launch (``LUM_PERSISTENT=reg``: its GEMVs' weights in registers, several blocks an SM, each item
     waiting inside its body; ``reg-shared``: their first weights copied into shared memory;
     builder/persistent.py; its blocks wait for each other, so this is where their memory order is checked);
