@@ -24,9 +24,7 @@ What it does, in one run on one GPU:
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
-     ``LUM_ROW_READS=0`` (gemma's q / k norms stay kernels of their own; builder/row_reads.py), ``lum-tails`` with
-     ``LUM_KERNEL_TAILS=exclusive`` (a kernel's last block runs the small ops after it that nothing else
-     could run beside; builder/tail.py), ``lum-alltails`` with ``LUM_KERNEL_TAILS=all``, ``lum-inflight`` /
+     ``LUM_ROW_READS=0`` (gemma's q / k norms stay kernels of their own; builder/row_reads.py), ``lum-inflight`` /
      ``lum-inflight8`` with ``LUM_GEMV_INFLIGHT=4`` / ``8`` (each GEMV lane issues that many weight loads
      before it uses any; templates/gemv.cu), ``lum-wideprologue`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768``
      (gemma3-4b's gate-up GEMV computes its input norm too: one launch less a layer), ``lum-next`` with
@@ -145,7 +143,6 @@ from _common import run_worker as _run_worker  # noqa: E402
 set_log_tag("decode-bench")
 LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems whose package is built differently
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}, "lum-norowreads": {"LUM_ROW_READS": "0"},
-                 "lum-tails": {"LUM_KERNEL_TAILS": "exclusive"}, "lum-alltails": {"LUM_KERNEL_TAILS": "all"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},

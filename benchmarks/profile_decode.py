@@ -68,8 +68,8 @@ HINT = {"kind": "l2_prefetch", "op": "hint"}
 
 def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
     """Kernel name -> its op (kind, op, shape, dtype) and the bytes it moves per launch at ``dyn``; a GEMV
-    with a fused prologue / epilogue is op ``Gemm+prologue`` / ``Gemm+epilogue`` / both; a kernel with tails
-    (builder/tail.py) adds ``+tail(<their ops>)``."""
+    with a fused prologue / epilogue is op ``Gemm+prologue`` / ``Gemm+epilogue`` / both; a kernel that runs
+    other ops too (builder/fused.py: siblings, an attention stage) adds ``+tail(<their ops>)``."""
     out: dict[str, dict] = {}
     for call in pkg.entry(entry).calls:
         table = pkg.manifest.groups[call.group].table
@@ -81,7 +81,7 @@ def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
             op = by_id[k.op]
             fused = [name for name, key in (("prologue", "expr"), ("epilogue", "epilogue"))
                      if op.kind == "gemm" and key in op.params]           # a GEMV computing its input / reader
-            fused += [f"tail({','.join(by_id[t].op for t in k.tail)})"] if k.tail else []   # its last block's ops
+            fused += [f"tail({','.join(by_id[t].op for t in k.tail)})"] if k.tail else []   # the other ops it runs
             info = out.setdefault(k.name, {
                 "kind": op.kind, "op": "+".join([op.op, *fused]), "dtype": op.dtype.value,
                 "shape": [str(d) for d in op.shape], "calls": 0,

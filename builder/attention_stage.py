@@ -29,8 +29,7 @@ round trip overlaps the stage's own; the block that writes the new row then take
 shared copy of it (``templates/attention.cu`` KV_AHEAD). Off by default: −1.4% on gemma3-4b, 0.0% on
 llama3-1b (10d0ece).
 
-On unless ``$LUM_ATTENTION_STAGE`` is ``0`` or kernel tails are on (:mod:`lum.builder.tail` takes the same
-small kernels, into the GEMV before them). Measured on the H200 (27c5c45, same runs, tokens equal):
+On unless ``$LUM_ATTENTION_STAGE`` is ``0``. Measured on the H200 (27c5c45, same runs, tokens equal):
 gemma3-4b bf16 357.6 tok/s against 353.7 without (+1.1%), llama3-1b bf16 1,059.6 against 1,046.4 (+1.3%).
 """
 
@@ -46,7 +45,7 @@ import numpy as np
 from lum.builder.codegen import (_ENTRY, AttentionStage, CodegenError, KernelSource, Launch, StageRow,
                                  attention_row_dims, common_header, env_switch, generate, split_gemv_tuning, stage_row)
 from lum.builder.rewrite import readers
-from lum.builder.tail import _ENTRY_RE, _NO_WORK, _joined_params
+from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
@@ -120,7 +119,7 @@ def stage_ops(program: Program, att: LOp) -> tuple[LOp, LOp, LOp] | None:
     if any(u.id < att.id for o in (k, v) for u in users.get(o.id, []) if u.id != att.id):
         return None
     first = min(q.id, k.id, v.id)
-    between = [o for o in program.ops[first:att.id] if o.kind not in _NO_WORK]
+    between = [o for o in program.ops[first:att.id] if o.kind not in NO_WORK]
     if sorted(o.id for o in between) != sorted((q.id, k.id, v.id)):
         return None
     return q, k, v
@@ -228,7 +227,7 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
 def _prefetches(program: Program, ops: Sequence[LOp], weights: frozenset[int]) -> list[tuple[str, int]]:
     """(parameter, bytes) of the stage ops' constant leaves (weights and constants of at most
     :data:`STAGE_PREFETCH_MAX_BYTES`, each buffer once), by their parameter names in the fused kernel
-    (:func:`~lum.builder.tail._joined_params`, ops in program order: the first's ``in<k>``, the others'
+    (:func:`~lum.builder.fused.joined_params`, ops in program order: the first's ``in<k>``, the others'
     ``t<j>_in<k>``), for its ``lum_pre`` (templates/common.cuh lum_prefetch_l2)."""
     found, seen = [], set()
     for j, op in enumerate(sorted(ops, key=lambda o: o.id)):
@@ -265,11 +264,11 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
                   stage=replace(_stage(att, rows), ahead=ahead, trigger=trigger), combine=comb, combine_cluster=cluster,
                   **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
-    if len(_ENTRY_RE.findall(body)) != 1:
+    if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
     prefetch = _prefetches(program, ops, weights) if attention_stage_prefetch() else []
     pre_t, pre_p = (", class LumPre", "LumPre lum_pre, ") if prefetch else ("", "")
-    body = _ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV{pre_t}>\n__device__ __forceinline__ void "
+    body = ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV{pre_t}>\n__device__ __forceinline__ void "
                          f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, {pre_p}", body, count=1)
     if prefetch:            # after the trigger (or the start), before the wait: holding back no kernel after it
         anchor = "LUM_STAMP_AT(0);" if trigger else "lum_pdl_trigger();"     # codegen _Ctx.dyn_loads
@@ -283,7 +282,7 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     joined = [own if op.id == att.id else rows[role_of[op.id]].params for op in run]
     if comb is not None:
         joined.append([replace(p, name=p.name[3:]) for p in ks.params[len(own):]])    # t0_out -> out, …
-    params, calls = _joined_params(joined)
+    params, calls = joined_params(joined)
     args = {op.id: call for op, call in zip(run, calls)}
     if comb is not None:
         args[att.id] += ", " + calls[-1]

@@ -200,7 +200,7 @@ class KernelSource:
     dyn_vars: tuple[str, ...]                    # the slot order of the dyn buffer
     dyn_slots: dict[str, int]                    # vars this kernel reads -> slot
     tuning: dict[str, Any] = field(default_factory=dict)
-    tails: tuple[int, ...] = ()                  # op ids its last block runs (builder/tail.py), in order
+    tails: tuple[int, ...] = ()                  # op ids it runs too (builder/fused.py), in program order
     early: tuple[str, ...] = ()                  # parameters it reads before waiting for its predecessor (weights)
 
     @property
@@ -1291,7 +1291,7 @@ class _Gen:
         return tuple(ps)
 
     def tail_params(self) -> tuple[Param, ...]:
-        """After the head's: the combine's buffers (the tail convention of builder/tail.py: ``t0_out``, then
+        """After the head's: the combine's buffers (the tail convention of builder/fused.py: ``t0_out``, then
         ``t0_in<k>`` per argument; the partials and the −1 are the head's own, passed but not read)."""
         c = self.combine
         if c is None:

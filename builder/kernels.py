@@ -13,8 +13,8 @@ so rebuilding a model (or the test suite) re-runs NVRTC only for groups whose ke
 The launch table (schema in :mod:`lum.format.manifest`) is everything the loader needs to launch a
 kernel op without codegen: kernel names, grid expressions as text, block, dynamic shared memory,
 the parameter order (``out, in0 … in{n-1}, dyn`` — ``inK`` is the buffer of ``op.args[K]`` — then,
-for a kernel whose last block runs the ops after it (:mod:`lum.builder.tail`), ``out@T, in0@T …``
-per tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the
+for a kernel that runs other ops' bodies too (siblings, an attention stage, a persistent kernel:
+:mod:`lum.builder.fused`), ``out@T, in0@T …`` per such tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the
 tuning parameters used.
 """
 
@@ -122,15 +122,15 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
 
 
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
-_ITEM_PDL_WAIT = re.compile(r"lum_run_item\([^;]*, lum_vb == blockIdx\.x\);")   # persistent.py, reg
+_ITEM_PDL_WAIT = re.compile(r"lum_run_item\([^;]*, lum_vb == blockIdx\.x\);")   # persistent.py
 
 
 def _waits(ks: KernelSource) -> bool:
     """Every kernel entry of ``ks`` waits for its predecessor on the device (codegen's preamble, or gemv.cu's
     own wait after its preload), so the loader may launch it with programmatic stream serialization. An
-    entry whose first statement calls a device function of the body that waits counts too: a kernel with
-    tails (templates/tail.cu), whose head body waits before any global access, and a register-fed persistent
-    kernel whose first item waits inside its body, every block without a block of that item before it."""
+    entry whose first statement calls a device function of the body that waits counts too (an attention
+    kernel with its stage, whose body waits before any global access), and a register-fed persistent kernel
+    whose first item waits inside its body, every block without a block of that item before it."""
     parts = ks.body.split('extern "C" __global__')
     entries, before = parts[1:], parts[0]
 
@@ -156,11 +156,8 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     each attention kernel running its combine (:mod:`lum.builder.attention_combine`; in clusters only for
     sm_90 and newer), with
     ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
-    (:mod:`lum.builder.attention_stage`) unless kernel tails are on, with
-    ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as one (:mod:`lum.builder.siblings`) unless kernel
-    tails are on, else the kernel tails (:func:`~lum.builder.tail.fuse_tails`, unless ``$LUM_KERNEL_TAILS`` is
-    ``0``; they take the same small kernels, into the kernel before them), each keeping the
-    register count its head has alone (an NVRTC compile of the heads for ``arch``); with ``$LUM_PERSISTENT``
+    (:mod:`lum.builder.attention_stage`), with ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as
+    one (:mod:`lum.builder.siblings`); with ``$LUM_PERSISTENT``
     its runs of kernels as register-fed persistent kernels (:mod:`lum.builder.persistent`) of as many blocks an
     SM as fit and spill at most REG_MAX_SPILL bytes a thread, every kernel generated at their block size."""
     from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, fuse_persistent, persistent_blocks,
@@ -213,7 +210,6 @@ def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[s
     from lum.builder.attention_combine import attention_combine_mode, fuse_attention_combines
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
-    from lum.builder.tail import fuse_tails, kernel_tails_enabled
 
     if items:           # a register-fed persistent kernel's items: its own launch bounds hold the registers
         tuning = dict(tuning or {})
@@ -223,14 +219,10 @@ def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[s
     combine = attention_combine_mode()
     if combine == "counted" or (combine == "cluster" and sm_version(arch) >= 90):
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
-    tails = kernel_tails_enabled()
-    if attention_stage_enabled() and not tails:     # both take the small kernels after the qkv GEMV
+    if attention_stage_enabled():
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning, weights)
-    if sibling_kernels_enabled() and not tails:     # both take the small kernels after a head: one or the other
+    if sibling_kernels_enabled():
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
-    if tails:
-        gen = fuse_tails(program, gen, dyn_vars, max_dyn, tuning,
-                         registers=lambda heads: _registers(heads, arch, cache_dir))
     return gen
 
 
@@ -433,14 +425,6 @@ def _ptxas_log(kernels: list[KernelSource], arch: str, cache_dir: Any) -> str | 
                                   extra_options=["--ptxas-options=-v"], cache_dir=cache_dir).log
     except nvrtc.NvrtcNotFound:
         return None
-
-
-def _registers(kernels: list[KernelSource], arch: str, cache_dir: Any) -> dict[str, int]:
-    """Registers per thread of each kernel compiled alone (``ptxas -v``); empty without NVRTC."""
-    from lum.builder import nvrtc
-
-    log = _ptxas_log(kernels, arch, cache_dir)
-    return {} if log is None else nvrtc.ptxas_registers(log)
 
 
 def compile_group_kernels(program: Program, *, arch: str = "sm_90", dyn_vars: Sequence[str] | None = None,

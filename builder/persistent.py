@@ -44,7 +44,7 @@ from typing import Mapping, Sequence
 
 from lum.builder.codegen import (GEMV_PRELOAD_VECTORS, SMS, CodegenError, KernelSource, Launch, Param, _Ctx,
                                  _env_choice, _env_count, common_header, load_template, render)
-from lum.builder.tail import _ENTRY_RE, _NO_WORK, _renamed
+from lum.builder.fused import ENTRY_RE, NO_WORK, renamed
 from lum.format.llir import LOp, Program
 
 __all__ = ["ENV_PERSISTENT", "ENV_PERSISTENT_BLOCKS", "ENV_PERSISTENT_PRELOAD", "PERSISTENT_MODES",
@@ -124,7 +124,7 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
     runs: list[list[_Item]] = []
     run: list[_Item] = []
     for op in program.ops:
-        if op.kind in _NO_WORK or op.id in covered:
+        if op.kind in NO_WORK or op.id in covered:
             continue
         item = _member(op, sources.get(op.id), mode)
         if item is None:
@@ -177,7 +177,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
                 continue
             name = own(it, p.name)
             if not any(q.name == name for q in params):
-                params.append(_renamed(p, name))
+                params.append(renamed(p, name))
             names.append(name)
         slots.update(ks.dyn_slots)
         args = ", ".join(names)
@@ -201,7 +201,7 @@ def persistent_kernel(program: Program, items: Sequence[_Item], dyn_vars: Sequen
         lines += ["  }", f"  LUM_STAMP_ITEM({n}, 2);", f"  lum_count_block(&{_ENTRY}_done[{n}]);"]
         body += lines
     dyn_param = next(p for p in head.ks.params if p.role == "dyn")
-    ordered = _ordered([*params, _renamed(dyn_param, "dyn")], ops, index, program)
+    ordered = _ordered([*params, renamed(dyn_param, "dyn")], ops, index, program)
     dyn_loads, used = ctx.dyn_loads(wait=False, trigger="template")
     slots.update(used)
     src = render(load_template("persistent.cu"), {
@@ -228,10 +228,10 @@ def _item_function(ks: KernelSource, name: str, waits: bool = False) -> str:
     launch trigger, its wait the item's (``waits``: common.cuh lum_item_wait, where the kernel waited) or none
     (the item counters order it before the call), and a GEMV's shared preload after the item header
     (common.cuh lum_item_smem), not at the dynamic shared memory's start."""
-    found = _ENTRY_RE.findall(ks.body)
+    found = ENTRY_RE.findall(ks.body)
     if found != [ks.launches[0].kernel]:
         raise CodegenError(f"kernel {ks.name}: an item needs a body of exactly one kernel, found {found}")
-    body = _ENTRY_RE.sub(f"__device__ __noinline__ void {ks.name}(", ks.body, count=1).replace("__restrict__ ", "")
+    body = ENTRY_RE.sub(f"__device__ __noinline__ void {ks.name}(", ks.body, count=1).replace("__restrict__ ", "")
     body = body.replace(ks.name, name)      # the functions and globals the body defines: named after the item
     if waits:
         body = _PDL_WAIT.sub("lum_item_wait()", body)

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, _Ctx, common_header, env_switch,
                                  generate, load_template, render, split_gemv_tuning)
-from lum.builder.tail import _NO_WORK, _device_function, _grid_blocks, _joined_params
+from lum.builder.fused import NO_WORK, device_function, grid_blocks, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 
@@ -75,7 +75,7 @@ def _independent(program: Program, run: Sequence[LOp], op: LOp) -> bool:
 def _small(op: LOp, ks: KernelSource | None, max_dyn: Mapping[str, int]) -> bool:
     if ks is None or op.kind not in SIBLING_KINDS or len(ks.launches) != 1 or ks.tails:
         return False
-    blocks = _grid_blocks(ks, max_dyn)
+    blocks = grid_blocks(ks, max_dyn)
     return blocks is not None and blocks <= SIBLING_MAX_BLOCKS
 
 
@@ -90,7 +90,7 @@ def fuse_siblings(program: Program, sources: Mapping[int, KernelSource | None], 
     runs: list[list[LOp]] = []
     run: list[LOp] = []
     for op in program.ops:
-        if op.kind in _NO_WORK:
+        if op.kind in NO_WORK:
             continue
         ks = sources.get(op.id)
         small = _small(op, ks, max_dyn)
@@ -127,14 +127,14 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
                 return None
         kernels.append(ks)
     ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn or None)
-    params, args = _joined_params([ks.params for ks in kernels])   # the first's, then each other's as a tail's
+    params, args = joined_params([ks.params for ks in kernels])   # the first's, then each other's as a tail's
     funcs, grids, dispatch = [], [], []
     total = as_expr(0)
     for j, ks in enumerate(kernels):
         fname = f"{_ENTRY}_s{j}"
         body = ks.body.replace(ks.name, f"{ks.name}_s{j}")     # two siblings may be the same kernel
         entry = replace(ks.launches[0], kernel=f"{ks.name}_s{j}")
-        funcs.append(_device_function(replace(ks, body=body, launches=(entry,)), fname, False, at=("lum_bx", "lum_gx")))
+        funcs.append(device_function(replace(ks, body=body, launches=(entry,)), fname, ("lum_bx", "lum_gx")))
         grid = ks.grid[0] * ks.grid[1] * ks.grid[2]
         total = total + grid
         grids.append(f"  const unsigned int lum_g{j} = (unsigned int)({ctx.c(grid)});")

@@ -83,7 +83,6 @@ from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.row_reads import row_reads_enabled
 from lum.builder.kernels import ENV_SHARED_PRELOAD_WAVES
 from lum.builder.siblings import sibling_kernels_enabled
-from lum.builder.tail import kernel_tails_policy
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
 from lum.format.atomic import atomic_write_bytes
@@ -766,7 +765,7 @@ class MeasuredCompiler:
                 "dyn": dict(sorted(time_dyn.items())), "kernel_tuning": {k: self.fixed[k] for k in sorted(self.fixed)},
                 "tuning_space": [[k, list(v)] for k, v in decisions], "nvrtc": self._nvrtc(),
                 "max_dyn": o.max_dyn, "gemv_prologues": gemv_prologues_enabled(),
-                "gemv_epilogues": gemv_epilogues_enabled(), "kernel_tails": kernel_tails_policy(),
+                "gemv_epilogues": gemv_epilogues_enabled(),
                 "gemv_inflight": gemv_inflight_default(), "gemv_preload": gemv_preload_default(),
                 "gemv_preload_after_small": gemv_preload_after_small(), "gemv_balance": gemv_balance(),
                 **({"gemv_preload_after_gemv": n} if (n := gemv_preload_after_gemv()) else {}),

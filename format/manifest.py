@@ -38,11 +38,12 @@ A launch's grid is three expressions over ``dyn_vars`` (each evaluates to ≥ 1)
 run in order on one stream with the same parameters. Parameter ``out`` is the op's buffer (for an
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
 ``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Version 2 adds **kernel tails**
-(:mod:`lum.builder.tail`): an op entry with ``"tail": [14, 16]`` is a kernel that also runs LLIR ops
-14 and 16 (after the op itself, in that order, by its last block; for the attention combine of
-:mod:`lum.builder.attention_combine`, by the last block of each kv row while other blocks may still run
-the op; for :mod:`lum.builder.siblings`, which reads none of the others' outputs, by blocks of their
-own beside it), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
+(:mod:`lum.builder.fused`): an op entry with ``"tail": [14, 16]`` is a kernel that also runs LLIR ops
+14 and 16 (for the attention combine of :mod:`lum.builder.attention_combine`, by the last block of each
+kv row while other blocks may still run the op; for :mod:`lum.builder.siblings`, which reads none of the
+others' outputs, by blocks of their own beside it; for :mod:`lum.builder.attention_stage` and
+:mod:`lum.builder.persistent`, one after another with the blocks waiting for each other between), so they
+have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
 "out@16", …``, the tails' buffers by the same rules. A tail op must follow its head in the program with
 no kernel op or library call between them, and what the head reads stays live (is not reused by the
 arena) until its last tail. Version 3 adds **clusters**: a launch with ``"cluster": 8`` runs its grid in
@@ -208,7 +209,7 @@ class KernelOp:
     params: tuple[str, ...]                  # "out", "in0" …, "dyn", then "out@T", "in0@T" … per tail T
     dyn_slots: dict[str, int] = field(default_factory=dict, compare=False)
     tuning: dict[str, Any] = field(default_factory=dict, compare=False)
-    tail: tuple[int, ...] = ()               # LLIR ops its last block runs after it, in order (version 2)
+    tail: tuple[int, ...] = ()               # LLIR ops it runs too, in program order (version 2)
     early: tuple[str, ...] = ()              # its parameters read before it waits (programmatic tables)
 
     def tail_arities(self) -> tuple[int, ...]:

@@ -391,7 +391,7 @@ LUM_D void lum_cluster_sync() {
 // One block's arrival on a counter in global memory: an acquire-release add at GPU scope, so the stores
 // this block's threads made before a __syncthreads are visible to whichever block counts last, and the
 // last one sees all of them (no separate fences: a fence.sc is the slow way to the same order). Returns
-// the count before this arrival. (templates/tail.cu, the attention combine of templates/attention.cu.)
+// the count before this arrival. (The attention combine of templates/attention.cu, templates/persistent.cu.)
 LUM_D unsigned int lum_count_done(unsigned int* lum_c) {
 #if defined(__CUDA_ARCH__)
   unsigned int lum_old;

@@ -82,7 +82,7 @@ def test_build_writes_cubin_ptx_and_a_valid_launch_table(tiny_pkg):
         t = ref.table
         assert t is not None and t.arch == "sm_90" and t.dyn_vars == ("p", "s") and t.max_dyn == {"p": 32, "s": 32}
         kernel_ops = [o for o in prog.ops if o.kind in KERNEL_OP_KINDS or gemv_rows(o) is not None]
-        tails = {i for k in t.ops for i in k.tail}              # ops a kernel's last block runs (builder/tail.py)
+        tails = {i for k in t.ops for i in k.tail}              # ops a kernel runs too (builder/fused.py)
         assert sorted([k.op for k in t.ops] + sorted(tails)) == [o.id for o in kernel_ops]
         by_id = {o.id: o for o in prog.ops}
         gemm_kernels += sum(o.kind == "gemm" for o in kernel_ops)
@@ -365,7 +365,7 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
         vals = list(k.params.values)
         n_head = len(kop.head_params)
         assert vals[n_head - 1] == layout.dyn[("p", "s")]
-        # the head's (out, ins…), then each tail's (out, ins…): a kernel's last block runs its tails
+        # the head's (out, ins…), then each tail's (out, ins…), in the order the kernel runs them
         parts = [(kop.op, vals[:n_head - 1])]
         pos = n_head
         for t, n in zip(kop.tail, kop.tail_arities()):
@@ -491,24 +491,16 @@ def test_cuda_backend_refuses_a_package_without_kernels(tmp_path):
 # ============================================================================ graph branches
 @needs_nvrtc
 @pytest.mark.parametrize("entry", ["prefill", "decode"])
-@pytest.mark.parametrize("tails", [True, False])
-def test_graph_branches_order_every_dependent_pair(tiny_pkg_apart, entry, tails, tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_branches_order_every_dependent_pair(tiny_pkg, tiny_pkg_apart, entry, fused):
     """The streams a graph is captured from (loader/cuda/branches.py) order every pair of steps that
-    share bytes with a write, and still leave independent kernels side by side in decode (without kernel
-    tails, the default: with all of them, tiny-llama's v-cache write, the kernel beside the k path, is the
-    qkv GEMV's tail)."""
+    share bytes with a write, and still leave independent kernels side by side in decode where they are
+    launched apart; by default (``fused``) the k / v / q stage runs in the attention kernel, whose tails its
+    steps' buffers include."""
     from lum.loader.cuda.branches import EVERYTHING, conflicts, happens_before
 
-    pkg = tiny_pkg_apart
-    assert not any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)      # off by default
-    if tails:
-        from lum.builder.models import load_spec
-        from lum.builder.package_builder import build_package
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("LUM_KERNEL_TAILS", "all")
-            pkg = lum.loader.open(build_package(load_spec(random_name="tiny-llama", max_seq=32), tmp_path / "t.lumpkg"))
-        assert any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops)
+    pkg = tiny_pkg if fused else tiny_pkg_apart
+    assert any(k.tail for ref in pkg.manifest.groups for k in ref.table.ops) == fused
     bounds = {"s": 16} if entry == "prefill" else {"p": 31}
     layout, _ = _fake_layout(pkg, entry, bounds)
     plan = build_entry_plan(pkg, entry, layout, lambda g, name: (g, name), bounds)
@@ -530,11 +522,9 @@ def test_graph_branches_order_every_dependent_pair(tiny_pkg_apart, entry, tails,
     for i, p in enumerate(sched.placements):
         first.setdefault(p.stream, p)
     assert all(p.waits for s, p in first.items() if s)
-    if entry == "decode" and not tails:
+    if entry == "decode" and not fused:
         parallel = [(j, i) for i in range(n) for j in range(i) if j not in before[i]]
         assert sched.streams > 1 and parallel           # e.g. the v-cache write beside the k path
-    if tails:
-        pkg.close()
 
 
 def test_graph_branches_schedule_small_cases():

@@ -93,31 +93,6 @@ def test_siblings_regenerate_with_the_smallest_block_size(monkeypatch):
         sibling_kernels_enabled()
 
 
-def test_kernel_tails_leave_a_sibling_kernel_whole(monkeypatch):
-    """Kernel tails over kernels where siblings already run as one (gemma's decode layer, every reader a tail):
-    the sibling kernel is never taken as another kernel's tail, which would run its first op alone and leave
-    the others without a kernel; every op with a kernel before still has one, in its own or another's tails."""
-    from lum.builder.compile import compile_graph
-    from lum.builder.kernels import default_max_dyn, program_dyn_vars
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
-    from lum.builder.tail import fuse_tails
-
-    cgs = compile_graph(build_entry(named_config("tiny-gemma3"), "decode", 64, DType.f32))
-    dv = program_dyn_vars([cg.program for cg in cgs])
-    layer = max(cgs, key=lambda cg: sum(o.kind == "scatter_nocopy" for o in cg.program.ops)).program
-    max_dyn = default_max_dyn(dv, 64)
-    plain = generate_program(layer, dv, max_dyn=max_dyn)
-    sib = fuse_siblings(layer, plain, dv, max_dyn, {})
-    (head,) = [i for i, k in sib.items() if k is not None and k.tails]
-    monkeypatch.setenv("LUM_KERNEL_TAILS", "all")
-    fused = {i: k for i, k in fuse_tails(layer, sib, dv, max_dyn, {}).items() if k is not None}
-    assert fused[head].tails == sib[head].tails
-    covered = set(fused) | {t for k in fused.values() for t in k.tails}
-    assert covered == {i for i, k in plain.items() if k is not None}
-    assert any(k.tails for i, k in fused.items() if i != head)      # tails still fuse elsewhere
-
-
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
 def test_sibling_kernels_compile(nvrtc, tmp_path, arch):
     from lum.builder.codegen import module_source
