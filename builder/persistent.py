@@ -16,9 +16,10 @@ with each GEMV's first :data:`REG_SHARED_PRELOAD` vectors a lane copied into sha
 preload, its buffer moved past the item header: common.cuh lum_item_smem), more bytes on their way across
 each wait than registers hold, fewer blocks an SM where they do not fit.
 
-:func:`fuse_persistent` takes, in program order, each maximal run of at least two kernel ops with at least
-one GEMV among them that follow one another with no library call between (inputs, constants and outputs do
-no work) and whose kernels, generated with :data:`PERSISTENT_THREADS` threads, each have one launch of a
+:func:`fuse_persistent` takes, in program order, each maximal run of kernel ops with at least two GEMVs among
+them (a decoder layer's four; not the LM head's group, whose one GEMV keeps its own tuned launch: a persistent
+kernel there would remove only the few boundaries around it) that follow one another with no library call
+between (inputs, constants and outputs do no work) and whose kernels, generated with :data:`PERSISTENT_THREADS` threads, each have one launch of a
 one-dimensional grid of :data:`PERSISTENT_THREADS` threads and no cluster (any small kernel, an attention
 kernel with its stage, siblings, a GEMV), no dynamic shared memory but a ``reg-shared`` GEMV's preload.
 
@@ -134,7 +135,7 @@ def fuse_persistent(program: Program, sources: Mapping[int, KernelSource | None]
             run.append(item)
     runs.append(run)
     for run in runs:
-        if len(run) < 2 or not any(i.op.kind == "gemm" for i in run):
+        if sum(i.op.kind == "gemm" for i in run) < 2:
             continue
         ks = persistent_kernel(program, run, dyn_vars, max_dyn, mode, blocks)
         out[run[0].op.id] = ks

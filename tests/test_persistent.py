@@ -36,7 +36,8 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monk
     block, even one with none of its grid); every weight its items read before a wait is named early.
     ``reg-shared``: the GEMVs preload up to REG_SHARED_PRELOAD vectors a lane into shared memory after the
     header (lum_item_smem; gemma3-4b's gate-up 32 KB a block: four blocks an SM beside its static shared memory).
-    ``LUM_PERSISTENT_BLOCKS=2`` asks for two blocks an SM, and a count out of range is an error."""
+    The LM head's group, one GEMV, keeps its kernels. ``LUM_PERSISTENT_BLOCKS=2`` asks for two blocks an SM,
+    and a count out of range is an error."""
     from lum.builder import nvrtc
     from lum.builder.kernels import group_kernel_sources, launch_table
     from lum.builder.persistent import ITEM_HEADER, REG_MAX_SPILL, REG_PRELOAD, REG_SHARED_PRELOAD, persistent_blocks
@@ -71,6 +72,9 @@ def test_a_register_fed_layer_is_one_persistent_kernel(model, mode, blocks, monk
                              cache_dir=False).log
     assert nvrtc.ptxas_registers(log)[ks.name] <= 65536 // (256 * blocks)
     assert all(v <= REG_MAX_SPILL for v in nvrtc.ptxas_spills(log).values()), log
+    head = cgs[-1].program            # the LM head's group: one GEMV, so its kernels stay
+    assert not any(k.tuning.get("persistent") for k in group_kernel_sources(
+        head, dv, {"p": 512}, {}, weights=frozenset(o.id for o in head.ops if o.kind == "input")).values())
     monkeypatch.setenv("LUM_PERSISTENT_BLOCKS", "2")
     (two,) = group_kernel_sources(prog, dv, {"p": 512}, {}, weights=weights).values()
     assert two.tuning["blocks_per_sm"] == 2 and two.launches[0].grid == (264, 1, 1)
