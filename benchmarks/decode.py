@@ -78,12 +78,7 @@ What it does, in one run on one GPU:
      ``lum-stage-prefetch`` with ``LUM_ATTENTION_STAGE_PREFETCH=1`` (decode attention's blocks ask L2 for
      their stage's norm weights and scalars before their wait; measured even), ``lum-trigger-first`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
-     llama3-1b, even on gemma3-4b), ``lum-persistent-reg`` with ``LUM_PERSISTENT=reg`` (each decoder layer one
-     persistent launch, builder/persistent.py: each GEMV item loads its weights into registers, its first vectors
-     across its wait; as many blocks an SM as its registers allow; ``lum-persistent-reg2``: two,
-     ``LUM_PERSISTENT_BLOCKS=2``; ``lum-persistent-reg2-pre4``: two, each GEMV lane loading 4 vectors before its
-     wait, ``LUM_PERSISTENT_PRELOAD=4``; ``lum-persistent-reg-shared``: those first vectors, up to 4 a lane,
-     copied into shared memory, ``LUM_PERSISTENT=reg-shared``),
+     llama3-1b, even on gemma3-4b),
      ``lum-narrow-a`` with
      ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
@@ -170,11 +165,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-waves-shared": {"LUM_GEMV_SHARED_PRELOAD_WAVES": "1"},
                  "lum-stage-prefetch": {"LUM_ATTENTION_STAGE_PREFETCH": "1"},
                  "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
-                 "lum-persistent-reg": {"LUM_PERSISTENT": "reg"},
-                 "lum-persistent-reg2": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2"},
-                 "lum-persistent-reg2-pre4": {"LUM_PERSISTENT": "reg", "LUM_PERSISTENT_BLOCKS": "2",
-                                              "LUM_PERSISTENT_PRELOAD": "4"},
-                 "lum-persistent-reg-shared": {"LUM_PERSISTENT": "reg-shared"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},

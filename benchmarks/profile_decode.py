@@ -31,8 +31,7 @@ returned (templates/common.cuh "stamps"; 32 evenly spaced blocks a kernel, each 
 step, so a decoder layer's kernels come from its last layer): :func:`stamp_timeline` orders them into
 ``…-stamps.json``. Under programmatic launch it says what CUPTI cannot: how long before its wait returned a
 kernel's blocks were resident (what a preload had to stream in), and how long after the wait of one kernel
-the next one's wait returned (its work after the wait plus the dependency's round trip). A persistent kernel's
-items (``LUM_PERSISTENT``) stamp as rows of their own (:func:`item_names`).
+the next one's wait returned (its work after the wait plus the dependency's round trip).
 
 ``--ncu`` marks one step, after the warm-up, for Nsight Compute's hardware counters and writes no record:
 ``ncu --profile-from-start off -k regex:^lum_ -c N [--section …] -o REP python benchmarks/profile_decode.py
@@ -116,21 +115,6 @@ def _kernel_spans(prof) -> list[tuple[str, float, float]]:
             if tr.end > tr.start:
                 spans.add((evt.key, float(tr.start), float(tr.end)))
     return sorted(spans)
-
-
-def item_names(pkg, entry: str) -> dict[int, str]:
-    """The stamp tags of the items of the entry's persistent kernels (builder/persistent.py: item k of kernel
-    K stamps as tag stamp_tag(K) + 1 + k, common.cuh LUM_STAMP_ITEM) -> ``K item k: op <id> <kind>``. An
-    item's row in the timeline: ``start_us`` its blocks reaching its wait, ``waited_us`` the wait returning,
-    the first of ``marks_us`` the blocks finishing it."""
-    out: dict[int, str] = {}
-    for call in pkg.entry(entry).calls:
-        table = pkg.manifest.groups[call.group].table
-        by_id = {o.id: o for o in pkg._program(call.group).ops} if table is not None else {}
-        for k in table.ops if table is not None else ():
-            for n, item in enumerate(k.tuning.get("persistent", ())):
-                out[stamp_tag(k.name) + 1 + n] = f"{k.name} item {n}: op {item['op']} {by_id[item['op']].kind}"
-    return out
 
 
 def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dict]:
@@ -295,7 +279,6 @@ def main(argv=None) -> int:
         _read_stamps(sess, zero=True)
         steps(1)
         names = {stamp_tag(name): name for name in kernel_ops(pkg, args.entry, {"p": pos})}
-        names.update(item_names(pkg, args.entry))
         timeline = stamp_timeline(_read_stamps(sess), names)
         ops = kernel_ops(pkg, args.entry, {"p": pos - 1})
         for r in timeline:
@@ -311,7 +294,7 @@ def main(argv=None) -> int:
             link = f"{r['link_us']:.2f}" if r["link_us"] is not None else "-"
             what = f"{r['kind']}/{r['op']} {r['shape']}" if r["kind"] else "  " + r["kernel"].split(" ", 1)[-1]
             print(f"  {'/'.join(f'{x:.2f}' for x in r['start_us']):>30}  {w:>30}  {link:>7}  {r['blocks_sampled']:6d}  "
-                  f"{what}")       # a persistent kernel's item: `  item k: op <id> <kind>`, below its kernel
+                  f"{what}")
             for e, m in enumerate(r.get("marks_us") or ()):      # the template's own marks (LUM_STAMP_AT)
                 if m:
                     print(f"  {'mark ' + str(e + 2) + ': ' + '/'.join(f'{x:.2f}' for x in m):>30}")

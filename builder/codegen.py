@@ -1176,10 +1176,10 @@ def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -
     if not stamps:
         return "\n".join([common_header(), *(k.body for k in unique.values()), _l2_prefetch_source()])
     parts, slot = [], 0
-    for k in unique.values():            # a persistent kernel's items stamp as kernels after it (LUM_STAMP_ITEM)
+    for k in unique.values():
         parts += [f"#define LUM_STAMP_KERNEL {slot}\n#define LUM_STAMP_TAG {stamp_tag(k.name)}ull", k.body,
                   "#undef LUM_STAMP_KERNEL\n#undef LUM_STAMP_TAG"]
-        slot += 1 + len(k.tuning.get("persistent", ()))
+        slot += 1
     head = [f"#define LUM_STAMPS 1\n#define LUM_STAMP_BLOCKS {STAMP_BLOCKS}\n#define LUM_STAMP_FIELDS {STAMP_FIELDS}",
             f"__device__ unsigned long long lum_stamps[{max(1, slot) * STAMP_BLOCKS * STAMP_FIELDS}];"]
     return "\n".join([*head, common_header(), *parts, _l2_prefetch_source()])

@@ -1,5 +1,5 @@
 """What the kernels that run several ops' bodies in one launch share (builder/siblings.py,
-builder/attention_stage.py, builder/persistent.py): an op's kernel body as a device function, the joined
+builder/attention_stage.py): an op's kernel body as a device function, the joined
 launch's parameters, and which ops do no device work.
 
 Such a kernel keeps the LLIR unchanged: its launch table entry names the first op the kernel and the others

@@ -13,8 +13,7 @@ so rebuilding a model (or the test suite) re-runs NVRTC only for groups whose ke
 The launch table (schema in :mod:`lum.format.manifest`) is everything the loader needs to launch a
 kernel op without codegen: kernel names, grid expressions as text, block, dynamic shared memory,
 the parameter order (``out, in0 … in{n-1}, dyn`` — ``inK`` is the buffer of ``op.args[K]`` — then,
-for a kernel that runs other ops' bodies too (siblings, an attention stage, a persistent kernel:
-:mod:`lum.builder.fused`), ``out@T, in0@T …`` per such tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the
+for a kernel that runs other ops' bodies too (siblings, an attention stage: :mod:`lum.builder.fused`), ``out@T, in0@T …`` per such tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the
 tuning parameters used.
 """
 
@@ -29,7 +28,7 @@ from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switc
                                  generate_program, module_source)
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
-from lum.format.manifest import (CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, MAX_SHARED_MEM, TAIL_TABLE_VERSION,
+from lum.format.manifest import (CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION,
                                  sm_version)
 
 __all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "ENV_SHARED_PRELOAD_WAVES",
@@ -122,20 +121,18 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
 
 
 _FIRST_CALL = re.compile(r"\)\s*\{\s*(\w+)\(")
-_ITEM_PDL_WAIT = re.compile(r"lum_run_item\([^;]*, lum_vb == blockIdx\.x\);")   # persistent.py
 
 
 def _waits(ks: KernelSource) -> bool:
     """Every kernel entry of ``ks`` waits for its predecessor on the device (codegen's preamble, or gemv.cu's
     own wait after its preload), so the loader may launch it with programmatic stream serialization. An
-    entry whose first statement calls a device function of the body that waits counts too (an attention
-    kernel with its stage, whose body waits before any global access), and a register-fed persistent kernel
-    whose first item waits inside its body, every block without a block of that item before it."""
+    entry whose first statement calls a device function of the body that waits counts too: an attention
+    kernel with its stage, whose body waits before any global access."""
     parts = ks.body.split('extern "C" __global__')
     entries, before = parts[1:], parts[0]
 
     def waits(entry: str) -> bool:
-        if "lum_pdl_wait();" in entry or ("(lum_pdl_wait)();" in entry and _ITEM_PDL_WAIT.search(entry)):
+        if "lum_pdl_wait();" in entry:
             return True
         m = _FIRST_CALL.search(entry)
         if m is None:
@@ -157,65 +154,12 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     sm_90 and newer), with
     ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
     (:mod:`lum.builder.attention_stage`), with ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as
-    one (:mod:`lum.builder.siblings`); with ``$LUM_PERSISTENT``
-    its runs of kernels as register-fed persistent kernels (:mod:`lum.builder.persistent`) of as many blocks an
-    SM as fit and spill at most REG_MAX_SPILL bytes a thread, every kernel generated at their block size."""
-    from lum.builder.persistent import (PERSISTENT_THREADS, REG_MAX_SPILL, fuse_persistent, persistent_blocks,
-                                       persistent_mode, reg_preload)
-
-    mode = persistent_mode()
-    if mode:                    # every GEMV's first vectors before its wait, into registers (or shared memory)
-        wide_tuning = {"preload": reg_preload(mode), **(tuning or {}), "threads": PERSISTENT_THREADS,
-                       "preload_shared": mode == "reg-shared"}
-        tries = persistent_blocks()     # the first that fits and spills at most REG_MAX_SPILL (any, if one asked)
-        for blocks in tries:
-            wide = _balanced_items(program, dyn_vars, max_dyn, wide_tuning, arch, cache_dir, weights, SMS * blocks)
-            fused = fuse_persistent(program, wide, dyn_vars, max_dyn, mode, blocks)
-            kernels = [ks for ks in fused.values() if ks is not None and ks.tuning.get("persistent")]
-            if not kernels:
-                break
-            spill = REG_MAX_SPILL if blocks > 1 and len(tries) > 1 else None
-            if _shared_fits(kernels, arch, cache_dir, blocks, spill):
-                return {i: ks for i, ks in fused.items() if ks is not None}
-        else:
-            warnings.warn("lum: no persistent kernel of this group fits an SM; it keeps its kernels", stacklevel=2)
-    gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
-    return {i: ks for i, ks in gen.items() if ks is not None}
-
-
-def _shared_fits(kernels: list[KernelSource], arch: str, cache_dir: Any, blocks: int = 1,
-                 max_spill: int | None = None) -> bool:
-    """Whether each kernel's static shared memory (``ptxas -v``) and its dynamic shared memory fit an SM's
-    :data:`~lum.format.manifest.MAX_SHARED_MEM`, and more than one block an SM: whether ``blocks`` of them
-    are resident at once (:func:`resident_blocks`); with ``max_spill``, that none spills more bytes a thread.
-    True without NVRTC (nothing is compiled then)."""
-    from lum.builder import nvrtc
-
-    log = _ptxas_log(kernels, arch, cache_dir)
-    if log is None:
-        return True
-    if max_spill is not None and any(v > max_spill for v in nvrtc.ptxas_spills(log).values()):
-        return False
-    static, regs = nvrtc.ptxas_shared(log), nvrtc.ptxas_registers(log)
-    return all(static.get(ks.name, 0) + ks.shared_mem <= MAX_SHARED_MEM and (
-        blocks == 1 or resident_blocks(ks.launches[0].block[0], regs.get(ks.name, 255),
-                                       static.get(ks.name, 0) + ks.shared_mem) >= blocks) for ks in kernels)
-
-
-def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-                   tuning: Mapping[str, Any] | None, arch: str, cache_dir: Any, weights: frozenset[int],
-                   items: bool = False) -> dict[int, KernelSource | None]:
-    """:func:`group_kernel_sources` before persistent kernels; ``items``: as a register-fed persistent kernel's
-    items, whose loads ahead and grids its launch bounds and grid-stride walk decide, not one launch's."""
+    one (:mod:`lum.builder.siblings`)."""
     from lum.builder.attention_combine import attention_combine_mode, fuse_attention_combines
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
 
-    if items:           # a register-fed persistent kernel's items: its own launch bounds hold the registers
-        tuning = dict(tuning or {})
-        gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
-    else:
-        tuning, gen = _kernels_in_registers(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
+    tuning, gen = _kernels_in_registers(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     combine = attention_combine_mode()
     if combine == "counted" or (combine == "cluster" and sm_version(arch) >= 90):
         gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
@@ -223,32 +167,7 @@ def _fused_kernels(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[s
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning, weights)
     if sibling_kernels_enabled():
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
-    return gen
-
-
-def _balanced_items(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-                    tuning: Mapping[str, Any], arch: str, cache_dir: Any, weights: frozenset[int], launch: int
-                    ) -> dict[int, KernelSource | None]:
-    """A register-fed persistent kernel's items (:func:`_fused_kernels` with ``items``), each GEMV's threads a
-    column (``group``) doubled, up to its block, while its tiles would load the launch's ``launch`` blocks
-    unevenly (:func:`~lum.builder.codegen.blocks_unbalanced`): an item's blocks walk the launch grid-stride, so
-    gemma3-4b's down (640 tiles at 64 threads a column) would give 112 of 528 blocks a second tile, and the
-    item would last two tiles; at 256 threads a column it is 2,560 tiles, under five a block."""
-    tuning = dict(tuning)
-    gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights, items=True)
-    for _ in range(4):         # each round doubles some group; a block's threads bound it
-        more = {}
-        for rank, op in enumerate(gemv_kernel_ops(program)):
-            ks = gen.get(op.id)
-            group = ks.tuning.get("group") if ks is not None else None
-            if (group and ks.grid[0].is_const and 2 * group <= ks.block[0]
-                    and blocks_unbalanced(ks.grid[0].value, launch)):
-                more[f"gemv{rank}.group"] = 2 * group
-        if not more:
-            break
-        tuning.update(more)
-        gen = _fused_kernels(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights, items=True)
-    return gen
+    return {i: ks for i, ks in gen.items() if ks is not None}
 
 
 def _kernels_in_registers(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,

@@ -38,8 +38,7 @@ from typing import Callable, Sequence
 from lum.format.atomic import atomic_write_bytes
 
 __all__ = ["CompileError", "NvrtcNotFound", "CompileResult", "compile_cuda", "nvrtc_version",
-           "nvrtc_library_path", "supported_archs", "default_cache_dir", "ptxas_registers", "ptxas_spills",
-           "ptxas_shared"]
+           "nvrtc_library_path", "supported_archs", "default_cache_dir", "ptxas_registers", "ptxas_spills"]
 
 _ENV_LIB = "LUM_NVRTC_LIB"
 _ENV_CACHE = "LUM_NVRTC_CACHE"
@@ -392,11 +391,3 @@ def ptxas_spills(log: str) -> dict[str, int]:
 def ptxas_registers(log: str) -> dict[str, int]:
     """Registers per thread of each kernel, from the log of a compile with ``--ptxas-options=-v``."""
     return _ptxas_per_entry(log, _PTXAS_REGS, lambda m: int(m.group(1)))
-
-
-_PTXAS_SMEM = re.compile(r"Used \d+ registers.*?(\d+) bytes smem")
-
-
-def ptxas_shared(log: str) -> dict[str, int]:
-    """Static shared memory bytes of each kernel that has any, from a ``ptxas -v`` log."""
-    return _ptxas_per_entry(log, _PTXAS_SMEM, lambda m: int(m.group(1)))

@@ -68,7 +68,6 @@ import numpy as np
 from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.attention_stage import (ENV_ATTENTION_STAGE, ENV_ATTENTION_STAGE_AHEAD, ENV_ATTENTION_STAGE_PREFETCH,
                                          ENV_ATTENTION_TRIGGER_AFTER_STAGE)
-from lum.builder.persistent import persistent_blocks, persistent_mode, reg_preload
 from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH, ENV_STAGE_ONE_ROUND, env_switch,
                                  flash_attention, flash_attention_enabled,
@@ -781,10 +780,7 @@ class MeasuredCompiler:
                 "row_early": row_early_default(), "attention_combine": {None: False, "counted": True}.get(attention_combine_mode(), "cluster"),
                 "sibling_kernels": sibling_kernels_enabled(),
                 "row_reads": row_reads_enabled(),
-                "prologue_max_cols": prologue_max_cols(),
-                **({"persistent": mode} if (mode := persistent_mode()) else {}),
-                **({"persistent_blocks": b[0]} if mode and len(b := persistent_blocks()) == 1 else {}),
-                **({"persistent_preload": reg_preload(mode)} if mode else {})}
+                "prologue_max_cols": prologue_max_cols()}
 
     def __call__(self, graph: Graph) -> Program:
         from lum.builder.costmodel import op_cost

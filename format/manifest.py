@@ -41,9 +41,8 @@ in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args
 (:mod:`lum.builder.fused`): an op entry with ``"tail": [14, 16]`` is a kernel that also runs LLIR ops
 14 and 16 (for the attention combine of :mod:`lum.builder.attention_combine`, by the last block of each
 kv row while other blocks may still run the op; for :mod:`lum.builder.siblings`, which reads none of the
-others' outputs, by blocks of their own beside it; for :mod:`lum.builder.attention_stage` and
-:mod:`lum.builder.persistent`, one after another with the blocks waiting for each other between), so they
-have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
+others' outputs, by blocks of their own beside it; for :mod:`lum.builder.attention_stage`, the stage's ops
+first, then the attention after a block barrier), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
 "out@16", …``, the tails' buffers by the same rules. A tail op must follow its head in the program with
 no kernel op or library call between them, and what the head reads stays live (is not reused by the
 arena) until its last tail. Version 3 adds **clusters**: a launch with ``"cluster": 8`` runs its grid in
@@ -73,7 +72,7 @@ early (``griddepcontrol.launch_dependents``) and waits on the device for the ker
 (``griddepcontrol.wait``) before it touches global memory, with two exceptions: the dyn buffer (host
 copies fill it before a graph runs) and the buffers its op entry names in ``early`` (a GEMV's weights,
 which it starts copying into shared memory while its predecessor runs; its own ``in<k>`` or a tail's
-``in<k>@T``: a persistent kernel's GEMVs, builder/persistent.py). A CUDA loader may then launch
+``in<k>@T``). A CUDA loader may then launch
 the table's kernels with programmatic stream serialization (sm_90+), each only where every ``early``
 buffer is a weight (nothing in the package writes one); tables without the flag (older builds) launch
 plainly.

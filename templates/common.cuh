@@ -358,14 +358,6 @@ LUM_D void lum_stamp(int kernel, unsigned long long tag, int event) {
 #else
 #define LUM_STAMP_AT(event) ((void)0)
 #endif
-// A persistent kernel's item k (templates/persistent.cu) stamps as a kernel of its own: record slot
-// LUM_STAMP_KERNEL + 1 + k (module_source reserves them), tag LUM_STAMP_TAG + 1 + k; events 0 (the block
-// reached the item's wait), 1 (the wait returned), 2 (the block finished the item).
-#if defined(LUM_STAMPS) && defined(__CUDA_ARCH__)
-#define LUM_STAMP_ITEM(item, event) lum_stamp(LUM_STAMP_KERNEL + 1 + (item), LUM_STAMP_TAG + 1ull + (item), (event))
-#else
-#define LUM_STAMP_ITEM(item, event) ((void)0)
-#endif
 
 // ------------------------------------------------------------------------------ thread block clusters
 // Every thread of this block's cluster arrives, then waits for all the cluster's threads (sm_90: a hardware
@@ -391,7 +383,7 @@ LUM_D void lum_cluster_sync() {
 // One block's arrival on a counter in global memory: an acquire-release add at GPU scope, so the stores
 // this block's threads made before a __syncthreads are visible to whichever block counts last, and the
 // last one sees all of them (no separate fences: a fence.sc is the slow way to the same order). Returns
-// the count before this arrival. (The attention combine of templates/attention.cu, templates/persistent.cu.)
+// the count before this arrival. (The attention combine of templates/attention.cu.)
 LUM_D unsigned int lum_count_done(unsigned int* lum_c) {
 #if defined(__CUDA_ARCH__)
   unsigned int lum_old;
@@ -402,34 +394,6 @@ LUM_D unsigned int lum_count_done(unsigned int* lum_c) {
   return atomicAdd(lum_c, 1u);
 #endif
 }
-#if defined(__CUDA_ARCH__) || defined(LUM_EMU_RESIDENT)   // the GPU, or the emulator's resident runs
-// A block's arrival once its threads are done with what a later item of a persistent kernel reads: every
-// thread's stores before the __syncthreads, then thread 0's release (templates/persistent.cu).
-LUM_D void lum_count_block(unsigned int* lum_c) {
-  __syncthreads();
-  if (threadIdx.x == 0) lum_count_done(lum_c);
-}
-// Every thread of the block, once the counter holds n: thread 0 polls with acquire loads at GPU scope, the
-// others wait at the __syncthreads after it, so the stores the arrivals released are visible to every thread.
-// A counter that never gets there (blocks not all resident: a grid larger than the GPU holds at once) traps
-// after 2^22 polls (seconds) rather than hang the GPU. Host emulation: every block's threads interleave.
-LUM_D void lum_wait_count(const unsigned int* lum_c, unsigned int n) {
-  if (threadIdx.x == 0) {
-#if defined(__CUDA_ARCH__)
-    for (unsigned long long polls = 0;; ++polls) {
-      unsigned int v;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(lum_c) : "memory");
-      if (v >= n) break;
-      if (polls > (1ull << 22)) __trap();
-    }
-    __threadfence();
-#else
-    while (*(volatile const unsigned int*)lum_c < n) lum_spin_yield();
-#endif
-  }
-  __syncthreads();
-}
-#endif
 // A float another block of this grid stored (read at L2, past this SM's L1, after lum_count_done).
 LUM_D float lum_load_cg(const float* p) {
 #if defined(__CUDA_ARCH__)
@@ -449,57 +413,6 @@ LUM_D void lum_load_f32(const T* p, float (&out)[N], Cvt cvt) {
   for (int e = 0; e < N; ++e) out[e] = cvt(raw[e]);
 }
 
-// ------------------------------------------------------------------------------ persistent kernels' items
-// A persistent kernel (templates/persistent.cu, builder/persistent.py) calls its items' bodies one after
-// another; the block index and grid an item's body sees, and the wait it does inside its body, are in the
-// item header at the start of the kernel's dynamic shared memory (LUM_ITEM_HEADER bytes; a GEMV's shared
-// preload after it: lum_item_smem).
-#if defined(__CUDA_ARCH__) || defined(LUM_EMU_RESIDENT)   // the GPU, or the emulator's resident runs
-#define LUM_ITEM_HEADER 128       // bytes before an item's own dynamic shared memory (LumItem, rounded up)
-struct LumItem {
-  unsigned vb, vg;               // the block index and grid an item's body sees (lum_virtual_block)
-  const unsigned* wait_c;        // the counter the body's wait polls (lum_item_wait) ...
-  unsigned wait_n, wait_pdl;     // ... until it holds wait_n; wait_pdl: the wait for the previous launch instead
-};
-static_assert(sizeof(LumItem) <= LUM_ITEM_HEADER, "LumItem fits its header");
-
-#if defined(__CUDA_ARCH__)
-LUM_D LumItem* lum_item() {
-  extern __shared__ __align__(128) unsigned char lum_item_dyn_smem[];
-  return reinterpret_cast<LumItem*>(lum_item_dyn_smem);
-}
-#else
-LUM_D LumItem* lum_item() { return reinterpret_cast<LumItem*>(lum_emu_dyn_smem()); }
-#endif
-
-// An item's body sees blockIdx and gridDim as these (templates/persistent.cu defines the two names so around
-// each body): block vb of a grid of vg, one dimension.
-LUM_D auto lum_virtual_block() { auto b = blockIdx; b.x = lum_item()->vb; b.y = b.z = 0; return b; }
-LUM_D auto lum_virtual_grid() { auto g = gridDim; g.x = lum_item()->vg; g.y = g.z = 1; return g; }
-// Block vb of a grid of vg, for the item body called next: every thread sees it after the barrier. An item
-// waits inside its body, where its kernel waited for the one before (lum_pdl_wait, which the item's text
-// calls lum_item_wait): its preload is then on its way across the wait, as it is across a kernel boundary.
-// Its body's wait is for counter c to hold n (c null: no wait, the block waited already), or, pdl, for the
-// previous launch (the first item).
-LUM_D void lum_run_item(unsigned vb, unsigned vg, const unsigned* c = nullptr, unsigned n = 0u, unsigned pdl = 0u) {
-  if (threadIdx.x == 0) {
-    LumItem* r = lum_item();
-    r->vb = vb;
-    r->vg = vg;
-    r->wait_c = c;
-    r->wait_n = n;
-    r->wait_pdl = pdl;
-  }
-  __syncthreads();
-}
-// An item's own dynamic shared memory (a GEMV's shared preload, `reg-shared`): after the header.
-LUM_D unsigned char* lum_item_smem() { return reinterpret_cast<unsigned char*>(lum_item()) + LUM_ITEM_HEADER; }
-LUM_D void lum_item_wait() {
-  const LumItem* r = lum_item();
-  if (r->wait_pdl) (lum_pdl_wait)();                 // parenthesized: the function, not the stamps' macro
-  else if (r->wait_c) lum_wait_count(r->wait_c, r->wait_n);
-}
-#endif  // the GPU, or the emulator's resident runs
 #endif  // CUDA
 
 #endif  // LUM_COMMON_CUH

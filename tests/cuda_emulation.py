@@ -48,8 +48,8 @@ _SHIM = r"""
 // _setjmp / _longjmp, which leave the signal mask alone: swapcontext's system call per switch made
 // kernels with many barriers (flash attention) spend most of their emulated time in the kernel.
 // lum_emu_run_resident runs every block of a grid at once (their threads as coroutines of one scheduler),
-// for kernels whose blocks wait for each other (a persistent kernel: every block resident, as on the GPU
-// when the grid fits the SMs once); there a thread may also wait at a named barrier (bar.sync id, count:
+// for kernels whose blocks wait for each other (a probe's: every block resident, as on the GPU when the
+// grid fits the SMs once); there a thread may also wait at a named barrier (bar.sync id, count:
 // `lum_named_barrier`) or spin (`lum_spin_yield`: runnable, but the others run first), and a grid whose
 // every live thread only spins is a deadlock.
 struct lum_dim3 { unsigned x = 0, y = 0, z = 0; };
@@ -183,12 +183,7 @@ static void lum_emu_run(unsigned grid, unsigned block, bool threaded, const std:
 }
 // Every block of the grid at once: a scheduler round first releases each block's barriers (lum_release),
 // then runs each thread that may run up to its next wait. `smem` bytes of dynamic shared memory a block (zeroed).
-// `exclusive`: a block runs until every live thread of it spins (a persistent kernel's wait for the other
-// blocks) before the next block runs: here `__shared__` is one static for every block, which then holds
-// only what the running block wrote, as long as no block spins while its static shared memory is in use
-// (a persistent kernel's items wait before they use theirs).
-static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& fn,
-                                 bool exclusive = false) {
+static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, const std::function<void()>& fn) {
   gridDim.x = grid; gridDim.y = gridDim.z = 1; blockDim.x = block; blockDim.y = blockDim.z = 1;
   const unsigned n = grid * block;
   const size_t stack = 64 * 1024;
@@ -202,8 +197,10 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
   lum_fn = &fn;
   for (unsigned i = 0; i < n; ++i) lum_new_thread(i, stacks[i], stack);
   long idle = 0;                         // rounds in which every thread that ran only spun again
-  auto round = [&](unsigned first, unsigned last, bool& left, bool& progress) {   // threads first .. last - 1
-    for (unsigned i = first; i < last; ++i) {
+  for (;;) {
+    bool left = false, progress = false;
+    for (unsigned b = 0; b < grid; ++b) lum_release(b * block, block);
+    for (unsigned i = 0; i < n; ++i) {
       if (lum_done[i]) continue;
       left = true;
       if (lum_wait[i] != 0 && lum_wait[i] != 4) continue;
@@ -213,24 +210,6 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
       lum_dyn = shared[i / block] + (128 - (uintptr_t)shared[i / block] % 128) % 128;
       lum_resume(i);
       progress |= !(spun && lum_wait[i] == 4);
-    }
-  };
-  for (;;) {
-    bool left = false, progress = false;
-    if (exclusive) {
-      for (unsigned b = 0; b < grid; ++b) {
-        for (bool more = true; more;) {
-          bool block_left = false, block_progress = false;
-          lum_release(b * block, block);
-          round(b * block, (b + 1) * block, block_left, block_progress);
-          left |= block_left;
-          progress |= block_progress;
-          more = block_left && block_progress;
-        }
-      }
-    } else {
-      for (unsigned b = 0; b < grid; ++b) lum_release(b * block, block);
-      round(0, n, left, progress);
     }
     if (!left) break;
     idle = progress ? 0 : idle + 1;
@@ -243,7 +222,7 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
   for (auto sm : shared) std::free(sm);
   lum_base = 0; lum_dyn = nullptr;
 }
-// What the kernels of probes and persistent kernels use of CUDA's vector types and intrinsics, for the host.
+// What the kernels of probes use of CUDA's vector types and intrinsics, for the host.
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 template <typename T> static T __ldg(const T* p) { return *p; }
@@ -253,7 +232,6 @@ static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static float lum_host_expf(float x) { return std::exp(x); }
 #define __expf lum_host_expf   // glibc declares an __expf it does not export
 #define __CUDACC__ 1
-#define LUM_EMU_RESIDENT 1   // common.cuh: the host forms of what persistent kernels use
 #define __host__
 #define __device__
 #define __global__
@@ -280,9 +258,7 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
         for lc in k.launches:
             args = ", ".join(f"*({_ptype(p.ctype)}*)p[{i}]" for i, p in enumerate(k.params))
             sync = "true" if threaded else "false"
-            run = (f"lum_emu_run_resident(grid, block, {lc.shared_mem}u, [&] {{ {lc.kernel}({args}); }}, true)"
-                   if k.tuning.get("persistent") else          # its blocks wait for each other: all resident
-                   f"lum_emu_run(grid, block, {sync}, [&] {{ {lc.kernel}({args}); }})")
+            run = f"lum_emu_run(grid, block, {sync}, [&] {{ {lc.kernel}({args}); }})"
             src.append(f'extern "C" void run_{lc.kernel}(void** p, unsigned grid, unsigned block) {{ {run}; }}')
     src.append(f'extern "C" void run_{L2_PREFETCH_ENTRY}(void** p, unsigned grid, unsigned block) '
                f'{{ lum_emu_run(grid, block, false, [&] {{ {L2_PREFETCH_ENTRY}(*(const char**)p[0], '
@@ -299,7 +275,7 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
 
 
 def resident_library(source: str, entries: dict[str, Sequence[str]], out_dir: Path) -> Path:
-    """Compile CUDA ``source`` (whose kernels' blocks wait for each other: a persistent kernel, a probe) for
+    """Compile CUDA ``source`` (whose kernels' blocks wait for each other: a probe's) for
     the host; each entry ``K`` (its parameters' C types) gets ``run_K(void** params, grid, block, smem)``, which
     runs every block of the grid at once with ``smem`` bytes of dynamic shared memory a block
     (``lum_emu_run_resident``)."""

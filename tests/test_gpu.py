@@ -411,11 +411,7 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
                   "attention-stage-prefetch": ({"LUM_ATTENTION_STAGE_PREFETCH": "1"}, None,
                                                lambda op: _stage_kernel(op) and op.tuning.get("stage_prefetch")),
                   "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
-                                                    lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger")),
-                  "persistent-reg": ({"LUM_PERSISTENT": "reg"}, None,
-                                     lambda op: op.tuning.get("persistent_mode") == "reg"),
-                  "persistent-reg-shared": ({"LUM_PERSISTENT": "reg-shared"}, None,
-                                            lambda op: op.tuning.get("persistent_mode") == "reg-shared")}
+                                                    lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger"))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -430,10 +426,7 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
     ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the stage's weights asked of L2 before the
     wait (``LUM_ATTENTION_STAGE_PREFETCH=1``, off by default), or the attention letting the kernels after it
-    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decoder layer one
-    persistent launch (``LUM_PERSISTENT=reg``: its GEMVs' weights in registers, several blocks an SM, each item
-    waiting inside its body; ``reg-shared``: their first weights copied into shared memory;
-    builder/persistent.py; its blocks wait for each other, so this is where their memory order is checked);
+    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``);
     none changes a value. Decode
     logits of the fused package as the
     reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as

@@ -229,7 +229,6 @@ class CudaRunner:
                 for lc in kop.launches:
                     if lc.shared_mem:
                         self.modules[g].function(lc.kernel, lc.shared_mem)
-                    _check_resident(kop, lc, self.device.multiprocessors)
         # weights
         wsizes = {n: int(np.prod(w.shape, dtype=np.int64)) * w.dtype.itemsize for n, w in m.weights.items()}
         wl = pack(wsizes)
@@ -617,21 +616,3 @@ def stored_gemm_algos(manifest: Any, lt_version: int | None, groups: Any = None)
             for ga in ref.table.gemms:
                 out[(g, ga.op)] = ga.algo
     return out
-
-
-def _check_resident(kop: Any, lc: Any, sms: int) -> None:
-    """A persistent kernel (builder/persistent.py: its blocks wait for each other, ``blocks_per_sm`` of them an
-    SM) needs every block resident at once: a grid larger than this GPU holds would wait forever (its kernel
-    traps instead)."""
-    if not kop.tuning.get("persistent"):
-        return
-    blocks = 1
-    for g in lc.grid:
-        if g.vars():
-            raise BackendUnavailableError(f"kernel {lc.kernel}: a persistent kernel's grid must be static, not {g}")
-        blocks *= int(g.evaluate({}))
-    per_sm = int(kop.tuning.get("blocks_per_sm", 1))
-    if blocks > sms * per_sm:
-        raise BackendUnavailableError(
-            f"kernel {lc.kernel} is a persistent kernel of {blocks} blocks, {per_sm} an SM, and this GPU has {sms} "
-            "SMs: rebuild the package on it, or with LUM_PERSISTENT=0")
