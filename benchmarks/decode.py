@@ -76,7 +76,8 @@ What it does, in one run on one GPU:
      ``lum-waves-shared`` with ``LUM_GEMV_SHARED_PRELOAD_WAVES=1`` (gemma3-4b's gate-up keeps its 5,120 blocks
      past one wave and copies half its tile into shared memory before its wait; measured slower),
      ``lum-stage-prefetch`` with ``LUM_ATTENTION_STAGE_PREFETCH=1`` (decode attention's blocks ask L2 for
-     their stage's norm weights and scalars before their wait; measured even), ``lum-trigger-first`` with ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
+     their stage's norm weights and scalars before their wait; measured even), ``lum-trigger-first`` with
+     ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
      llama3-1b, even on gemma3-4b),
      ``lum-narrow-a`` with

@@ -13,8 +13,9 @@ so rebuilding a model (or the test suite) re-runs NVRTC only for groups whose ke
 The launch table (schema in :mod:`lum.format.manifest`) is everything the loader needs to launch a
 kernel op without codegen: kernel names, grid expressions as text, block, dynamic shared memory,
 the parameter order (``out, in0 … in{n-1}, dyn`` — ``inK`` is the buffer of ``op.args[K]`` — then,
-for a kernel that runs other ops' bodies too (siblings, an attention stage: :mod:`lum.builder.fused`), ``out@T, in0@T …`` per such tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic assumes, and the
-tuning parameters used.
+for a kernel that runs other ops' bodies too (siblings, an attention stage: :mod:`lum.builder.fused`),
+``out@T, in0@T …`` per such tail op ``T``), the dyn-buffer slot order, the dyn bounds the index arithmetic
+assumes, and the tuning parameters used.
 """
 
 from __future__ import annotations
