@@ -13,10 +13,10 @@ kv row's chunks have all stored their partials, in one of two ways (``$LUM_ATTEN
   the row's query rows. No atomic, no block that runs after all the others, every block of the row busy.
 
 A combine here runs while other kv rows' chunks are still being computed (not by the last block of the
-whole grid); the LLIR is unchanged (the reference backend and the buffer plan see the same two ops). The launch table names the combine a tail of the attention op
-(table version 2), and the loader keeps every buffer a kernel with tails reads alive until its last
-tail (:meth:`lum.loader.model.Package.buffers`), so the combine's output never takes the place of an
-input the other blocks still read.
+whole grid); the LLIR is unchanged (the reference backend and the buffer plan see the same two ops). The
+launch table names the combine a tail of the attention op (table version 2), and the loader keeps every
+buffer a kernel with tails reads alive until its last tail (:meth:`lum.loader.model.Package.buffers`), so
+the combine's output never takes the place of an input the other blocks still read.
 
 Only the combine :func:`~lum.builder.extract.attention_ops` builds is fused: the reduce right after its
 attention op (nothing but constants between), its one reader, with exactly that tree over the partials

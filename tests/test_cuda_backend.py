@@ -588,8 +588,8 @@ def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg_apart, monkeyp
 
 def test_a_kernel_opts_in_where_its_static_and_dynamic_shared_memory_pass_48_kb(monkeypatch):
     """The loader raises a kernel's limit of dynamic shared memory where what it asks passes 48 KB alone or
-    beside its static shared memory (24 KB static, 33 KB dynamic), and
-    leaves it where both fit: the driver's default limit is 48 KB less the static part."""
+    beside its static shared memory (24 KB static, 33 KB dynamic), and leaves it where both fit: the driver's
+    default limit is 48 KB less the static part."""
     from types import SimpleNamespace as NS
 
     cu = pytest.importorskip("lum.loader.cuda.driver")
