@@ -43,10 +43,7 @@ What it does, in one run on one GPU:
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
-     templates/row.cu EARLY), ``lum-early`` with both; ``lum-attncombine`` with ``LUM_ATTENTION_COMBINE=1``
-     (each decode attention kernel combines its chunks itself, the last block of a kv row doing it:
-     builder/attention_combine.py), ``lum-clustercombine`` with ``LUM_ATTENTION_COMBINE=cluster`` (the same in a
-     thread block cluster a kv row, after the cluster's barrier), ``lum-postnorm-next`` with
+     templates/row.cu EARLY), ``lum-early`` with both; ``lum-postnorm-next`` with
      ``LUM_POST_NORM_NEXT_LAYER=1`` (a Gemma layer's FFN post-norm residual computed in the next layer's
      chunk, by the qkv GEMV's prologue: builder/models/transformer.py), ``lum-postnorm-preload`` with that and
      ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (qkv then follows down, a GEMV, and preloads), ``lum-rowregs`` with
@@ -151,7 +148,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
-                 "lum-attncombine": {"LUM_ATTENTION_COMBINE": "1"}, "lum-clustercombine": {"LUM_ATTENTION_COMBINE": "cluster"},
                  "lum-postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"},
                  "lum-postnorm-preload": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
                  "lum-rowregs": {"LUM_ROW_REGS_BOUNDED": "1"},

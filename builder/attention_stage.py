@@ -208,13 +208,11 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
     out = dict(sources)
     for att in program.ops:
         ks = sources.get(att.id)
-        combined = ks is not None and bool(ks.tuning.get("combine"))     # it runs its combine: keeps it
-        ops = stage_ops(program, att) if ks is not None and (not ks.tails or combined) else None
+        ops = stage_ops(program, att) if ks is not None and not ks.tails else None
         if ops is None or any(sources.get(o.id) is None or sources[o.id].tails for o in ops):
             continue
-        comb = program.ops[ks.tails[0]] if combined else None
         try:
-            fused = _fuse(program, att, ops, dyn_vars, max_dyn, common, comb, "cluster" in ks.tuning, weights)
+            fused = _fuse(program, att, ops, dyn_vars, max_dyn, common, weights)
         except CodegenError:
             continue
         run = sorted(ops, key=lambda o: o.id)
@@ -251,18 +249,16 @@ def _dts(program: Program, op: LOp) -> list:
 
 
 def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Sequence[str],
-          max_dyn: Mapping[str, int] | None, common: Mapping[str, Any], comb: LOp | None = None,
-          cluster: bool = False, weights: frozenset[int] = frozenset()) -> KernelSource:
-    """The attention kernel running its stage's rows (``templates/attention.cu`` STAGE) and, given ``comb``,
-    its combine (counted, or in clusters: :mod:`lum.builder.attention_combine`), the last of its tails;
-    CodegenError where it cannot."""
+          max_dyn: Mapping[str, int] | None, common: Mapping[str, Any],
+          weights: frozenset[int] = frozenset()) -> KernelSource:
+    """The attention kernel running its stage's rows (``templates/attention.cu`` STAGE); CodegenError where it
+    cannot."""
     md = dict(max_dyn or {}) or None
     ahead, trigger = attention_stage_ahead(), attention_trigger_after_stage()
     rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md, ahead=ahead)
             for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), ahead=ahead, trigger=trigger), combine=comb, combine_cluster=cluster,
-                  **common)
+                  stage=replace(_stage(att, rows), ahead=ahead, trigger=trigger), **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -278,14 +274,9 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     body = body.replace("__restrict__ ", "")    # it reads the cache rows its own stage writes
     run = sorted((*ops, att), key=lambda o: o.id)
     role_of = {op.id: role for role, op in zip("qkv", ops)}
-    own = ks.params[:[p.name for p in ks.params].index("dyn") + 1]     # the attention's; then its combine's
-    joined = [own if op.id == att.id else rows[role_of[op.id]].params for op in run]
-    if comb is not None:
-        joined.append([replace(p, name=p.name[3:]) for p in ks.params[len(own):]])    # t0_out -> out, …
+    joined = [ks.params if op.id == att.id else rows[role_of[op.id]].params for op in run]
     params, calls = joined_params(joined)
     args = {op.id: call for op, call in zip(run, calls)}
-    if comb is not None:
-        args[att.id] += ", " + calls[-1]
     q, k, v = (args[o.id] for o in ops)
     window = "long long w0, long long w1, long long wT, bool wf"
     if ahead:                                   # the kv row's shared copy and its dest row
@@ -316,4 +307,4 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
                         tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {}),
                                 **({"stage_prefetch": True} if prefetch else {}),
                                 **({"stage_trigger": True} if trigger else {})},
-                        tails=tuple(o.id for o in run[1:]) + (() if comb is None else (comb.id,)))
+                        tails=tuple(o.id for o in run[1:]))

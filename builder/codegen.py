@@ -93,7 +93,7 @@ from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
                              attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
                              gemm_parts, has_row_ops)
-from lum.format.manifest import L2_PREFETCH_CHUNK, MAX_CLUSTER, MAX_SHARED_MEM
+from lum.format.manifest import L2_PREFETCH_CHUNK, MAX_SHARED_MEM
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -123,7 +123,6 @@ PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) i
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ENV_ROW_REGS_BOUNDED = "LUM_ROW_REGS_BOUNDED"      # 1: a dynamic row too, by its bound (row_regs_bounded)
 ROW_REGS_BOUNDED = 16                            # ... up to this per lane (decode's combine at max_seq 4,096: 9)
-ATTENTION_MAX_COUNTERS = 4096                   # kv rows an attention kernel that combines its chunks counts, at most
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
@@ -173,7 +172,6 @@ class Launch:
     grid: tuple[Expr, Expr, Expr]                # over the dyn vars, each >= 1
     block: tuple[int, int, int]
     shared_mem: int = 0                          # dynamic shared memory bytes
-    cluster: int = 1                             # blocks a thread block cluster (grid x a multiple of it; sm_90)
 
     def evaluate(self, dyn_map: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
         return tuple(g.evaluate(dyn_map) for g in self.grid), self.block, self.shared_mem  # type: ignore[return-value]
@@ -808,8 +806,7 @@ def attention_stage_block(op: LOp) -> tuple[int, int] | None:
     WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six rows) ran in two rounds,
     warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips (one round measured
     +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round, where the
-    chunk cannot be split so, or with ``$LUM_ATTENTION_STAGE_ONE_ROUND=0``. A kernel that also runs its
-    combine (``$LUM_ATTENTION_COMBINE``, off) keeps 4 warps too: llama3-1b's spilled."""
+    chunk cannot be split so, or with ``$LUM_ATTENTION_STAGE_ONE_ROUND=0``."""
     if not env_switch(ENV_STAGE_ONE_ROUND, default=True):
         return None
     rows, chunk = attention_group_rows(op), int(op.params["chunk"])
@@ -848,14 +845,11 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              preload_shared: bool = False, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             row_early: bool | None = None, combine: LOp | None = None, combine_cluster: bool = False,
-             stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
+             row_early: bool | None = None, stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
-    the op's own dtype does not imply them. ``combine``: an attention op's combine reduce, which its kernel
-    then runs as its tail (:mod:`lum.builder.attention_combine`), counted on per-kv-row counters or, with
-    ``combine_cluster`` (sm_90), in a thread block cluster per kv row. ``stage``: the rows of the ops before it an
+    the op's own dtype does not imply them. ``stage``: the rows of the ops before it an
     attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
@@ -868,7 +862,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if len(set(dyn_vars)) != len(dyn_vars):
         raise CodegenError(f"duplicate names in dyn_vars {list(dyn_vars)}")
     threads_given = threads is not None
-    if op.kind == "attention" and stage is not None and combine is None and not threads_given and unroll is None:
+    if op.kind == "attention" and stage is not None and not threads_given and unroll is None:
         threads, unroll = attention_stage_block(op) or (None, None)
     if threads is None:
         threads = _default_threads(op)
@@ -891,9 +885,9 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
-               combine=combine, combine_cluster=combine_cluster, stage=stage, tile_keys=tile_keys)
-    if (combine is not None or stage is not None) and op.kind != "attention":
-        raise CodegenError(f"only an attention kernel runs a combine or a stage, not a {op.kind} kernel")
+               stage=stage, tile_keys=tile_keys)
+    if stage is not None and op.kind != "attention":
+        raise CodegenError(f"only an attention kernel runs a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
@@ -907,10 +901,10 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
     body = body.replace(_ENTRY, name)
     launches = tuple(Launch(name + suffix, grid, block, *smem) for suffix, grid, block, *smem in launches_raw)
-    params = gen.params() + gen.tail_params()
+    params = gen.params()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
                         launches=launches, params=params, dyn_vars=dyn_vars, dyn_slots=slots, tuning=tuning,
-                        early=gen.early, tails=() if combine is None else (combine.id,))
+                        early=gen.early)
 
 
 @dataclass(frozen=True)
@@ -1227,12 +1221,10 @@ class _Gen:
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
-                 combine: LOp | None = None, combine_cluster: bool = False, stage: AttentionStage | None = None,
+                 stage: AttentionStage | None = None,
                  tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
-        self.combine = combine                     # an attention's combine reduce, run as its tail
-        self.combine_cluster = combine_cluster     # ... in a cluster of blocks per kv row, not counted
         self.stage = stage                         # the rows of the ops before it an attention computes
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll
         self.inflight = inflight
@@ -1290,19 +1282,8 @@ class _Gen:
         ps.append(Param("dyn", "dyn", None, None, "const long long* __restrict__ dyn"))
         return tuple(ps)
 
-    def tail_params(self) -> tuple[Param, ...]:
-        """After the head's: the combine's buffers (the tail convention of builder/fused.py: ``t0_out``, then
-        ``t0_in<k>`` per argument; the partials and the −1 are the head's own, passed but not read)."""
-        c = self.combine
-        if c is None:
-            return ()
-        ps = [Param("t0_out", "out", None, c.dtype, f"{STORAGE_C[c.dtype]}* __restrict__ t0_out")]
-        for k in range(len(c.args)):
-            ps.append(Param(f"t0_in{k}", "arg", k, DType.f32, f"const float* t0_in{k}"))
-        return tuple(ps)
-
     def params_c(self) -> str:
-        return ", ".join(p.ctype for p in self.params() + self.tail_params())
+        return ", ".join(p.ctype for p in self.params())
 
     def grid(self, items: Expr, per_block: int) -> tuple[Expr, Expr, Expr]:
         g = smax(1, smin(cdiv(items, per_block), self.max_blocks))
@@ -2014,23 +1995,21 @@ class _Gen:
         scale = float(op.params["scale"])
         logit = f"(lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)}"
         keys_before, keys_after = "", ""
-        # a step's logits first, then one update a query row (not by default beside the clustered combine, off
-        # and measured slower: with both, llama3-1b's kernel spills 16 bytes)
-        if env_switch(ENV_ATTENTION_KEY_BATCH, default=not self.combine_cluster):
+        # a step's logits first, then one update a query row
+        if env_switch(ENV_ATTENTION_KEY_BATCH, default=True):
             key, keys_before, keys_after = self._attention_key_batch(ind4, mval, logit, rnd)
         else:
             key = self._attention_key(ind4, mval, logit, rnd)
         out_idx = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), zero))
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
-        comb = self._attention_combine(heads_n, idx, op, DV)
         # the warps' partials of all M query rows merged after one barrier pair where they and the stage's rows
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
         other = 4 * 32 * (m_size * dpl + (dpl + vpl if self.stage is not None and self.stage.ahead else 0)) \
             if self.stage is not None else 0
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits and env_switch(ENV_MERGE_ALL_ROWS, default=True) else 1
-        src = render(load_template("attention.cu"), {**comb, **stage,
+        src = render(load_template("attention.cu"), {**stage,
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
             "MERGE_ROWS": merge_rows,
@@ -2040,13 +2019,6 @@ class _Gen:
             "KEY": "\n".join(key), "KEYS_BEFORE": keys_before, "KEYS_AFTER": keys_after, "STORE": ctx.c(out_idx)})
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
                   "merge_rows": merge_rows}
-        if self.combine is not None:
-            tuning["combine"] = True
-        if comb["CLUSTERED"]:                      # a cluster per kv row, as many as fit max_blocks
-            tuning["cluster"] = cl = comb["CLUSTER"]
-            clusters = max(1, min(heads_n.value, self.max_blocks // cl))
-            return [src], [("", (as_expr(clusters * cl), as_expr(1), as_expr(1)), (self.threads, 1, 1), 0, cl)], \
-                tuning, self.max_blocks
         return [src], [("", self.grid(heads_n * ns, 1), (self.threads, 1, 1))], tuning, self.max_blocks
 
     def _flash_attention(self):
@@ -2054,8 +2026,8 @@ class _Gen:
         of ``tile_keys`` staged in shared memory, S and O in mma.m16n8k16's accumulator layout; tensor cores
         where q, k, v and the probabilities are all bf16 or all f16, FMAs otherwise (f32 models)."""
         op, ctx = self.op, self.ctx
-        if self.stage is not None or self.combine is not None:
-            raise CodegenError("a flash attention kernel runs neither an attention stage nor its combine")
+        if self.stage is not None:
+            raise CodegenError("a flash attention kernel runs no attention stage")
         r, t, d, dv = attention_dims(op)
         if not flash_features_fit(d, dv):
             raise CodegenError(f"flash attention takes features that are multiples of 16 up to {FLASH_MAX_D}, "
@@ -2269,38 +2241,6 @@ class _Gen:
             decl += "\n  __shared__ float lum_ks[DPL * 32], lum_vs[VPL * 32];\n  __shared__ long long lum_sdk, lum_sdv;"
         return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}
-
-    def _attention_combine(self, heads_n: Expr, idx: Sequence[Expr], op: LOp, dv: int) -> dict[str, Any]:
-        """attention.cu's COMBINE placeholders: off, or the combine reduce's output (``self.combine``, checked
-        to be the one :func:`~lum.builder.extract.attention_ops` made for ``op`` by its caller)."""
-        c = self.combine
-        if c is None:
-            return {"COMBINE": 0, "COUNTED": 0, "CLUSTERED": 0, "UNCLUSTERED": 1, "CLUSTER": 1, "COUNTERS": 1,
-                    "PART0": 0, "COMBINED": 0, "COMBINE_STORE": 0, "COMBINED_N": 0, "COMBINE_ZERO": 0}
-        r = tuple(as_expr(x) for x in op.shape[:-2])
-        if tuple(as_expr(x) for x in c.shape) != r + (as_expr(dv),) or not c.dtype.is_float:
-            raise CodegenError("an attention combine stores float rows [R…, Dv]")
-        if self.combine_cluster:
-            if not heads_n.is_const:
-                raise CodegenError("an attention combine in clusters needs a static number of kv rows")
-        elif not heads_n.is_const or not 1 <= heads_n.value <= ATTENTION_MAX_COUNTERS:
-            raise CodegenError(f"an attention combine counts chunks per kv row: needs a static number of them, "
-                               f"at most {ATTENTION_MAX_COUNTERS}")
-        zero = as_expr(0)
-        out = ShapeTracker.contiguous(c.shape)
-        self.ctx.exprs.append(out.physical_index(tuple(idx) + (as_expr(dv),)))
-        part0 = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (zero, zero))
-        cluster = 1      # counted; in clusters, a block a chunk, in a power of two up to the portable size
-        if self.combine_cluster:
-            ns_max = cdiv(attention_dims(op)[1], int(op.params["chunk"])).bounds(self.ctx._dyn_bounds())[1]
-            while cluster < min(MAX_CLUSTER, ns_max):
-                cluster *= 2
-        cl = int(self.combine_cluster)
-        return {"COMBINE": 1, "COUNTED": 1 - cl, "CLUSTERED": cl, "UNCLUSTERED": 1 - cl, "CLUSTER": cluster,
-                "COUNTERS": 1 if cl else heads_n.value, "PART0": self.ctx.c(part0),
-                "COMBINED": self.ctx.c(out.physical_index(tuple(idx) + (zero,))),
-                "COMBINE_STORE": _store_conv("f", "lum_v", c.dtype), "COMBINED_N": self.ctx.c(numel(c.shape)),
-                "COMBINE_ZERO": _store_conv("f", "0.0f", c.dtype)}
 
     # ------------------------------------------------------------------ gather
     @staticmethod

@@ -29,10 +29,9 @@ from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switc
                                  generate_program, module_source)
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
-from lum.format.manifest import (CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION,
-                                 sm_version)
+from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
 
-__all__ = ["CLUSTER_TABLE_VERSION", "KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "ENV_SHARED_PRELOAD_WAVES",
+__all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "ENV_SHARED_PRELOAD_WAVES",
            "GroupKernels", "launch_table", "group_kernel_sources", "compile_group_kernels", "program_dyn_vars",
            "default_max_dyn"]
 
@@ -97,7 +96,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         entry = {
             "op": op.id, "kind": op.kind, "name": ks.name,
             "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
-                          "shared_mem": int(lc.shared_mem), **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
+                          "shared_mem": int(lc.shared_mem)}
                          for lc in ks.launches],
             "params": [table_name(p) for p in params],
             "dyn_slots": dict(ks.dyn_slots),
@@ -113,9 +112,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         late = sorted(name for name, w in waiting.items() if not w)
         warnings.warn(f"lum: {', '.join(late)} access memory before waiting for the kernel before them, so this "
                       f"group's {len(waiting)} kernels launch without programmatic dependent launch", stacklevel=2)
-    clusters = any("cluster" in lc for o in ops for lc in o["launches"])
-    version = CLUSTER_TABLE_VERSION if clusters else TAIL_TABLE_VERSION if any("tail" in o for o in ops) \
-        else KERNEL_TABLE_VERSION
+    version = TAIL_TABLE_VERSION if any("tail" in o for o in ops) else KERNEL_TABLE_VERSION
     return {"version": version, "arch": arch, "dyn_vars": list(dyn_vars),
             "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops,
             "programmatic": all(waiting.values())}
@@ -150,20 +147,13 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and
     ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
     GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one
-    wave by their registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_COMBINE``
-    each attention kernel running its combine (:mod:`lum.builder.attention_combine`; in clusters only for
-    sm_90 and newer), with
-    ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
+    wave by their registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
     (:mod:`lum.builder.attention_stage`), with ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as
     one (:mod:`lum.builder.siblings`)."""
-    from lum.builder.attention_combine import attention_combine_mode, fuse_attention_combines
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
 
     tuning, gen = _kernels_in_registers(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
-    combine = attention_combine_mode()
-    if combine == "counted" or (combine == "cluster" and sm_version(arch) >= 90):
-        gen = fuse_attention_combines(program, gen, dyn_vars, max_dyn, tuning, cluster=combine == "cluster")
     if attention_stage_enabled():
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning, weights)
     if sibling_kernels_enabled():

@@ -65,7 +65,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.attention_combine import attention_combine_mode
 from lum.builder.attention_stage import (ENV_ATTENTION_STAGE, ENV_ATTENTION_STAGE_AHEAD, ENV_ATTENTION_STAGE_PREFETCH,
                                          ENV_ATTENTION_TRIGGER_AFTER_STAGE)
 from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
@@ -777,7 +776,7 @@ class MeasuredCompiler:
                 **({"switches": sw} if (sw := {k: v for k, d in KEY_SWITCHES.items()
                                               if (v := env_switch(k, default=d)) != d}) else {}),
                 "flash_attention": flash_attention_enabled(),
-                "row_early": row_early_default(), "attention_combine": {None: False, "counted": True}.get(attention_combine_mode(), "cluster"),
+                "row_early": row_early_default(),
                 "sibling_kernels": sibling_kernels_enabled(),
                 "row_reads": row_reads_enabled(),
                 "prologue_max_cols": prologue_max_cols()}

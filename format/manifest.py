@@ -39,16 +39,15 @@ run in order on one stream with the same parameters. Parameter ``out`` is the op
 in-place op, the aliased argument's buffer), ``inK`` the raw buffer of ``op.args[K]``'s producer,
 ``dyn`` the device buffer of int64 values in ``dyn_vars`` order. Version 2 adds **kernel tails**
 (:mod:`lum.builder.fused`): an op entry with ``"tail": [14, 16]`` is a kernel that also runs LLIR ops
-14 and 16 (for the attention combine of :mod:`lum.builder.attention_combine`, by the last block of each
-kv row while other blocks may still run the op; for :mod:`lum.builder.siblings`, which reads none of the
-others' outputs, by blocks of their own beside it; for :mod:`lum.builder.attention_stage`, the stage's ops
-first, then the attention after a block barrier), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …,
-"out@16", …``, the tails' buffers by the same rules. A tail op must follow its head in the program with
-no kernel op or library call between them, and what the head reads stays live (is not reused by the
-arena) until its last tail. Version 3 adds **clusters**: a launch with ``"cluster": 8`` runs its grid in
-thread block clusters of that many blocks along x (sm_90+; 2 to :data:`MAX_CLUSTER`, the portable size;
-the grid's x must be a multiple of it), which the kernel's blocks synchronise within
-(:mod:`lum.builder.attention_combine`'s combine in clusters). Every op
+14 and 16 (for :mod:`lum.builder.siblings`, which reads none of the others' outputs, by blocks of their own
+beside it; for :mod:`lum.builder.attention_stage`, the stage's ops first, then the attention after a block
+barrier), so they have no entry of their own; its ``params`` go on with ``"out@14", "in0@14", …, "out@16", …``,
+the tails' buffers by the same rules. A tail op must follow its head in the program with no kernel op or
+library call between them, and what the head reads stays live (is not reused by the arena) until its last
+tail. Version 3 adds **clusters**: a launch with ``"cluster": 8`` runs its grid in thread block clusters of
+that many blocks along x (sm_90+; 2 to :data:`MAX_CLUSTER`, the portable size; the grid's x must be a
+multiple of it), which the kernel's blocks synchronise within. The loader runs them; lum's builder emits
+none since its one user, an attention combine in clusters, measured slower and was removed. Every op
 of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs
 it (a small static m, see :func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call
 described by the LLIR alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build

@@ -222,8 +222,7 @@ class Package:
     def _reads_until(self, group: int) -> dict[int, int]:
         """Op id -> steps from it to the last op its kernel runs, for the ops of the group's kernels with
         tails: what such a kernel reads stays live until all of it has run, since a tail may start while
-        blocks of the head still read (the attention combine, builder/attention_combine.py), so no output
-        of the kernel may take the place of a buffer it reads."""
+        blocks of the head still read, so no output of the kernel may take the place of a buffer it reads."""
         table = self.manifest.groups[group].table
         if table is None:
             return {}

@@ -359,50 +359,6 @@ LUM_D void lum_stamp(int kernel, unsigned long long tag, int event) {
 #define LUM_STAMP_AT(event) ((void)0)
 #endif
 
-// ------------------------------------------------------------------------------ thread block clusters
-// Every thread of this block's cluster arrives, then waits for all the cluster's threads (sm_90: a hardware
-// barrier, no memory round trip); release / acquire at cluster scope, so the stores this block made before
-// it (global memory too) are visible to the cluster's blocks after it. Host emulation runs a grid's blocks
-// one after another in index order, so there a cluster's last block is the only one past the barrier with
-// every other block's stores done: LUM_CLUSTER_SHARE(n) is the number of a cluster's last blocks that may
-// share work that reads the others' stores (n on the GPU, 1 emulated).
-LUM_D void lum_cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#elif !defined(__CUDA_ARCH__)
-  __syncthreads();
-#endif
-}
-#if defined(__CUDA_ARCH__)
-#define LUM_CLUSTER_SHARE(n) (n)
-#else
-#define LUM_CLUSTER_SHARE(n) 1
-#endif
-
-// ------------------------------------------------------------------------------ blocks counting done
-// One block's arrival on a counter in global memory: an acquire-release add at GPU scope, so the stores
-// this block's threads made before a __syncthreads are visible to whichever block counts last, and the
-// last one sees all of them (no separate fences: a fence.sc is the slow way to the same order). Returns
-// the count before this arrival. (The attention combine of templates/attention.cu.)
-LUM_D unsigned int lum_count_done(unsigned int* lum_c) {
-#if defined(__CUDA_ARCH__)
-  unsigned int lum_old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(lum_old) : "l"(lum_c) : "memory");
-  return lum_old;
-#else
-  __threadfence();
-  return atomicAdd(lum_c, 1u);
-#endif
-}
-// A float another block of this grid stored (read at L2, past this SM's L1, after lum_count_done).
-LUM_D float lum_load_cg(const float* p) {
-#if defined(__CUDA_ARCH__)
-  return __ldcg(p);
-#else
-  return *p;
-#endif
-}
-
 // Load N consecutive elements of T at p as float (cvt: storage -> float), in accesses of at most 16
 // bytes; p must be aligned to min(16, N * sizeof(T)) bytes.
 template <int N, typename T, typename Cvt>

@@ -563,8 +563,7 @@ class _Emu:
         arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
         for lc in ks.launches:
             (g, _, _), (blk, _, _), _ = lc.evaluate(dyn_map)
-            cap = max(lc.cluster, max_grid // lc.cluster * lc.cluster)     # whole clusters
-            getattr(self.lib, f"run_{lc.kernel}")(arr, ctypes.c_uint(min(g, cap)), ctypes.c_uint(blk))
+            getattr(self.lib, f"run_{lc.kernel}")(arr, ctypes.c_uint(min(g, max_grid)), ctypes.c_uint(blk))
 
 
 def _rand(dt: DType, n: int, rng, positive=False) -> np.ndarray:

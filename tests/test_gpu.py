@@ -395,14 +395,7 @@ def _sibling_kernel(op) -> bool:       # q, k and v as one launch (builder/sibli
 
 
 # variant: (the fused package's build environment, the plain one's; None: the default package), its kernel
-def _combining_kernel(op) -> bool:     # the attention (with its stage) then its combine, one kernel
-    return op.tuning.get("combine", False) and len(op.tail) >= 1
-
-
-FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _combining_kernel),
-                  "attention-combine-cluster": ({"LUM_ATTENTION_COMBINE": "cluster"}, None,
-                                                lambda op: _combining_kernel(op) and op.tuning.get("cluster")),
-                  "attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _stage_kernel),
+FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _stage_kernel),
                   "attention-stage-ahead": ({"LUM_ATTENTION_STAGE_AHEAD": "1"}, None,
                                             lambda op: _stage_kernel(op) and op.tuning.get("stage_ahead")),
                   "siblings": ({"LUM_ATTENTION_STAGE": "0"}, {"LUM_ATTENTION_STAGE": "0", "LUM_SIBLING_KERNELS": "0"},
@@ -416,10 +409,7 @@ FUSED_VARIANTS = {"attention-combine": ({"LUM_ATTENTION_COMBINE": "1"}, None, _c
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
 def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
-    """The tiny model with a kernel fusion against the package without it: each decode attention kernel
-    combining its chunks (``LUM_ATTENTION_COMBINE=1``, off by default, builder/attention_combine.py; ``cluster``:
-    in a thread block cluster a kv row), decode
-    attention computing its q rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``,
+    """The tiny model with a kernel fusion against the package without it: decode attention computing its q rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``,
     builder/attention_stage.py; with the first keys loaded before it at ``LUM_ATTENTION_STAGE_AHEAD=1``), or
     independent small kernels in a row as one launch (on by default; built without them at
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
@@ -665,28 +655,21 @@ def _attention_package(tmp_path, dt: DType, d: int, group: int, max_t: int):
     return lum.loader.open(path)
 
 
-@pytest.mark.parametrize("combine", ["0", "1", "cluster", "registers"], ids=["two-kernels", "combined", "clustered",
-                                                                     "registers"])
+@pytest.mark.parametrize("combine", ["0", "registers"], ids=["two-kernels", "registers"])
 @pytest.mark.parametrize("dt,d,group", [(DType.bf16, 256, 2), (DType.f32, 64, 4)], ids=["bf16-d256-g2", "f32-d64-g4"])
 def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, combine, record_property, monkeypatch):
     """The split-K kernel and its combine over up to 256 chunks (p + 1 = 4,096 keys), the arena poisoned,
     against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16);
-    ``combined``: the attention kernel runs the combine itself (``LUM_ATTENTION_COMBINE``), its per-kv-row
-    counters reset by each launch for the next (three launches, then the first p again); ``clustered``: in a
-    cluster of 8 blocks a kv row, each taking 32 of the 256 chunks; ``registers``: two kernels, the combine
-    holding its row of up to 256 chunks in registers (``LUM_ROW_REGS_BOUNDED=1``)."""
+    ``registers``: the combine holding its row of up to 256 chunks in registers (``LUM_ROW_REGS_BOUNDED=1``)."""
     import ml_dtypes
 
     max_t = 4096
-    monkeypatch.setenv("LUM_ATTENTION_COMBINE", "0" if combine == "registers" else combine)
     monkeypatch.setenv("LUM_ROW_REGS_BOUNDED", "1" if combine == "registers" else "0")
     pkg = _attention_package(tmp_path, dt, d, group, max_t)
     ops = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops]
     att = [op for op in ops if op.kind == "attention"]
-    assert [op.tail for op in att] == ([()] if combine in ("0", "registers") else [(6,)]), att
-    assert [lc.cluster for op in att for lc in op.launches] == [8 if combine == "cluster" else 1]
-    assert [op.tuning.get("regs", 0) > 0 for op in ops if op.kind == "reduce"] == (
-        [True] if combine == "registers" else [False] if combine == "0" else []), ops
+    assert [op.tail for op in att] == [()], att
+    assert [op.tuning.get("regs", 0) > 0 for op in ops if op.kind == "reduce"] == [combine == "registers"], ops
     rng = np.random.default_rng(5)
     np_dt = ml_dtypes.bfloat16 if dt == DType.bf16 else np.float32
     q = rng.normal(size=(2, group, 1, d)).astype(np_dt)
