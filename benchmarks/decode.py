@@ -43,12 +43,7 @@ What it does, in one run on one GPU:
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
-     templates/row.cu EARLY), ``lum-early`` with both; ``lum-postnorm-next`` with
-     ``LUM_POST_NORM_NEXT_LAYER=1`` (a Gemma layer's FFN post-norm residual computed in the next layer's
-     chunk, by the qkv GEMV's prologue: builder/models/transformer.py), ``lum-postnorm-preload`` with that and
-     ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (qkv then follows down, a GEMV, and preloads), ``lum-rowregs`` with
-     ``LUM_ROW_REGS_BOUNDED=1`` (decode attention's combine loads its row of chunks into registers at once:
-     one L2 round trip instead of one a phase; builder/codegen.py row_regs_bounded), ``lum-preload-prologue``
+     templates/row.cu EARLY), ``lum-early`` with both; ``lum-preload-prologue``
      with ``LUM_GEMV_PRELOAD_PROLOGUE=2`` (GEMVs with a prologue preload 2 vectors: gemma3-4b's qkv), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
@@ -70,10 +65,7 @@ What it does, in one run on one GPU:
      each: llama3-1b's qkv too, behind down), ``lum-small-gemv-shared`` with
      ``LUM_GEMV_PRELOAD_SHARED=small-gemv`` (the default's, and the down projections copying the 4 vectors a lane
      they would preload into registers into shared memory instead, while gate-up drains; measured slower),
-     ``lum-waves-shared`` with ``LUM_GEMV_SHARED_PRELOAD_WAVES=1`` (gemma3-4b's gate-up keeps its 5,120 blocks
-     past one wave and copies half its tile into shared memory before its wait; measured slower),
-     ``lum-stage-prefetch`` with ``LUM_ATTENTION_STAGE_PREFETCH=1`` (decode attention's blocks ask L2 for
-     their stage's norm weights and scalars before their wait; measured even), ``lum-trigger-first`` with
+     ``lum-trigger-first`` with
      ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
      llama3-1b, even on gemma3-4b),
@@ -85,13 +77,9 @@ What it does, in one run on one GPU:
      512 or 256 threads, not 1,024; ``lum-prologue-fit``: as many warps as put the columns on at most one block
      an SM, llama3-1b's qkv 128 blocks), ``lum-unpaired`` with ``LUM_GEMV_PROLOGUE_PAIRS=0`` (one column a warp; by
      default every prologue GEMV without an epilogue computes two, 2026-12-04; ``lum-pairs``: only those whose
-     weights preload into shared memory, ``=shared``), ``lum-postnorm-shared`` with
-     ``LUM_POST_NORM_NEXT_LAYER=1`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's qkv, computing the
-     post-FFN norm too, follows down and still copies its weights into shared memory early),
-     ``lum-wideprologue-shared`` with ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and that (gemma3-4b's gate-up computes
-     the residual kernel's norms itself and copies its first weights early), ``lum-postnorm-wide-shared`` both,
-     ``lum-stageahead`` with
-     ``LUM_ATTENTION_STAGE_AHEAD=1`` (the first keys' loads issued before that stage); ``lum-tuned`` built
+     weights preload into shared memory, ``=shared``), ``lum-wideprologue-shared`` with
+     ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's gate-up computes
+     the residual kernel's norms itself and copies its first weights early); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
      lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
      keeps the cost model's choice).
@@ -148,19 +136,14 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-rowearly": {"LUM_ROW_EARLY": "1"},
                  "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
-                 "lum-postnorm-next": {"LUM_POST_NORM_NEXT_LAYER": "1"},
-                 "lum-postnorm-preload": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
-                 "lum-rowregs": {"LUM_ROW_REGS_BOUNDED": "1"},
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
-                 "lum-nostage": {"LUM_ATTENTION_STAGE": "0"}, "lum-stageahead": {"LUM_ATTENTION_STAGE_AHEAD": "1"},
+                 "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
                  "lum-stagepred": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "lum-merge1": {"LUM_ATTENTION_MERGE_ALL": "0"},
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
                  "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
                  "lum-small-gemv-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-gemv"},
-                 "lum-waves-shared": {"LUM_GEMV_SHARED_PRELOAD_WAVES": "1"},
-                 "lum-stage-prefetch": {"LUM_ATTENTION_STAGE_PREFETCH": "1"},
                  "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
@@ -168,10 +151,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-prologue-fit": {"LUM_GEMV_PROLOGUE_THREADS": "fit"},
                  "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"}, "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},
                  "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
-                 "lum-postnorm-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
-                 "lum-postnorm-wide-shared": {"LUM_POST_NORM_NEXT_LAYER": "1", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768",
-                                              "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options

@@ -24,10 +24,6 @@ whose
 
 with every row map affine in h and m. The LLIR is unchanged; the launch table names the first of the
 three ops the kernel and the others its tails, the attention last (table version 2), as for siblings.
-``$LUM_ATTENTION_STAGE_AHEAD=1`` loads the first step's keys before the stage, so that the chunk's K / V
-round trip overlaps the stage's own; the block that writes the new row then takes it from the stage's
-shared copy of it (``templates/attention.cu`` KV_AHEAD). Off by default: −1.4% on gemma3-4b, 0.0% on
-llama3-1b (10d0ece).
 
 On unless ``$LUM_ATTENTION_STAGE`` is ``0``. Measured on the H200 (27c5c45, same runs, tokens equal):
 gemma3-4b bf16 357.6 tok/s against 353.7 without (+1.1%), llama3-1b bf16 1,059.6 against 1,046.4 (+1.3%).
@@ -49,16 +45,12 @@ from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
-__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_STAGE_AHEAD", "ENV_ATTENTION_STAGE_PREFETCH",
-           "attention_stage_ahead", "attention_stage_enabled", "attention_stage_prefetch", "stage_ops",
+__all__ = ["ENV_ATTENTION_STAGE", "attention_stage_enabled", "stage_ops",
            "ENV_ATTENTION_TRIGGER_AFTER_STAGE", "attention_trigger_after_stage",
            "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
-ENV_ATTENTION_STAGE_AHEAD = "LUM_ATTENTION_STAGE_AHEAD"
-ENV_ATTENTION_STAGE_PREFETCH = "LUM_ATTENTION_STAGE_PREFETCH"
 ENV_ATTENTION_TRIGGER_AFTER_STAGE = "LUM_ATTENTION_TRIGGER_AFTER_STAGE"
-STAGE_PREFETCH_MAX_BYTES = 4096     # a leaf the stage's prefetch asks L2 for: its whole buffer, at most this
 
 
 def attention_trigger_after_stage() -> bool:
@@ -73,27 +65,6 @@ def attention_trigger_after_stage() -> bool:
     µs and o's link 2.94 → 4.38; gemma3-4b ±0, llama3-1b +0.7%, +0.6%, +0.6% in three same-run pairs
     (2d7e1fb, 67ad255): on since then."""
     return env_switch(ENV_ATTENTION_TRIGGER_AFTER_STAGE, default=True)
-
-
-def attention_stage_prefetch() -> bool:
-    """``$LUM_ATTENTION_STAGE_PREFETCH``: ``1`` has each block of a fused attention ask L2 for its stage's
-    constant leaves (weights and constants of at most :data:`STAGE_PREFETCH_MAX_BYTES`: gemma3-4b's q and k
-    norm weights and scalars) before its wait, so that the stage's reads after the wait, which the block's
-    first key loads wait behind, do not go to memory; ``0`` (the default) does not. Why: the stamps at b57ec6e
-    have gemma3-4b's stage at 2.72 µs from the wait to its barrier against llama3-1b's 0.70 (whose stage
-    reads no weight), while o's blocks copy 10.5 MB of weights into shared memory beside it. The prefetches
-    run in the attention body between its trigger and its wait (a lambda, ``lum_pre``): in the entry, before
-    its call of the body, they made the kernel one whose first statement does not wait (builder/kernels.py
-    ``_waits``), and so the layer's whole launch table not programmatic (0c7bc11: every kernel's blocks
-    resident 0.2 µs before their wait, not up to 7 µs; −5.4%, though the stage took 1.15 µs, not 2.72).
-    Measured there: −0.1% (be7a0da)."""
-    return env_switch(ENV_ATTENTION_STAGE_PREFETCH)
-
-
-def attention_stage_ahead() -> bool:
-    """``$LUM_ATTENTION_STAGE_AHEAD``: ``1`` loads the first step's keys before the stage (the written row then
-    comes from the stage's shared copy), ``0`` (the default) after it."""
-    return env_switch(ENV_ATTENTION_STAGE_AHEAD)
 
 
 def attention_stage_enabled() -> bool:
@@ -199,11 +170,10 @@ def _stage(att: LOp, rows: Mapping[str, StageRow]) -> AttentionStage:
 
 
 def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
-                          max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None,
-                          weights: frozenset[int] = frozenset()) -> dict[int, KernelSource | None]:
+                          max_dyn: Mapping[str, int] | None = None, tuning: Mapping[str, Any] | None = None
+                          ) -> dict[int, KernelSource | None]:
     """``sources`` with each attention whose stage fuses (the module docstring) as one kernel under the first
-    of its q / k / v ops, whose other entries are dropped (:attr:`KernelSource.tails` names them). ``weights``:
-    the program's input ops that are weights (with :func:`attention_stage_prefetch`, leaves asked for early)."""
+    of its q / k / v ops, whose other entries are dropped (:attr:`KernelSource.tails` names them)."""
     common = {k: v for k, v in split_gemv_tuning(tuning or {})[0].items() if k != "max_dyn"}
     out = dict(sources)
     for att in program.ops:
@@ -212,7 +182,7 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
         if ops is None or any(sources.get(o.id) is None or sources[o.id].tails for o in ops):
             continue
         try:
-            fused = _fuse(program, att, ops, dyn_vars, max_dyn, common, weights)
+            fused = _fuse(program, att, ops, dyn_vars, max_dyn, common)
         except CodegenError:
             continue
         run = sorted(ops, key=lambda o: o.id)
@@ -222,55 +192,25 @@ def fuse_attention_stages(program: Program, sources: Mapping[int, KernelSource |
     return out
 
 
-def _prefetches(program: Program, ops: Sequence[LOp], weights: frozenset[int]) -> list[tuple[str, int]]:
-    """(parameter, bytes) of the stage ops' constant leaves (weights and constants of at most
-    :data:`STAGE_PREFETCH_MAX_BYTES`, each buffer once), by their parameter names in the fused kernel
-    (:func:`~lum.builder.fused.joined_params`, ops in program order: the first's ``in<k>``, the others'
-    ``t<j>_in<k>``), for its ``lum_pre`` (templates/common.cuh lum_prefetch_l2)."""
-    found, seen = [], set()
-    for j, op in enumerate(sorted(ops, key=lambda o: o.id)):
-        for k, a in enumerate(op.args):
-            src = program.ops[a.src]
-            if a.src in seen or not (src.kind == "constant" or a.src in weights):
-                continue
-            shape = [as_expr(d) for d in src.shape]
-            if not all(d.is_const for d in shape):
-                continue
-            nbytes = math.prod(d.value for d in shape) * src.dtype.itemsize
-            if nbytes > STAGE_PREFETCH_MAX_BYTES:
-                continue
-            seen.add(a.src)
-            found.append((f"{'' if j == 0 else f't{j - 1}_'}in{k}", nbytes))
-    return found
-
-
 def _dts(program: Program, op: LOp) -> list:
     return [program.ops[a.src].dtype for a in op.args]
 
 
 def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Sequence[str],
-          max_dyn: Mapping[str, int] | None, common: Mapping[str, Any],
-          weights: frozenset[int] = frozenset()) -> KernelSource:
+          max_dyn: Mapping[str, int] | None, common: Mapping[str, Any]) -> KernelSource:
     """The attention kernel running its stage's rows (``templates/attention.cu`` STAGE); CodegenError where it
     cannot."""
     md = dict(max_dyn or {}) or None
-    ahead, trigger = attention_stage_ahead(), attention_trigger_after_stage()
-    rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md, ahead=ahead)
+    trigger = attention_trigger_after_stage()
+    rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
             for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), ahead=ahead, trigger=trigger), **common)
+                  stage=replace(_stage(att, rows), trigger=trigger), **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
-    prefetch = _prefetches(program, ops, weights) if attention_stage_prefetch() else []
-    pre_t, pre_p = (", class LumPre", "LumPre lum_pre, ") if prefetch else ("", "")
-    body = ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV{pre_t}>\n__device__ __forceinline__ void "
-                         f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, {pre_p}", body, count=1)
-    if prefetch:            # after the trigger (or the start), before the wait: holding back no kernel after it
-        anchor = "LUM_STAMP_AT(0);" if trigger else "lum_pdl_trigger();"     # codegen _Ctx.dyn_loads
-        if body.count(anchor) != 1:
-            raise CodegenError("an attention stage's prefetch needs the attention's one trigger")   # pragma: no cover
-        body = body.replace(anchor, anchor + "\n  lum_pre();", 1)
+    body = ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV>\n__device__ __forceinline__ void "
+                         f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, ", body, count=1)
     body = body.replace("__restrict__ ", "")    # it reads the cache rows its own stage writes
     run = sorted((*ops, att), key=lambda o: o.id)
     role_of = {op.id: role for role, op in zip("qkv", ops)}
@@ -278,19 +218,13 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     params, calls = joined_params(joined)
     args = {op.id: call for op, call in zip(run, calls)}
     q, k, v = (args[o.id] for o in ops)
-    window = "long long w0, long long w1, long long wT, bool wf"
-    if ahead:                                   # the kv row's shared copy and its dest row
-        window, wargs = window + ", float* a, long long* hit", "w0, w1, wT, wf, a, hit"
-    else:
-        wargs = "w0, w1, wT, wf"
+    window, wargs = "long long w0, long long w1, long long wT, bool wf", "w0, w1, wT, wf"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) {_ENTRY}({", ".join(p.ctype for p in params)}) {{',
         f"  {_ENTRY}_attn(",
         f"      [&](long long r, bool live, LumSink s) {{ {_ENTRY}_q(r, live, s, {q}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, {wargs}, {k}); }},",
         f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_v(r, live, {wargs}, {v}); }},",
-        *([f"      [&]() {{ {' '.join(f'lum_prefetch_l2({n}, {b}u);' for n, b in prefetch)} }},"]
-          if prefetch else []),
         f"      {args[att.id]});",
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])
@@ -304,7 +238,6 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     return KernelSource(name=name, kind=head.kind, op=head.op, source=common_header() + "\n" + body, body=body,
                         launches=(replace(ks.launches[0], kernel=name),), params=tuple(params), dyn_vars=ks.dyn_vars,
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
-                        tuning={**ks.tuning, "stage": [o.id for o in run[:-1]], **({"stage_ahead": True} if ahead else {}),
-                                **({"stage_prefetch": True} if prefetch else {}),
+                        tuning={**ks.tuning, "stage": [o.id for o in run[:-1]],
                                 **({"stage_trigger": True} if trigger else {})},
                         tails=tuple(o.id for o in run[1:]))

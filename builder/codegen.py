@@ -108,7 +108,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
            "ENV_ROW_EARLY", "row_early_default",
-           "ENV_ROW_REGS_BOUNDED", "row_regs_bounded", "env_switch",
+           "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
            "ENV_FLASH_ATTENTION", "flash_attention_enabled",
@@ -121,8 +121,6 @@ KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", 
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
-ENV_ROW_REGS_BOUNDED = "LUM_ROW_REGS_BOUNDED"      # 1: a dynamic row too, by its bound (row_regs_bounded)
-ROW_REGS_BOUNDED = 16                            # ... up to this per lane (decode's combine at max_seq 4,096: 9)
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
@@ -760,17 +758,6 @@ def gemv_prologue_narrow_a() -> str | None:
     return _env_choice(ENV_GEMV_PROLOGUE_NARROW_A, {"0": None, "shared": "shared", "1": "all"}, "shared")
 
 
-def row_regs_bounded() -> bool:
-    """``$LUM_ROW_REGS_BOUNDED`` (1: a row kernel whose row length is dynamic keeps the row in registers too,
-    sized by its bound at the package's dyn bounds, when that is at most :data:`ROW_REGS_BOUNDED` a lane), else off.
-    Why: decode attention's combine is such a row (the chunks, ``cdiv(p + 1, 16)``): read once per phase, it
-    loads the chunks' offsets and takes their maximum, then loads them and the sums for the denominator, then
-    the accumulators for the quotient; in registers every load is issued before the first phase. Measured
-    (0858e76, H200, same runs): gemma3-4b +0.05%, llama3-1b +0.28%, within noise: only the first phase goes to
-    L2, the later ones read lines the SM has just loaded from L1. So off."""
-    return env_switch(ENV_ROW_REGS_BOUNDED)
-
-
 def row_early_default() -> bool:
     """``$LUM_ROW_EARLY`` (1: row kernels load their weights' row before waiting for the kernel before them)."""
     return bool(_env_count(ENV_ROW_EARLY, 1))
@@ -919,8 +906,6 @@ class AttentionStage:
     qb: tuple[int, int, int]
     k: tuple[int, int]
     v: tuple[int, int]
-    ahead: bool = False     # the first step's keys are loaded before the stage; the written row then comes
-                            # from the stage's shared copy (the k / v functions take lum_also, lum_hit)
     trigger: bool = False   # each block lets the next kernel launch after its stage's barrier, not as it
                             # starts ($LUM_ATTENTION_TRIGGER_AFTER_STAGE, builder/attention_stage.py)
 
@@ -934,8 +919,7 @@ class StageRow:
     parameters>)``, where ``<extra>`` is ``LumSink lum_sink`` for an elementwise op (it stores row
     ``lum_row_`` there, not in ``out``) and ``long long lum_w0, long long lum_w1, long long lum_wT, bool
     lum_wfirst`` for a scatter (it writes its row only where the dest row ``lum_dr`` is in ``[lum_w0,
-    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``; then, with ``ahead``, ``float* lum_also, long
-    long* lum_hit``). Every warp of the block must call it (its row reductions are warp shuffles); a warp
+    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``). Every warp of the block must call it (its row reductions are warp shuffles); a warp
     with ``lum_live`` false loads and stores nothing."""
 
     function: str
@@ -949,12 +933,10 @@ class StageRow:
 
 
 def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequence[DType | str] | None = None,
-              threads: int = 128, max_dyn: Mapping[str, int] | None = None, ahead: bool = False) -> StageRow:
+              threads: int = 128, max_dyn: Mapping[str, int] | None = None) -> StageRow:
     """``op`` (an elementwise Fused tree or a scatter_nocopy, with or without a fused prologue, over rows of a
     static length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
-    such an op or its rows' stores are not at static places. ``ahead``: a scatter's function also takes
-    ``float* lum_also, long long* lum_hit``: a row it writes also goes to ``lum_also`` (by column), and a live
-    row sets ``*lum_hit`` to its dest row if it writes it, else to -1 (:attr:`AttentionStage.ahead`)."""
+    such an op or its rows' stores are not at static places."""
     scatter = op.kind == "scatter_nocopy"
     if scatter and "expr" not in op.params and len(op.args) == 3:     # a plain copy: the identity prologue
         op = LOp(op.id, op.kind, op.op, op.args, op.shape, op.dtype, {**op.params, "expr": ["arg", 0]}, op.alias)
@@ -964,10 +946,9 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn)
     gen = _Gen(op, _arg_dtypes(op, arg_dtypes), ctx, threads=threads, ept=None, vec=None, group=32, unroll=None,
                inflight=0, max_blocks=1, acc="f32", math="f32")
-    ahead = ahead and scatter
     rp = gen._row_parts(sink=None if scatter else "lum_sink",
                         writer="(lum_dr >= lum_w0 && lum_dr < lum_w1) || (lum_wfirst && lum_dr >= lum_wT)"
-                        if scatter else None, also="lum_also" if ahead else None, hit="lum_hit" if ahead else None)
+                        if scatter else None)
     if rp.group != 32 or not (rp.rows.is_const and rp.n.is_const) or rp.write_col is None \
             or not rp.write_col.is_const or (scatter and not (rp.write_step is not None and rp.write_step.is_const)):
         raise CodegenError("a stage row needs warp-sized rows of a static count and length, stored at static strides")
@@ -981,7 +962,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     dyn, slots = ctx.dyn_loads(wait=False)
     dyn = "\n".join(x for x in dyn.splitlines() if "lum_pdl_" not in x)   # the kernel it runs in waits itself
     extra = ("long long lum_w0, long long lum_w1, long long lum_wT, bool lum_wfirst" if scatter
-             else "LumSink lum_sink") + (", float* lum_also, long long* lum_hit" if ahead else "")
+             else "LumSink lum_sink")
     params = gen.params()
     fn = "\n".join([
         f"__device__ __forceinline__ void {name}(long long lum_row_, bool lum_live, {extra}, "
@@ -1068,7 +1049,7 @@ def gemv_preload_shared() -> str | None:
     llama3-1b 1,184.0 against 1,176.9 (+0.6%); with gemma3-4b's gate-up too, its grid capped from 5,120 blocks
     to 1,320, it had measured −4.2%. Every prologue GEMV whatever runs before it (``prologue``): llama3-1b,
     whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with
-    ``$LUM_POST_NORM_NEXT_LAYER``, −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every prologue
+    the FFN post-norm in the next layer (a switch since removed), −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every prologue
     GEMV (llama3-1b's qkv behind down beside its o). ``small-gemv`` (not yet measured): ``small``'s, and every
     GEMV without a prologue behind a GEMV with the vectors it would preload into registers
     (:func:`gemv_preload_after_gemv`) copied into shared memory instead: the down projections, whose blocks
@@ -1667,15 +1648,12 @@ class _Gen:
                   "math": self.math, "scheme": "row", "regs": rp.regs}
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
-    def _row_parts(self, sink: str | None = None, writer: str | None = None, also: str | None = None,
-                   hit: str | None = None, sink_stored: bool = False) -> _RowParts:
+    def _row_parts(self, sink: str | None = None, writer: str | None = None, sink_stored: bool = False) -> _RowParts:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
         stores each element, as a float of the op's dtype (``sink_stored``: as the dtype's storage), into that
         C array (a gemm prologue's shared memory) at the element's physical index in ``out``, instead of into
         ``out``. ``writer``: a C condition on the scatter's dest row ``lum_dr`` a row must also meet to be
-        written (an attention stage writes a kv row from the one block that reads it); ``also``: a float array a
-        written scatter row also goes to, at its column (that block's shared copy of the row); ``hit``: a
-        pointer every lane of a live row sets to the dest row when the row is written, else to -1."""
+        written (an attention stage writes a kv row from the one block that reads it)."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -1749,11 +1727,10 @@ class _Gen:
                 setup.append(f"{ind}const bool lum_v{k} = {valid};")
             guards[k] = f"lum_v{k}" if valid else None
         # a static row of at most ROW_REGS elements per lane is loaded once, into registers; every phase then
-        # reads registers (one round of memory latency per row instead of one per phase); a dynamic row too,
-        # sized by its bound, with $LUM_ROW_REGS_BOUNDED (every register load and phase is guarded by lum_n)
-        n_hi = n.value if n.is_const else n.bounds(ctx._dyn_bounds())[1] if row_regs_bounded() else INF
-        most = ROW_REGS if n.is_const else ROW_REGS_BOUNDED
-        regs = -(-int(n_hi) // group) if self.row_regs and 0 < n_hi < INF and -(-int(n_hi) // group) <= most else 0
+        # reads registers (one round of memory latency per row instead of one per phase). (A dynamic row sized
+        # by its bound, decode attention's combine, measured +0.05% / +0.28% and was removed, 0858e76.)
+        n_hi = n.value if n.is_const else INF
+        regs = -(-int(n_hi) // group) if self.row_regs and 0 < n_hi < INF and -(-int(n_hi) // group) <= ROW_REGS else 0
         early: list[str] = []                    # a weight's row that every row reads: loaded before the wait
         early_args: list[int] = []
         scalars: set[int] = set()                # leaves with one value a row: loaded once, not once a slot
@@ -1861,8 +1838,6 @@ class _Gen:
                 cond = f"lum_dr >= 0 && lum_dr < (long long)({ctx.c(shape[0])})"
                 if writer is not None:
                     cond = f"{cond} && ({writer})"
-                if hit is not None:
-                    final.append(f"{ind}if (lum_live) *{hit} = ({cond}) ? lum_dr : -1LL;")
                 dest = f"({wbase}) + (idx_t)lum_dr * ({ctx.c(write.strides[0])}) + lum_c * ({ctx.c(wcol.strides[0])})"
                 ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx)
                                  + col * wcol.strides[0])
@@ -1870,8 +1845,6 @@ class _Gen:
             x, kd = emit(expr, final, kind == "scatter")
             if sink is None:
                 final.append(f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};")
-                if also is not None:
-                    final.append(f"{ind3}{also}[lum_c] = {_load_conv(op.dtype, _store_conv(kd, x, op.dtype))};")
             else:
                 stored = _store_conv(kd, x, op.dtype)
                 final.append(f"{ind3}{sink}[{dest}] = {stored if sink_stored else _load_conv(op.dtype, stored)};")
@@ -1952,7 +1925,7 @@ class _Gen:
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
-        stage = self._attention_stage(m_size, D, qd, heads_n, DV)
+        stage = self._attention_stage(m_size, D, qd, heads_n)
         if self.stage is not None:             # the query rows the stage computed into shared memory
             load_q = [*load_q[:2], *load_q[3:6], f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? lum_qs[lum_m][lum_d] : 0.0f;",
                       *load_q[-2:]]
@@ -1976,17 +1949,6 @@ class _Gen:
                     f"{ind4}}}"]
 
         load_kv = row_load(1, vk, D, dpl, "lum_k", "lum_kb") + row_load(2, vv, DV, vpl, "lum_v", "lum_vb")
-        kv_decl, kv_ahead = "      float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];", ""
-        if self.stage is not None and self.stage.ahead:   # the first step's keys before the stage
-            kv_decl = ""
-            kv_ahead = "\n".join([
-                f"{ind}float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];   // the first step's keys, before the stage",
-                f"{ind}{{", f"{ind}  const idx_t lum_tb = lum_j * (idx_t)CHUNK;",
-                f"{ind}  const idx_t lum_tend = lum_min(lum_T, lum_tb + (idx_t)CHUNK);",
-                f"{ind}#pragma unroll", f"{ind}  for (int u = 0; u < UNROLL; ++u) {{",
-                f"{ind4}const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);",
-                f"{ind4}const bool lum_in = lum_t < lum_tend;", *load_kv, f"{ind}  }}", f"{ind}}}"])
-            load_kv = [f"{ind4}if (lum_tb != lum_t0) {{", *load_kv, f"{ind4}}}"]
         mphys, mvalid = view_access(ctx, vm, tuple(idx) + (lum_t,))
         mval = _load_conv(DType.bool, f"in3[{mphys}]")
         mval = "false" if mvalid == "false" else f"(({mvalid}) && {mval})" if mvalid else mval
@@ -2005,8 +1967,7 @@ class _Gen:
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
         # the warps' partials of all M query rows merged after one barrier pair where they and the stage's rows
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
-        other = 4 * 32 * (m_size * dpl + (dpl + vpl if self.stage is not None and self.stage.ahead else 0)) \
-            if self.stage is not None else 0
+        other = 4 * 32 * m_size * dpl if self.stage is not None else 0
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits and env_switch(ENV_MERGE_ALL_ROWS, default=True) else 1
         src = render(load_template("attention.cu"), {**stage,
@@ -2015,7 +1976,6 @@ class _Gen:
             "MERGE_ROWS": merge_rows,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
-            "KV_DECL": kv_decl, "KV_AHEAD": kv_ahead,
             "KEY": "\n".join(key), "KEYS_BEFORE": keys_before, "KEYS_AFTER": keys_after, "STORE": ctx.c(out_idx)})
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
                   "merge_rows": merge_rows}
@@ -2164,7 +2124,7 @@ class _Gen:
             *self._attention_term(i6 + "    ", i6, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", rnd), f"{i6}  }}", f"{i6}}}"])
         return key, before, after
 
-    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, dv: int) -> dict[str, str]:
+    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row ``t`` (t < M),
         the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a stage
@@ -2181,8 +2141,6 @@ class _Gen:
         q0, qh, qm = st.q
         b0, bh, bm = st.qb
 
-        ka, va = (", lum_ks, &lum_sdk", ", lum_vs, &lum_sdv") if st.ahead else ("", "")
-
         branch = env_switch(ENV_STAGE_BRANCH, default=True)
 
         def call(ind: str, live: str, fn: str) -> str:
@@ -2192,20 +2150,9 @@ class _Gen:
 
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
             return [call(ind, k_live, f"lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {{live}}, "
-                                      f"{window}{ka});"),
+                                      f"{window});"),
                     call(ind, v_live, f"lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {{live}}, "
-                                      f"{window}{va});")]
-
-        def patch(var: str, dest: str, src: str, per_lane: str, width: int) -> list[str]:
-            """The row this block wrote, from the stage's shared copy into the first step's registers."""
-            return [f"{ind}  if ({var} >= (long long)lum_w0 && {var} < (long long)lum_w1) {{",
-                    f"{ind}#pragma unroll", f"{ind}    for (int u = 0; u < UNROLL; ++u) {{",
-                    f"{ind}      if ((long long)(lum_w0 + (idx_t)(lum_warp * UNROLL + u)) == {var}) {{",
-                    f"{ind}#pragma unroll",
-                    f"{ind}        for (int i = 0; i < {per_lane}; ++i) {{",
-                    f"{ind}          const int lum_d = lum_lane * {per_lane} + i;",
-                    f"{ind}          {dest}[u][i] = lum_d < {width} ? {src}[lum_d] : 0.0f;",
-                    f"{ind}        }}", f"{ind}      }}", f"{ind}    }}", f"{ind}  }}"]
+                                      f"{window});")]
 
         ind, ind3 = " " * 4, " " * 8
         stage = [f"{ind}{{   // the stage (builder/attention_stage.py): kv row lum_h's query rows, its k / v rows",
@@ -2220,8 +2167,6 @@ class _Gen:
                  *kv(ind3, "lum_task == M", "lum_task == M + 1",
                      "(long long)lum_w0, (long long)lum_w1, (long long)lum_T, lum_j == 0"),
                  f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
-                 *(patch("lum_sdk", "lum_k", "lum_ks", "DPL", d) + patch("lum_sdv", "lum_v", "lum_vs", "VPL", dv)
-                   if st.ahead else []),
                  # the parenthesised name calls the function, not the stamps builds' macro (its start stamp)
                  *([f"{ind}  if (lum_untriggered) {{ lum_untriggered = false; (lum_pdl_trigger)(); }}"]
                    if st.trigger else []),
@@ -2237,8 +2182,6 @@ class _Gen:
         decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         if st.trigger:    # the next kernel launches once every block has passed its first stage (or exited)
             decl += "\n  bool lum_untriggered = true;"
-        if st.ahead:      # the kv rows this block writes, and which (-1: none)
-            decl += "\n  __shared__ float lum_ks[DPL * 32], lum_vs[VPL * 32];\n  __shared__ long long lum_sdk, lum_sdv;"
         return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}
 

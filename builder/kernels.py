@@ -31,7 +31,7 @@ from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
 
-__all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION", "ENV_SHARED_PRELOAD_WAVES",
+__all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION",
            "GroupKernels", "launch_table", "group_kernel_sources", "compile_group_kernels", "program_dyn_vars",
            "default_max_dyn"]
 
@@ -155,7 +155,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
 
     tuning, gen = _kernels_in_registers(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     if attention_stage_enabled():
-        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning, weights)
+        gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
     if sibling_kernels_enabled():
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     return {i: ks for i, ks in gen.items() if ks is not None}
@@ -207,13 +207,10 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
                     if name in regs}
         whole = {gen[i].name for i in ranks if gen[i] is not None and gen[i].name in resident
                  and _preloads_everything(program.ops[i], gen[i], SMS * resident[gen[i].name])}
-        in_waves = {gen[i].name for i in ranks
-                    if gen[i] is not None and _shared_preload_in_waves(program.ops[i], gen[i])}
         crowded = [name for name, (_, knob, _) in ahead.items() if knob == "preload" and name in resident
                    and ((resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS and name not in whole)
                         or _waves_unbalanced(by_name[name], SMS * resident[name])
-                        or (_shared_preload_past_one_wave(by_name[name], SMS * resident[name])
-                            and name not in in_waves))]
+                        or _shared_preload_past_one_wave(by_name[name], SMS * resident[name]))]
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen
@@ -243,27 +240,12 @@ def _preloads_everything(op: LOp, ks: KernelSource, wave: int) -> bool:
     return t["preload"] * t["group"] * t["vec"] >= k.value and bool(gemv_tile_a_block(op, ks))
 
 
-ENV_SHARED_PRELOAD_WAVES = "LUM_GEMV_SHARED_PRELOAD_WAVES"
-
-
-def _shared_preload_in_waves(op: LOp, ks: KernelSource) -> bool:
-    """``$LUM_GEMV_SHARED_PRELOAD_WAVES`` (1; off by default) and a GEMV without a prologue whose shared preload
-    covers a block's tile and whose static grid gives every tile a block of its own: it keeps that grid past
-    one wave, and its preload. Each block copies its tile's first vectors before its wait: the first wave's
-    blocks while the kernel before still runs, the later ones right after (their wait returns at once), then
-    read them back from shared memory, where a lane reads what it copied. gemma3-4b's gate-up (5,120 blocks of
-    128 threads, behind the one-block residual kernel) capped to one wave measured −4.2% (6214d7f): blocks
-    walking tiles stream slower than a block a tile, which this keeps."""
-    return (env_switch(ENV_SHARED_PRELOAD_WAVES) and bool(ks.tuning.get("preload_shared"))
-            and not ks.tuning.get("prologue") and bool(gemv_tile_a_block(op, ks)))
-
-
 def _shared_preload_past_one_wave(ks: KernelSource, wave: int) -> bool:
     """A GEMV without a prologue that preloads into shared memory and whose static grid is more blocks than
     the SMs hold at once (``wave``). Capped to one wave, its blocks would walk the grid's tiles in a loop and
     only the first tile of each is preloaded: gemma3-4b's gate-up (5,120 blocks of 128 threads) went to 1,320
-    under ``$LUM_GEMV_PRELOAD_SHARED=small``, which measured −4.2% (6214d7f). So such a preload is halved
-    until it is gone."""
+    under ``$LUM_GEMV_PRELOAD_SHARED=small``, which measured −4.2% (6214d7f), and keeping the grid with half
+    the tile preloaded (a switch since removed) −4.9% (0b671ce). So such a preload is halved until it is gone."""
     if not ks.tuning.get("preload_shared") or ks.tuning.get("prologue") or not ks.grid[0].is_const:
         return False
     return ks.grid[0].value > wave
@@ -306,8 +288,7 @@ def _grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mappi
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     heads = {i: ks for i, ks in gen.items() if i in ranks and ks is not None
              and ((prologues and ks.tuning.get("prologue")) or ks.tuning.get("preload"))
-             and f"gemv{ranks[i]}.max_blocks" not in tuning and ks.grid[0].is_const
-             and not _shared_preload_in_waves(program.ops[i], ks)}
+             and f"gemv{ranks[i]}.max_blocks" not in tuning and ks.grid[0].is_const}
     if not heads:
         return tuning, gen
     log = _ptxas_log(list(heads.values()), arch, cache_dir)

@@ -65,8 +65,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.attention_stage import (ENV_ATTENTION_STAGE, ENV_ATTENTION_STAGE_AHEAD, ENV_ATTENTION_STAGE_PREFETCH,
-                                         ENV_ATTENTION_TRIGGER_AFTER_STAGE)
+from lum.builder.attention_stage import ENV_ATTENTION_STAGE, ENV_ATTENTION_TRIGGER_AFTER_STAGE
 from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH, ENV_STAGE_ONE_ROUND, env_switch,
                                  flash_attention, flash_attention_enabled,
@@ -74,12 +73,11 @@ from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
                                  gemv_preload_default, gemv_preload_prologue, gemv_preload_shared,
                                  gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads,
-                                 row_early_default, row_regs_bounded)
+                                 row_early_default)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.row_reads import row_reads_enabled
-from lum.builder.kernels import ENV_SHARED_PRELOAD_WAVES
 from lum.builder.siblings import sibling_kernels_enabled
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
 from lum.format import __version__ as LUM_VERSION
@@ -99,8 +97,6 @@ DB_VERSION = 1
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
 KEY_SWITCHES = {ENV_STAGE_ONE_ROUND: True, ENV_STAGE_BRANCH: True, ENV_MERGE_ALL_ROWS: True,
                 ENV_ATTENTION_KEY_BATCH: True, ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True,
-                ENV_ATTENTION_STAGE_AHEAD: False, ENV_SHARED_PRELOAD_WAVES: False,
-                ENV_ATTENTION_STAGE_PREFETCH: False,
                 ENV_ATTENTION_TRIGGER_AFTER_STAGE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
@@ -772,7 +768,6 @@ class MeasuredCompiler:
                 **({"gemv_prologue_narrow_a": m} if (m := gemv_prologue_narrow_a()) != "shared" else {}),
                 **({"gemv_prologue_threads": t} if (t := gemv_prologue_threads()) != 1024 else {}),
                 **({"gemv_prologue_pairs": m} if (m := gemv_prologue_pairs()) != "all" else {}),
-                **({"row_regs_bounded": True} if row_regs_bounded() else {}),
                 **({"switches": sw} if (sw := {k: v for k, d in KEY_SWITCHES.items()
                                               if (v := env_switch(k, default=d)) != d}) else {}),
                 "flash_attention": flash_attention_enabled(),

@@ -21,9 +21,7 @@
 //!   stage (builder/attention_stage.py):
 //!   the shared query rows, the kv-cache writes when there is no chunk, and per work item the stage itself
 //!   (kv row lum_h's query rows computed into shared memory, which LOAD_Q then reads, and its k / v rows
-//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after). KV_DECL:
-//!   the step's lum_k / lum_v, or empty where KV_AHEAD (the stage's ahead form) declares them and loads the
-//!   first step's keys before the stage (LOAD_KV then skips that step; the stage puts the row it wrote in).
+//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after).
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   constexpr int THREADS = {{THREADS}};
@@ -49,7 +47,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     const idx_t lum_h = lum_w / lum_ns;
     const idx_t lum_j = lum_w - lum_h * lum_ns;
 {{SETUP}}
-{{KV_AHEAD}}
 {{STAGE}}
     LUM_STAMP_AT(2);                       // stamps builds: the stage done (templates/common.cuh)
     float lum_q[M][DPL];
@@ -65,7 +62,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
     const idx_t lum_t0 = lum_j * CHUNK;
     const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);
     for (idx_t lum_tb = lum_t0; lum_tb < lum_t1; lum_tb += (idx_t)(WARPS * UNROLL)) {
-{{KV_DECL}}
+      float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const idx_t lum_t = lum_tb + (idx_t)(lum_warp * UNROLL + u);

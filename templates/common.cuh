@@ -311,18 +311,6 @@ LUM_D void lum_pdl_wait() {
 #endif
 }
 
-// The first nbytes of p into L2, a 128-byte line a thread (no value read, no register held): a fused kernel's
-// small constant leaves (an attention stage's norm weights and scalars) asked for before its wait, so that
-// its reads after the wait find them in L2 (builder/attention_stage.py, $LUM_ATTENTION_STAGE_PREFETCH).
-LUM_D void lum_prefetch_l2(const void* p, unsigned nbytes) {
-#if defined(__CUDA_ARCH__)
-  for (unsigned off = threadIdx.x * 128u; off < nbytes; off += blockDim.x * 128u)
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(static_cast<const char*>(p) + off));
-#else
-  (void)p; (void)nbytes;
-#endif
-}
-
 // ------------------------------------------------------------------------------ stamps (probe builds only)
 // A package built with $LUM_STAMPS=1 (benchmarks/profile_decode.py --stamps; builder/codegen.py module_source)
 // defines LUM_STAMPS, the module's array lum_stamps and, around each kernel, LUM_STAMP_KERNEL (its index in the

@@ -68,38 +68,6 @@ def test_split_k_partials_combine_to_softmax_attention(chunk):
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
-@pytest.mark.parametrize("max_t,regs", [(512, 1), (4096, 8), (16384, 0)])
-def test_the_combine_keeps_its_bounded_row_in_registers(max_t, regs, monkeypatch, nvrtc):
-    """``$LUM_ROW_REGS_BOUNDED=1`` (builder/codegen.py row_regs_bounded): decode's combine, a warp a row over
-    ``cdiv(p + 1, 16)`` chunks, loads every chunk's offset, sum and accumulator into registers before its first
-    reduction, sized by the bound (32 chunks at 512 keys: 1 a lane; 256 at 4,096: 8), up to 16 a lane (1,024
-    chunks at 16,384 keys read the row each phase); off by default, where every phase reads the row again.
-    NVRTC compiles it; the emulated driver and the GPU check its values (tests/test_cuda_emulated.py variant
-    ``row-regs-bounded``, tests/test_gpu.py the thousands-of-keys case ``registers``)."""
-    from lum.builder.codegen import ENV_ROW_REGS_BOUNDED, generate_program, module_source
-
-    prog = _program((as_expr(4), as_expr(2)), Var("p") + 1, as_expr(256), as_expr(256), 16, DType.bf16)   # gemma3-4b
-
-    def combine():
-        gen = generate_program(prog, ["p"], max_dyn={"p": max_t - 1})
-        return gen[6], gen
-
-    plain, _ = combine()
-    assert plain.tuning["regs"] == 0 and plain.tuning["group"] == 32
-    monkeypatch.setenv(ENV_ROW_REGS_BOUNDED, "1")
-    ks, gen = combine()
-    assert ks.tuning["regs"] == regs and ks.tuning["group"] == 32
-    src = ks.source
-    if regs:                        # every leaf's loads before the first reduction, guarded by the row length
-        first_reduce = src.index("lum_r0 = lum_group_reduce")
-        assert all(src.index(f"lum_a{k}[lum_kk] = (lum_live && lum_c < lum_n)") < first_reduce for k in range(3))
-        assert "in0[" not in src[first_reduce:] and "in1[" not in src[first_reduce:]
-    else:
-        assert src == plain.source
-    nvrtc.compile_cuda(module_source([k for k in gen.values() if k is not None]), "sm_90", ptx=False,
-                       cache_dir=False)
-
-
 def test_probabilities_round_before_the_normalisation_and_a_masked_row_is_nan():
     r = (as_expr(1), as_expr(2))
     prog = _program(r, as_expr(33), as_expr(4), as_expr(4), 16, DType.bf16)

@@ -129,47 +129,6 @@ def test_stage_kernels_compile(nvrtc, tmp_path, arch):
         assert gk.cubin and any("_stage_" in k["name"] for k in gk.table["ops"])
 
 
-def test_ahead_loads_the_first_keys_before_the_stage(monkeypatch):
-    """``LUM_ATTENTION_STAGE_AHEAD=1``: the first step's K / V loads come before the stage's row calls, that step's
-    loads in the key loop are skipped, and the rows the block writes go to shared copies it patches in from;
-    the table says so (``stage_ahead``). Off by default, where the kernel has none of it."""
-    prog, dv = _layer("gemma3-4b", DType.bf16)
-    max_dyn = default_max_dyn(dv, MAX_SEQ)
-    default = [k for k in group_kernel_sources(prog, dv, max_dyn).values() if k.tails][0]
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_AHEAD", "1")
-    ahead = [k for k in group_kernel_sources(prog, dv, max_dyn).values() if k.tails][0]
-    assert ahead.tails == default.tails and ahead.tuning["stage_ahead"] and "stage_ahead" not in default.tuning
-    body = ahead.body.split("_attn(LumQ")[1]
-    assert body.index("lum_load_f32") < body.index("lum_qrow(") and "if (lum_tb != lum_t0) {" in body
-    assert "lum_k[u][i] = lum_d < 256 ? lum_ks[lum_d]" in body and "*lum_hit = (" in ahead.body
-    assert not any(x in default.body for x in ("lum_ks", "lum_hit", "lum_tb != lum_t0"))
-
-
-def test_stage_prefetch_asks_l2_for_the_stage_leaves(monkeypatch):
-    """``LUM_ATTENTION_STAGE_PREFETCH=1``: gemma3-4b's fused attention asks L2 for its stage's weights and
-    constants (the q and k norm weights, 512 bytes each, scalars and 256-float constants) after its start and
-    before its wait, so it is still launched programmatically, each buffer once, and nothing else (not the qkv
-    output it waits for, nor the step's tables); off by default, where the kernel has none."""
-    import re
-
-    prog, dv = _layer("gemma3-4b", DType.bf16)
-    max_dyn = default_max_dyn(dv, MAX_SEQ)
-    weights = frozenset(o.id for o in prog.ops if o.kind == "input" and o.params.get("name", "").startswith("model."))
-    default = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k.tails][0]
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_PREFETCH", "1")
-    ks = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k.tails][0]
-    assert "lum_prefetch_l2(" not in default.body and ks.tails == default.tails
-    asked = re.findall(r"lum_prefetch_l2\((\w+), (\d+)u\);", ks.body)
-    attn = ks.body.split("_attn(LumQ")[1]          # asked between the start and the wait, by lum_pre
-    assert asked and attn.index("LUM_STAMP_AT(0);") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
-    assert _waits(ks) and _waits(default)           # still launched programmatically
-    assert len({name for name, _ in asked}) == len(asked)
-    sizes = sorted(int(n) for _, n in asked)
-    assert sizes.count(512) == 2 and set(sizes) <= {4, 512, 1024}, sizes  # two norm weights (bf16 256), constants
-    names = {p.name: p for p in ks.params}
-    assert all(names[n].role == "arg" for n, _ in asked)
-
-
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
 def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, block):
     """By default a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a
@@ -193,7 +152,7 @@ def test_trigger_after_stage(monkeypatch):
     """``LUM_ATTENTION_TRIGGER_AFTER_STAGE`` (on by default): of gemma3-4b's decode layer kernels only the fused
     attention differs from the build at ``0``: no trigger in its preamble (a start stamp instead), one after its
     stage's barrier, once a block; it still waits first, so the table stays programmatic. At ``0`` the trigger
-    comes first, and the stage prefetch follows it."""
+    comes first."""
     prog, dv = _layer("gemma3-4b", DType.bf16)
     max_dyn = default_max_dyn(dv, MAX_SEQ)
     after = group_kernel_sources(prog, dv, max_dyn)
@@ -210,18 +169,12 @@ def test_trigger_after_stage(monkeypatch):
              "LUM_STAMP_AT(2);"]
     assert [body.index(x) for x in order] == sorted(body.index(x) for x in order)
     assert _waits(after[changed[0]])
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_PREFETCH", "1")
-    weights = frozenset(o.id for o in prog.ops if o.kind == "input" and o.params.get("name", "").startswith("model."))
-    both = [k for k in group_kernel_sources(prog, dv, max_dyn, weights=weights).values() if k and k.tails][0]
-    attn = both.body.split("_attn(LumQ")[1]
-    assert both.tuning.get("stage_prefetch") and "stage_trigger" not in both.tuning
-    assert attn.index("lum_pdl_trigger();") < attn.index("lum_pre();") < attn.index("lum_pdl_wait();")
 
 
 def test_a_kernel_that_does_not_wait_warns_at_the_table():
     """A launch table is programmatic only if every kernel waits first (``_waits``). gemma3-4b's decode layer is;
-    with the fused attention's wait removed (as the first stage-prefetch build did, by placing its prefetches
-    before the body's call), the table says not programmatic and the build warns, naming that kernel, where
+    with the fused attention's wait removed (as the first build of a since removed stage prefetch did, by
+    placing its prefetches before the body's call), the table says not programmatic and the build warns, naming that kernel, where
     before it silently launched the whole layer plainly (−5.4% at 0c7bc11)."""
     import warnings
 

@@ -396,29 +396,6 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
         _layer_gemvs(*llama)
 
 
-def test_shared_preload_in_waves_keeps_the_grid(nvrtc, monkeypatch):
-    """``$LUM_GEMV_SHARED_PRELOAD_WAVES=1``: gemma3-4b's gate-up (behind the residual row kernel, 5,120 blocks of
-    128 threads, a tile a block) keeps its grid past one wave and copies half its tile (5 of 10 vectors a lane
-    and product column, 20 KB a block) into shared memory; no other GEMV of either model changes, no spills."""
-    from lum.builder import kernels
-    from tests.test_attention_stage import _layer
-
-    llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
-    monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED", raising=False)
-    monkeypatch.delenv("LUM_GEMV_SHARED_PRELOAD_WAVES", raising=False)
-    before = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
-    monkeypatch.setenv("LUM_GEMV_SHARED_PRELOAD_WAVES", "1")
-    after = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
-    assert [ks.name for ks in after["llama"]] == [ks.name for ks in before["llama"]]
-    changed = [i for i, (a, b) in enumerate(zip(after["gemma"], before["gemma"])) if a.name != b.name]
-    assert changed == [2], changed
-    up = after["gemma"][2]
-    assert up.grid == before["gemma"][2].grid and up.grid[0].value == 5120, up.grid
-    assert up.tuning["preload_shared"] and up.tuning["preload"] == 5 and up.shared_mem == 5 * 2 * 16 * 128, up.tuning
-    log = nvrtc.compile_cuda(kernels.module_source([up]), ptx=False, extra_options=["--ptxas-options=-v"]).log
-    assert nvrtc.ptxas_spills(log) == {}, log
-
-
 def test_prologue_threads_fit_the_sms(monkeypatch):
     """``$LUM_GEMV_PROLOGUE_THREADS=fit``: llama3-1b's qkv (3,072 columns, two a warp) in 128 blocks of 384
     threads, not 96 of 512; its gate-up and gemma3-4b's qkv (4,096 columns: 32 warps already fill 128 SMs)

@@ -396,31 +396,25 @@ def _sibling_kernel(op) -> bool:       # q, k and v as one launch (builder/sibli
 
 # variant: (the fused package's build environment, the plain one's; None: the default package), its kernel
 FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _stage_kernel),
-                  "attention-stage-ahead": ({"LUM_ATTENTION_STAGE_AHEAD": "1"}, None,
-                                            lambda op: _stage_kernel(op) and op.tuning.get("stage_ahead")),
                   "siblings": ({"LUM_ATTENTION_STAGE": "0"}, {"LUM_ATTENTION_STAGE": "0", "LUM_SIBLING_KERNELS": "0"},
                                _sibling_kernel),
                   "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"}, lambda op: op.tuning.get("stream")),
-                  "attention-stage-prefetch": ({"LUM_ATTENTION_STAGE_PREFETCH": "1"}, None,
-                                               lambda op: _stage_kernel(op) and op.tuning.get("stage_prefetch")),
                   "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                                                     lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger"))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
 def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
-    """The tiny model with a kernel fusion against the package without it: decode attention computing its q rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``,
-    builder/attention_stage.py; with the first keys loaded before it at ``LUM_ATTENTION_STAGE_AHEAD=1``), or
-    independent small kernels in a row as one launch (on by default; built without them at
+    """The tiny model with a kernel fusion against the package without it: decode attention computing its q
+    rows and kv-cache writes (the default; without it at ``LUM_ATTENTION_STAGE=0``, builder/attention_stage.py),
+    or independent small kernels in a row as one launch (on by default; built without them at
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
-    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the stage's weights asked of L2 before the
-    wait (``LUM_ATTENTION_STAGE_PREFETCH=1``, off by default), or the attention letting the kernels after it
-    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``);
-    none changes a value. Decode
-    logits of the fused package as the
-    reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three attention chunks) as the reference backend's and as
-    the package without the fusion, graphs replayed."""
+    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the attention letting the kernels after it
+    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``); none changes
+    a value. Decode logits of the fused package as the reference backend's (arena poisoned), and 40 greedy
+    tokens (up to p = 47: three attention chunks) as the reference backend's and as the package without the
+    fusion, graphs replayed."""
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
 
@@ -655,21 +649,18 @@ def _attention_package(tmp_path, dt: DType, d: int, group: int, max_t: int):
     return lum.loader.open(path)
 
 
-@pytest.mark.parametrize("combine", ["0", "registers"], ids=["two-kernels", "registers"])
 @pytest.mark.parametrize("dt,d,group", [(DType.bf16, 256, 2), (DType.f32, 64, 4)], ids=["bf16-d256-g2", "f32-d64-g4"])
-def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, combine, record_property, monkeypatch):
+def test_attention_over_thousands_of_keys_matches_float64(tmp_path, dt, d, group, record_property):
     """The split-K kernel and its combine over up to 256 chunks (p + 1 = 4,096 keys), the arena poisoned,
-    against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16);
-    ``registers``: the combine holding its row of up to 256 chunks in registers (``LUM_ROW_REGS_BOUNDED=1``)."""
+    against softmax attention computed here in float64 (probabilities rounded like the kernel's for bf16)."""
     import ml_dtypes
 
     max_t = 4096
-    monkeypatch.setenv("LUM_ROW_REGS_BOUNDED", "1" if combine == "registers" else "0")
     pkg = _attention_package(tmp_path, dt, d, group, max_t)
     ops = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops]
     att = [op for op in ops if op.kind == "attention"]
     assert [op.tail for op in att] == [()], att
-    assert [op.tuning.get("regs", 0) > 0 for op in ops if op.kind == "reduce"] == [combine == "registers"], ops
+    assert [op.tuning.get("regs", 0) > 0 for op in ops if op.kind == "reduce"] == [False], ops
     rng = np.random.default_rng(5)
     np_dt = ml_dtypes.bfloat16 if dt == DType.bf16 else np.float32
     q = rng.normal(size=(2, group, 1, d)).astype(np_dt)

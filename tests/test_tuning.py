@@ -64,11 +64,10 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     records)."""
     comp = T.measured_compiler(spec, BuildOptions(budget=2), None, timer_factory=FakeTimer, device=FAKE)
     base = comp.key_options({"p": 3})
-    assert not {"row_regs_bounded", "gemv_preload_prologue"} & set(base)
+    assert "gemv_preload_prologue" not in base
     assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
     assert base["gemv_preload_shared"] == "after_small"              # the default since 2026-12-04
-    for env, raw, key, value in (("LUM_ROW_REGS_BOUNDED", "1", "row_regs_bounded", True),
-                                 ("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
+    for env, raw, key, value in (("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
                                  ("LUM_GEMV_PRELOAD_SHARED", "1", "gemv_preload_shared", "prologue_after_small")):
         monkeypatch.setenv(env, raw)
         assert comp.key_options({"p": 3}) == {**base, key: value}
@@ -79,11 +78,11 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "1")          # a switch at its default: the same key
     assert comp.key_options({"p": 3}) == base
     monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")          # ... set the other way: named
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_AHEAD", "1")
+    monkeypatch.setenv("LUM_ATTENTION_STAGE_BRANCH", "0")
     assert comp.key_options({"p": 3}) == {**base, "switches": {"LUM_ATTENTION_STAGE_ONE_ROUND": False,
-                                                               "LUM_ATTENTION_STAGE_AHEAD": True}}
+                                                               "LUM_ATTENTION_STAGE_BRANCH": False}}
     monkeypatch.delenv("LUM_ATTENTION_STAGE_ONE_ROUND")
-    monkeypatch.delenv("LUM_ATTENTION_STAGE_AHEAD")
+    monkeypatch.delenv("LUM_ATTENTION_STAGE_BRANCH")
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     assert "gemv_preload_after_gemv" not in comp.key_options({"p": 3})
 

@@ -13,22 +13,14 @@ logits' distance to the f32 computation compared with rounding every op's output
 torch emulation: 1.4e-2 vs 2.3e-2, what transformers' bf16 gives), at no cost to batch-1 decode,
 whose traffic is the weights.
 
-Graph breaks: each decoder layer is a chunk of its own (one compiled group for all alike layers). With
-``$LUM_POST_NORM_NEXT_LAYER=1`` a Gemma layer's last step, the residual add of the FFN's post-norm,
-goes into the next chunk instead (the final norm's chunk after the last layer). The sum is then an
-input of the next layer's input norm in the same chunk, so the qkv GEMV can compute both in its
-prologue, and the one-block row kernel that ended every layer leaves the critical path: the layer's
-residual output (``residual + post-attention norm``) is read only by the next chunk, and its kernel
-runs beside the FFN (builder/rewrite.py orders it last; loader/cuda/branches.py puts it on a side
-stream). The first layer's chunk differs from the rest (no add before its norm), a group of its own.
-Measured on gemma3-4b bf16 (e35cef7, H200, same run): 379.5 against 381.6 tok/s, so off by default
-(benchmarks/NOTES.md).
+Graph breaks: each decoder layer is a chunk of its own (one compiled group for all alike layers). (A
+Gemma layer's FFN post-norm residual moved into the next layer's chunk, for the qkv GEMV's prologue to
+compute, measured −0.6% twice on gemma3-4b and was removed: benchmarks/NOTES.md.)
 """
 
 from __future__ import annotations
 
 from lum.builder import frontend as F
-from lum.builder.codegen import env_switch
 from lum.builder.frontend import GraphTensor
 from lum.builder.hlir import Graph
 from lum.builder.models.config import ModelConfig
@@ -36,12 +28,6 @@ from lum.format.dtypes import DType
 from lum.format.expr import Expr, ExprLike, Var, as_expr
 
 NEG_INF = float("-inf")
-ENV_POST_NORM_NEXT_LAYER = "LUM_POST_NORM_NEXT_LAYER"
-
-
-def post_norm_next_layer() -> bool:
-    """Whether a Gemma layer's FFN post-norm residual goes into the next chunk (module docstring)."""
-    return env_switch(ENV_POST_NORM_NEXT_LAYER)
 
 
 def cache_names(cfg: ModelConfig) -> list[str]:
@@ -100,13 +86,10 @@ class DecoderBuilder:
         kinds = sorted(set(cfg.layer_types))
         tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.act) for kind in kinds}
         masks = {kind: self.mask(kind, positions, self.past + self.s) for kind in kinds}   # once, not per layer
-        pending: GraphTensor | None = None      # the last layer's FFN output before its post-norm
         for i in range(cfg.num_layers):
             g.graph_break()
-            x = self.finish_layer(i - 1, x, pending)
-            x, pending = self.layer(i, x, tables[cfg.layer_types[i]], masks[cfg.layer_types[i]])
+            x = self.layer(i, x, tables[cfg.layer_types[i]], masks[cfg.layer_types[i]])
         g.graph_break()
-        x = self.finish_layer(cfg.num_layers - 1, x, pending)
         x = self.norm(x, "model.norm.weight")
         head = self.w("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
         logits = F.linear(x.cast(self.dtype), head, out_dtype=self.act).cast(DType.f32)
@@ -119,17 +102,8 @@ class DecoderBuilder:
         F.output(F.argmax(logits.slice(0, self.s - 1, self.s)), "next_token")
         return g
 
-    def finish_layer(self, i: int, residual: GraphTensor, ffn: GraphTensor | None) -> GraphTensor:
-        """Layer ``i``'s output from its residual and its FFN output, when :meth:`layer` left the FFN's
-        post-norm and residual add to the next chunk; else ``residual`` is the output already."""
-        if ffn is None:
-            return residual
-        return residual + self.norm(ffn, f"model.layers.{i}.post_feedforward_layernorm.weight")
-
-    def layer(self, i: int, x: GraphTensor, rope: tuple[GraphTensor, GraphTensor],
-              mask: GraphTensor) -> tuple[GraphTensor, GraphTensor | None]:
-        """Layer ``i`` as (output, None), or as (residual, FFN output) for :meth:`finish_layer` in the next
-        chunk (Gemma with ``$LUM_POST_NORM_NEXT_LAYER=1``)."""
+    def layer(self, i: int, x: GraphTensor, rope: tuple[GraphTensor, GraphTensor], mask: GraphTensor) -> GraphTensor:
+        """Decoder layer ``i``'s output."""
         cfg, p = self.cfg, f"model.layers.{i}."
         residual = x
         h = self.norm(x, p + "input_layernorm.weight")
@@ -141,10 +115,8 @@ class DecoderBuilder:
         h = self.norm(x, p + ("pre_feedforward_layernorm.weight" if cfg.is_gemma else "post_attention_layernorm.weight"))
         h = self.mlp(p, h)
         if cfg.is_gemma:
-            if post_norm_next_layer():
-                return residual, h
             h = self.norm(h, p + "post_feedforward_layernorm.weight")
-        return residual + h, None
+        return residual + h
 
     def mlp(self, p: str, x: GraphTensor) -> GraphTensor:
         inter = self.cfg.intermediate_size
