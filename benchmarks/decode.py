@@ -42,8 +42,7 @@ What it does, in one run on one GPU:
      fall unevenly on the SMs: builder/codegen.py blocks_unbalanced),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
-     ``lum-rowearly`` with ``LUM_ROW_EARLY=1`` (row kernels load their weight rows before that wait;
-     templates/row.cu EARLY), ``lum-early`` with both; ``lum-preload-prologue``
+     ``lum-preload-prologue``
      with ``LUM_GEMV_PRELOAD_PROLOGUE=2`` (GEMVs with a prologue preload 2 vectors: gemma3-4b's qkv), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
@@ -134,8 +133,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
-                 "lum-rowearly": {"LUM_ROW_EARLY": "1"},
-                 "lum-early": {"LUM_ROW_EARLY": "1", "LUM_GEMV_PRELOAD": "1"},
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},

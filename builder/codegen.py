@@ -65,9 +65,7 @@ block's first tile into registers before the kernel waits for its predecessor, t
 :data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also :func:`gemv_after_small`),
 ``preload_shared`` (gemv: the preload goes to shared memory, up to :data:`GEMV_SHARED_PRELOAD_VECTORS`, so it
 may hold every vector of a lane's first column; see :func:`gemv_preload_shared`),
-``row_early`` (row kernels load the rows of their ``weight_args`` — the arguments
-:func:`generate_program` knows to be weights — that every row reads before they wait for their
-predecessor; default ``$LUM_ROW_EARLY``, else off), ``tile_keys`` (flash attention: keys a tile, one of
+``tile_keys`` (flash attention: keys a tile, one of
 :data:`FLASH_TILE_KEYS`; 64 on tensor cores, 32 with FMAs; its query rows a block are 16 a warp of
 ``threads``, default 128), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
@@ -107,7 +105,6 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
-           "ENV_ROW_EARLY", "row_early_default",
            "env_switch",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
@@ -140,7 +137,6 @@ ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
 ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
-ENV_ROW_EARLY = "LUM_ROW_EARLY"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
@@ -400,9 +396,9 @@ class _Ctx:
     def dyn_loads(self, wait: bool = True, trigger: str = "start") -> tuple[str, dict[str, int]]:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
-        because the template waits itself once it has issued its early reads (gemv.cu's preload, row.cu's
-        weights). ``trigger``: ``start`` (first) or ``template`` (none here, the template triggers itself: an
-        attention stage's ``trigger``)."""
+        because the template waits itself once it has issued its early reads (gemv.cu's preload). ``trigger``:
+        ``start`` (first) or ``template`` (none here, the template triggers itself: an attention stage's
+        ``trigger``)."""
         if trigger not in ("start", "template"):
             raise CodegenError(f"trigger is 'start' or 'template', got {trigger!r}")
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
@@ -758,11 +754,6 @@ def gemv_prologue_narrow_a() -> str | None:
     return _env_choice(ENV_GEMV_PROLOGUE_NARROW_A, {"0": None, "shared": "shared", "1": "all"}, "shared")
 
 
-def row_early_default() -> bool:
-    """``$LUM_ROW_EARLY`` (1: row kernels load their weights' row before waiting for the kernel before them)."""
-    return bool(_env_count(ENV_ROW_EARLY, 1))
-
-
 def gemv_inflight_default() -> int:
     """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
     return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
@@ -832,7 +823,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              preload_shared: bool = False, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             row_early: bool | None = None, stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
+             stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
     the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
@@ -871,7 +862,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                preload=gemv_preload_default() if preload is None else preload, preload_shared=preload_shared,
                max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
-               weight_args=frozenset(weight_args), row_early=row_early_default() if row_early is None else row_early,
+               weight_args=frozenset(weight_args),
                stage=stage, tile_keys=tile_keys)
     if stage is not None and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a stage, not a {op.kind} kernel")
@@ -1189,8 +1180,6 @@ class _RowParts:
     threads: int
     regs: int
     acc_kind: str
-    early: str = ""                        # code before the wait: weight rows every row reads (row.cu EARLY)
-    early_args: tuple[int, ...] = ()       # ... their argument indices
     row_shape: tuple[Expr, ...] = ()       # the rows' (coalesced) shape: lum_row unravels over it
     write_row: ShapeTracker | None = None  # the write's row part: element 0 of a row (a scatter's at dest row 0)
     write_col: Expr | None = None          # the write's stride along a row
@@ -1201,7 +1190,7 @@ class _Gen:
     def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
-                 row_regs: bool = True, weight_args: frozenset[int] = frozenset(), row_early: bool = False,
+                 row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
                  stage: AttentionStage | None = None,
                  tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
@@ -1212,7 +1201,6 @@ class _Gen:
         self.preload = preload
         self.preload_shared = preload_shared       # gemv: the preload into shared memory
         self.weight_args = weight_args             # the op's arguments that are weights (generate_program)
-        self.row_early = row_early                 # row kernels load weight rows before the wait
         self.early: tuple[str, ...] = ()           # parameters read before the wait (KernelSource.early)
         self.max_blocks, self.acc, self.math = max_blocks, acc, math
         self.row_regs = row_regs                   # False: row kernels read their rows each phase (no register copy)
@@ -1637,11 +1625,10 @@ class _Gen:
     def _row_kernel(self) -> tuple[str, tuple[Expr, Expr, Expr], int, int, dict[str, Any]]:
         """The row kernel's source, grid, threads, index margin and tuning (see :meth:`k_row`)."""
         rp = self._row_parts()
-        self.early = tuple(f"in{k}" for k in rp.early_args)
         src = render(load_template("row.cu"), {
             "KERNEL": _ENTRY, "THREADS": rp.threads, "GROUP": rp.group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS_NOWAIT@" if rp.early else "@DYN_LOADS@", "ACC_T": _KIND_C[rp.acc_kind],
-            "ROWS": self.ctx.c(rp.rows), "N": self.ctx.c(rp.n), "EARLY": rp.early + "\n  lum_pdl_wait();" if rp.early else "",
+            "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[rp.acc_kind],
+            "ROWS": self.ctx.c(rp.rows), "N": self.ctx.c(rp.n),
             "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
         per_block = rp.threads // rp.group
         tuning = {"threads": rp.threads, "group": rp.group, "max_blocks": self.max_blocks, "acc": self.acc,
@@ -1731,8 +1718,6 @@ class _Gen:
         # by its bound, decode attention's combine, measured +0.05% / +0.28% and was removed, 0858e76.)
         n_hi = n.value if n.is_const else INF
         regs = -(-int(n_hi) // group) if self.row_regs and 0 < n_hi < INF and -(-int(n_hi) // group) <= ROW_REGS else 0
-        early: list[str] = []                    # a weight's row that every row reads: loaded before the wait
-        early_args: list[int] = []
         scalars: set[int] = set()                # leaves with one value a row: loaded once, not once a slot
         if regs:
             loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
@@ -1740,17 +1725,6 @@ class _Gen:
             close = [f"{ind}  }}}}", f"{ind}}}"]
             for k, rv in crows.items():
                 kd = _kind(self.dts[k])
-                hoist = (sink is None and self.row_early and k in self.weight_args and guards[k] is None
-                         and rv.mask is None and all(as_expr(st).is_const and as_expr(st).value == 0 for st in rv.strides))
-                if hoist:                        # the same row for every row: once, before the row loop
-                    base, _ = view_access(ctx, rv, idx)
-                    val = self.load(k, splits[k][1], (col,), base=f"({base})", guard=None)
-                    early += [f"  {_KIND_C[kd]} lum_a{k}[{regs}];", "#pragma unroll",
-                              f"  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
-                              f"    const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;",
-                              f"    lum_a{k}[lum_kk] = lum_c < lum_n ? {val} : {_ZERO[kd]};", "  }"]
-                    early_args.append(k)
-                    continue
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                 col_view = splits[k][1]
                 if (guards[k] is None and col_view.mask is None and as_expr(col_view.strides[0]) == as_expr(0)
@@ -1850,7 +1824,7 @@ class _Gen:
                 final.append(f"{ind3}{sink}[{dest}] = {stored if sink_stored else _load_conv(op.dtype, stored)};")
             final += close
         return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
-                         group, threads, regs, acc_kind, "\n".join(early), tuple(early_args), tuple(cshape),
+                         group, threads, regs, acc_kind, tuple(cshape),
                          cviews[0], None if wcol is None else wcol.strides[0],
                          write.strides[0] if kind == "scatter" else None)
 

@@ -72,8 +72,7 @@ from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
                                  gemv_preload_default, gemv_preload_prologue, gemv_preload_shared,
-                                 gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads,
-                                 row_early_default)
+                                 gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
@@ -771,7 +770,6 @@ class MeasuredCompiler:
                 **({"switches": sw} if (sw := {k: v for k, d in KEY_SWITCHES.items()
                                               if (v := env_switch(k, default=d)) != d}) else {}),
                 "flash_attention": flash_attention_enabled(),
-                "row_early": row_early_default(),
                 "sibling_kernels": sibling_kernels_enabled(),
                 "row_reads": row_reads_enabled(),
                 "prologue_max_cols": prologue_max_cols()}

@@ -12,8 +12,7 @@
 //! read 0 where their view is padding, as everywhere in LLIR. Repeated visits hit L1 / L2, not HBM.
 //!
 //! Placeholders: KERNEL THREADS GROUP IDX_T PARAMS DYN_LOADS ACC_T;
-//!   ROWS (number of rows), N (row length), EARLY (empty; or, with DYN_LOADS without its wait, the loads
-//!   into registers of the weight rows every row reads, then lum_pdl_wait: they overlap the kernel before),
+//!   ROWS (number of rows), N (row length),
 //!   ROW_SETUP  unravel lum_row into lum_i0.. and define each read's row base index and validity
 //!   PHASES     per row reduction: its accumulation loop, lum_group_reduce and the rounded row value
 //!   FINAL      the store loop (elementwise) or the prologue reduction and its store (reduce)
@@ -30,7 +29,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   const idx_t lum_rows = {{ROWS}};
   const idx_t lum_n = {{N}};
   const int lum_lane = (int)threadIdx.x % GROUP;
-{{EARLY}}
   for (idx_t lum_row0 = (idx_t)blockIdx.x * GROUPS; lum_row0 < lum_rows; lum_row0 += (idx_t)gridDim.x * GROUPS) {
     const idx_t lum_row = lum_row0 + (idx_t)((int)threadIdx.x / GROUP);
     const bool lum_live = lum_row < lum_rows;

@@ -741,26 +741,3 @@ def test_kernels_match_reference_backend_on_host(emulated, case):
         np.testing.assert_allclose(g, r, rtol=tol, atol=tol, err_msg=ks.body)
     else:
         np.testing.assert_array_equal(got, ref, err_msg=ks.body)
-
-
-def test_row_kernels_load_weight_rows_before_the_wait(monkeypatch):
-    """With ``row_early`` (``$LUM_ROW_EARLY``) a row kernel loads each weight argument whose row is the same
-    for every row into registers once, before it waits for the kernel before it (templates/row.cu EARLY),
-    and names it as read early; an argument that is not a weight, or whose row varies, is loaded per row
-    after the wait. Off, or without weights, the kernel is the plain one."""
-    from tests.kernel_cases import template_cases
-
-    prog, _, _ = template_cases(DType.f32)
-    norm = next(o for o in prog.ops if o.kind == "elementwise" and "RowSum" in repr(o.params.get("expr"))
-                and o.args[1].view.strides[-1] != 0)                   # an RMSNorm: x, and w along the row
-    dts = [prog.ops[a.src].dtype for a in norm.args]
-    plain = generate(norm, ["s"], arg_dtypes=dts)
-    assert generate(norm, ["s"], arg_dtypes=dts, weight_args=frozenset({1})).body == plain.body   # off by default
-    assert generate(norm, ["s"], arg_dtypes=dts, row_early=True).body == plain.body             # no weights
-    early = generate(norm, ["s"], arg_dtypes=dts, weight_args=frozenset({0, 1}), row_early=True)
-    assert early.early == ("in1",) and plain.early == ()          # arg 0's row varies: loaded per row, after
-    body = early.body
-    assert body.index("lum_a1[lum_kk] =") < body.index("lum_pdl_wait();") < body.index("for (idx_t lum_row0")
-    assert body.index("lum_pdl_wait();") < body.index("lum_a0[lum_kk] =")
-    monkeypatch.setenv("LUM_ROW_EARLY", "1")
-    assert generate(norm, ["s"], arg_dtypes=dts, weight_args=frozenset({1})).early == ("in1",)

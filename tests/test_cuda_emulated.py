@@ -80,8 +80,7 @@ def env(tmp_path_factory):
         pkgs[f"gemv_replay.{dt.value}"] = write_case_package(root / f"gemv_replay.{dt.value}.lumpkg", prog, b, ("p",))
     for name in MODELS:
         pkgs[name] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ), root / f"{name}.lumpkg")
-        with pytest.MonkeyPatch.context() as mp:       # the off-by-default reads before the wait, both kinds
-            mp.setenv("LUM_ROW_EARLY", "1")
+        with pytest.MonkeyPatch.context() as mp:       # the off-by-default preload of every GEMV before its wait
             mp.setenv("LUM_GEMV_PRELOAD", "1")
             pkgs[name + ".early"] = build_package(load_spec(random_name=name, max_seq=MAX_SEQ),
                                                   root / f"{name}.early.lumpkg")
@@ -101,7 +100,6 @@ def env(tmp_path_factory):
     for name, path in pkgs.items():
         with lum.loader.open(path) as p, pytest.MonkeyPatch.context() as mp:
             if name.endswith(".early"):
-                mp.setenv("LUM_ROW_EARLY", "1")
                 mp.setenv("LUM_GEMV_PRELOAD", "1")
             for variant, (var_env, _) in GEMV_VARIANTS.items():
                 if name.startswith("gemv_cases.") and name.endswith("." + variant):
@@ -263,8 +261,8 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("model", MODELS)
 def test_reads_before_the_wait_change_no_token(env, model):
-    """Built with row kernels loading their weight rows and GEMVs preloading weights before they wait
-    for the kernel before them (``LUM_ROW_EARLY``, ``LUM_GEMV_PRELOAD``): the tables name those reads
+    """Built with every GEMV preloading weights before it waits for the kernel before it
+    (``LUM_GEMV_PRELOAD``): the tables name those reads
     (``early``), the runner launches those kernels programmatically (their early buffers are weights), and
     the tokens are the reference backend's, launched both ways."""
     res = run(env, r'''
@@ -280,7 +278,7 @@ for on in (True, False):
         out["steps" + str(on)] = sum(getattr(st, "programmatic", False) for st in sess.runner.plans["decode"].steps)
 print(json.dumps(out))
 '''.replace("MODEL", repr(model)))
-    assert "gemm" in res["early_kinds"] and len(res["early_kinds"]) >= 2, res["early_kinds"]   # GEMVs and row kernels
+    assert res["early_kinds"] == ["gemm"], res["early_kinds"]          # the GEMVs
     assert res["True"] == res["False"] == res["want"]
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 

@@ -204,19 +204,15 @@ def test_gemv_all_dtypes_and_rows(cache_dir, layout):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
 def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
     """Every gemv case with its first weight vectors preloaded (templates/gemv.cu PRELOAD, loads into
-    registers before the wait: prologues and epilogues included), row kernels loading weight rows before their wait
-    (templates/row.cu EARLY) and every kernel's launch-order preamble (common.cuh: griddepcontrol from sm_90,
-    nothing before it)."""
+    registers before the wait: prologues and epilogues included) and every kernel's launch-order preamble
+    (common.cuh: griddepcontrol from sm_90, nothing before it)."""
     from lum.builder.codegen import generate_program
     from tests.kernel_cases import gemv_cases, template_cases
 
     for dt in (DType.f32, DType.bf16):
         ks = [k for k in generate_program(gemv_cases(dt)[0], preload=1).values() if k is not None]
-        prog = template_cases(dt)[0]       # every input a weight: row kernels load rows before the wait
-        ks += [k for k in generate_program(prog, weights=frozenset(o.id for o in prog.inputs()), row_early=True).values()
-               if k is not None]
+        ks += [k for k in generate_program(template_cases(dt)[0]).values() if k is not None]
         assert any(k.tuning.get("preload") and k.tuning.get("prologue") for k in ks)
-        assert any(k.early and k.kind != "gemm" for k in ks)
         assert any(k.tuning.get("preload") and k.tuning.get("epilogue") for k in ks)
         res = nvrtc.compile_cuda(module_source(ks), arch, cache_dir=cache_dir)
         assert res.cubin[:4] == b"\x7fELF" and ("griddepcontrol.wait" in res.ptx) == (arch == "sm_90")
