@@ -90,6 +90,8 @@ static int __syncthreads_or(int pred) {
 }
 // A warp's barrier: the warp's stores before it are seen by its lanes after it.
 static void __syncwarp(unsigned mask = 0xffffffffu) { if (mask == 0xffffffffu) lum_warp_yield(); }   // else: one lane
+static void __threadfence() {}   // one OS thread runs every block: every store is already visible
+static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 static unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -224,6 +226,7 @@ static void lum_emu_run_resident(unsigned grid, unsigned block, unsigned smem, c
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 template <typename T> static T __ldg(const T* p) { return *p; }
+template <typename T> static T __ldcg(const T* p) { return *p; }
 static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static float lum_host_expf(float x) { return std::exp(x); }
