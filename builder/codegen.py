@@ -65,9 +65,8 @@ block's first tile into registers before the kernel waits for its predecessor, t
 :data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also :func:`gemv_after_small`),
 ``preload_shared`` (gemv: the preload goes to shared memory, up to :data:`GEMV_SHARED_PRELOAD_VECTORS`, so it
 may hold every vector of a lane's first column; see :func:`gemv_preload_shared`),
-``tile_keys`` (flash attention: keys a tile, one of
-:data:`FLASH_TILE_KEYS`; 64 on tensor cores, 32 with FMAs; its query rows a block are 16 a warp of
-``threads``, default 128), ``max_blocks`` (grid cap),
+``tile_keys`` (flash attention: keys a tile, one of :data:`FLASH_TILE_KEYS`; 64 on tensor cores, 32 with
+FMAs; its query rows a block are 16 a warp of ``threads``, default 128), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
 ``_Gen._gemv_group``); its tuning also reports ``scheme`` (dot | cols) and ``cols`` per block tile.
@@ -862,8 +861,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                preload=gemv_preload_default() if preload is None else preload, preload_shared=preload_shared,
                max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
-               weight_args=frozenset(weight_args),
-               stage=stage, tile_keys=tile_keys)
+               weight_args=frozenset(weight_args), stage=stage, tile_keys=tile_keys)
     if stage is not None and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
@@ -910,8 +908,8 @@ class StageRow:
     parameters>)``, where ``<extra>`` is ``LumSink lum_sink`` for an elementwise op (it stores row
     ``lum_row_`` there, not in ``out``) and ``long long lum_w0, long long lum_w1, long long lum_wT, bool
     lum_wfirst`` for a scatter (it writes its row only where the dest row ``lum_dr`` is in ``[lum_w0,
-    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``). Every warp of the block must call it (its row reductions are warp shuffles); a warp
-    with ``lum_live`` false loads and stores nothing."""
+    lum_w1)``, or ``lum_wfirst`` and ``lum_dr >= lum_wT``). Every warp of the block must call it (its row
+    reductions are warp shuffles); a warp with ``lum_live`` false loads and stores nothing."""
 
     function: str
     rows: int
@@ -1039,9 +1037,9 @@ def gemv_preload_shared() -> str | None:
     ``small`` against ``1`` (48ddaa6, same runs, tokens equal): gemma3-4b 399.3 against 397.4 tok/s (+0.5%),
     llama3-1b 1,184.0 against 1,176.9 (+0.6%); with gemma3-4b's gate-up too, its grid capped from 5,120 blocks
     to 1,320, it had measured −4.2%. Every prologue GEMV whatever runs before it (``prologue``): llama3-1b,
-    whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with
-    the FFN post-norm in the next layer (a switch since removed), −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every prologue
-    GEMV (llama3-1b's qkv behind down beside its o). ``small-gemv`` (not yet measured): ``small``'s, and every
+    whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with the FFN post-norm in
+    the next layer (a switch since removed), −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every
+    prologue GEMV (llama3-1b's qkv behind down beside its o). ``small-gemv`` (not yet measured): ``small``'s, and every
     GEMV without a prologue behind a GEMV with the vectors it would preload into registers
     (:func:`gemv_preload_after_gemv`) copied into shared memory instead: the down projections, whose blocks
     become resident as gate-up's drain. gemma3-4b's down (1,280 blocks of 128 threads) drops a register
@@ -1191,8 +1189,7 @@ class _Gen:
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-                 stage: AttentionStage | None = None,
-                 tile_keys: int | None = None):
+                 stage: AttentionStage | None = None, tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.stage = stage                         # the rows of the ops before it an attention computes
@@ -1723,7 +1720,7 @@ class _Gen:
             loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
                     f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;", f"{ind}  if (lum_c < lum_n) {{"]
             close = [f"{ind}  }}}}", f"{ind}}}"]
-            for k, rv in crows.items():
+            for k in crows:
                 kd = _kind(self.dts[k])
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                 col_view = splits[k][1]

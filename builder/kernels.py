@@ -144,12 +144,12 @@ def _waits(ks: KernelSource) -> bool:
 def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None = None,
                          tuning: Mapping[str, Any] | None = None, *, arch: str = "sm_90",
                          cache_dir: Any = None, weights: frozenset[int] = frozenset()) -> dict[int, KernelSource]:
-    """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and
-    ``weights`` (the program's input ops that are weights, for kernels that read them early) (less the
-    GEMV loads ahead that would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one
-    wave by their registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_STAGE`` each decode attention computing its q rows and kv-cache writes
-    (:mod:`lum.builder.attention_stage`), with ``$LUM_SIBLING_KERNELS`` independent small kernels in a row as
-    one (:mod:`lum.builder.siblings`)."""
+    """Every kernel of a group: :func:`~lum.builder.codegen.generate_program` with ``tuning`` and ``weights``
+    (the program's input ops that are weights, for kernels that read them early) (less the GEMV loads ahead that
+    would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one wave by their
+    registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_STAGE`` each decode attention computing its q
+    rows and kv-cache writes (:mod:`lum.builder.attention_stage`), with ``$LUM_SIBLING_KERNELS`` independent
+    small kernels in a row as one (:mod:`lum.builder.siblings`)."""
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
 

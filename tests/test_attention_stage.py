@@ -174,8 +174,8 @@ def test_trigger_after_stage(monkeypatch):
 def test_a_kernel_that_does_not_wait_warns_at_the_table():
     """A launch table is programmatic only if every kernel waits first (``_waits``). gemma3-4b's decode layer is;
     with the fused attention's wait removed (as the first build of a since removed stage prefetch did, by
-    placing its prefetches before the body's call), the table says not programmatic and the build warns, naming that kernel, where
-    before it silently launched the whole layer plainly (−5.4% at 0c7bc11)."""
+    placing its prefetches before the body's call), the table says not programmatic and the build warns, naming
+    that kernel, where before it silently launched the whole layer plainly (−5.4% at 0c7bc11)."""
     import warnings
 
     prog, dv = _layer("gemma3-4b", DType.bf16)

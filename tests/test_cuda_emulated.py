@@ -369,21 +369,20 @@ print(json.dumps({"odd": odd, "checked": len(want), "errors": errors}))
 
 @pytest.mark.parametrize("variant", list(FUSED))
 def test_fused_kernel_variants_match_reference(env, variant):
-    """Built with a kernel fusion: ``stage`` (the default package: the tiny models' decode attention computes its q rows and kv-cache writes,
-    builder/attention_stage.py; the kernel cases' independent kernels in a row run as one launch each),
-    ``stage-predicated`` (``LUM_ATTENTION_STAGE_BRANCH=0``: every warp runs every stage row, predicated),
-    ``merge-by-row`` (``LUM_ATTENTION_MERGE_ALL=0``: the warps' partials merged a query row at a time),
-    ``key-by-key`` (``LUM_ATTENTION_KEY_BATCH=0``: a softmax update after every key, not one a step),
+    """Built with a kernel fusion: ``stage`` (the default package: the tiny models' decode attention computes its q
+    rows and kv-cache writes, builder/attention_stage.py; the kernel cases' independent kernels in a row run as
+    one launch each), ``stage-predicated`` (``LUM_ATTENTION_STAGE_BRANCH=0``: every warp runs every stage row,
+    predicated), ``merge-by-row`` (``LUM_ATTENTION_MERGE_ALL=0``: the warps' partials merged a query row at a
+    time), ``key-by-key`` (``LUM_ATTENTION_KEY_BATCH=0``: a softmax update after every key, not one a step),
     ``stage-two-rounds`` (``LUM_ATTENTION_STAGE_ONE_ROUND=0``: tiny-qwen3's stage of 4 query rows, k and v on 4
-    warps of 4 keys, two rounds, rather than 8 warps of 2; the kernel cases run no stage),
-    ``siblings`` (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch),
-    ``preload-shared`` (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into
-    shared memory before it waits, where by default only those behind small kernels do: builder/codegen.py
-    gemv_preload_shared) or ``stage-trigger-first`` (``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``: decode attention lets
-    the kernel after it launch as it starts, not after its stage as by default; launch order only, as the
-    emulation runs it).
-    Every kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny models' greedy tokens are the
-    reference backend's, and their decode layers hold such a kernel."""
+    warps of 4 keys, two rounds, rather than 8 warps of 2; the kernel cases run no stage), ``siblings``
+    (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch), ``preload-shared``
+    (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into shared memory before it
+    waits, where by default only those behind small kernels do: builder/codegen.py gemv_preload_shared) or
+    ``stage-trigger-first`` (``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``: decode attention lets the kernel after it
+    launch as it starts, not after its stage as by default; launch order only, as the emulation runs it). Every
+    kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
+    models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
 import lum.loader as L
 from lum.format.dtypes import DType
