@@ -431,12 +431,14 @@ def lower_enode(sat: SaturatedGroup, cls: int, node: ENode, src_of: Callable[[in
     return lop
 
 
-def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], int], op_id: int = 0) -> list[LOp]:
+def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], int], op_id: int = 0,
+                    chunk: int | None = None) -> list[LOp]:
     """A KAttention e-node as LLIR: the attention op (per-chunk partials, f32 [R…, NS, Dv + 2]), a −1
     constant and the reduce that combines the chunks, Σ_j 2^(c_j − max c)·acc_j / Σ_j 2^(c_j − max c)·l_j
     (a row kernel over the chunk axis), in that order from ``op_id``; the last op is the attention's value.
-    Chunks of :data:`ATTENTION_CHUNK` keys for decode, of :data:`FLASH_ATTENTION_CHUNK` for flash attention
-    (many query rows a K / V row: their row tiles, not the keys, spread the work)."""
+    Chunks of ``chunk`` keys for decode (default :data:`ATTENTION_CHUNK`: the split count, a decision of the
+    measured search), of :data:`FLASH_ATTENTION_CHUNK` for flash attention (many query rows a K / V row: their
+    row tiles, not the keys, spread the work)."""
     av = attention_views(sat, node)
     if av is None:
         raise ValueError("a KAttention e-node whose views are not an attention (builder/egraph.py)")
@@ -446,7 +448,7 @@ def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], in
     reads = zip((q_ld, k_ld, v_ld, m_ld), (av.q, av.k, av.v, av.mask))
     args = tuple(Arg(src_of(_ld(sat, c).args[0]), v) for c, v in reads)
     ops = attention_ops(args, scale, DType.parse(pdt), DType.parse(dt), op_id,
-                        FLASH_ATTENTION_CHUNK if av.flash else ATTENTION_CHUNK)
+                        FLASH_ATTENTION_CHUNK if av.flash else chunk or ATTENTION_CHUNK)
     _set_bytes_flops(ops[0], [DType.parse(sat.dtype[c]) for c in (q_ld, k_ld, v_ld, m_ld)])
     _set_bytes_flops(ops[2], [DType.f32] * 4)
     return ops
@@ -485,11 +487,12 @@ def _set_bytes_flops(lop: LOp, arg_dtypes: list[DType | None]) -> None:
     lop.bytes, lop.flops = costmodel.op_bytes(lop, stub), costmodel.op_flops(lop)
 
 
-def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None) -> Program:
-    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere). Unless
-    ``$LUM_GEMV_PROLOGUE`` is 0, decode GEMVs compute their input norms (:mod:`lum.builder.prologue`);
-    unless ``$LUM_GEMV_EPILOGUE`` is 0, a GEMV stores its one elementwise reader's value, gate-up the
-    gated activation (:mod:`lum.builder.epilogue`)."""
+def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: str | None = None,
+          attention_chunk: int | None = None) -> Program:
+    """The LLIR program of a selection (``choice`` defaults to option 0 everywhere), decode attention in
+    chunks of ``attention_chunk`` keys (default :data:`ATTENTION_CHUNK`). Unless ``$LUM_GEMV_PROLOGUE`` is 0,
+    decode GEMVs compute their input norms (:mod:`lum.builder.prologue`); unless ``$LUM_GEMV_EPILOGUE`` is 0,
+    a GEMV stores its one elementwise reader's value, gate-up the gated activation (:mod:`lum.builder.epilogue`)."""
     choice = choice or {}
     cycle = check_acyclic(sat, choice)
     if cycle is not None:
@@ -503,7 +506,7 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
     def emit(c: int) -> None:
         node = chosen(sat, choice, c)
         if node.op == "KAttention":
-            *head, lop = lower_attention(sat, node, op_of.__getitem__, len(ops))
+            *head, lop = lower_attention(sat, node, op_of.__getitem__, len(ops), attention_chunk)
             ops.extend(head)
         else:
             lop = lower_enode(sat, c, node, op_of.__getitem__, shape_of.__getitem__, len(ops), reads.inline)

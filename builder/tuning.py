@@ -1,8 +1,8 @@
 """Extraction by measurement (DESIGN.md step 6): per group, a genetic search over the e-graph's
 decision points and the kernel templates' tuning parameters (group-wide ones, :data:`TUNING_DECISIONS`,
-the block size and split of each decode GEMV, :data:`GEMV_TUNING_DECISIONS`, and flash attention's key tile,
-:data:`FLASH_TUNING_DECISIONS`), every candidate
-timed on the GPU, results kept in a persistent tuning database.
+the block size and split of each decode GEMV, :data:`GEMV_TUNING_DECISIONS`, flash attention's key tile,
+:data:`FLASH_TUNING_DECISIONS`, and split-K decode attention's split, :data:`ATTENTION_TUNING_DECISIONS`), every
+candidate timed on the GPU, results kept in a persistent tuning database.
 
 * :class:`TuningDB` — one JSON file per key in ``platformdirs.user_cache_dir("lum")/tuning`` (or
   ``$LUM_CACHE_DIR/tuning``). The key is a sha256 over the group's structural hash, the GPU name,
@@ -87,6 +87,7 @@ from lum.format.llir import Program
 from lum.format.shapetracker import ShapeTracker
 
 __all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECISIONS", "FLASH_TUNING_DECISIONS",
+           "ATTENTION_TUNING_DECISIONS",
            "CHECK_FLOPS", "cache_dir",
            "TuningDB", "DeviceIdentity", "device_identity", "gpu_unavailable_reason", "GroupInfo", "GpuTimer",
            "MeasuredCompiler", "measured_compiler", "tolerance", "compare_outputs", "random_array"]
@@ -134,6 +135,13 @@ MAX_TUNED_GEMVS = 8
 FLASH_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("tile_keys", (None, 32, 64, 128)),
 )
+# ... and, in a group whose program runs split-K decode attention, its split: keys a chunk (None: extract's
+# ATTENTION_CHUNK, 16). Fewer, longer chunks mean fewer partials for the combine to read and more keys a block
+# walks in turn; the LLIR's attention op carries it (``chunk``), so it is applied when lowering, not in codegen.
+ATTENTION_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("attention_chunk", (None, 32, 64)),
+)
+LOWERING_KEYS = ("attention_chunk",)     # tuning keys lower() takes rather than codegen
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -447,6 +455,16 @@ def _tuning_of(space_tail: Sequence[tuple[str, tuple[Any, ...]]], genes: Sequenc
     return {name: opts[g] for (name, opts), g in zip(space_tail, genes) if opts[g] is not None}
 
 
+def _lowering(tuning: Mapping[str, Any]) -> dict[str, Any]:
+    """The tuning's keys that :func:`~lum.builder.extract.lower` takes (:data:`LOWERING_KEYS`)."""
+    return {k: tuning[k] for k in LOWERING_KEYS if k in tuning}
+
+
+def _codegen_tuning(tuning: Mapping[str, Any]) -> dict[str, Any]:
+    """The tuning less the keys applied when lowering: codegen's keyword arguments."""
+    return {k: v for k, v in tuning.items() if k not in LOWERING_KEYS}
+
+
 @dataclass
 class TimerSetup:
     """Everything a timer of one group needs; made by :class:`MeasuredCompiler`."""
@@ -522,14 +540,14 @@ class GpuTimer:
         choice, tuning = s.decode(genome)
         try:
             with self._phase("lower"):
-                program = lower(s.sat, choice, name=s.info.graph.name)
+                program = lower(s.sat, choice, name=s.info.graph.name, **_lowering(tuning))
         except ValueError as exc:
             raise CandidateRejected(f"lower: {_one_line(exc)}") from None
         self.count += 1
         path = Path(self.tmp.name) / f"c{self.count}.lumpkg"
         try:
             with self._phase("compile"):
-                _write_candidate(path, program, s, tuning)
+                _write_candidate(path, program, s, _codegen_tuning(tuning))
         except Exception as exc:  # noqa: BLE001 - codegen / NVRTC failures reject the candidate
             raise CandidateRejected(f"compile: {_one_line(exc)}") from None
         try:
@@ -684,9 +702,10 @@ def _write_candidate(path: Path, program: Program, s: TimerSetup, tuning: Mappin
                                  options=opts)
 
 
-# which template decisions the sweep times first: block sizes and splits (gemv_sweep.py: up to 10% a GEMV),
-# then grid caps and unrolls, then loads ahead and preloads (measured slower on every decode shape so far)
-SWEEP_PRIORITY = ("threads", "group", "max_blocks", "unroll", "ept", "inflight", "preload")
+# which template decisions the sweep times first: block sizes and splits (gemv_sweep.py: up to 10% a GEMV;
+# decode attention's split), then grid caps and unrolls, then loads ahead and preloads (measured slower on every
+# decode shape so far)
+SWEEP_PRIORITY = ("threads", "group", "attention_chunk", "max_blocks", "unroll", "ept", "inflight", "preload")
 
 
 def sweep_order(tuned: Sequence[tuple[str, tuple[Any, ...]]], first: int) -> list[int]:
@@ -743,12 +762,15 @@ class MeasuredCompiler:
         except Exception:  # noqa: BLE001 - no NVRTC: the kernels could not be built anyway
             return "none"
 
-    def group_tuning_decisions(self, n_gemv: int, flash: bool = False) -> tuple[tuple[str, tuple[Any, ...]], ...]:
-        """The template decisions of a group whose program has ``n_gemv`` GEMV kernels (and flash attention)."""
+    def group_tuning_decisions(self, n_gemv: int, flash: bool = False, split_k: bool = False
+                               ) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """The template decisions of a group whose program has ``n_gemv`` GEMV kernels (and flash attention,
+        and split-K decode attention)."""
         per = tuple((f"gemv{i}.{k}", v) for i in range(min(n_gemv, MAX_TUNED_GEMVS))
                     for k, v in GEMV_TUNING_DECISIONS if f"gemv{i}.{k}" not in self.fixed)
         fa = tuple((k, v) for k, v in FLASH_TUNING_DECISIONS if flash and k not in self.fixed)
-        return self.tuning_decisions + fa + per
+        sk = tuple((k, v) for k, v in ATTENTION_TUNING_DECISIONS if split_k and k not in self.fixed)
+        return self.tuning_decisions + fa + sk + per
 
     def key_options(self, time_dyn: Mapping[str, int],
                     decisions: Sequence[tuple[str, tuple[Any, ...]]] | None = None) -> dict[str, Any]:
@@ -791,8 +813,9 @@ class MeasuredCompiler:
         points = decision_points(sat)
         cost_choice = choose_by_cost(sat, lambda op: op_cost(op, self.typical))
         cost_program = lower(sat, cost_choice, name=graph.name)
-        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(cost_program)),
-                                            any(o.kind == "attention" and flash_attention(o) for o in cost_program.ops))
+        attention = [o for o in cost_program.ops if o.kind == "attention"]
+        tuned = self.group_tuning_decisions(len(gemv_kernel_ops(cost_program)), any(map(flash_attention, attention)),
+                                            not all(map(flash_attention, attention)))
         decisions = [Decision(name, labels) for name, labels in points]
         decisions += [Decision(f"tune:{k}", tuple("default" if x is None else str(x) for x in v)) for k, v in tuned]
         space = SearchSpace(decisions)
@@ -814,7 +837,7 @@ class MeasuredCompiler:
         genome = tuple(rec["genome"])
         n = len(sat.decisions)
         choice = {c: int(x) for c, x in zip(sat.decisions, genome[:n])}
-        program = lower(sat, choice, name=graph.name)
+        program = lower(sat, choice, name=graph.name, **_lowering(rec.get("tuning", {})))
         self.records.append(rec)
         self._by_program[id(program)] = rec
         return program
@@ -889,7 +912,7 @@ class MeasuredCompiler:
     def kernel_tuning_for(self, program: Program) -> dict[str, Any]:
         """Template parameters of a program this compiler returned (the user's fixed ones included)."""
         rec = self._by_program.get(id(program))
-        return {**self.fixed, **(rec.get("tuning", {}) if rec else {})}
+        return _codegen_tuning({**self.fixed, **(rec.get("tuning", {}) if rec else {})})
 
     def tuning_section(self, programs: Sequence[Program]) -> bytes:
         """The package's ``tuning`` section: the DB record of each group, in package group order."""

@@ -244,11 +244,12 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     # decode attention (the split-K partials and their combine, builder/extract.attention_ops): GQA groups
     # of 3 query rows over 2 kv heads reading a [12 + s, 2, D] cache through slice / permute / broadcast
     # views, T = s + 19 keys (two chunks), a mask with holes; D = 32 / Dv = 64 (vector loads) and
-    # D = 24 / Dv = 40 (per-feature loads), p rounded to the dtype
-    from lum.builder.extract import attention_ops
+    # D = 24 / Dv = 40 (per-feature loads), p rounded to the dtype; and D = 32 in chunks of 32 keys (the
+    # measured search's split: one chunk, its keys in two steps of a block)
+    from lum.builder.extract import ATTENTION_CHUNK, attention_ops
 
-    for d_qk, d_v in ((32, 64), (24, 40)):
-        case = f"attention.d{d_qk}"
+    for d_qk, d_v, chunk in ((32, 64, ATTENTION_CHUNK), (24, 40, ATTENTION_CHUNK), (32, 64, 32)):
+        case = f"attention.d{d_qk}" + ("" if chunk == ATTENTION_CHUNK else f".c{chunk}")
         tk = s + 19
         rows = (2, 3, 1)
         qv = ShapeTracker.contiguous(rows + (d_qk,))
@@ -263,7 +264,7 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
         args = [(inp(case, 0, numel(rows) * d_qk, dt), qv), (inp(case, 1, (s + 24) * 2 * d_qk, dt), heads(cache_k)),
                 (inp(case, 2, (s + 24) * 2 * d_v, dt), heads(cache_v)),
                 (inp(case, 3, tk, DType.bool, data=mrow), mask)]
-        part, _neg, comb = attention_ops(tuple(Arg(0, v) for _, v in args), 0.25, dt, dt)
+        part, _neg, comb = attention_ops(tuple(Arg(0, v) for _, v in args), 0.25, dt, dt, chunk=chunk)
         b.op(f"{case}.part", "attention", "Attention", args, part.shape, DType.f32, part.params)
         b.op(f"{case}.neg", "constant", "Constant", [], (), f32, {"value": -1.0})
         cargs = [(f"{case}.part", a.view) for a in comb.args[:3]] + [(f"{case}.neg", comb.args[3].view)]

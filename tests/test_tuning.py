@@ -208,7 +208,7 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
     from lum.builder.codegen import flash_attention, gemv_kernel_ops
     from lum.builder.extract import lower
 
-    firsts, flash_groups = {}, 0
+    firsts, flash_groups, split_k_groups = {}, 0, 0
     for h, g in FakeTimer.calls:
         firsts.setdefault(h, g)
     assert len(firsts) == 6
@@ -221,11 +221,14 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, cache, tmp_path):
         n_gemv = len(gemv_kernel_ops(program))
         per_gemv += n_gemv
         flash = any(o.kind == "attention" and flash_attention(o) for o in program.ops)     # prefill's attention
+        split_k = any(o.kind == "attention" and not flash_attention(o) for o in program.ops)   # decode's
         flash_groups += flash
+        split_k_groups += split_k
         n_tune = (len(T.TUNING_DECISIONS) + len(T.FLASH_TUNING_DECISIONS) * flash
-                  + len(T.GEMV_TUNING_DECISIONS) * n_gemv)
+                  + len(T.ATTENTION_TUNING_DECISIONS) * split_k + len(T.GEMV_TUNING_DECISIONS) * n_gemv)
         assert firsts[info.hash] == choice_to_genome(sat, choice) + (0,) * n_tune
-    assert per_gemv > 0 and flash_groups > 0      # decode groups have GEMVs to tune per shape, prefill flash tiles
+    # decode groups have GEMVs to tune per shape and their attention's split, prefill flash tiles
+    assert per_gemv > 0 and flash_groups > 0 and split_k_groups > 0
     for rec in comp.records:
         assert rec["seed_genome"] == list(firsts[rec["group"]])
         assert rec["trials"][0]["genome"] == rec["seed_genome"]
@@ -400,6 +403,30 @@ def test_the_search_picks_flash_attention_tiles_and_the_package_has_them(spec, c
                     tiles.setdefault(ref.hash in {r["group"] for r in flash}, set()).add(o.tuning.get("tile_keys"))
     assert tiles[True] == {32}                      # the chosen tile, in the package's launch table
     assert tiles.get(False, {None}) == {None}       # decode's attention kernel has no key tile
+
+
+def test_the_search_picks_decode_attentions_split_and_the_package_has_it(spec, cache, tmp_path):
+    """Decode's groups (split-K attention) search its chunk, prefill's (flash attention) do not; the chosen
+    chunk is lowered into the package's LLIR (the attention op's ``chunk`` and the partials' chunk axis), its
+    kernels take it, and the package decodes as its own reference backend does."""
+    import lum.loader
+    from lum.builder.extract import ATTENTION_CHUNK
+
+    comp, path = _build(spec, tmp_path / "c.lumpkg", budget=64, factory=favouring("attention_chunk", 32))
+    split = [rec for rec in comp.records if any(name == "tune:attention_chunk" for name, _ in rec["decisions"])]
+    assert split and all(rec["tuning"].get("attention_chunk") == 32 for rec in split), [r["tuning"] for r in split]
+    assert all(rec["entry"] == "decode" for rec in split)
+    with lum.loader.open(path) as pkg:
+        chunks = {}
+        for k, ref in enumerate(pkg.manifest.groups):
+            for o in pkg.programs[k].ops:
+                if o.kind == "attention":
+                    chunks.setdefault(ref.hash in {r["group"] for r in split}, set()).add(o.params["chunk"])
+            assert all("attention_chunk" not in o.tuning for o in ref.table.ops)     # lowering's, not codegen's
+        assert chunks[True] == {32} and ATTENTION_CHUNK not in chunks.get(False, set())
+        want = pkg.session(backend="reference").generate([1, 5, 9], 6)
+        assert want == lum.loader.open(build_package(spec, tmp_path / "d.lumpkg")).session(
+            backend="reference").generate([1, 5, 9], 6)
 
 
 def test_generate_program_applies_gemv_keys_by_rank():
