@@ -1713,8 +1713,8 @@ class _Gen:
         # a static row of at most ROW_REGS elements per lane is loaded once, into registers; every phase then
         # reads registers (one round of memory latency per row instead of one per phase). (A dynamic row sized
         # by its bound, decode attention's combine, measured +0.05% / +0.28% and was removed, 0858e76.)
-        n_hi = n.value if n.is_const else INF
-        regs = -(-int(n_hi) // group) if self.row_regs and 0 < n_hi < INF and -(-int(n_hi) // group) <= ROW_REGS else 0
+        per_lane = -(-n.value // group) if n.is_const and n.value > 0 else 0
+        regs = per_lane if self.row_regs and per_lane <= ROW_REGS else 0
         scalars: set[int] = set()                # leaves with one value a row: loaded once, not once a slot
         if regs:
             loop = [f"{ind}#pragma unroll", f"{ind}  for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
