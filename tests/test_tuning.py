@@ -407,8 +407,8 @@ def test_the_search_picks_flash_attention_tiles_and_the_package_has_them(spec, c
 
 def test_the_search_picks_decode_attentions_split_and_the_package_has_it(spec, cache, tmp_path):
     """Decode's groups (split-K attention) search its chunk, prefill's (flash attention) do not; the chosen
-    chunk is lowered into the package's LLIR (the attention op's ``chunk`` and the partials' chunk axis), its
-    kernels take it, and the package decodes as its own reference backend does."""
+    chunk is lowered into the package's LLIR (the attention op's ``chunk`` and the partials' chunk axis), no
+    kernel's tuning carries it, and the package decodes the default package's greedy tokens (reference backend)."""
     import lum.loader
     from lum.builder.extract import ATTENTION_CHUNK
 
