@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
@@ -44,7 +45,7 @@ from lum.format.shapetracker import ShapeTracker, numel
 __all__ = ["Choice", "random_choice", "choose_by_cost", "row_broadcast_reads", "lower", "lower_enode",
            "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
            "choice_to_genome", "FUSE_MAX_NODES", "lower_attention", "attention_ops", "ATTENTION_CHUNK",
-           "FLASH_ATTENTION_CHUNK"]
+           "FLASH_ATTENTION_CHUNK", "ENV_ATTENTION_CHUNK", "attention_chunk_default"]
 
 Choice = dict  # class id -> option index
 
@@ -59,6 +60,20 @@ _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XS
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
 ATTENTION_CHUNK = 16  # keys per split of decode attention (4 warps x 4 keys: short contexts still fill several
 #                       blocks per KV head; 4,096 keys are 256 splits)
+ENV_ATTENTION_CHUNK = "LUM_ATTENTION_CHUNK"
+
+
+def attention_chunk_default() -> int:
+    """``$LUM_ATTENTION_CHUNK`` (16, 32 or 64: the measured search's choices), else :data:`ATTENTION_CHUNK`:
+    decode attention's split where the tuning does not set it, to measure a split by itself."""
+    raw = os.environ.get(ENV_ATTENTION_CHUNK)
+    if raw is None:
+        return ATTENTION_CHUNK
+    if raw not in ("16", "32", "64"):
+        raise ValueError(f"${ENV_ATTENTION_CHUNK} must be 16, 32 or 64, got {raw!r}")
+    return int(raw)
+
+
 FLASH_ATTENTION_CHUNK = 4096   # keys per split of flash attention (prefill): one chunk up to 4,096 keys, so the
 #                       partials it stores for the combine are one row per query row (its row tiles fill the GPU)
 _REDUCE = {"KSumReduce": "Sum", "KMaxReduce": "Max"}
@@ -448,7 +463,7 @@ def lower_attention(sat: SaturatedGroup, node: ENode, src_of: Callable[[int], in
     reads = zip((q_ld, k_ld, v_ld, m_ld), (av.q, av.k, av.v, av.mask))
     args = tuple(Arg(src_of(_ld(sat, c).args[0]), v) for c, v in reads)
     ops = attention_ops(args, scale, DType.parse(pdt), DType.parse(dt), op_id,
-                        FLASH_ATTENTION_CHUNK if av.flash else chunk or ATTENTION_CHUNK)
+                        FLASH_ATTENTION_CHUNK if av.flash else chunk or attention_chunk_default())
     _set_bytes_flops(ops[0], [DType.parse(sat.dtype[c]) for c in (q_ld, k_ld, v_ld, m_ld)])
     _set_bytes_flops(ops[2], [DType.f32] * 4)
     return ops

@@ -72,9 +72,11 @@ from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
                                  gemv_preload_default, gemv_preload_prologue, gemv_preload_shared,
+                                 gemv_prologue_inflight,
                                  gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
+from lum.builder.extract import ATTENTION_CHUNK, attention_chunk_default
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.row_reads import row_reads_enabled
 from lum.builder.siblings import sibling_kernels_enabled
@@ -785,6 +787,8 @@ class MeasuredCompiler:
                 "gemv_preload_after_small": gemv_preload_after_small(), "gemv_balance": gemv_balance(),
                 **({"gemv_preload_after_gemv": n} if (n := gemv_preload_after_gemv()) else {}),
                 **({"gemv_preload_prologue": n} if (n := gemv_preload_prologue()) else {}),
+                **({"gemv_prologue_inflight": n} if (n := gemv_prologue_inflight()) else {}),
+                **({"attention_chunk": c} if (c := attention_chunk_default()) != ATTENTION_CHUNK else {}),
                 **({"gemv_preload_shared": m} if (m := gemv_preload_shared()) else {}),
                 **({"gemv_prologue_narrow_a": m} if (m := gemv_prologue_narrow_a()) != "shared" else {}),
                 **({"gemv_prologue_threads": t} if (t := gemv_prologue_threads()) != 1024 else {}),

@@ -209,3 +209,28 @@ def test_decoders_use_one_attention_kernel_per_layer(model, flash_on, monkeypatc
         # q·k and p·v are no GEMMs: the layer's are its projections, qkv, o, gate-up and down
         assert len(att) == 1 and sum(o.kind == "gemm" for o in prog.ops) == 4, entry
         assert flash_attention(att[0]) == flash and att[0].params["chunk"] == chunk, entry
+
+
+def test_attention_chunk_from_the_environment(monkeypatch):
+    """``$LUM_ATTENTION_CHUNK`` sets decode attention's split where the tuning does not (32: the decode LLIR's
+    attention op and its partials' chunk axis follow; prefill's flash attention keeps its own); a value
+    outside the search's choices is a one-line error."""
+    from lum.builder.extract import FLASH_ATTENTION_CHUNK
+    from lum.builder.models import load_spec
+    from lum.builder.partition import chunk_graph, group_chunks, partition
+
+    monkeypatch.setenv("LUM_ATTENTION_CHUNK", "32")
+    spec = load_spec(random_name="tiny-llama", dtype="bf16", max_seq=64)
+    for entry, chunk in (("decode", 32), ("prefill", FLASH_ATTENTION_CHUNK)):
+        g = spec.graphs[entry]
+        layers = [grp for grp in group_chunks(g, partition(g)) if len(grp) == spec.config.num_layers]
+        prog = compile_group(chunk_graph(g, layers[0].representative))[0]
+        att = next(o for o in prog.ops if o.kind == "attention")
+        assert att.params["chunk"] == chunk, entry
+        if entry == "decode":
+            assert str(att.shape[-2]) == "cdiv(p + 1, 32)", att.shape
+    monkeypatch.setenv("LUM_ATTENTION_CHUNK", "48")
+    g = spec.graphs["decode"]
+    layers = [grp for grp in group_chunks(g, partition(g)) if len(grp) == spec.config.num_layers]
+    with pytest.raises(ValueError, match="LUM_ATTENTION_CHUNK must be 16, 32 or 64"):
+        compile_group(chunk_graph(g, layers[0].representative))
