@@ -313,7 +313,8 @@ print(json.dumps(out))
     assert len(res) == 2 * len(BIT_EQUAL) and all(not diff for diff in res.values()), res
 
 
-@pytest.mark.parametrize("variant,dtype", [("narrow-a", "bf16"), ("unpaired", "f32"), ("unpaired", "bf16")])
+@pytest.mark.parametrize("variant,dtype", [("narrow-a", "bf16"), ("unpaired", "f32"), ("unpaired", "bf16"),
+                                           ("prologue-inflight", "f32"), ("prologue-inflight", "bf16")])
 def test_prologue_gemv_variants_are_bit_equal(env, variant, dtype):
     """Variants of the gemv cases' prologue GEMVs whose sums are the default's in the same order, so every case's
     output is the default package's bit for bit (the flag counted over both packages: one of them varies):

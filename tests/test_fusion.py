@@ -296,6 +296,27 @@ def test_no_inline_value_for_a_reduce_or_contiguous_producer(producer):
     _check(g, compile_group(g, sat=sat)[0])
 
 
+@pytest.mark.parametrize("case", ["whole", "slice", "shared"])
+def test_a_cast_of_a_gather_is_a_gather_of_its_dtype(case):
+    """fuse-gather-cast: a cast reading a gather's whole output in order becomes a gather that stores the cast's
+    dtype (one kernel: the embedding's bf16 rows copied as f32). Near misses: a cast of a slice of the gather
+    keeps both kernels; a gather that another op reads too is still emitted for it."""
+    g = Graph(case)
+    table = F.input_tensor(g, "table", [6, 8], "bf16")
+    rows = F.gather(table, F.input_tensor(g, "idx", [3], "i32"))
+    F.output((rows.slice(1, 0, 4) if case == "slice" else rows).cast(DType.f32), "out")
+    if case == "shared":
+        F.output(rows * rows, "square")
+    sat = saturate(g)
+    assert sat.fired("fuse-gather-cast") == (0 if case == "slice" else 1)
+    prog, _ = compile_group(g, sat=sat)
+    gathers = [o for o in _kernels(prog) if o.kind == "gather"]
+    want = {"whole": [DType.f32], "slice": [DType.bf16], "shared": [DType.f32, DType.bf16]}[case]
+    assert sorted(o.dtype.value for o in gathers) == sorted(d.value for d in want), _kernels(prog)
+    assert len(_kernels(prog)) == {"whole": 1, "slice": 2, "shared": 3}[case], _kernels(prog)
+    _check(g, prog, tol=0.0)
+
+
 def _reduces(prog: Program) -> list[LOp]:
     return [o for o in prog.ops if o.kind == "reduce"]
 

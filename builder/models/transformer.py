@@ -20,6 +20,8 @@ compute, measured −0.6% twice on gemma3-4b and was removed: benchmarks/NOTES.m
 
 from __future__ import annotations
 
+import numpy as np
+
 from lum.builder import frontend as F
 from lum.builder.frontend import GraphTensor
 from lum.builder.hlir import Graph
@@ -49,6 +51,7 @@ def build_entry(cfg: ModelConfig, entry: str, max_seq: int, dtype: DType = DType
 class DecoderBuilder:
     def __init__(self, cfg: ModelConfig, name: str, s: Expr, past: Expr, max_seq: int, dtype: DType):
         self.cfg, self.s, self.past, self.max_seq, self.dtype = cfg, s, past, max_seq, dtype
+        self.index: GraphTensor | None = None      # decode's index table (see arange)
         self.act = DType.f32                       # activations (module docstring)
         self.g = Graph(name)
         self._weights: dict[str, GraphTensor] = {}
@@ -79,9 +82,7 @@ class DecoderBuilder:
         x = F.gather(self.w("model.embed_tokens.weight"), tokens).cast(self.act)
         if cfg.is_gemma:
             x = x * F.constant(g, cfg.hidden_size ** 0.5, self.act)
-        positions = F.arange(g, self.s)
-        if self.past != as_expr(0):
-            positions = positions + F.dim_value(g, self.past, DType.i64)
+        positions = self.arange(self.past, self.past + self.s)
         self.positions = positions
         kinds = sorted(set(cfg.layer_types))
         tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.act) for kind in kinds}
@@ -174,11 +175,24 @@ class DecoderBuilder:
         out = out.reshape(nh, s, hd).permute(1, 0, 2).reshape(s, nh * hd)
         return self.proj(out, p + "o_proj")
 
+    def arange(self, start: Expr | int, stop: Expr) -> GraphTensor:
+        """Indices ``start .. stop`` (i64). Decode slices a constant table of ``max_seq`` indices at run time
+        rather than running iota kernels: its step's first ops (RoPE tables, mask, embedding gather) then read
+        nothing a kernel writes and run as one sibling launch. Prefill (``start`` 0) keeps its iota, one launch
+        a prompt: with the table the cost model splits its RoPE and mask chains into four kernels."""
+        if self.past == as_expr(0):
+            if as_expr(start) != as_expr(0):
+                raise ValueError("prefill's indices start at 0")
+            return F.arange(self.g, stop)
+        if self.index is None:
+            self.index = F.constant_table(self.g, np.arange(self.max_seq), DType.i64)
+        return self.index.slice(0, start, stop)
+
     def mask(self, kind: str, positions: GraphTensor, total: Expr) -> GraphTensor:
         """[s, T] bool for layers of ``kind``: key j is visible to query at position q when j ≤ q (and, in a
         sliding layer, q − j < window). Built once per entry and read by every layer of that kind."""
         g = self.g
-        kpos = F.arange(g, total).unsqueeze(0)          # [1, T]
+        kpos = self.arange(0, total).unsqueeze(0)       # [1, T]
         qpos = positions.unsqueeze(1)                   # [s, 1]
         visible = kpos < qpos + 1
         if kind == "sliding" and self.cfg.sliding_window:
