@@ -136,6 +136,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-prologue-inflight4": {"LUM_GEMV_PROLOGUE_INFLIGHT": "4"},
                  "lum-prologue-inflight8": {"LUM_GEMV_PROLOGUE_INFLIGHT": "8"},
+                 "lum-prologue-fit-inflight8": {"LUM_GEMV_PROLOGUE_THREADS": "fit", "LUM_GEMV_PROLOGUE_INFLIGHT": "8"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},

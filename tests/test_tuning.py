@@ -190,8 +190,8 @@ def test_group_inputs_are_valid_for_every_tiny_llama_group(spec):
             for name, arr in ins.items():
                 if arr.dtype.kind == "f":
                     assert (arr != 0).all(), name
-            if "ext3" in ins:       # positions: p + arange(s)
-                want = np.arange(dyn["s"]) if "s" in dyn else np.asarray([dyn["p"]])
+            if "ext3" in ins:       # positions: arange(s) in prefill; decode slices its table of max_seq indices
+                want = np.arange(dyn["s"]) if "s" in dyn else np.arange(spec.max_seq)
                 assert ins["ext3"].tolist() == want.tolist()
             out = execute(prog, ins, dyn)
             assert all(np.isfinite(v.astype(np.float64)).all() for v in out.values()), (info.entry, dyn)
