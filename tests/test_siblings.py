@@ -103,3 +103,21 @@ def test_sibling_kernels_compile(nvrtc, tmp_path, arch):
         assert sum(bool(k.tails) for k in fused.values() if k is not None) >= 5
         res = nvrtc.compile_cuda(module_source([k for k in fused.values() if k is not None]), arch, cache_dir=tmp_path)
         assert res.cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("model,launches,gathered", [("llama3-1b", 1, DType.f32), ("gemma3-4b", 2, DType.bf16)])
+def test_decode_step_starts_in_one_launch(model, launches, gathered):
+    """Decode's first group (the embedding gather, the RoPE tables, the mask) reads only inputs and constants:
+    its positions and key indices are a constant table sliced at run time, not iota kernels, and the embedding's
+    cast is the gather's (rules/fuse.egg fuse-gather-cast). So llama3-1b's is one sibling launch; gemma3-4b's
+    scales the embedding after the gather, the cast inline there (two)."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import group_kernel_sources
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+
+    first = compile_graph(build_entry(named_config(model), "decode", 512, DType.bf16))[0].program
+    kernels = [k for k in group_kernel_sources(first, sorted(first.dyn_vars()), {"p": 511}).values() if k]
+    assert not any(o.kind == "iota" for o in first.ops)
+    assert [o.dtype for o in first.ops if o.kind == "gather"] == [gathered]
+    assert len(kernels) == launches, [k.name for k in kernels]
