@@ -1026,13 +1026,11 @@ def gemv_preload_prologue() -> int:
 
 def gemv_prologue_inflight() -> int:
     """``$LUM_GEMV_PROLOGUE_INFLIGHT`` (N: a GEMV with a prologue, no epilogue and no shared preload issues N
-    weight vectors a lane ahead, unless its tuning sets ``inflight``), else 0. llama3-1b's
-    qkv (96 blocks of 512 threads, a pair of columns a warp, 8 vectors a lane and column) streams 12.6 MB in
-    ≈ 7 µs where its floor is 3: after its norm each lane walks its 16 loads about two at a time, one DRAM
-    round trip each pair, so the chain of loads, not the bus, sets its time. Its one wave of blocks leaves
-    the registers that all of them in flight would take (``$LUM_GEMV_INFLIGHT`` for every GEMV measured
-    −2.6%: the many-block GEMVs lost occupancy). Its gate-up (1,024 threads, a gated epilogue) spills at 2 and
-    is left out."""
+    weight vectors a lane ahead, unless its tuning sets ``inflight``), else 0: llama3-1b's qkv (96 blocks of 512
+    threads, a pair of columns a warp, 8 vectors a lane and column; ≈ 7 µs on the step's timeline for a 3 µs
+    floor). Measured even at 8 and at 4 (3615dbc: −0.2%, +0.05%): its loads ahead start after the norm like the
+    plain loop's, and the dot is bounded by 96 SMs' share of the bus. Its gate-up (1,024 threads, a gated
+    epilogue) spills at 2 and is left out."""
     return _env_count(ENV_GEMV_PROLOGUE_INFLIGHT, GEMV_MAX_INFLIGHT)
 
 
