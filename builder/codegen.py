@@ -99,8 +99,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue",
-           "ENV_GEMV_PROLOGUE_INFLIGHT", "gemv_prologue_inflight", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
+           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
@@ -137,7 +136,6 @@ ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
 ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
-ENV_GEMV_PROLOGUE_INFLIGHT = "LUM_GEMV_PROLOGUE_INFLIGHT"
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
@@ -1024,16 +1022,6 @@ def gemv_preload_prologue() -> int:
     return _env_count(ENV_GEMV_PRELOAD_PROLOGUE, GEMV_PRELOAD_VECTORS)
 
 
-def gemv_prologue_inflight() -> int:
-    """``$LUM_GEMV_PROLOGUE_INFLIGHT`` (N: a GEMV with a prologue, no epilogue and no shared preload issues N
-    weight vectors a lane ahead, unless its tuning sets ``inflight``), else 0: llama3-1b's qkv (96 blocks of 512
-    threads, a pair of columns a warp, 8 vectors a lane and column; ≈ 7 µs on the step's timeline for a 3 µs
-    floor). Measured even at 8 and at 4 (3615dbc: −0.2%, +0.05%): its loads ahead start after the norm like the
-    plain loop's, and the dot is bounded by 96 SMs' share of the bus. Its gate-up (1,024 threads, a gated
-    epilogue) spills at 2 and is left out."""
-    return _env_count(ENV_GEMV_PROLOGUE_INFLIGHT, GEMV_MAX_INFLIGHT)
-
-
 def gemv_preload_shared() -> str | None:
     """``$LUM_GEMV_PRELOAD_SHARED``: which decode GEMVs copy every weight vector of their lanes' first columns
     into shared memory before their wait (:data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` their
@@ -1111,11 +1099,6 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
                 mine["preload_shared"] = True
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)
-    if (ahead := gemv_prologue_inflight()) and "inflight" not in common:
-        for oid, r in rank.items():
-            params = program.ops[oid].params
-            if "expr" in params and "epilogue" not in params and not per.get(r, {}).get("preload_shared"):
-                per.setdefault(r, {}).setdefault("inflight", ahead)
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
         dts = [program.ops[a.src].dtype for a in o.args]

@@ -37,8 +37,7 @@ MAX_SEQ = 16
 # prologue GEMV variants whose sums are the default's bit for bit: their build environment, their tuning flag
 GEMV_VARIANTS = {"narrow-a": ({"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "narrow_a"),    # A kept as bf16 (bf16 only)
                  "unpaired": ({"LUM_GEMV_PROLOGUE_PAIRS": "0"}, "pairs"),          # one column a warp
-                 "prologue-fit": ({"LUM_GEMV_PROLOGUE_THREADS": "fit"}, "prologue"),   # warps to fit the SMs
-                 "prologue-inflight": ({"LUM_GEMV_PROLOGUE_INFLIGHT": "8"}, "inflight")}  # loads ahead
+                 "prologue-fit": ({"LUM_GEMV_PROLOGUE_THREADS": "fit"}, "prologue")}  # warps to fit the SMs
 FUSED = {"stage": {},     # kernel fusions: their build environment (none: the default)
          "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
@@ -313,15 +312,13 @@ print(json.dumps(out))
     assert len(res) == 2 * len(BIT_EQUAL) and all(not diff for diff in res.values()), res
 
 
-@pytest.mark.parametrize("variant,dtype", [("narrow-a", "bf16"), ("unpaired", "f32"), ("unpaired", "bf16"),
-                                           ("prologue-inflight", "f32"), ("prologue-inflight", "bf16")])
+@pytest.mark.parametrize("variant,dtype", [("narrow-a", "bf16"), ("unpaired", "f32"), ("unpaired", "bf16")])
 def test_prologue_gemv_variants_are_bit_equal(env, variant, dtype):
     """Variants of the gemv cases' prologue GEMVs whose sums are the default's in the same order, so every case's
     output is the default package's bit for bit (the flag counted over both packages: one of them varies):
     ``narrow-a`` (``LUM_GEMV_PROLOGUE_NARROW_A=1``: A kept as bf16 in shared memory, the values the default
-    rounds and stores as floats), ``unpaired`` (``LUM_GEMV_PROLOGUE_PAIRS=0``: one column a warp, where the
-    default has each warp compute columns j and j + n/2 in blocks of half the threads) and ``prologue-inflight``
-    (``LUM_GEMV_PROLOGUE_INFLIGHT=8``: a lane's weight vectors issued 8 ahead, summed in the order of k)."""
+    rounds and stores as floats) and ``unpaired`` (``LUM_GEMV_PROLOGUE_PAIRS=0``: one column a warp, where the
+    default has each warp compute columns j and j + n/2 in blocks of half the threads)."""
     flag = GEMV_VARIANTS[variant][1]
     res = run(env, r'''
 import numpy as np

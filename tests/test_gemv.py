@@ -417,31 +417,6 @@ def test_prologue_threads_fit_the_sms(monkeypatch):
         _layer_gemvs(*llama)
 
 
-def test_prologue_inflight_takes_the_prologue_gemvs_without_epilogue(monkeypatch):
-    """``$LUM_GEMV_PROLOGUE_INFLIGHT=8``: llama3-1b's qkv (a prologue, no epilogue, weights in registers) issues
-    all 8 of a lane's vectors a column ahead instead of preloading one, with no spill and its grid kept; its
-    gate-up (a gated epilogue), o and down are the default's kernels, and so is every GEMV of gemma3-4b (its
-    qkv preloads into shared memory)."""
-    from lum.builder import kernels, nvrtc
-    from tests.test_attention_stage import _layer
-
-    llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
-    monkeypatch.delenv("LUM_GEMV_PROLOGUE_INFLIGHT", raising=False)
-    before = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_INFLIGHT", "8")
-    after = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
-    qkv, was = after["llama"][0], before["llama"][0]
-    assert (was.tuning["inflight"], was.tuning["preload"]) == (0, 1), was.tuning
-    assert (qkv.tuning["inflight"], qkv.tuning["preload"], qkv.grid, qkv.block) == (8, 0, was.grid, was.block)
-    assert [ks.name for ks in after["llama"][1:]] == [ks.name for ks in before["llama"][1:]]
-    assert [ks.name for ks in after["gemma"]] == [ks.name for ks in before["gemma"]]
-    log = nvrtc.compile_cuda(kernels.module_source([qkv]), ptx=False, extra_options=["--ptxas-options=-v"]).log
-    assert nvrtc.ptxas_spills(log) == {}, log
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_INFLIGHT", "x")
-    with pytest.raises(CodegenError, match="LUM_GEMV_PROLOGUE_INFLIGHT"):
-        _layer_gemvs(*llama)
-
-
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
     """``inflight`` is capped by the vectors a lane has; a static grid of one wave bounds the registers
     (``__launch_bounds__`` with the blocks an SM must hold) and then keeps A's loads where they are used;

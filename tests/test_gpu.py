@@ -117,10 +117,9 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
                                  {"LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"},
                                  {"LUM_GEMV_PROLOGUE_NARROW_A": "1"},
                                  {"LUM_GEMV_PROLOGUE_PAIRS": "1", "LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"},
-                                 {"LUM_GEMV_PROLOGUE_THREADS": "fit", "LUM_CUDA_PDL": "1"},
-                                 {"LUM_GEMV_PROLOGUE_INFLIGHT": "8", "LUM_CUDA_PDL": "1"}],
+                                 {"LUM_GEMV_PROLOGUE_THREADS": "fit", "LUM_CUDA_PDL": "1"}],
                          ids=["loads-ahead", "preload-pdl", "preload-shared-pdl", "narrow-a", "pairs-shared-pdl",
-                              "prologue-fit-pdl", "prologue-inflight-pdl"])
+                              "prologue-fit-pdl"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``), with
@@ -130,8 +129,8 @@ def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     default), or with the prologue cases' bf16 A kept as bf16 in shared memory (``LUM_GEMV_PROLOGUE_NARROW_A``),
     or with each warp of the prologue cases computing two columns (``LUM_GEMV_PROLOGUE_PAIRS``) from weights
     preloaded into shared memory, or with the prologue cases in as many warps as fill the SMs once
-    (``LUM_GEMV_PROLOGUE_THREADS=fit``: 3 warps a block for 600 columns), or with the prologue cases' lanes
-    issuing 8 weight vectors ahead (``LUM_GEMV_PROLOGUE_INFLIGHT``), poisoned output arena, against the reference."""
+    (``LUM_GEMV_PROLOGUE_THREADS=fit``: 3 warps a block for 600 columns), poisoned output arena, against the
+    reference."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)

@@ -68,7 +68,6 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
     assert base["gemv_preload_shared"] == "after_small"              # the default since 2026-12-04
     for env, raw, key, value in (("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
-                                 ("LUM_GEMV_PROLOGUE_INFLIGHT", "8", "gemv_prologue_inflight", 8),
                                  ("LUM_ATTENTION_CHUNK", "32", "attention_chunk", 32),
                                  ("LUM_GEMV_PRELOAD_SHARED", "1", "gemv_preload_shared", "prologue_after_small")):
         monkeypatch.setenv(env, raw)
