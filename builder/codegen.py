@@ -99,7 +99,8 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
+           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_TUNING", "gemv_tuning_override",
+           "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
@@ -136,6 +137,8 @@ ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
 ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
+ENV_GEMV_TUNING = "LUM_GEMV_TUNING"
+GEMV_OVERRIDE_KEYS = ("threads", "group", "unroll", "inflight", "preload", "max_blocks")
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
@@ -987,6 +990,22 @@ def split_gemv_tuning(tuning: Mapping[str, Any]) -> tuple[dict[str, Any], dict[i
     return common, per
 
 
+def gemv_tuning_override() -> dict[int, dict[str, int]]:
+    """``$LUM_GEMV_TUNING`` (e.g. ``3.inflight=4,1.preload=2``: the i-th GEMV kernel of every group, in program
+    order, takes that value unless the group's tuning sets it), else {}: one GEMV's parameter measured in a
+    whole decode step (``decode.py``), which the measured search reaches only at large budgets. Keys:
+    :data:`GEMV_OVERRIDE_KEYS`."""
+    raw = os.environ.get(ENV_GEMV_TUNING, "").strip()
+    out: dict[int, dict[str, int]] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        m = re.fullmatch(r"(\d+)\.(\w+)=(\d+)", item)
+        if not m or m.group(2) not in GEMV_OVERRIDE_KEYS:
+            raise CodegenError(f"${ENV_GEMV_TUNING} takes <gemv>.<key>=<int> entries, key one of "
+                               f"{', '.join(GEMV_OVERRIDE_KEYS)}; got {item!r}")
+        out.setdefault(int(m.group(1)), {})[m.group(2)] = int(m.group(3))
+    return out
+
+
 def gemv_kernel_ops(program: Program) -> list[LOp]:
     """The program's gemm ops that lum's GEMV kernel runs, in program order (the ranks of ``gemv<i>.``)."""
     return [o for o in program.ops if o.kind == "gemm" and gemv_rows(o) is not None]
@@ -1076,6 +1095,10 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
     rank = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
+    for r, given in gemv_tuning_override().items():
+        if r in rank.values():
+            for k, v in given.items():
+                per.setdefault(r, {}).setdefault(k, v)
     after_small, after_gemv = int(gemv_preload_after_small()), gemv_preload_after_gemv()
     prologue_n = gemv_preload_prologue()
     shared = None if common.get("preload_shared") is False else gemv_preload_shared()   # False: in registers

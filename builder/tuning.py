@@ -72,6 +72,7 @@ from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_after_small,
                                  gemv_preload_default, gemv_preload_prologue, gemv_preload_shared,
+                                 gemv_tuning_override,
                                  gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
@@ -786,6 +787,7 @@ class MeasuredCompiler:
                 "gemv_preload_after_small": gemv_preload_after_small(), "gemv_balance": gemv_balance(),
                 **({"gemv_preload_after_gemv": n} if (n := gemv_preload_after_gemv()) else {}),
                 **({"gemv_preload_prologue": n} if (n := gemv_preload_prologue()) else {}),
+                **({"gemv_tuning": {str(r): t for r, t in o.items()}} if (o := gemv_tuning_override()) else {}),
                 **({"attention_chunk": c} if (c := attention_chunk_default()) != ATTENTION_CHUNK else {}),
                 **({"gemv_preload_shared": m} if (m := gemv_preload_shared()) else {}),
                 **({"gemv_prologue_narrow_a": m} if (m := gemv_prologue_narrow_a()) != "shared" else {}),

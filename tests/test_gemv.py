@@ -417,6 +417,28 @@ def test_prologue_threads_fit_the_sms(monkeypatch):
         _layer_gemvs(*llama)
 
 
+def test_one_gemv_tuned_from_the_environment(monkeypatch):
+    """``$LUM_GEMV_TUNING=3.inflight=4``: gemma3-4b's down projection (the layer's fourth GEMV) loads 4 vectors a
+    lane ahead, the other GEMVs are the default's kernels, and a group's own tuning wins; a malformed entry or an
+    unknown key is a one-line error naming the keys."""
+    from lum.builder import kernels
+    from tests.test_attention_stage import _layer
+
+    prog, dv = _layer("gemma3-4b", BF16)
+    monkeypatch.delenv("LUM_GEMV_TUNING", raising=False)
+    before = _layer_gemvs(prog, dv)
+    monkeypatch.setenv("LUM_GEMV_TUNING", "3.inflight=4, 7.unroll=2")      # no eighth GEMV: ignored
+    after = _layer_gemvs(prog, dv)
+    assert before[3].tuning["inflight"] == 0 and after[3].tuning["inflight"] == 4, after[3].tuning
+    assert [k.name for k in after[:3]] == [k.name for k in before[:3]]
+    own = kernels.group_kernel_sources(prog, dv, None, {"gemv3.inflight": 2})
+    assert [k for k in own.values() if k is not None and k.kind == "gemm"][3].tuning["inflight"] == 2
+    for bad in ("3.inflight", "down.inflight=4", "3.vec_ok=1"):
+        monkeypatch.setenv("LUM_GEMV_TUNING", bad)
+        with pytest.raises(CodegenError, match="LUM_GEMV_TUNING takes <gemv>.<key>=<int>"):
+            _layer_gemvs(prog, dv)
+
+
 def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
     """``inflight`` is capped by the vectors a lane has; a static grid of one wave bounds the registers
     (``__launch_bounds__`` with the blocks an SM must hold) and then keeps A's loads where they are used;

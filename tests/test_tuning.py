@@ -69,6 +69,7 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     assert base["gemv_preload_shared"] == "after_small"              # the default since 2026-12-04
     for env, raw, key, value in (("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
                                  ("LUM_ATTENTION_CHUNK", "32", "attention_chunk", 32),
+                                 ("LUM_GEMV_TUNING", "3.inflight=4", "gemv_tuning", {"3": {"inflight": 4}}),
                                  ("LUM_GEMV_PRELOAD_SHARED", "1", "gemv_preload_shared", "prologue_after_small")):
         monkeypatch.setenv(env, raw)
         assert comp.key_options({"p": 3}) == {**base, key: value}
