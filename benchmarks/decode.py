@@ -135,7 +135,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
-                 "lum-down-inflight8": {"LUM_GEMV_TUNING": "3.inflight=8"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
