@@ -125,6 +125,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-noepilogue": {"LUM_GEMV_EPILOGUE": "0"}, "lum-norowreads": {"LUM_ROW_READS": "0"},
                  "lum-inflight": {"LUM_GEMV_INFLIGHT": "4"}, "lum-inflight8": {"LUM_GEMV_INFLIGHT": "8"},
                  "lum-wideprologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768"},
+                 "lum-lmhead-prologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "131072"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},
                  "lum-preload4": {"LUM_GEMV_PRELOAD": "4"}, "lum-preload8": {"LUM_GEMV_PRELOAD": "8"},
                  "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
