@@ -78,7 +78,11 @@ What it does, in one run on one GPU:
      default every prologue GEMV without an epilogue computes two, 2026-12-04; ``lum-pairs``: only those whose
      weights preload into shared memory, ``=shared``), ``lum-wideprologue-shared`` with
      ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's gate-up computes
-     the residual kernel's norms itself and copies its first weights early); ``lum-tuned`` built
+     the residual kernel's norms itself and copies its first weights early), ``lum-lmhead-prologue`` with
+     ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
+     gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
+     down projection, loads 4 weight vectors a lane ahead), ``lum-chunk32`` / ``lum-chunk64`` with
+     ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
      lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
      keeps the cost model's choice).

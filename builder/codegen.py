@@ -105,7 +105,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
-           "env_switch",
+           "env_switch", "env_choice",
            "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
            "blocks_unbalanced",
            "ENV_FLASH_ATTENTION", "flash_attention_enabled",
@@ -661,7 +661,7 @@ def gemv_prologue_pairs() -> str | None:
     ``shared``: those whose weights preload into shared memory; ``0``: none. Measured at cd3818a (same runs,
     tokens equal): gemma3-4b ``shared`` 403.4 → 404.9 tok/s (+0.4%), llama3-1b ``1`` 1,178.0 → 1,182.5 (+0.4%).
     Returns ``"all"``, ``"shared"`` or ``None``."""
-    return _env_choice(ENV_GEMV_PROLOGUE_PAIRS, {"0": None, "shared": "shared", "1": "all"}, "1")
+    return env_choice(ENV_GEMV_PROLOGUE_PAIRS, {"0": None, "shared": "shared", "1": "all"}, "1")
 
 
 def gemv_prologue_threads() -> int | str:
@@ -673,7 +673,7 @@ def gemv_prologue_threads() -> int | str:
     ``fit``: the fewest warps whose blocks, one a tile, still fit the SMs in one wave
     (:func:`prologue_fit_threads`): llama3-1b's qkv 768 threads, 128 blocks on 128 SMs; gemma3-4b's qkv
     (4,096 columns) and the wide gate-up keep 1,024."""
-    return _env_choice(ENV_GEMV_PROLOGUE_THREADS, {**{str(t): t for t in (128, 256, 512, 1024)}, "fit": "fit"},
+    return env_choice(ENV_GEMV_PROLOGUE_THREADS, {**{str(t): t for t in (128, 256, 512, 1024)}, "fit": "fit"},
                        "1024")
 
 
@@ -713,7 +713,7 @@ def _env_count(name: str, hi: int, default: int = 0) -> int:
     return int(raw)
 
 
-def _env_choice(name: str, modes: Mapping[str, Any], default: str) -> Any:
+def env_choice(name: str, modes: Mapping[str, Any], default: str) -> Any:
     """``modes[$name]`` (``default`` when unset); a value not among ``modes`` is refused, naming them."""
     raw = os.environ.get(name, default)
     if raw not in modes:
@@ -753,7 +753,7 @@ def gemv_prologue_narrow_a() -> str | None:
     equal): every one (``1``) +1.9% on gemma3-4b (its qkv only), −1.3% on llama3-1b (qkv and gate-up, weights
     streamed from memory: the reads of A were hidden there, the conversions are not). Returns ``"shared"``,
     ``"all"`` or ``None``."""
-    return _env_choice(ENV_GEMV_PROLOGUE_NARROW_A, {"0": None, "shared": "shared", "1": "all"}, "shared")
+    return env_choice(ENV_GEMV_PROLOGUE_NARROW_A, {"0": None, "shared": "shared", "1": "all"}, "shared")
 
 
 def gemv_inflight_default() -> int:
@@ -1069,7 +1069,7 @@ def gemv_preload_shared() -> str | None:
     builder/kernels.py drops. Returns the mode
     (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``,
     ``"after_small_gemv"``, ``"all"``) or ``None``."""
-    return _env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "1": "prologue_after_small", "small": "after_small",
+    return env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "1": "prologue_after_small", "small": "after_small",
                                                  "prologue": "prologue", "small-prologue": "after_small_prologue",
                                                  "small-gemv": "after_small_gemv", "all": "all"}, "small")
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel, epilogue, prologue, row_reads
+from lum.builder.codegen import env_choice
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.builder.rewrite import outputs_last
 from lum.format.dtypes import DType
@@ -45,7 +45,7 @@ from lum.format.shapetracker import ShapeTracker, numel
 __all__ = ["Choice", "random_choice", "choose_by_cost", "row_broadcast_reads", "lower", "lower_enode",
            "check_acyclic", "chosen", "describe_choice", "decision_points", "genome_to_choice",
            "choice_to_genome", "FUSE_MAX_NODES", "lower_attention", "attention_ops", "ATTENTION_CHUNK",
-           "FLASH_ATTENTION_CHUNK", "ENV_ATTENTION_CHUNK", "attention_chunk_default"]
+           "ATTENTION_CHUNKS", "FLASH_ATTENTION_CHUNK", "ENV_ATTENTION_CHUNK", "attention_chunk_default"]
 
 Choice = dict  # class id -> option index
 
@@ -60,18 +60,14 @@ _INLINE = {"XCast": "Cast", "XExp2": "Exp2", "XLog2": "Log2", "XSin": "Sin", "XS
 FUSE_MAX_NODES = 64   # the largest expression one inlined read may add to a consumer's kernel
 ATTENTION_CHUNK = 16  # keys per split of decode attention (4 warps x 4 keys: short contexts still fill several
 #                       blocks per KV head; 4,096 keys are 256 splits)
+ATTENTION_CHUNKS = (ATTENTION_CHUNK, 32, 64)   # the splits the measured search chooses among
 ENV_ATTENTION_CHUNK = "LUM_ATTENTION_CHUNK"
 
 
 def attention_chunk_default() -> int:
-    """``$LUM_ATTENTION_CHUNK`` (16, 32 or 64: the measured search's choices), else :data:`ATTENTION_CHUNK`:
-    decode attention's split where the tuning does not set it, to measure a split by itself."""
-    raw = os.environ.get(ENV_ATTENTION_CHUNK)
-    if raw is None:
-        return ATTENTION_CHUNK
-    if raw not in ("16", "32", "64"):
-        raise ValueError(f"${ENV_ATTENTION_CHUNK} must be 16, 32 or 64, got {raw!r}")
-    return int(raw)
+    """``$LUM_ATTENTION_CHUNK`` (one of :data:`ATTENTION_CHUNKS`), else :data:`ATTENTION_CHUNK`: decode
+    attention's split where the tuning does not set it, to measure a split by itself."""
+    return env_choice(ENV_ATTENTION_CHUNK, {str(c): c for c in ATTENTION_CHUNKS}, str(ATTENTION_CHUNK))
 
 
 FLASH_ATTENTION_CHUNK = 4096   # keys per split of flash attention (prefill): one chunk up to 4,096 keys, so the

@@ -76,7 +76,7 @@ from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
                                  gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
-from lum.builder.extract import ATTENTION_CHUNK, attention_chunk_default
+from lum.builder.extract import ATTENTION_CHUNK, ATTENTION_CHUNKS, attention_chunk_default
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.row_reads import row_reads_enabled
 from lum.builder.siblings import sibling_kernels_enabled
@@ -138,10 +138,10 @@ FLASH_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("tile_keys", (None, 32, 64, 128)),
 )
 # ... and, in a group whose program runs split-K decode attention, its split: keys a chunk (None: extract's
-# ATTENTION_CHUNK, 16). Fewer, longer chunks mean fewer partials for the combine to read and more keys a block
+# attention_chunk_default, 16 unless $LUM_ATTENTION_CHUNK says otherwise). Fewer, longer chunks mean fewer partials for the combine to read and more keys a block
 # walks in turn; the LLIR's attention op carries it (``chunk``), so it is applied when lowering, not in codegen.
 ATTENTION_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("attention_chunk", (None, 32, 64)),
+    ("attention_chunk", (None, *ATTENTION_CHUNKS[1:])),
 )
 LOWERING_KEYS = ("attention_chunk",)     # tuning keys lower() takes rather than codegen
 
