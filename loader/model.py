@@ -490,7 +490,8 @@ class Session:
 
     def _generate_on_device(self, ids: np.ndarray, max_new_tokens: int, eos: set[int]) -> list[int]:
         """Greedy decoding that never waits for the GPU between steps: each step's input token is the
-        previous step's ``next_token`` output, copied on the device, and the tokens come back through
+        previous step's ``next_token`` output, which a decode step writes into its own input slot (no copy:
+        loader/cuda/plan.py FEEDBACK; prefill's is copied on the device once), and the tokens come back through
         pinned memory in stream order (the host runs up to two steps ahead, as far as the runner's staging
         slots allow), read at the end, or every EOS_CHECK steps when ``eos`` may stop the loop early."""
         sink = self._runner.collector(max_new_tokens, DType.i32)

@@ -356,7 +356,7 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
     assert att and all("p" in plan.grid_exprs[k.grid[0]].vars() for k in att)   # its chunks: cdiv(p + 1, 16)
     lo, hi = layout.arena, layout.arena + ap.size
     state = {v: (p, p + layout.state_bytes[v]) for v, p in layout.state.items()}
-    nocopy = 0
+    nocopy, fed = 0, []
     kops = {lc.kernel: (g, kop) for g, ref in enumerate(pkg.manifest.groups) if ref.table is not None
             for kop in ref.table.ops for lc in kop.launches}
     for k in kernels:
@@ -376,9 +376,13 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
             if kinds[op_id] == "scatter_nocopy":  # the KV-cache write lands in the state allocation
                 nocopy += 1
                 assert any(a <= out < b for a, b in state.values()) and out == ins[0]
+            elif out == layout.inputs["tokens"]:    # next_token, into the next step's input slot (plan.FEEDBACK)
+                fed.append(k.where)
             else:
                 assert lo <= out < hi, k.where
         assert k.params.read_back() == k.params.values
+    (out_token,) = [o for o in plan.outputs if o.name == "next_token"]
+    assert len(fed) == 1 and out_token.ptr == layout.inputs["tokens"]
     assert nocopy == 2 * len([c for c in pkg.entry("decode").calls if "k_cache" in " ".join(c.inputs)])
     # attention's gemms read p from the dyn buffer: nothing is volatile, every segment is a graph whose
     # key changes only when a grid crosses a bucket as p grows

@@ -199,6 +199,12 @@ for mode in ({}, {"graphs": False}, {"debug_sync": True}, {"graph_branches": Fal
         out["captures" + str(mode)] = sess.runner.captures
         out["host" + str(mode)] = sess.generate(prompt, 6, device_loop=False)
         out["pipelined" + str(mode)] = sess._pipelined()
+with pkg.session(backend="cuda") as sess:   # each step's next_token lands in the next step's input slot
+    from lum.loader.cuda import driver as cu
+    copies, dtod = [], cu.memcpy_dtod
+    cu.memcpy_dtod = lambda *a: copies.append(a[2]) or dtod(*a)
+    out["fed"] = [sess.generate(prompt, 6), len(copies)]
+    cu.memcpy_dtod = dtod
 # stopping at EOS: the device loop looks every EOS_CHECK steps and drops what came after the EOS
 pkg.manifest.generation["eos_token_ids"] = [want[3]]
 ref_eos = ref.generate(prompt, 10, stop_at_eos=True)
@@ -240,6 +246,7 @@ print(json.dumps(out))
     assert all(res[k] for k in res if k.startswith("pipelined"))
     assert all(res[k] == res["want"] for k in res if k.startswith("host"))
     want = res["want"]
+    assert res["fed"] == [want, 1]      # prefill's token copied into decode's slot; decode's need no copy
     assert res["eos_want"][0] == want[:want.index(want[3]) + 1]            # up to the first EOS, included
     assert res["eos_device"] == res["eos_host"] == res["eos_want"]
     # the KV cache past the EOS holds the dropped steps' rows; the next decode at the session's position

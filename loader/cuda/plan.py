@@ -7,8 +7,10 @@ so everything here is unit-tested on the CPU.
 **Pointers.** A session allocates everything once, for its largest dyn map, so every buffer has one
 device address for the session's lifetime: an intermediate at ``arena + offset`` (from
 :meth:`Package.plan` at the max dyn map), a weight, a state tensor, an entry input's staging slot,
-a constant. An in-place op (``alias = j``, always for ``scatter_nocopy``) writes at the address of
-``args[j]``'s buffer, so a KV-cache write lands in the state allocation itself. A group output that
+a constant. An entry's ``next_token`` output is written into its own ``tokens`` input's slot
+(:data:`FEEDBACK`), so a greedy loop feeds each step's token to the next without a copy. An in-place
+op (``alias = j``, always for ``scatter_nocopy``) writes at the address of ``args[j]``'s buffer, so a
+KV-cache write lands in the state allocation itself. A group output that
 is a state value and is not already there is copied into the state at the end of its call (as the
 reference backend updates state after a call). Kernel parameters are therefore constant per step
 and are packed once (:class:`ParamPack`).
@@ -75,6 +77,9 @@ def bucket(grid: int, cap: int) -> int:
         return 1
     p = 1 << (grid - 1).bit_length()
     return min(p, max(grid, cap))
+
+
+FEEDBACK = ("next_token", "tokens")   # an entry output written into the entry input a greedy loop feeds it to
 
 
 @dataclass
@@ -415,6 +420,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     for b in pkg.buffers(entry_name):
         plan.size_checks.append((b.size, layout.sizes[b.name], b.name))
     readonly = set(layout.weights.values())
+    feedback = _feedback_producer(pkg, e)
 
     for c, call in enumerate(e.calls):
         prog = pkg.programs[call.group]
@@ -465,6 +471,8 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                     raise BackendUnavailableError(f"{where}: writes in place into a weight or constant, which the "
                                                   "CUDA backend shares across runs")
                 ptr[op.id], cap[op.id] = ptr[tgt], cap[tgt]
+            elif feedback == (c, op.id):        # the next step's input, written where that input is read
+                ptr[op.id], cap[op.id] = layout.inputs[FEEDBACK[1]], layout.input_bytes[FEEDBACK[1]]
             else:
                 name = f"c{c}.{op.id}"
                 ptr[op.id], cap[op.id] = layout.arena + layout.offsets[name], layout.sizes[name]
@@ -513,6 +521,32 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     plan.size_checks = _dedupe_checks(plan.size_checks, max_dyn)
     plan.finish(prefetch_bytes, max_dyn)
     return plan
+
+
+def _feedback_producer(pkg: Any, e: Any) -> tuple[int, int] | None:
+    """(call index, op id) of the op whose value is the entry's :data:`FEEDBACK` output, when it may be
+    written into the staging slot of the entry's :data:`FEEDBACK` input: same dtype, at most its size,
+    a plain op of a later call than every call that reads the input (so every reader has run: the
+    calls' steps are ordered by the bytes they share, loader/cuda/branches.py). Else None."""
+    out_name, in_name = FEEDBACK
+    ins = {t.name: t for t in e.inputs}
+    outs = {t.name: t for t in e.outputs}
+    if out_name not in outs or in_name not in ins or outs[out_name].dtype != ins[in_name].dtype:
+        return None
+    if [str(d) for d in outs[out_name].shape] != ["1"]:
+        return None
+    readers = [c for c, call in enumerate(e.calls) if in_name in call.inputs]
+    for c, call in enumerate(e.calls):
+        if out_name not in call.outputs:
+            continue
+        prog = pkg.programs[call.group]
+        out_op = prog.outputs()[call.outputs.index(out_name)]
+        src = prog.ops[out_op.args[0].src]
+        if readers and c <= max(readers) or src.kind in ("input", "constant", "scatter_nocopy") \
+                or src.alias is not None or not is_flat_prefix(out_op.args[0].view):
+            return None
+        return c, src.id
+    return None
 
 
 @dataclass

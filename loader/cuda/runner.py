@@ -486,7 +486,8 @@ class CudaRunner:
                 if value.dtype != ref.dtype or value.nbytes > ref.capacity:
                     raise SessionError(f"device input {ref.name!r} is {value.dtype} of {value.nbytes} bytes; the "
                                        f"entry takes {ref.dtype} in at most {ref.capacity}")
-                cu.memcpy_dtod(ref.ptr, value.ptr, value.nbytes, self.stream)
+                if value.ptr != ref.ptr:        # else the last run wrote it there (plan.FEEDBACK)
+                    cu.memcpy_dtod(ref.ptr, value.ptr, value.nbytes, self.stream)
                 continue
             arr = np.ascontiguousarray(value, dtype=ref.dtype.np)
             n = arr.nbytes
