@@ -83,9 +83,7 @@ What it does, in one run on one GPU:
      ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
      gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
      down projection, loads 4 weight vectors a lane ahead), ``lum-chunk32`` / ``lum-chunk64`` with
-     ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-l2keep16`` /
-     ``lum-l2keep32`` with ``LUM_GEMV_L2_KEEP_MB`` and a session with ``l2_persist_mb`` of 16 / 32 (the LM
-     head's first MB stay in L2 from step to step, evict-last in an L2 set-aside); ``lum-tuned`` built
+     ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
      lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
      keeps the cost model's choice).
@@ -143,7 +141,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
-                 "lum-l2keep16": {"LUM_GEMV_L2_KEEP_MB": "16"}, "lum-l2keep32": {"LUM_GEMV_L2_KEEP_MB": "32"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
@@ -165,8 +162,7 @@ TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-bud
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
                "lum-step-copies": {"step_copies": True},
-               **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False},
-               "lum-l2keep16": {"l2_persist_mb": 16}, "lum-l2keep32": {"l2_persist_mb": 32}}
+               **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)

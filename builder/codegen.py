@@ -99,7 +99,7 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
            "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_TUNING", "gemv_tuning_override", "ENV_GEMV_L2_KEEP_MB", "gemv_l2_keep_bytes",
+           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_TUNING", "gemv_tuning_override",
            "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "prologue_fit_threads",
@@ -138,7 +138,6 @@ ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
 ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
 ENV_GEMV_TUNING = "LUM_GEMV_TUNING"
-ENV_GEMV_L2_KEEP_MB = "LUM_GEMV_L2_KEEP_MB"
 GEMV_OVERRIDE_KEYS = ("threads", "group", "unroll", "inflight", "preload", "max_blocks")
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
@@ -741,16 +740,6 @@ def gemv_evict_first() -> bool:
     """``$LUM_GEMV_EVICT_FIRST`` (1, the default: a GEMV whose B is a weight loads it with an L2 evict-first
     policy, templates/common.cuh lum_load_stream; gemma3-4b bf16 decode +3.2%, llama3-1b −0.2%, 5f9afe5)."""
     return env_switch(ENV_GEMV_EVICT_FIRST, default=True)
-
-
-GEMV_L2_KEEP_MIN_BYTES = 256 << 20   # a weight this large (an LM head) is where $LUM_GEMV_L2_KEEP_MB applies
-
-
-def gemv_l2_keep_bytes() -> int:
-    """``$LUM_GEMV_L2_KEEP_MB`` (N: a streamed GEMV weight of at least :data:`GEMV_L2_KEEP_MIN_BYTES` loads
-    its first N MB evict-last, so that they stay in L2 from one decode step to the next within the
-    loader's persisting set-aside, ``l2_persist_mb``; templates/common.cuh lum_keep_policy), else 0."""
-    return _env_count(ENV_GEMV_L2_KEEP_MB, 1024) << 20
 
 
 def gemv_prologue_narrow_a() -> str | None:
@@ -2395,9 +2384,6 @@ class _Gen:
         shared = shared if preload > 0 else 0
         self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
         b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
-        b_bytes = n * p["ldb"] * batch * dtb.itemsize
-        keep = (min(gemv_l2_keep_bytes(), b_bytes.value, 0xFFFFFFFF)
-                if b_stream and b_bytes.is_const and b_bytes.value >= GEMV_L2_KEEP_MIN_BYTES else 0)
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
         # every index the kernel forms, for the 32/64-bit decision
@@ -2422,8 +2408,6 @@ class _Gen:
             tuning["stream"] = True
         if narrow:
             tuning["narrow_a"] = True
-        if keep:
-            tuning["l2_keep"] = keep
         grid = self.grid(items, per_block)
         if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
@@ -2442,7 +2426,7 @@ class _Gen:
             "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
             "PRELOAD_SHARED": "true" if shared else "false",
-            "B_STREAM": "true" if b_stream else "false", "KEEP": keep,
+            "B_STREAM": "true" if b_stream else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epi else "false", "EPILOGUE": epi,

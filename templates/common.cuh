@@ -232,15 +232,6 @@ LUM_D unsigned long long lum_evict_first_policy() {
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(lum_policy));
   return lum_policy;
 }
-// An L2 policy for a weight of `total` bytes at `base` (both bounds < 4 GiB) whose first `keep` bytes stay
-// in L2 from one step to the next (evict-last: the persisting lines, within the loader's L2 set-aside) and
-// whose rest streams evict-first: a GEMV's first bytes then come from L2 every step after the first.
-LUM_D unsigned long long lum_keep_policy(const void* base, unsigned keep, unsigned total) {
-  unsigned long long lum_policy;
-  asm("createpolicy.range.global.L2::evict_last.L2::evict_first.b64 %0, [%1], %2, %3;"
-      : "=l"(lum_policy) : "l"(base), "r"(keep), "r"(total));
-  return lum_policy;
-}
 // The shared-state-space address of a generic pointer into shared memory (for cp.async, ldmatrix).
 LUM_D unsigned lum_shared_addr(const void* p) {
   unsigned a;
@@ -255,13 +246,12 @@ LUM_D unsigned lum_shared_addr(const void* p) {
 // cache, activations). Read-only data only (ld.global.nc); other widths load as lum_load_raw. Volatile: the
 // load stays where it is written (not moved across a wait that orders nothing it reads: a probe's, whose
 // point is where the load is issued; benchmarks/layer_probe.cu).
-// With `policy` (not 0: lum_keep_policy's), that policy instead of evict-first.
 template <int N, typename T, bool Volatile = false>
-LUM_D void lum_load_stream(const T* p, T (&out)[N], unsigned long long policy = 0) {
+LUM_D void lum_load_stream(const T* p, T (&out)[N]) {
 #if defined(__CUDA_ARCH__)
   constexpr int P = (int)(16 / sizeof(T));
   if constexpr (N % P == 0 && P * sizeof(T) == 16) {
-    const unsigned long long lum_policy = policy ? policy : lum_evict_first_policy();
+    const unsigned long long lum_policy = lum_evict_first_policy();
 #pragma unroll
     for (int q = 0; q < N / P; ++q) {
       lum_vec<unsigned, 4> w;

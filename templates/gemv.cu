@@ -46,8 +46,7 @@
 //!   lane issues ahead; 0: the unrolled loop), PRELOAD (dot scheme, plain loop: vectors of B per lane of
 //!   its first column that it loads into registers before the wait; 0: none), PRELOAD_SHARED (true: into
 //!   the launch's dynamic shared memory, THREADS * PRELOAD * NACC * 16 bytes), B_STREAM (dot scheme: B's
-//!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), KEEP
-//!   (B_STREAM: bytes at B's start loaded evict-last instead, to stay in L2 across steps; 0: none), A_EARLY
+//!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -69,7 +68,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
   constexpr bool B_STREAM = {{B_STREAM}};        // dot scheme: B is a weight, read once: lum_load_stream
-  constexpr unsigned KEEP = {{KEEP}};            // B_STREAM: B's first KEEP bytes stay in L2 (lum_keep_policy)
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
   constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane loads before the wait
   constexpr bool PRELOAD_SHARED = {{PRELOAD_SHARED}};   // ... into shared memory (16-byte vectors), not registers
@@ -103,14 +101,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   const int lum_lane = (int)threadIdx.x % GROUP;
   const idx_t lum_kvec = lum_k / VEC * VEC;   // k covered by whole vectors
   const bool lum_b_vec = VEC > 1 && ({{VEC_OK}}) && lum_aligned({{B_PTR}}, VEC * sizeof(b_t));   // B in vectors
-#if defined(__CUDA_ARCH__)
-  const unsigned long long lum_b_policy = KEEP > 0 ? lum_keep_policy({{B_PTR}} + lum_ob, KEEP,
-      (unsigned)(lum_n * lum_ldb * (idx_t)sizeof(b_t) < (idx_t)0xFFFFFFFF ? lum_n * lum_ldb * (idx_t)sizeof(b_t) : (idx_t)0xFFFFFFFF)) : 0ull;
-#else
-  const unsigned long long lum_b_policy = 0;
-#endif
-  auto lum_b_raw = [&](const b_t* lum_p, b_t (&lum_raw)[VEC]) {   // one vector of B, as stored
-    if constexpr (B_STREAM) lum_load_stream<VEC>(lum_p, lum_raw, lum_b_policy); else lum_load_raw<VEC>(lum_p, lum_raw);
+  auto lum_b_raw = [](const b_t* lum_p, b_t (&lum_raw)[VEC]) {   // one vector of B, as stored
+    if constexpr (B_STREAM) lum_load_stream<VEC>(lum_p, lum_raw); else lum_load_raw<VEC>(lum_p, lum_raw);
   };
   auto lum_b_f32 = [&](const b_t* lum_p, float (&lum_bv)[VEC]) {   // one vector of B, as floats
     b_t lum_raw[VEC];

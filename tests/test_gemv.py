@@ -673,32 +673,6 @@ def test_weights_stream_with_evict_first(nvrtc, monkeypatch, ahead):
     assert "stream" not in not_weight.tuning and not hinted.search(ptx(not_weight))
 
 
-def test_lm_head_keeps_its_first_bytes_in_l2(nvrtc, monkeypatch):
-    """``$LUM_GEMV_L2_KEEP_MB``: a streamed weight of at least GEMV_L2_KEEP_MIN_BYTES (llama3-1b's LM head,
-    525 MB) loads through a range policy whose first N MB are evict-last (PTX ``createpolicy.range``), the
-    tuning says how many bytes; a smaller weight (gemma3-4b's o projection) streams evict-first as before,
-    and without the variable nothing changes. A bad value is refused in one line."""
-    from lum.builder.codegen import CodegenError, GEMV_L2_KEEP_MIN_BYTES, module_source
-
-    head = gemm_op("RmCm", 1, 128256, 2048, BF16)
-    small = gemm_op("RmCm", 1, 2560, 2048, BF16)
-    assert 128256 * 2048 * 2 >= GEMV_L2_KEEP_MIN_BYTES > 2560 * 2048 * 2
-
-    def gen(op):
-        return generate(op, [], arg_dtypes=[BF16, BF16], weight_args=frozenset({1}))
-
-    assert "l2_keep" not in gen(head).tuning
-    monkeypatch.setenv("LUM_GEMV_L2_KEEP_MB", "32")
-    ks, other = gen(head), gen(small)
-    assert ks.tuning["l2_keep"] == 32 << 20 and ks.tuning["stream"] and "l2_keep" not in other.tuning
-    ptx = nvrtc.compile_cuda(module_source([ks]), "sm_90", ptx=True, cache_dir=False).ptx
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    assert "createpolicy.range.global.L2::evict_last.L2::evict_first.b64" in ptx
-    monkeypatch.setenv("LUM_GEMV_L2_KEEP_MB", "lots")
-    with pytest.raises(CodegenError, match="LUM_GEMV_L2_KEEP_MB"):
-        gen(head)
-
-
 def test_preload_after_small_kernels(monkeypatch):
     """``$LUM_GEMV_PRELOAD_AFTER_SMALL``: in llama3-1b's decode layer only the o GEMV (after the attention
     reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is

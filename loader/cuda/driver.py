@@ -134,19 +134,6 @@ def device_info(ordinal: int = 0) -> DeviceInfo:
                       and bool(attr(A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)))
 
 
-def set_l2_persisting(nbytes: int) -> int:
-    """Set aside up to ``nbytes`` of the device's L2 for persisting (evict-last) lines, capped at what the
-    device allows; returns the bytes set aside (0 resets it, and turns lines already persisting normal)."""
-    dev = call(drv.cuCtxGetDevice)
-    cap = int(call(drv.cuDeviceGetAttribute,
-                   drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev))
-    size = max(0, min(int(nbytes), cap))
-    call(drv.cuCtxSetLimit, drv.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, size)
-    if size == 0:
-        call(drv.cuCtxResetPersistingL2Cache)
-    return size
-
-
 def mem_info() -> tuple[int, int]:
     """(free, total) bytes of the current context's device."""
     free, total = call(drv.cuMemGetInfo)

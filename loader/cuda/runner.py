@@ -129,8 +129,7 @@ class CudaRunner:
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
                  workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
                  graph_branches: bool | None = None, l2_prefetch: bool | None = None,
-                 programmatic_launch: bool | None = None, step_copies: bool | None = None,
-                 l2_persist_mb: int | None = None):
+                 programmatic_launch: bool | None = None, step_copies: bool | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -168,14 +167,8 @@ class CudaRunner:
             raise IncompatibleTargetError(compat.reason, path=pkg.path)
         self.reason = compat.reason
         self.use_ptx = compat.use_ptx
-        if l2_persist_mb is None:
-            l2_persist_mb = int(os.environ.get("LUM_CUDA_L2_PERSIST_MB", "0") or 0)
-        self.l2_persist = 0          # bytes of L2 set aside for persisting lines (what a kernel keeps there)
         try:
             self.ctx = self._own(cu.Context(self.device.ordinal))   # cuBLASLt runs on the current context
-            if l2_persist_mb > 0:
-                self.l2_persist = cu.set_l2_persisting(int(l2_persist_mb) << 20)
-                self._closers.append(lambda: cu.set_l2_persisting(0))
             self.lt = self._load_cublaslt(used)
             self._setup(used, upload_method, workspace_bytes)
         except BaseException:
