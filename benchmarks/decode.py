@@ -20,8 +20,7 @@ What it does, in one run on one GPU:
    * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
      to measure what parallel graph branches give, side by side; ``lum-prefetch`` with ``l2_prefetch=True``
      (a side branch warms L2 with each GEMV's weight while the small kernels before it run;
-     loader/cuda/prefetch.py); ``lum-step-copies`` with ``step_copies=True`` (between two steps the dyn values
-     and the fed-back token are copied, as before the stream's own writes and plan.FEEDBACK).
+     loader/cuda/prefetch.py).
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
@@ -161,7 +160,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
-               "lum-step-copies": {"step_copies": True},
                **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,

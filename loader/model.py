@@ -346,9 +346,7 @@ class Session:
     ``graph_branches`` (capture independent kernels on parallel streams, default True;
     ``LUM_CUDA_BRANCHES=0``), ``l2_prefetch`` (with branches: warm L2 with each weight GEMV's first bytes
     while the small kernels before it run, default False: it measured within noise; ``LUM_CUDA_PREFETCH=1``),
-    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default True; ``LUM_CUDA_PDL=0``),
-    ``step_copies`` (copy the dyn values and a fed-back ``next_token`` between runs instead of writing them
-    in place, default False: only to measure the difference; ``LUM_CUDA_STEP_COPIES=1``).
+    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default True; ``LUM_CUDA_PDL=0``).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):

@@ -346,7 +346,7 @@ import numpy as np
 from lum.loader import cublaslt as _lt
 _FAKE = ctypes.CDLL("libcuda.so.1")
 _FAKE.fake_enqueue_host.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-for _n in ("fake_live", "fake_launches", "fake_graph_launches", "fake_captures", "fake_writes", "fake_joins",
+for _n in ("fake_live", "fake_launches", "fake_graph_launches", "fake_captures", "fake_joins",
            "fake_programmatic_launches", "fake_clustered_launches", "fake_shared_optins"):
     getattr(_FAKE, _n).restype = ctypes.c_long
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -375,7 +375,7 @@ def fake_stats():
             "graph_launches": _FAKE.fake_graph_launches(), "captures": _FAKE.fake_captures(),
             "joins": _FAKE.fake_joins(), "programmatic_launches": _FAKE.fake_programmatic_launches(),
             "clustered_launches": _FAKE.fake_clustered_launches(),
-            "shared_optins": _FAKE.fake_shared_optins(), "writes": _FAKE.fake_writes(),
+            "shared_optins": _FAKE.fake_shared_optins(),
             "bad_guards": _FAKE.fake_check_guards()}
 '''
 

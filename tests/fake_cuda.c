@@ -47,7 +47,7 @@ typedef unsigned long long CUdeviceptr;
 static int g_init = 0;
 static size_t g_used = 0;
 static long g_live[8];            /* 0 device allocs, 1 pinned, 2 streams, 3 events, 4 modules, 5 graphs, 6 execs */
-static long g_launches = 0, g_graph_launches = 0, g_captures = 0, g_writes = 0;
+static long g_launches = 0, g_graph_launches = 0, g_captures = 0;
 static int g_capturing = 0;       /* streams in capture */
 
 typedef struct { unsigned char *p; size_t n; int kind; } Alloc;   /* kind 0 device, 1 pinned, 2 registered */
@@ -58,9 +58,9 @@ static int g_nallocs = 0;
 typedef void (*run_fn)(void **, unsigned, unsigned);
 typedef void (*host_fn)(void *);
 typedef struct {
-  int kind;                       /* 0 kernel, 1 memcpy, 2 memset, 3 host, 4 64-bit write */
+  int kind;                       /* 0 kernel, 1 memcpy, 2 memset, 3 host */
   run_fn fn; void **params; unsigned grid, block, cluster;   /* cluster: blocks a cluster (0 or 1: none) */
-  void *dst; const void *src; size_t n; unsigned char value; uint64_t word;
+  void *dst; const void *src; size_t n; unsigned char value;
   host_fn hfn; void *harg;
   int deps[MAX_DEPS]; int ndeps;  /* graph nodes this one waits for (stream order and event waits) */
 } Node;
@@ -131,7 +131,6 @@ static void run_node(Node *n) {
     case 1: memmove(n->dst, n->src, n->n); break;
     case 2: memset(n->dst, n->value, n->n); break;
     case 3: n->hfn(n->harg); break;
-    case 4: memcpy(n->dst, &n->word, 8); ++g_writes; break;
   }
 }
 
@@ -140,7 +139,6 @@ long fake_live(int kind) { return g_live[kind]; }
 long fake_launches(void) { return g_launches; }
 long fake_graph_launches(void) { return g_graph_launches; }
 long fake_captures(void) { return g_captures; }
-long fake_writes(void) { return g_writes; }
 int fake_check_guards(void) {
   int bad = 0;
   for (int i = 0; i < g_nallocs; ++i) if (g_allocs[i].p && g_allocs[i].kind == 0 && !guard_ok(&g_allocs[i])) ++bad;
@@ -207,7 +205,6 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
     case 16: *v = 132; break;            /* MULTIPROCESSOR_COUNT */
     case 113: *v = 1; break;             /* READ_ONLY_HOST_REGISTER_SUPPORTED */
     case 38: *v = 50 << 20; break;       /* L2_CACHE_SIZE */
-    case 122: *v = 1; break;             /* CAN_USE_64_BIT_STREAM_MEM_OPS */
     default: *v = 0; break;
   }
   return OK;
@@ -283,14 +280,6 @@ CUresult cuMemcpyDtoH(void *h, CUdeviceptr d, size_t n) { if (g_capturing) retur
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) { return copy(s, (void *)(uintptr_t)d, h, n, 1, 0); }
 CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) { return copy(s, h, (void *)(uintptr_t)d, n, 0, 1); }
 CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr src, size_t n, void *s) { return copy(s, (void *)(uintptr_t)d, (void *)(uintptr_t)src, n, 1, 1); }
-CUresult cuStreamWriteValue64(void *stream, CUdeviceptr d, uint64_t value, unsigned flags) {
-  Stream *s = (Stream *)stream;
-  if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;
-  if (flags != 0 || (d & 7) || check_dev((void *)(uintptr_t)d, 8)) return E_INVALID_VALUE;
-  Node nd = {0}; nd.kind = 4; nd.dst = (void *)(uintptr_t)d; nd.word = value;
-  if (s && s->capturing) push(s, nd); else run_node(&nd);
-  return OK;
-}
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, void *stream) {
   Stream *s = (Stream *)stream;
   if (s && s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;

@@ -99,7 +99,6 @@ class DeviceInfo:
     multiprocessors: int
     read_only_host_register: bool        # cuMemHostRegister(READ_ONLY) of a read-only mapping works
     l2_bytes: int = 0                    # L2 cache size
-    stream_writes: bool = False          # cuStreamWriteValue64 (64-bit stream memory operations) works
 
     @property
     def sm(self) -> str:
@@ -129,9 +128,7 @@ def device_info(ordinal: int = 0) -> DeviceInfo:
                       int(call(drv.cuDriverGetVersion)), int(call(drv.cuDeviceTotalMem, dev)),
                       attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
                       bool(attr(A.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED)),
-                      attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
-                      hasattr(drv, "cuStreamWriteValue64")
-                      and bool(attr(A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)))
+                      attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE))
 
 
 def mem_info() -> tuple[int, int]:
@@ -355,12 +352,6 @@ def memcpy_dtoh(dst: int, src: int, nbytes: int, stream: Stream) -> None:
 def memcpy_dtod(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     if nbytes:
         call(drv.cuMemcpyDtoDAsync, dst, src, nbytes, stream.handle)
-
-
-def write_value64(dst: int, value: int, stream: Stream) -> None:
-    """Write one 64-bit value in stream order from the stream's command itself: no copy engine, no read of
-    host memory (what a pinned 8-byte copy costs between two graph launches)."""
-    call(drv.cuStreamWriteValue64, stream.handle, dst, value & ((1 << 64) - 1), 0)
 
 
 def memset(dst: int, value: int, nbytes: int, stream: Stream) -> None:

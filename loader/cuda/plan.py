@@ -391,7 +391,7 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
                      max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None,
                      prefetcher: Callable[[int], Any] | None = None, prefetch_bytes: int = 0,
-                     programmatic: bool = False, feedback_output: bool = True) -> EntryPlan:
+                     programmatic: bool = False) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
@@ -403,8 +403,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     same cuBLASLt version). ``prefetcher(group)``: the group's L2 prefetch kernel, or None; with it and
     ``prefetch_bytes`` > 0 the plan warms L2 with weights before their GEMVs (:mod:`lum.loader.cuda.prefetch`).
     ``programmatic``: kernels of tables marked programmatic launch with programmatic stream serialization
-    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest).
-    ``feedback_output``: write the :data:`FEEDBACK` output into its input's slot where that is safe."""
+    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest)."""
     e = pkg.entry(entry_name)
     m = pkg.manifest
     plan = EntryPlan(entry_name)
@@ -421,7 +420,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     for b in pkg.buffers(entry_name):
         plan.size_checks.append((b.size, layout.sizes[b.name], b.name))
     readonly = set(layout.weights.values())
-    feedback = _feedback_producer(pkg, e) if feedback_output else None
+    feedback = _feedback_producer(pkg, e)
 
     for c, call in enumerate(e.calls):
         prog = pkg.programs[call.group]

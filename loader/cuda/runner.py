@@ -13,12 +13,9 @@ Created once per session, in this order (each step fails with one line and frees
    the kernel tables' ``dyn_vars`` order) and the cuBLASLt workspace.
 5. **Plans** — every entry flattened with fixed pointers (:mod:`lum.loader.cuda.plan`).
 
-A run writes the dyn values with ``cuStreamWriteValue64`` (the stream's own 64-bit writes: no copy engine
-between two steps; a pinned copy where the device lacks them) and the inputs from a pinned staging slot
-(``cuMemcpyHtoDAsync`` on the session's stream; an event per slot guards its reuse, so nothing is
-overwritten while a copy is in flight); a device input already where the entry reads it (a decode step's
-``next_token``, :data:`~lum.loader.cuda.plan.FEEDBACK`) is not copied. ``step_copies=True`` (or
-``LUM_CUDA_STEP_COPIES=1``) copies both as before, to measure what that costs. Then it replays the entry's CUDA graph for the key of the dyn map (bucketed grids, and the exact sizes of
+A run writes the dyn values and inputs from a pinned staging slot (``cuMemcpyHtoDAsync`` on the
+session's stream; an event per slot guards its reuse, so nothing is overwritten while a copy is in
+flight), then replays the entry's CUDA graph for the key of the dyn map (bucketed grids, and the exact sizes of
 library calls that depend on dyn values) — or captures one first (LRU cache of ``graph_cache`` graphs
 per entry; an evicted graph is destroyed, so memory stays flat); see :mod:`lum.loader.cuda.plan`. If a capture fails (a library that refuses stream capture)
 the session warns once and runs eagerly. A graph is captured from several streams where the plan's
@@ -129,7 +126,7 @@ class CudaRunner:
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
                  workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
                  graph_branches: bool | None = None, l2_prefetch: bool | None = None,
-                 programmatic_launch: bool | None = None, step_copies: bool | None = None):
+                 programmatic_launch: bool | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -154,12 +151,6 @@ class CudaRunner:
         if programmatic_launch is None:
             programmatic_launch = os.environ.get("LUM_CUDA_PDL", "1") != "0"
         self.programmatic = bool(programmatic_launch) and self.device.cc >= (9, 0)
-        # between two steps: the dyn values written by the stream itself, the token left where the next
-        # step reads it (plan.FEEDBACK); LUM_CUDA_STEP_COPIES=1 copies both instead, to measure them
-        if step_copies is None:
-            step_copies = os.environ.get("LUM_CUDA_STEP_COPIES", "0") not in ("", "0")
-        self.dyn_writes = self.device.stream_writes and not step_copies
-        self.feedback = not step_copies
         has_ptx = all(m.groups[g].table is None or not m.groups[g].table.ops or m.groups[g].table.ptx for g in used)
         compat = check_target(str(m.target.get("sm", "")), m.target.get("nvrtc"), self.device.cc,
                               self.device.driver_version, has_ptx, self.device.name, allow_ptx)
@@ -307,7 +298,7 @@ class CudaRunner:
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
             self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos,
                                              self._prefetcher, self.device.l2_bytes // 2 if self.l2_prefetch else 0,
-                                             self.programmatic, self.feedback)
+                                             self.programmatic)
         # pinned staging: two slots for dyn values + inputs, one for outputs
         stage = max((sum(_align(n) for _, n in io[e].values()) for e in io), default=0)
         self._dyn_stage = _align(8 * sum(max(len(o), 1) for o in orders))
@@ -484,10 +475,6 @@ class CudaRunner:
         slot.event.synchronize()                 # the copies that last read this slot are done
         pos = 0
         for order, ptr in self.dyn_ptrs.items():
-            if self.dyn_writes:
-                for i, v in enumerate(order):
-                    cu.write_value64(ptr + 8 * i, int(dyn.get(v, 0)), self.stream)
-                continue
             vals = slot.buf.view(np.int64, len(order), pos)
             vals[:] = [int(dyn.get(v, 0)) for v in order]
             cu.memcpy_htod(ptr, slot.buf.ptr + pos, 8 * len(order), self.stream)
