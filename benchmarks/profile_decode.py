@@ -13,7 +13,8 @@ the device, when the package has it (``loop`` in the record), else the host take
 Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's bytes at this ``p``), so a row says
 how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
 kernel time and the rest (launch gaps between graph nodes, host work): the two things fusion and better
-kernels each reduce. Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json`` (``…-plain.json`` with ``--plain``).
+kernels each reduce; ``idle_us_per_step`` and ``idle_gaps`` say where nothing at all ran on the device
+(:func:`idle_gaps`: e.g. between two steps' graphs). Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json`` (``…-plain.json`` with ``--plain``).
 
 ``--entry prefill`` profiles ``--steps`` prefills of the ``--prompt-len`` prompt instead (``profile-prefill-…``;
 ``--max-seq`` grows to the prompt): flash attention's kernels against the GEMMs, softmax and scores of a
@@ -104,6 +105,24 @@ def critical_advance(spans: list[tuple[str, float, float]]) -> dict[str, float]:
         out[name] += max(0.0, gain)
         latest = end if latest is None else max(latest, end)
     return dict(out)
+
+
+def idle_gaps(spans: list[tuple[str, float, float]], top: int = 8) -> list[dict]:
+    """Where nothing runs on the device: each gap between the latest end so far and the next span's start,
+    summed by (the span that ended last, the span that starts), the ``top`` largest first. A decode step's
+    kernels overlap under programmatic launch, so what is left are the boundaries nothing overlaps: between
+    two graph launches (the step's copies, the graph's own start) and any plain launch inside a step."""
+    total: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    latest, last_name = None, None
+    for name, start, end in sorted(spans, key=lambda x: (x[1], x[2])):
+        if latest is not None and start > latest:
+            t = total[(last_name, name)]
+            t[0] += start - latest
+            t[1] += 1
+        if latest is None or end >= latest:
+            latest, last_name = end, name
+    rows = sorted(total.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"after": a, "before": b, "us": round(v[0], 2), "count": v[1]} for (a, b), v in rows]
 
 
 def _kernel_spans(prof) -> list[tuple[str, float, float]]:
@@ -343,6 +362,10 @@ def main(argv=None) -> int:
         "p": p_mid if args.entry == "decode" else 0, "package_weight_bytes": weight_bytes,
         "by_kind": {k: {**v, "us_per_step": round(v["us_per_step"], 1)} for k, v in
                     sorted(by_kind.items(), key=lambda kv: -kv[1]["us_per_step"])},
+        "idle_us_per_step": round((max(e for _, _, e in spans) - min(s for _, s, _ in spans)
+                                   - sum(advance.values())) / args.steps, 2) if spans else None,
+        "idle_gaps": [{**g, "us": round(g["us"] / args.steps, 2), "count": g["count"] / args.steps}
+                      for g in idle_gaps(spans)],
         "rows": rows})
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
@@ -355,6 +378,9 @@ def main(argv=None) -> int:
         print(f"  {r['us_per_step']:8.1f} us {r['launches_per_step']:5.1f}x {r['us_per_launch']:7.2f} us/launch "
               f"(+{r['advance_us_per_launch']:6.2f} on the timeline) "
               f"{str(r['GBps']):>7} GB/s  {r['kind']}/{r['op']} {r['dtype']} {r['shape']}  {r['kernel'][:40]}")
+    log(f"idle {result['idle_us_per_step']} µs a step, largest gaps (µs a step):")
+    for g in result["idle_gaps"]:
+        print(f"  {g['us']:7.2f} us {g['count']:5.1f}x  after {g['after'][:40]}  before {g['before'][:40]}")
     log(f"wrote {out_path}")
     sess.close()
     pkg.close()

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("lum.builder.nvrtc")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from profile_decode import critical_advance, kernel_ops  # noqa: E402
+from profile_decode import critical_advance, idle_gaps, kernel_ops  # noqa: E402
 
 import lum.loader  # noqa: E402
 from lum.builder.models import load_spec  # noqa: E402
@@ -61,6 +61,17 @@ def test_critical_advance_charges_each_kernel_what_it_adds_to_the_timeline():
     assert adv == {"gemv": 20.0, "attn": 3.0, "hint": 0.0, "comb": 1.5}
     assert sum(adv.values()) == 14.5 + 10.0
     assert critical_advance(list(reversed(spans))) == adv          # start order, not list order
+
+
+def test_idle_gaps_sum_the_time_nothing_runs_by_the_pair_around_it():
+    """A gap is charged to the span that ended last and the one that starts after it; a span inside
+    another's leaves no gap; the gaps sum to the timeline less its busy time; largest first."""
+    spans = [("gemv", 0.0, 10.0), ("hint", 2.0, 3.0), ("copy", 12.0, 13.0), ("gemv", 16.0, 20.0),
+             ("copy", 22.0, 23.0), ("gemv", 26.5, 30.0)]
+    gaps = idle_gaps(spans)
+    assert gaps == [{"after": "copy", "before": "gemv", "us": 6.5, "count": 2},
+                    {"after": "gemv", "before": "copy", "us": 4.0, "count": 2}]
+    assert sum(g["us"] for g in gaps) == 30.0 - sum(critical_advance(spans).values())
 
 
 def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tmp_path, monkeypatch):
