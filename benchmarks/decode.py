@@ -20,7 +20,8 @@ What it does, in one run on one GPU:
    * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
      to measure what parallel graph branches give, side by side; ``lum-prefetch`` with ``l2_prefetch=True``
      (a side branch warms L2 with each GEMV's weight while the small kernels before it run;
-     loader/cuda/prefetch.py).
+     loader/cuda/prefetch.py); ``lum-graph-a-step`` with ``steps_per_graph=1`` (generate launches a CUDA graph
+     a decode step, as before step chains: loader/cuda/chain.py).
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
@@ -160,6 +161,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
+               "lum-graph-a-step": {"steps_per_graph": 1},
                **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,

@@ -346,7 +346,9 @@ class Session:
     ``graph_branches`` (capture independent kernels on parallel streams, default True;
     ``LUM_CUDA_BRANCHES=0``), ``l2_prefetch`` (with branches: warm L2 with each weight GEMV's first bytes
     while the small kernels before it run, default False: it measured within noise; ``LUM_CUDA_PREFETCH=1``),
-    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default True; ``LUM_CUDA_PDL=0``).
+    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default True; ``LUM_CUDA_PDL=0``),
+    ``steps_per_graph`` (greedy decode steps :meth:`generate` captures as one CUDA graph, default 8;
+    ``LUM_CUDA_STEPS_PER_GRAPH``; 1: a graph a step).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):
@@ -445,7 +447,7 @@ class Session:
         On CUDA, with packages that output ``next_token``, the loop stays on the device unless
         ``device_loop=False``: no step waits for the one before it to reach the host (with
         ``stop_at_eos``, the host looks at the tokens every EOS_CHECK steps and stops there, so up to that
-        many steps past an EOS are computed and dropped). Otherwise each step's last logits row comes back
+        many steps, and a chain's, past an EOS are computed and dropped). Otherwise each step's last logits row comes back
         and the host takes its argmax."""
         if not token_ids:
             raise SessionError("generate needs at least one prompt token")
@@ -491,16 +493,29 @@ class Session:
     def _generate_on_device(self, ids: np.ndarray, max_new_tokens: int, eos: set[int]) -> list[int]:
         """Greedy decoding that never waits for the GPU between steps: each step's input token is the
         previous step's ``next_token`` output, which a decode step writes into its own input slot (no copy:
-        loader/cuda/plan.py FEEDBACK; prefill's is copied on the device once), and the tokens come back through
-        pinned memory in stream order (the host runs up to two steps ahead, as far as the runner's staging
-        slots allow), read at the end, or every EOS_CHECK steps when ``eos`` may stop the loop early."""
+        loader/cuda/plan.py FEEDBACK; prefill's is copied on the device once). Runs of ``steps_per_graph``
+        steps go as one CUDA graph each (loader/cuda/chain.py: no graph boundary between them), the rest one
+        step at a time. The tokens come back through pinned memory in stream order (the host runs up to two
+        launches ahead, as far as the staging slots allow), read at the end, or every EOS_CHECK steps when
+        ``eos`` may stop the loop early."""
         sink = self._runner.collector(max_new_tokens, DType.i32)
+        k = self._runner.steps_per_graph
+        chain = self._runner.step_chain("decode", k) if max_new_tokens > k else None
         try:
             tok = self.run_device("prefill", {"tokens": ids}, {"s": len(ids)})["next_token"]
             sink.push(tok)
-            done = 1
-            while done < max_new_tokens and not (eos and done % EOS_CHECK == 0 and eos & set(sink.read().tolist())):
-                tok = self.run_device("decode", {"tokens": tok}, {"p": len(ids) + done - 1})["next_token"]
+            done, look = 1, EOS_CHECK
+            while done < max_new_tokens:
+                if eos and done >= look:
+                    look = done + EOS_CHECK
+                    if eos & set(sink.read().tolist()):
+                        break
+                p = len(ids) + done - 1
+                if chain is not None and max_new_tokens - done >= k:     # k steps, one graph
+                    sink.push(chain.run(tok, {"p": p}, "p"))
+                    tok, done = chain.last_token(), done + k
+                    continue
+                tok = self.run_device("decode", {"tokens": tok}, {"p": p})["next_token"]
                 sink.push(tok)
                 done += 1
             out = [int(t) for t in sink.read()]

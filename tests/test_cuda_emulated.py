@@ -193,9 +193,11 @@ prompt = [1, 5, 9, 3, 17]
 ref = pkg.session(backend="reference")
 want = ref.generate(prompt, 6)
 out = {"want": want}
-for mode in ({}, {"graphs": False}, {"debug_sync": True}, {"graph_branches": False}, {"programmatic_launch": False}):
+for mode in ({}, {"graphs": False}, {"debug_sync": True}, {"graph_branches": False}, {"programmatic_launch": False},
+             {"steps_per_graph": 2}, {"steps_per_graph": 1}):
     with pkg.session(backend="cuda", **mode) as sess:
         out[str(mode)] = sess.generate(prompt, 6)
+        out["chains" + str(mode)] = sorted((k[1], c.captures) for k, c in sess.runner._chains.items())
         out["captures" + str(mode)] = sess.runner.captures
         out["host" + str(mode)] = sess.generate(prompt, 6, device_loop=False)
         out["pipelined" + str(mode)] = sess._pipelined()
@@ -242,6 +244,10 @@ print(json.dumps(out))
 '''.replace("PKGS[MODEL]", f"PKGS[{model!r}]"))
     assert res["{}"] == res["{'graphs': False}"] == res["{'debug_sync': True}"] == res["want"]
     assert res["{'graph_branches': False}"] == res["{'programmatic_launch': False}"] == res["want"]
+    # two steps a graph: prefill, two chains of two, one step alone; a chain's graph replays (same key)
+    assert res["{'steps_per_graph': 2}"] == res["{'steps_per_graph': 1}"] == res["want"]
+    assert res["chains{'steps_per_graph': 2}"] == [[2, 1]] and res["chains{'steps_per_graph': 1}"] == []
+    assert res["chains{}"] == []                          # 6 tokens: fewer than a chain of 8 and one more
     # the device loop (next_token fed back on the device) and the host loop give the same tokens
     assert all(res[k] for k in res if k.startswith("pipelined"))
     assert all(res[k] == res["want"] for k in res if k.startswith("host"))

@@ -391,7 +391,7 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
                      max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None,
                      prefetcher: Callable[[int], Any] | None = None, prefetch_bytes: int = 0,
-                     programmatic: bool = False) -> EntryPlan:
+                     programmatic: bool = False, feedback_to: int | None = None) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
@@ -403,7 +403,9 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     same cuBLASLt version). ``prefetcher(group)``: the group's L2 prefetch kernel, or None; with it and
     ``prefetch_bytes`` > 0 the plan warms L2 with weights before their GEMVs (:mod:`lum.loader.cuda.prefetch`).
     ``programmatic``: kernels of tables marked programmatic launch with programmatic stream serialization
-    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest)."""
+    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest).
+    ``feedback_to``: where the :data:`FEEDBACK` output goes (a chained step's next step's input,
+    lum.loader.cuda.chain), else its own input's slot."""
     e = pkg.entry(entry_name)
     m = pkg.manifest
     plan = EntryPlan(entry_name)
@@ -472,7 +474,8 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                                                   "CUDA backend shares across runs")
                 ptr[op.id], cap[op.id] = ptr[tgt], cap[tgt]
             elif feedback == (c, op.id):        # the next step's input, written where that input is read
-                ptr[op.id], cap[op.id] = layout.inputs[FEEDBACK[1]], layout.input_bytes[FEEDBACK[1]]
+                ptr[op.id] = layout.inputs[FEEDBACK[1]] if feedback_to is None else feedback_to
+                cap[op.id] = layout.input_bytes[FEEDBACK[1]]
             else:
                 name = f"c{c}.{op.id}"
                 ptr[op.id], cap[op.id] = layout.arena + layout.offsets[name], layout.sizes[name]

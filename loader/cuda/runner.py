@@ -61,6 +61,7 @@ from lum.loader.errors import BackendUnavailableError, SessionError
 __all__ = ["CudaRunner", "session_bounds", "stored_gemm_algos"]
 
 WORKSPACE_BYTES = 32 << 20      # cuBLASLt's recommended workspace on Hopper
+STEPS_PER_GRAPH = 8             # greedy decode steps a CUDA graph holds (lum.loader.cuda.chain)
 GEMM_PLAN_CACHE = 4096
 
 
@@ -126,7 +127,7 @@ class CudaRunner:
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
                  workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
                  graph_branches: bool | None = None, l2_prefetch: bool | None = None,
-                 programmatic_launch: bool | None = None):
+                 programmatic_launch: bool | None = None, steps_per_graph: int | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -151,6 +152,12 @@ class CudaRunner:
         if programmatic_launch is None:
             programmatic_launch = os.environ.get("LUM_CUDA_PDL", "1") != "0"
         self.programmatic = bool(programmatic_launch) and self.device.cc >= (9, 0)
+        if steps_per_graph is None:
+            raw = os.environ.get("LUM_CUDA_STEPS_PER_GRAPH", str(STEPS_PER_GRAPH))
+            if not raw.isdigit() or int(raw) < 1:
+                raise SessionError(f"LUM_CUDA_STEPS_PER_GRAPH must be a positive integer, got {raw!r}")
+            steps_per_graph = int(raw)
+        self.steps_per_graph = max(1, int(steps_per_graph))
         has_ptx = all(m.groups[g].table is None or not m.groups[g].table.ops or m.groups[g].table.ptx for g in used)
         compat = check_target(str(m.target.get("sm", "")), m.target.get("nvrtc"), self.device.cc,
                               self.device.driver_version, has_ptx, self.device.name, allow_ptx)
@@ -290,12 +297,15 @@ class CudaRunner:
         self.gemm_algo_counts = {"stored": 0, "heuristic": 0}   # library plans made, by whose algorithm
         # plans
         self.plans: dict[str, EntryPlan] = {}
+        self.layouts: dict[str, Layout] = {}
+        self._chains: dict[tuple[str, int], Any] = {}
         for e in m.entries:
             layout = Layout(self.arena.ptr, self.arena_plans[e].offsets, self.arena_plans[e].sizes,
                             self.weight_ptrs, wsizes, self.state_ptrs, ssizes,
                             {n: self.arena.ptr + off for n, (off, _) in io[e].items()},
                             {n: size for n, (_, size) in io[e].items()},
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
+            self.layouts[e] = layout
             self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos,
                                              self._prefetcher, self.device.l2_bytes // 2 if self.l2_prefetch else 0,
                                              self.programmatic)
@@ -420,6 +430,18 @@ class CudaRunner:
             out[o.name] = DeviceArray(o.ptr, shape, o.dtype, self.device.ordinal, self.stream.ptr, self,
                                       self._synchronize, self._to_host)
         return out
+
+    def step_chain(self, entry: str, count: int) -> Any:
+        """``count`` steps of ``entry`` as one CUDA graph (:class:`~lum.loader.cuda.chain.StepChain`), made on
+        first use; None where the entry cannot chain or graphs are off."""
+        from lum.loader.cuda.chain import StepChain, chainable
+
+        if not self.graphs or count < 2 or not chainable(self.plans[entry]):
+            return None
+        chain = self._chains.get((entry, count))
+        if chain is None:
+            chain = self._chains[(entry, count)] = self._own(StepChain(self, entry, count))
+        return chain
 
     def collector(self, count: int, dtype: DType) -> "Collector":
         """Pinned room for ``count`` small device values, copied back in stream order without waiting
@@ -588,10 +610,13 @@ class Collector:
         self.n = 0
 
     def push(self, a: DeviceArray) -> None:
-        if a.dtype != self.dtype or a.nbytes != self.dtype.itemsize or self.n >= self.count:
-            raise SessionError(f"collector holds {self.count} scalars of {self.dtype}; got {a.dtype} {a.shape}")
+        """Copy ``a``'s values (one, or a chain's tokens) after those pushed before."""
+        n = a.nbytes // self.dtype.itemsize
+        if a.dtype != self.dtype or n < 1 or len(a.shape) > 1 or self.n + n > self.count:
+            raise SessionError(f"collector holds {self.count} scalars of {self.dtype}, {self.n} pushed; got "
+                               f"{a.dtype} {a.shape}")
         cu.memcpy_dtoh(self.buf.ptr + self.n * self.dtype.itemsize, a.ptr, a.nbytes, self.runner.stream)
-        self.n += 1
+        self.n += n
 
     def read(self) -> np.ndarray:
         self.runner._synchronize()
