@@ -396,6 +396,28 @@ def test_decode_plan_pointers_segments_and_keys(tiny_pkg):
 
 
 @needs_nvrtc
+def test_a_chained_step_writes_its_token_where_the_next_step_reads_it(tiny_pkg):
+    """``feedback_to`` puts decode's next_token at that address (a step chain's next log slot) and nothing
+    else moves; decode can chain (one token input fed back, one segment, no dyn-sized library call),
+    prefill cannot (its GEMMs' sizes follow s)."""
+    from lum.loader.cuda.chain import chainable
+
+    pkg = tiny_pkg
+    bounds = {"p": 31}
+    layout, _ = _fake_layout(pkg, "decode", bounds)
+    plain = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds)
+    target = layout.arena - 4096
+    fed = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds, feedback_to=target)
+    outs = {o.name: o.ptr for o in fed.outputs}
+    assert outs["next_token"] == target and {o.name: o.ptr for o in plain.outputs}["next_token"] == layout.inputs["tokens"]
+    moved = [b for a, b in zip(plain.steps, fed.steps) if a.params.values != b.params.values]
+    assert len(moved) == 1 and target in moved[0].params.values       # only the argmax's last kernel
+    assert chainable(plain)
+    pre_layout, _ = _fake_layout(pkg, "prefill", {"s": 16})
+    assert not chainable(build_entry_plan(pkg, "prefill", pre_layout, lambda g, name: (g, name), {"s": 16}))
+
+
+@needs_nvrtc
 def test_small_m_gemm_is_a_kernel_step_with_bounds_checks(tmp_path):
     """x[1, 16] @ B^T with B [8, 16] (a fixed-size cache) and n = s + 1: lum's gemv kernel, launched with
     (out, A, B, dyn); its reads are checked per run like a library call's (here: B has 8 rows)."""
