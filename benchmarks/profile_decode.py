@@ -14,7 +14,9 @@ Each kernel name maps back to its LLIR op (kind, op, shape, the cost model's byt
 how long the kernel ran, how many bytes it moved and at what rate. The summary splits the step's wall time into
 kernel time and the rest (launch gaps between graph nodes, host work): the two things fusion and better
 kernels each reduce; ``idle_us_per_step`` and ``idle_gaps`` say where nothing at all ran on the device
-(:func:`idle_gaps`: e.g. between two steps' graphs). Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json`` (``…-plain.json`` with ``--plain``).
+(:func:`idle_gaps`: e.g. between two steps' graphs). Writes ``<out>/profile-decode-<model>-<dtype>-<date>.json``
+(``…-plain.json`` with ``--plain``). Its loop runs a graph a step: a ``generate`` runs several steps a graph
+(loader/cuda/chain.py), which this profile does not show.
 
 ``--entry prefill`` profiles ``--steps`` prefills of the ``--prompt-len`` prompt instead (``profile-prefill-…``;
 ``--max-seq`` grows to the prompt): flash attention's kernels against the GEMMs, softmax and scores of a

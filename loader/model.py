@@ -447,8 +447,8 @@ class Session:
         On CUDA, with packages that output ``next_token``, the loop stays on the device unless
         ``device_loop=False``: no step waits for the one before it to reach the host (with
         ``stop_at_eos``, the host looks at the tokens every EOS_CHECK steps and stops there, so up to that
-        many steps, and a chain's, past an EOS are computed and dropped). Otherwise each step's last logits row comes back
-        and the host takes its argmax."""
+        many steps, and a chain's, past an EOS are computed and dropped). Otherwise each step's last logits
+        row comes back and the host takes its argmax."""
         if not token_ids:
             raise SessionError("generate needs at least one prompt token")
         if max_new_tokens < 0:

@@ -409,7 +409,8 @@ def test_a_chained_step_writes_its_token_where_the_next_step_reads_it(tiny_pkg):
     target = layout.arena - 4096
     fed = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds, feedback_to=target)
     outs = {o.name: o.ptr for o in fed.outputs}
-    assert outs["next_token"] == target and {o.name: o.ptr for o in plain.outputs}["next_token"] == layout.inputs["tokens"]
+    assert outs["next_token"] == target
+    assert {o.name: o.ptr for o in plain.outputs}["next_token"] == layout.inputs["tokens"]
     moved = [b for a, b in zip(plain.steps, fed.steps) if a.params.values != b.params.values]
     assert len(moved) == 1 and target in moved[0].params.values       # only the argmax's last kernel
     assert chainable(plain)

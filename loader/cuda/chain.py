@@ -32,6 +32,7 @@ from lum.loader.errors import SessionError
 
 __all__ = ["StepChain", "chainable"]
 
+
 def chainable(plan: EntryPlan) -> bool:
     """Whether ``plan``'s steps can be chained (see the module docstring)."""
     out_name, in_name = FEEDBACK
@@ -76,6 +77,8 @@ class StepChain:
         if r.closed:
             raise SessionError("the session is closed")
         r.ctx.make_current()
+        if first.dtype != DType.i32 or first.nbytes != 4:
+            raise SessionError(f"a step chain starts from one i32 token, got {first.dtype} {first.shape}")
         maps = [{**dyn, var: dyn[var] + i} for i in range(self.count)]
         bound = r.bounds[self.entry]
         for v, b in bound.items():
@@ -91,8 +94,6 @@ class StepChain:
                 at = (i * self.dyn_bytes + off) // 8
                 words[at:at + len(order)] = [int(m.get(v, 0)) for v in order]
         cu.memcpy_htod(self.dyn.ptr, stage.buf.ptr, self.count * self.dyn_bytes, r.stream)
-        if first.dtype != DType.i32 or first.nbytes != 4:
-            raise SessionError(f"a step chain starts from one i32 token, got {first.dtype} {first.shape}")
         if first.ptr != self.log.ptr:
             cu.memcpy_dtod(self.log.ptr, first.ptr, 4, r.stream)
         stage.event.record(r.stream)
