@@ -21,7 +21,8 @@ What it does, in one run on one GPU:
      to measure what parallel graph branches give, side by side; ``lum-prefetch`` with ``l2_prefetch=True``
      (a side branch warms L2 with each GEMV's weight while the small kernels before it run;
      loader/cuda/prefetch.py); ``lum-graph-a-step`` with ``steps_per_graph=1`` (generate launches a CUDA graph
-     a decode step, as before step chains: loader/cuda/chain.py).
+     a decode step, as before step chains: loader/cuda/chain.py), ``lum-chain4`` / ``lum-chain16`` with 4 / 16
+     steps a graph (the default is 8).
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
@@ -161,7 +162,8 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
-               "lum-graph-a-step": {"steps_per_graph": 1},
+               "lum-graph-a-step": {"steps_per_graph": 1}, "lum-chain4": {"steps_per_graph": 4},
+               "lum-chain16": {"steps_per_graph": 16},
                **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}
 SYSTEMS = (*LUM_OPTIONS, "hf-eager", "hf-compile")
 CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
