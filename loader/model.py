@@ -512,7 +512,11 @@ class Session:
                         break
                 p = len(ids) + done - 1
                 if chain is not None and max_new_tokens - done >= k:     # k steps, one graph
-                    sink.push(chain.run(tok, {"p": p}, "p"))
+                    toks = chain.run(tok, {"p": p}, "p")
+                    if toks is None:           # no graph: a step at a time (the runner warns, runs eagerly)
+                        chain = None
+                        continue
+                    sink.push(toks)
                     tok, done = chain.last_token(), done + k
                     continue
                 tok = self.run_device("decode", {"tokens": tok}, {"p": p})["next_token"]

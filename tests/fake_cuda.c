@@ -14,7 +14,8 @@
  * Misuse the real driver rejects is rejected here too: allocation, synchronous copies and stream
  * synchronisation during a capture (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), copies outside any live
  * allocation (CUDA_ERROR_INVALID_VALUE), unknown handles. The device it reports is sm_$LUM_FAKE_CUDA_CC
- * (default 90) with driver $LUM_FAKE_CUDA_DRIVER (default 13000).
+ * (default 90) with driver $LUM_FAKE_CUDA_DRIVER (default 13000); with $LUM_FAKE_CUDA_NO_CAPTURE set, no stream
+ * capture begins (what a library that refuses capture leads to).
  *
  * Build: cc -shared -fPIC -O1 -o libcuda.so.1 -Wl,-soname,libcuda.so.1 fake_cuda.c -ldl
  */
@@ -446,7 +447,7 @@ CUresult cuLaunchKernelEx(const FakeLaunchConfig *c, void *func, void **params, 
 CUresult cuStreamBeginCapture(void *p, int mode) {
   Stream *s = p; (void)mode;
   if (!s || s->magic != MAGIC_STREAM) return E_INVALID_HANDLE;   /* the legacy stream cannot be captured */
-  if (s->capturing) return E_CAPTURE_UNSUPPORTED;
+  if (s->capturing || getenv("LUM_FAKE_CUDA_NO_CAPTURE")) return E_CAPTURE_UNSUPPORTED;
   s->capturing = 1; s->graph = calloc(1, sizeof(Graph)); s->graph->magic = MAGIC_GRAPH; ++g_capturing;
   s->last = -1; s->npending = 0;
   return OK;

@@ -598,6 +598,29 @@ with pkg.session(backend="cuda", upload_method="register") as s:
     assert res["same"] and res["method"].startswith("staged (register failed: CUDA_ERROR_NOT_SUPPORTED")
 
 
+def test_a_refused_capture_falls_back_to_eager_steps(env):
+    """Where no graph can be captured (a library that refuses stream capture; here the fake driver's
+    LUM_FAKE_CUDA_NO_CAPTURE), generate's step chain gives up without running anything and the steps run
+    eagerly, a step at a time, with the runner's one warning: the tokens are the reference's."""
+    res = run(env, r'''
+import warnings
+import lum.loader as L
+pkg = L.open(PKGS["tiny-llama"])
+prompt = [1, 5, 9, 3, 17]
+want = pkg.session(backend="reference").generate(prompt, 10)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pkg.session(backend="cuda") as sess:
+        got = sess.generate(prompt, 10)
+        errors = [c.error for c in sess.runner._chains.values()]
+        graphs = sess.runner.graphs
+print(json.dumps({"same": got == want, "errors": errors, "graphs": graphs,
+                  "warned": sum("capture failed" in str(w.message) for w in caught)}))
+''', LUM_FAKE_CUDA_NO_CAPTURE="1")
+    assert res["same"] and res["graphs"] is False and res["warned"] == 1
+    assert len(res["errors"]) == 1 and res["errors"][0]
+
+
 def test_staged_upload_of_large_pieces_is_exact(env, tmp_path):
     """Pieces larger than the staging chunk, split across threads, read from a file and from memory."""
     blob = tmp_path / "blob.bin"

@@ -68,11 +68,13 @@ class StepChain:
         self._turn = 0
         self._graphs: OrderedDict = OrderedDict()
         self.captures = 0
+        self.error: str | None = None           # why the last capture failed
 
     def run(self, first: DeviceArray, dyn: Mapping[str, int], var: str) -> DeviceArray:
         """The chain's tokens: step i at ``dyn`` with ``var`` + i, step 0 reading ``first`` (a [1] i32 device
         array), each next step the token of the one before. A [count] i32 device array (valid until the
-        chain's next run)."""
+        chain's next run), or None when the graph cannot be captured (``error`` says why; nothing ran, and
+        the caller goes on a step at a time, where the runner falls back to eager launches)."""
         r = self.runner
         if r.closed:
             raise SessionError("the session is closed")
@@ -97,7 +99,12 @@ class StepChain:
         if first.ptr != self.log.ptr:
             cu.memcpy_dtod(self.log.ptr, first.ptr, 4, r.stream)
         stage.event.record(r.stream)
-        self._graph([p.values(m) for p, m in zip(self.plans, maps)]).launch(r.stream)
+        try:
+            graph = self._graph([p.values(m) for p, m in zip(self.plans, maps)])
+        except cu.CudaError as exc:
+            self.error = str(exc)
+            return None
+        graph.launch(r.stream)
         return self._tokens(1, self.count)
 
     def last_token(self) -> DeviceArray:
