@@ -138,8 +138,9 @@ FLASH_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("tile_keys", (None, 32, 64, 128)),
 )
 # ... and, in a group whose program runs split-K decode attention, its split: keys a chunk (None: extract's
-# attention_chunk_default, 16 unless $LUM_ATTENTION_CHUNK says otherwise). Fewer, longer chunks mean fewer partials for the combine to read and more keys a block
-# walks in turn; the LLIR's attention op carries it (``chunk``), so it is applied when lowering, not in codegen.
+# attention_chunk_default, 16 unless $LUM_ATTENTION_CHUNK says otherwise). Fewer, longer chunks mean fewer
+# partials for the combine to read and more keys a block walks in turn; the LLIR's attention op carries it
+# (``chunk``), so it is applied when lowering, not in codegen.
 ATTENTION_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("attention_chunk", (None, *ATTENTION_CHUNKS[1:])),
 )

@@ -465,14 +465,8 @@ class CudaRunner:
         return arr
 
     def _launch(self, entry: str, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> EntryPlan:
-        if self.closed:
-            raise SessionError("the session is closed")
-        self.ctx.make_current()
+        self._begin(entry, dyn)
         plan = self.plans[entry]
-        for v, b in self.bounds[entry].items():
-            if dyn[v] > b:
-                raise SessionError(f"dyn {v}={dyn[v]} exceeds this session's bound {b}; open the session with "
-                                   f"dyn={{{v!r}: {dyn[v]}}} or more")
         plan.check(dyn)
         self._stage_inputs(plan, inputs, dyn)
         key = plan.values(dyn)
@@ -490,6 +484,17 @@ class CudaRunner:
                     continue
             self._enqueue(plan.concrete(key, self._gemm_plan, seg.steps), self.stream)
         return plan
+
+    def _begin(self, entry: str, dyn: Mapping[str, int]) -> None:
+        """Before a run of ``entry`` at ``dyn`` (a step chain: at its last step's): the session is open, its
+        context current, ``dyn`` within the session's bounds."""
+        if self.closed:
+            raise SessionError("the session is closed")
+        self.ctx.make_current()
+        for v, b in self.bounds[entry].items():
+            if dyn[v] > b:
+                raise SessionError(f"dyn {v}={dyn[v]} exceeds this session's bound {b}; open the session with "
+                                   f"dyn={{{v!r}: {dyn[v]}}} or more")
 
     def _stage_inputs(self, plan: EntryPlan, inputs: Mapping[str, np.ndarray], dyn: Mapping[str, int]) -> None:
         slot = self._slots[self._slot]
