@@ -84,7 +84,9 @@ What it does, in one run on one GPU:
      ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
      gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
      down projection, loads 4 weight vectors a lane ahead), ``lum-chunk32`` / ``lum-chunk64`` with
-     ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16); ``lum-tuned`` built
+     ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
+     ``lum-norms-ahead`` with ``LUM_NORMS_AHEAD=0`` / ``1`` (each decode layer's input norm as its qkv's
+     prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
      lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
      keeps the cost model's choice).
@@ -142,6 +144,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
+                 "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},

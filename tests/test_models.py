@@ -12,6 +12,7 @@ import torch
 from lum.builder.models import load_spec
 from lum.builder.models.config import config_from_hf, named_config
 from lum.builder.models.generate import ReferenceModel
+from lum.builder.models.transformer import norms_ahead
 from lum.builder.partition import group_chunks
 from tests.hf_checkpoints import save_hf_model
 
@@ -106,7 +107,9 @@ def test_real_configs_build_without_weights(name):
     for graph in spec.graphs.values():
         groups = group_chunks(graph)
         layer_groups = [g for g in groups if len(g.chunks) > 1]
-        assert sum(len(g.chunks) for g in layer_groups) == cfg.num_layers
+        # with the norms ahead, the last layer hands no residual on: a group of its own
+        alone = 1 if norms_ahead(cfg, graph.name) else 0
+        assert sum(len(g.chunks) for g in layer_groups) == cfg.num_layers - alone
         assert len(layer_groups) <= 2
 
 
@@ -151,3 +154,38 @@ def test_bad_sources(tmp_path):
         load_spec(src=tmp_path)
     with pytest.raises(ValueError, match="unknown model name"):
         load_spec(random_name="gpt-5")
+
+
+def test_norms_ahead_move_gemma_decode_input_norms_into_the_layer_before(monkeypatch):
+    """``norms_ahead``: a Gemma decode layer ends with the next layer's input norm (the last one with the
+    final norm), so no decode GEMV takes an input norm as its prologue: each layer keeps one prologue GEMV
+    (gate-up's residual and norms), not two, and the LM head none. The computation is the same one (the
+    norm in f32, rounded to the weights' dtype), so the logits are bit-equal; Llama keeps its norms."""
+    from lum.builder.compile import compile_group
+    from lum.builder.models.transformer import ENV_NORMS_AHEAD
+    from lum.builder.partition import chunk_graph, partition
+
+    def decode(flag: str):
+        monkeypatch.setenv(ENV_NORMS_AHEAD, flag)
+        spec = load_spec(random_name="tiny-gemma3", dtype="bf16", max_seq=32)
+        ref = ReferenceModel(spec)
+        ref.prefill(PROMPT[:6])
+        logits = [ref.decode(t) for t in PROMPT[6:9]]
+        g = spec.graphs["decode"]
+        prologues = 0
+        for grp in group_chunks(g, partition(g)):
+            prog = compile_group(chunk_graph(g, grp.representative))[0]
+            prologues += len(grp.chunks) * sum(1 for o in prog.ops if o.kind == "gemm" and "expr" in o.params)
+        return logits, prologues, spec.config
+
+    ahead, ahead_prologues, cfg = decode("1")
+    behind, behind_prologues, _ = decode("0")
+    assert all(np.isfinite(a).all() and np.array_equal(a, b) for a, b in zip(ahead, behind, strict=True))
+    assert behind_prologues == 2 * cfg.num_layers + 1
+    assert ahead_prologues == cfg.num_layers
+    monkeypatch.delenv(ENV_NORMS_AHEAD)
+    assert norms_ahead(cfg, "decode") and not norms_ahead(cfg, "prefill")
+    assert not norms_ahead(named_config("llama3-1b"), "decode")
+    monkeypatch.setenv(ENV_NORMS_AHEAD, "yes")
+    with pytest.raises(ValueError, match="LUM_NORMS_AHEAD must be 0 or 1"):
+        norms_ahead(cfg, "decode")

@@ -20,6 +20,7 @@ pytest.importorskip("egglog")
 from lum.builder import prologue  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
 from lum.builder.models import load_spec  # noqa: E402
+from lum.builder.models.transformer import ENV_NORMS_AHEAD  # noqa: E402
 from lum.builder.partition import chunk_graph, group_chunks, partition  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
 from lum.format.expr import as_expr  # noqa: E402
@@ -57,7 +58,9 @@ def test_decode_gemvs_compute_their_inputs_bit_for_bit(model, monkeypatch):
     """Each layer's qkv and gate-up GEMVs take their input's kernel (the input norm; the residual add and
     the pre-FFN norm) and the LM head the final norm, while down keeps its gated activation (no row
     reduction); the fused program's outputs equal the unfused program's exactly (the prologue rounds
-    every node as the dropped kernel did)."""
+    every node as the dropped kernel did). Gemma's input norms stay in their layers here (decode puts them
+    at the end of the layer before by default: tests/test_models.py ``test_norms_ahead_…``)."""
+    monkeypatch.setenv(ENV_NORMS_AHEAD, "0")
     per_layer = 2
     dyn = {"p": 5}
     fused_total = 0
@@ -246,7 +249,9 @@ def test_narrow_a_switch_keeps_a_in_its_dtype(monkeypatch, tmp_path):
     """``$LUM_GEMV_PROLOGUE_NARROW_A``: a prologue GEMV whose A is bf16 keeps A so in shared memory (half the
     bytes the dot reads; the values are the rounded floats ``0`` stores, so the sums are the same: the emulated
     driver's bit-equality test), one whose A is f32 keeps floats. ``1``: every such GEMV; the default
-    (``shared``): exactly those whose weights preload into shared memory too; ``0``: none."""
+    (``shared``): exactly those whose weights preload into shared memory too; ``0``: none. Gemma's qkv keeps
+    its input norm (``LUM_NORMS_AHEAD=0``), so tiny-gemma3 has prologue GEMVs of both kinds."""
+    monkeypatch.setenv(ENV_NORMS_AHEAD, "0")
     nvrtc = _nvrtc_or_skip()
     from lum.builder.codegen import CodegenError, module_source
 

@@ -20,6 +20,8 @@ compute, measured −0.6% twice on gemma3-4b and was removed: benchmarks/NOTES.m
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from lum.builder import frontend as F
@@ -30,6 +32,27 @@ from lum.format.dtypes import DType
 from lum.format.expr import Expr, ExprLike, Var, as_expr
 
 NEG_INF = float("-inf")
+
+ENV_NORMS_AHEAD = "LUM_NORMS_AHEAD"
+
+
+def norms_ahead(cfg: ModelConfig, entry: str) -> bool:
+    """Whether each layer's chunk ends with the next layer's input norm (the final norm after the last).
+
+    Decode only, where the qkv is a GEMV with a norm prologue; prefill's GEMMs have none. A Gemma layer ends in a row kernel that already reads the whole residual row (its post-FFN norm and
+    residual add), so the next input norm adds one block reduction there and the next qkv GEMV loses its
+    norm prologue (its row read, block reduction and barriers before the first multiply-add). A Llama
+    layer ends in down's residual epilogue: there the norm would be a kernel of its own, so it stays the
+    qkv's prologue. ``LUM_NORMS_AHEAD=0/1`` overrides the default for measurement (decode only).
+    """
+    if entry != "decode":
+        return False
+    raw = os.environ.get(ENV_NORMS_AHEAD, "").strip()
+    if raw in ("0", "1"):
+        return raw == "1"
+    if raw:
+        raise ValueError(f"{ENV_NORMS_AHEAD} must be 0 or 1, got {raw!r}")
+    return cfg.is_gemma
 
 
 def cache_names(cfg: ModelConfig) -> list[str]:
@@ -57,6 +80,7 @@ class DecoderBuilder:
         self._weights: dict[str, GraphTensor] = {}
         self._weight_shapes = cfg.graph_weight_shapes()
         self.positions: GraphTensor | None = None   # [s] i64 token positions, set by build()
+        self.norms_ahead = norms_ahead(cfg, name)
 
     # ------------------------------------------------------------------ helpers
     def w(self, name: str) -> GraphTensor:
@@ -87,13 +111,15 @@ class DecoderBuilder:
         kinds = sorted(set(cfg.layer_types))
         tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.act) for kind in kinds}
         masks = {kind: self.mask(kind, positions, self.past + self.s) for kind in kinds}   # once, not per layer
+        normed = self.norm_ahead(x, 0) if self.norms_ahead else None
         for i in range(cfg.num_layers):
             g.graph_break()
-            x = self.layer(i, x, tables[cfg.layer_types[i]], masks[cfg.layer_types[i]])
+            x, normed = self.layer(i, x, normed, tables[cfg.layer_types[i]], masks[cfg.layer_types[i]])
         g.graph_break()
-        x = self.norm(x, "model.norm.weight")
+        if normed is None:
+            normed = self.norm(x, "model.norm.weight").cast(self.dtype)
         head = self.w("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-        logits = F.linear(x.cast(self.dtype), head, out_dtype=self.act).cast(DType.f32)
+        logits = F.linear(normed, head, out_dtype=self.act).cast(DType.f32)
         if cfg.final_logit_softcapping:
             cap = float(cfg.final_logit_softcapping)
             logits = F.tanh(logits * (1.0 / cap)) * cap
@@ -103,11 +129,18 @@ class DecoderBuilder:
         F.output(F.argmax(logits.slice(0, self.s - 1, self.s)), "next_token")
         return g
 
-    def layer(self, i: int, x: GraphTensor, rope: tuple[GraphTensor, GraphTensor], mask: GraphTensor) -> GraphTensor:
-        """Decoder layer ``i``'s output."""
+    def norm_ahead(self, x: GraphTensor, i: int) -> GraphTensor:
+        """Layer ``i``'s input norm (the final norm past the last layer) in the model dtype, computed in the
+        chunk before layer ``i``'s (see ``norms_ahead``)."""
+        name = f"model.layers.{i}.input_layernorm.weight" if i < self.cfg.num_layers else "model.norm.weight"
+        return self.norm(x, name).cast(self.dtype)
+
+    def layer(self, i: int, x: GraphTensor, normed: GraphTensor | None, rope: tuple[GraphTensor, GraphTensor],
+              mask: GraphTensor) -> tuple[GraphTensor, GraphTensor | None]:
+        """Decoder layer ``i``'s output and, with ``norms_ahead``, the next layer's normed input."""
         cfg, p = self.cfg, f"model.layers.{i}."
         residual = x
-        h = self.norm(x, p + "input_layernorm.weight")
+        h = normed if normed is not None else self.norm(x, p + "input_layernorm.weight")
         h = self.attention(i, h, rope, mask)
         if cfg.is_gemma:
             h = self.norm(h, p + "post_attention_layernorm.weight")
@@ -117,7 +150,8 @@ class DecoderBuilder:
         h = self.mlp(p, h)
         if cfg.is_gemma:
             h = self.norm(h, p + "post_feedforward_layernorm.weight")
-        return residual + h
+        x = residual + h
+        return x, (self.norm_ahead(x, i + 1) if self.norms_ahead else None)
 
     def mlp(self, p: str, x: GraphTensor) -> GraphTensor:
         inter = self.cfg.intermediate_size
