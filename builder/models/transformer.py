@@ -13,9 +13,10 @@ logits' distance to the f32 computation compared with rounding every op's output
 torch emulation: 1.4e-2 vs 2.3e-2, what transformers' bf16 gives), at no cost to batch-1 decode,
 whose traffic is the weights.
 
-Graph breaks: each decoder layer is a chunk of its own (one compiled group for all alike layers). (A
-Gemma layer's FFN post-norm residual moved into the next layer's chunk, for the qkv GEMV's prologue to
-compute, measured −0.6% twice on gemma3-4b and was removed: benchmarks/NOTES.md.)
+Graph breaks: each decoder layer is a chunk of its own (one compiled group for all alike layers). Gemma's
+decode moves the other way: each layer's chunk ends with the next layer's input norm (``norms_ahead``).
+(The opposite move, a Gemma layer's FFN post-norm residual into the next layer's chunk for the qkv GEMV's
+prologue to compute, measured −0.6% twice on gemma3-4b and was removed: benchmarks/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ ENV_NORMS_AHEAD = "LUM_NORMS_AHEAD"
 def norms_ahead(cfg: ModelConfig, entry: str) -> bool:
     """Whether each layer's chunk ends with the next layer's input norm (the final norm after the last).
 
-    Decode only, where the qkv is a GEMV with a norm prologue; prefill's GEMMs have none. A Gemma layer ends in a row kernel that already reads the whole residual row (its post-FFN norm and
-    residual add), so the next input norm adds one block reduction there and the next qkv GEMV loses its
-    norm prologue (its row read, block reduction and barriers before the first multiply-add). A Llama
-    layer ends in down's residual epilogue: there the norm would be a kernel of its own, so it stays the
-    qkv's prologue. ``LUM_NORMS_AHEAD=0/1`` overrides the default for measurement (decode only).
+    Decode only, where the qkv is a GEMV with a norm prologue (prefill's GEMMs have none). A Gemma layer
+    ends in a row kernel that already reads the whole residual row (its post-FFN norm and residual add),
+    so the next input norm adds one block reduction there, and the next qkv GEMV loses its norm prologue
+    (its row read, block reduction and barriers before the first multiply-add) and the LM head its norm
+    kernel. The last layer, which hands no residual on, becomes a group of its own. A Llama layer ends in
+    down's residual epilogue: there the norm would be a kernel of its own, so it stays the qkv's prologue.
+    ``LUM_NORMS_AHEAD=0/1`` overrides the default for measurement (decode only).
     """
     if entry != "decode":
         return False
