@@ -57,7 +57,7 @@ def test_decode_attention_runs_its_stage(monkeypatch, model, group):
     assert ks.grid == plain[att.id].grid
     assert ks.block == ((stage_block[0], 1, 1) if stage_block else plain[att.id].block)
     table = launch_table(prog, fused, arch="sm_90", dyn_vars=dv, max_dyn=max_dyn)
-    (entry,) = [e for e in table["ops"] if e.get("tail")]
+    (entry,) = [e for e in table["ops"] if e.get("tail") and e["tail"][-1] == att.id]
     assert table["version"] == 2 and table["programmatic"] and entry["tail"] == [*run[1:], att.id]
     assert f"out@{att.id}" in entry["params"] and entry["params"][-1] == f"in3@{att.id}"
     body = ks.body

@@ -338,6 +338,7 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     from lum.builder import kernels
     from tests.test_attention_stage import _layer
 
+    monkeypatch.setenv("LUM_NORMS_AHEAD", "0")       # gemma's qkv with its input norm as a prologue, as below
     def taken(ks_list):
         return [bool(ks.tuning.get("preload_shared")) for ks in ks_list]
 
@@ -720,6 +721,25 @@ def test_preload_after_small_kernels(monkeypatch):
         preloads()
 
 
+def test_a_shared_preload_past_one_wave_narrows_its_columns_first(nvrtc):
+    """gemma3-4b's decode qkv without a prologue (its input norm ends the layer before: ``norms_ahead``) is
+    sized as 512 blocks of 512 threads, two warps a column, 5 vectors a lane; at its registers the SMs hold
+    396, so its shared preload would be halved away. Its column group halves first (builder/kernels.py
+    ``_narrow_to_one_wave``): 256 blocks, a warp a column, all 10 vectors of a lane preloaded (80 KB a block,
+    two blocks an SM), no spills. o (320 blocks, within one wave) and gate-up (5,120 blocks, past two) keep
+    their sizes."""
+    from tests.test_attention_stage import _layer
+
+    layer, dv = _layer("gemma3-4b", BF16)
+    qkv, o, gate_up, _ = _layer_gemvs(layer, dv)
+    assert (qkv.grid[0].value, qkv.block[0], qkv.tuning["group"]) == (256, 512, 32), (qkv.grid, qkv.tuning)
+    assert qkv.tuning["preload_shared"] and qkv.tuning["preload"] == 10 and qkv.shared_mem == 10 * 16 * 512
+    assert (o.grid[0].value, o.tuning["group"], o.tuning["preload"]) == (320, 64, 4), (o.grid, o.tuning)
+    assert gate_up.grid[0].value == 5120 and not gate_up.tuning.get("preload")
+    log = nvrtc.compile_cuda(qkv.source, ptx=False, extra_options=["--ptxas-options=-v"]).log
+    assert nvrtc.ptxas_spills(log) == {}, log
+
+
 def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     """gemma3-4b's down GEMV: 1,280 blocks of 128 threads (two columns each), all resident at once without a
     preload; a preload's registers let the SMs hold 1,056, and capped there 224 blocks would walk two tiles
@@ -732,6 +752,7 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
 
+    monkeypatch.setenv("LUM_NORMS_AHEAD", "0")       # the qkv with its prologue, as below
     cgs = compile_graph(build_entry(named_config("gemma3-4b"), "decode", 512, BF16))
     dv = program_dyn_vars([cg.program for cg in cgs])
     layer = max(cgs, key=lambda cg: cg.stats.get("chunks", 1)).program

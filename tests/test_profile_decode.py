@@ -34,7 +34,8 @@ def test_every_decode_kernel_maps_to_its_op(tmp_path):
     assert gemvs and max(i["bytes"] for i in gemvs) >= spec.config.vocab_size * spec.config.hidden_size * 2
     # GEMVs computing their input (the norms) or their reader (gelu·up) are labelled as such
     labels = {i["op"] for i in gemvs}
-    assert {"Gemm", "Gemm+prologue"} <= labels and any(x.endswith("+epilogue") for x in labels), labels
+    assert "Gemm" in labels and any("+prologue" in x for x in labels), labels
+    assert any(x.endswith("+epilogue") for x in labels), labels
     # a kernel that runs other ops too (decode attention with its stage: builder/fused.py) names them
     assert any("+tail(" in i["op"] and "Attention" in i["op"] for i in ops.values()), ops
 
