@@ -46,7 +46,9 @@ def norms_ahead(cfg: ModelConfig, entry: str) -> bool:
     (its row read, block reduction and barriers before the first multiply-add) and the LM head its norm
     kernel. The last layer, which hands no residual on, becomes a group of its own. A Llama layer ends in
     down's residual epilogue: there the norm would be a kernel of its own, so it stays the qkv's prologue.
-    ``LUM_NORMS_AHEAD=0/1`` overrides the default for measurement (decode only).
+    ``LUM_NORMS_AHEAD=0/1`` overrides the default for measurement (decode only). Measured on gemma3-4b (H100,
+    cba5a57, both orders, tokens equal over 145): +0.3% (319.6 / 319.8 against 318.7 / 318.8 tok/s); the
+    qkv's link 3.9 → 3.1 µs, the last residual kernel's 2.3 → 3.1 µs (benchmarks/NOTES.md).
     """
     if entry != "decode":
         return False
