@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=512)
     ap.add_argument("--pkg", default=None, help="profile this package instead of building one")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None, help="where the HF folder and the package go, kept (default: a temp dir, removed)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--top", type=int, default=40, help="kernels printed (all are saved)")
     ap.add_argument("--seed", type=int, default=0)
@@ -226,6 +228,18 @@ def main(argv=None) -> int:
     ap.add_argument("--entry", default="decode", choices=("decode", "prefill"),
                     help="what --steps runs: decode steps after the prompt, or prefills of the prompt")
     args = ap.parse_args(argv)
+    made = args.workdir is None       # its own temp folder (an HF folder and a package: twice the weights) goes
+    if made:                          # at the end, as decode.py's does, or a device's disk fills in a few runs
+        args.workdir = tempfile.mkdtemp(prefix="lum-profile-")
+    try:
+        return _profile(args)
+    finally:
+        if made:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+def _profile(args) -> int:
+    """:func:`main` after its arguments: build (unless ``--pkg``), run and write the record."""
     if args.entry == "prefill":
         args.max_seq = max(args.max_seq, args.prompt_len)
 
