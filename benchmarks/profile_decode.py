@@ -215,7 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=512)
     ap.add_argument("--pkg", default=None, help="profile this package instead of building one")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--workdir", default=None, help="where the HF folder and the package go, kept (default: a temp dir, removed)")
+    ap.add_argument("--workdir", default=None,
+                    help="where the HF folder and the package go, kept (default: a temp dir, removed at the end)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--top", type=int, default=40, help="kernels printed (all are saved)")
     ap.add_argument("--seed", type=int, default=0)
