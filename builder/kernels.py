@@ -214,8 +214,9 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen
-        narrowed = {f"gemv{ahead[name][0]}.group": by_name[name].tuning["group"] // 2 for name in crowded
-                    if _narrow_to_one_wave(by_name[name], SMS * resident[name], f"gemv{ahead[name][0]}.group" in tuning)}
+        groups = {name: f"gemv{ahead[name][0]}.group" for name in crowded}
+        narrowed = {groups[name]: by_name[name].tuning["group"] // 2 for name in crowded
+                    if _narrow_to_one_wave(by_name[name], SMS * resident[name], groups[name] in tuning)}
         if narrowed:             # fewer, longer columns a block first; the preload stays whole
             tuning = {**tuning, **narrowed}
             continue
@@ -263,7 +264,8 @@ def _narrow_to_one_wave(ks: KernelSource, wave: int, group_set: bool) -> bool:
     halving the preload would drop it. gemma3-4b's qkv without a prologue (``norms_ahead``): 512 blocks of
     512 threads, 3 resident an SM (396), became 256 blocks preloading all 10 vectors a lane (80 KB)."""
     group = ks.tuning.get("group", 0)
-    return not group_set and group >= 64 and _shared_preload_past_one_wave(ks, wave) and ks.grid[0].value <= 2 * wave
+    return (not group_set and group >= 64 and _shared_preload_past_one_wave(ks, wave)
+            and ks.grid[0].value <= 2 * wave)
 
 
 ENV_PROLOGUE_ONE_WAVE = "LUM_GEMV_PROLOGUE_ONE_WAVE"
