@@ -86,7 +86,11 @@ What it does, in one run on one GPU:
      down projection, loads 4 weight vectors a lane ahead), ``lum-chunk32`` / ``lum-chunk64`` with
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
      ``lum-norms-ahead`` with ``LUM_NORMS_AHEAD=0`` / ``1`` (each decode layer's input norm as its qkv's
-     prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``); ``lum-tuned`` built
+     prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``), ``lum-qkv1024``
+     with ``LUM_GEMV_TUNING=0.threads=1024`` (gemma3-4b's plain qkv in 128 blocks of 1,024 threads, one an SM,
+     160 KB preloaded each, as its prologue form had, not 256 of 512), ``lum-o-group32`` with
+     ``LUM_GEMV_TUNING=1.group=32`` (o in 160 blocks, a warp a column, all 8 vectors of a lane preloaded,
+     64 KB, not 320 blocks of 32 KB: fewer blocks to make resident beside the attention's); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
      lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
      keeps the cost model's choice).
@@ -145,6 +149,8 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},
+                 "lum-qkv1024": {"LUM_GEMV_TUNING": "0.threads=1024"},
+                 "lum-o-group32": {"LUM_GEMV_TUNING": "1.group=32"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
