@@ -339,6 +339,7 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     from tests.test_attention_stage import _layer
 
     monkeypatch.setenv("LUM_NORMS_AHEAD", "0")       # gemma's qkv with its input norm as a prologue, as below
+
     def taken(ks_list):
         return [bool(ks.tuning.get("preload_shared")) for ks in ks_list]
 

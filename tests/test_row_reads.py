@@ -37,7 +37,8 @@ def _norm_readers(prog: Program) -> int:
                and all(row_reads._leaves(u) is not None for u in users[o.id]))
 
 
-@pytest.mark.parametrize("model,entry,dyn,per_layer", [("tiny-gemma3", "decode", {"p": 5}, 3),   # + the next input norm (norms_ahead)
+# tiny-gemma3's decode layer: the q and k norms, and the next layer's input norm (norms_ahead)
+@pytest.mark.parametrize("model,entry,dyn,per_layer", [("tiny-gemma3", "decode", {"p": 5}, 3),
                                                        ("tiny-gemma3", "prefill", {"s": 6}, 2),
                                                        ("tiny-llama", "decode", {"p": 5}, 0)])
 def test_norms_read_by_rope_are_recomputed_bit_for_bit(model, entry, dyn, per_layer, monkeypatch):
