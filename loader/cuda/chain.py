@@ -112,30 +112,10 @@ class StepChain:
 
     def _graph(self, values: list[tuple]) -> cu.Graph:
         """The chain's graph for its steps' :meth:`EntryPlan.values`, captured on first use."""
-        key = tuple(p.segments[0].key(v) for p, v in zip(self.plans, values))
-        g = self._graphs.get(key)
-        if g is not None:
-            self._graphs.move_to_end(key)
-            return g
-        r = self.runner
-        parts = []
-        for plan, v in zip(self.plans, values):
-            owners: list[int] = []
-            seg = plan.segments[0]
-            parts.append((plan.concrete(v, r._gemm_plan, seg.steps, owners), owners, seg.schedule))
-
-        def enqueue(s: cu.Stream) -> None:
-            for ops, owners, sched in parts:
-                if r.graph_branches and sched is not None and sched.streams > 1:
-                    r._enqueue_branches(ops, owners, sched, s)
-                else:
-                    r._enqueue(ops, s)
-
-        g = cu.Graph(r.stream, enqueue)
-        self.captures += 1
-        self._graphs[key] = g
-        while len(self._graphs) > r.graph_cache_size:
-            self._graphs.popitem(last=False)[1].close()
+        parts = [(p, p.segments[0], v) for p, v in zip(self.plans, values)]
+        key = tuple(seg.key(v) for _, seg, v in parts)
+        g, captured = self.runner._cached_graph(self._graphs, key, parts)
+        self.captures += captured
         return g
 
     def close(self) -> None:

@@ -526,24 +526,36 @@ class CudaRunner:
         slot.event.record(self.stream)
 
     def _graph(self, plan: EntryPlan, seg: Any, key: tuple) -> cu.Graph:
-        cache = self._graphs[plan.entry]
-        gkey = seg.key(key)
+        g, captured = self._cached_graph(self._graphs[plan.entry], seg.key(key), [(plan, seg, key)])
+        self.captures += captured
+        return g
+
+    def _cached_graph(self, cache: OrderedDict, gkey: tuple, parts: list[tuple[EntryPlan, Any, tuple]]
+                      ) -> tuple[cu.Graph, bool]:
+        """(the graph of ``cache[gkey]``, whether it was captured now): on a miss, one capture of each
+        ``(plan, segment, values)`` of ``parts`` in turn (a step chain's are its steps), the least recently
+        used graph past ``graph_cache`` closed."""
         g = cache.get(gkey)
         if g is not None:
             cache.move_to_end(gkey)
-            return g
-        owners: list[int] = []
-        ops = plan.concrete(key, self._gemm_plan, seg.steps, owners)   # library plans: before the capture
-        if self.graph_branches and seg.schedule is not None and seg.schedule.streams > 1:
-            g = cu.Graph(self.stream, lambda s: self._enqueue_branches(ops, owners, seg.schedule, s))
-        else:
-            g = cu.Graph(self.stream, lambda s: self._enqueue(ops, s))
-        self.captures += 1
-        cache[gkey] = g
+            return g, False
+        concrete = []                           # library plans: before the capture
+        for plan, seg, key in parts:
+            owners: list[int] = []
+            concrete.append((plan.concrete(key, self._gemm_plan, seg.steps, owners), owners, seg.schedule))
+
+        def enqueue(s: cu.Stream) -> None:
+            for ops, owners, sched in concrete:
+                if self.graph_branches and sched is not None and sched.streams > 1:
+                    self._enqueue_branches(ops, owners, sched, s)
+                else:
+                    self._enqueue(ops, s)
+
+        g = cache[gkey] = cu.Graph(self.stream, enqueue)
         while len(cache) > self.graph_cache_size:
             _, old = cache.popitem(last=False)
             old.close()
-        return g
+        return g, True
 
     def _gemm_plan(self, spec: GemmSpec) -> Any:
         p = self._gemm_plans.get(spec)
