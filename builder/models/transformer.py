@@ -116,13 +116,13 @@ class DecoderBuilder:
         kinds = sorted(set(cfg.layer_types))
         tables = {kind: F.rope_tables(g, positions, cfg.rope[kind].inv_freq(cfg.head_dim), self.act) for kind in kinds}
         masks = {kind: self.mask(kind, positions, self.past + self.s) for kind in kinds}   # once, not per layer
-        normed = self.norm_ahead(x, 0) if self.norms_ahead else None
+        normed = self.input_norm(x, 0) if self.norms_ahead else None
         for i in range(cfg.num_layers):
             g.graph_break()
             x, normed = self.layer(i, x, normed, tables[cfg.layer_types[i]], masks[cfg.layer_types[i]])
         g.graph_break()
         if normed is None:
-            normed = self.norm(x, "model.norm.weight").cast(self.dtype)
+            normed = self.input_norm(x, cfg.num_layers)
         head = self.w("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
         logits = F.linear(normed, head, out_dtype=self.act).cast(DType.f32)
         if cfg.final_logit_softcapping:
@@ -134,9 +134,9 @@ class DecoderBuilder:
         F.output(F.argmax(logits.slice(0, self.s - 1, self.s)), "next_token")
         return g
 
-    def norm_ahead(self, x: GraphTensor, i: int) -> GraphTensor:
-        """Layer ``i``'s input norm (the final norm past the last layer) in the model dtype, computed in the
-        chunk before layer ``i``'s (see ``norms_ahead``)."""
+    def input_norm(self, x: GraphTensor, i: int) -> GraphTensor:
+        """Layer ``i``'s input norm (the final norm past the last layer) in the model dtype: in layer ``i``'s
+        chunk, or with ``norms_ahead`` in the chunk before."""
         name = f"model.layers.{i}.input_layernorm.weight" if i < self.cfg.num_layers else "model.norm.weight"
         return self.norm(x, name).cast(self.dtype)
 
@@ -145,7 +145,7 @@ class DecoderBuilder:
         """Decoder layer ``i``'s output and, with ``norms_ahead``, the next layer's normed input."""
         cfg, p = self.cfg, f"model.layers.{i}."
         residual = x
-        h = normed if normed is not None else self.norm(x, p + "input_layernorm.weight")
+        h = normed if normed is not None else self.input_norm(x, i)
         h = self.attention(i, h, rope, mask)
         if cfg.is_gemma:
             h = self.norm(h, p + "post_attention_layernorm.weight")
@@ -156,7 +156,7 @@ class DecoderBuilder:
         if cfg.is_gemma:
             h = self.norm(h, p + "post_feedforward_layernorm.weight")
         x = residual + h
-        return x, (self.norm_ahead(x, i + 1) if self.norms_ahead else None)
+        return x, (self.input_norm(x, i + 1) if self.norms_ahead else None)
 
     def mlp(self, p: str, x: GraphTensor) -> GraphTensor:
         inter = self.cfg.intermediate_size
