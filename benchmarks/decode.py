@@ -86,7 +86,8 @@ What it does, in one run on one GPU:
      down projection, loads 4 weight vectors a lane ahead), ``lum-chunk32`` / ``lum-chunk64`` with
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
      ``lum-norms-ahead`` with ``LUM_NORMS_AHEAD=0`` / ``1`` (each decode layer's input norm as its qkv's
-     prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``), ``lum-qkv1024``
+     prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``; on by default for
+     gemma3-4b, so ``lum-norms-ahead`` on llama3-1b is its qkv as a plain GEMV behind a norm kernel), ``lum-qkv1024``
      with ``LUM_GEMV_TUNING=0.threads=1024`` (gemma3-4b's plain qkv in 128 blocks of 1,024 threads, one an SM,
      160 KB preloaded each, as its prologue form had, not 256 of 512), ``lum-o-group32`` with
      ``LUM_GEMV_TUNING=1.group=32`` (o in 160 blocks, a warp a column, all 8 vectors of a lane preloaded,

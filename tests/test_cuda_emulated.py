@@ -43,7 +43,8 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
          "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-two-rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
-         "stage-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"}}
+         "stage-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
+         "norms-ahead": {"LUM_NORMS_AHEAD": "1"}}
 
 
 @pytest.fixture(scope="module")
@@ -391,9 +392,11 @@ def test_fused_kernel_variants_match_reference(env, variant):
     warps of 4 keys, two rounds, rather than 8 warps of 2; the kernel cases run no stage), ``siblings``
     (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch), ``preload-shared``
     (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into shared memory before it
-    waits, where by default only those behind small kernels do: builder/codegen.py gemv_preload_shared) or
+    waits, where by default only those behind small kernels do: builder/codegen.py gemv_preload_shared),
     ``stage-trigger-first`` (``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``: decode attention lets the kernel after it
-    launch as it starts, not after its stage as by default; launch order only, as the emulation runs it). Every
+    launch as it starts, not after its stage as by default; launch order only, as the emulation runs it) or
+    ``norms-ahead`` (``LUM_NORMS_AHEAD=1``: every tiny model's decode layer ends with the next layer's input norm,
+    as only Gemma's does by default, so its qkv is a plain GEMV; the kernel cases are unchanged). Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
@@ -401,14 +404,14 @@ import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
 out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "shared_preloads": 0,
-       "shared_preloads_default": 0}
-def shared_preloads(pkg):
-    return sum(bool(op.tuning.get("preload_shared")) for g in pkg.manifest.groups if g.table is not None
+       "shared_preloads_default": 0, "prologues": {}}
+def tuned(pkg, key="preload_shared"):    # the package's kernels whose tuning sets ``key``
+    return sum(bool(op.tuning.get(key)) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
 for dt in (DType.f32, DType.bf16):
     pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
-    out["shared_preloads"] += shared_preloads(pkg)
-    out["shared_preloads_default"] += shared_preloads(L.open(PKGS[f"template_cases.{dt.value}"]))
+    out["shared_preloads"] += tuned(pkg)
+    out["shared_preloads_default"] += tuned(L.open(PKGS[f"template_cases.{dt.value}"]))
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
                               for op in g.table.ops if op.tail]
     prog, arrays, b = template_cases(dt)
@@ -430,8 +433,9 @@ for name in MODELS:
     pkg = L.open(PKGS[name + ".VARIANT"])
     out["fused"][name] = sorted({op.kind for g in pkg.manifest.groups if g.table is not None for op in g.table.ops
                                  if op.tail})
-    out["shared_preloads"] += shared_preloads(pkg)
-    out["shared_preloads_default"] += shared_preloads(L.open(PKGS[name]))
+    out["shared_preloads"] += tuned(pkg)
+    out["shared_preloads_default"] += tuned(L.open(PKGS[name]))
+    out["prologues"][name] = [tuned(pkg, "prologue"), tuned(L.open(PKGS[name]), "prologue")]
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     with pkg.session(backend="cuda") as sess:
@@ -447,6 +451,9 @@ print(json.dumps(out))
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":
         assert res["shared_preloads"] > res["shared_preloads_default"], res
+    if variant == "norms-ahead":       # the qkv's input norm gone from llama's and qwen3's decode, as from gemma's
+        assert {n: v < d for n, (v, d) in res["prologues"].items()} == {
+            "tiny-llama": True, "tiny-qwen3": True, "tiny-gemma3": False}, res["prologues"]
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]

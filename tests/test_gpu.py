@@ -394,13 +394,24 @@ def _sibling_kernel(op) -> bool:       # q, k and v as one launch (builder/sibli
     return op.kind == "scatter_nocopy" and len(op.tail) == 2
 
 
-# variant: (the fused package's build environment, the plain one's; None: the default package), its kernel
-FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _stage_kernel),
+def _any_op(is_fused):                # a launch table holding such a kernel
+    return lambda ops: any(is_fused(op) for op in ops)
+
+
+def _plain_qkv_layer(ops) -> bool:     # a decode layer whose qkv GEMV computes no input norm (norms ahead)
+    return ops[0].kind == "gemm" and not ops[0].tuning.get("prologue") and any(_stage_kernel(op) for op in ops)
+
+
+# variant: (the fused package's build environment, the plain one's; None: the default package), its launch table
+FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_op(_stage_kernel)),
                   "siblings": ({"LUM_ATTENTION_STAGE": "0"}, {"LUM_ATTENTION_STAGE": "0", "LUM_SIBLING_KERNELS": "0"},
-                               _sibling_kernel),
-                  "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"}, lambda op: op.tuning.get("stream")),
+                               _any_op(_sibling_kernel)),
+                  "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"},
+                                       _any_op(lambda op: op.tuning.get("stream"))),
                   "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
-                                                    lambda op: _stage_kernel(op) and op.tuning.get("stage_trigger"))}
+                                                    _any_op(lambda op: _stage_kernel(op)
+                                                            and op.tuning.get("stage_trigger"))),
+                  "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer)}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -411,7 +422,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
     ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the attention letting the kernels after it
-    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``); none changes
+    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decode
+    layer ending with the next one's input norm (``LUM_NORMS_AHEAD=1``, Gemma's default; against 0); none changes
     a value. Decode logits of the fused package as the reference backend's (arena poisoned), and 40 greedy
     tokens (up to p = 47: three attention chunks) as the reference backend's and as the package without the
     fusion, graphs replayed."""
@@ -433,9 +445,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
 
     path, plain = package(fused_env), package(plain_env)
     pkg = lum.loader.open(path)
-    assert any(is_fused(op) for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
-    assert not any(is_fused(op) for g in lum.loader.open(plain).manifest.groups
-                   if g.table is not None for op in g.table.ops)
+    assert any(is_fused(g.table.ops) for g in pkg.manifest.groups if g.table is not None)
+    assert not any(is_fused(g.table.ops) for g in lum.loader.open(plain).manifest.groups if g.table is not None)
     ids = np.asarray(PROMPT, np.int32)
     ref = pkg.session(backend="reference")
     ref.run("prefill", {"tokens": ids}, {"s": len(ids)})

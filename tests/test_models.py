@@ -156,18 +156,22 @@ def test_bad_sources(tmp_path):
         load_spec(random_name="gpt-5")
 
 
-def test_norms_ahead_move_gemma_decode_input_norms_into_the_layer_before(monkeypatch):
-    """``norms_ahead``: a Gemma decode layer ends with the next layer's input norm (the last one with the
-    final norm), so no decode GEMV takes an input norm as its prologue: each layer keeps one prologue GEMV
-    (gate-up's residual and norms), not two, and the LM head none. The computation is the same one (the
-    norm in f32, rounded to the weights' dtype), so the logits are bit-equal; Llama keeps its norms."""
+@pytest.mark.parametrize("name", TINY)
+def test_norms_ahead_move_decode_input_norms_into_the_layer_before(monkeypatch, name):
+    """``norms_ahead``: a decode layer ends with the next layer's input norm (the last one with the final
+    norm), so no decode GEMV takes an input norm as its prologue: each layer keeps one prologue GEMV (the
+    post-attention residual's norm: Gemma's gate-up takes it from a row kernel, Llama's and Qwen's gate-up
+    compute it), not two, and the LM head none. On by default for Gemma, whose layer already ends in a row
+    kernel; ``LUM_NORMS_AHEAD=1`` gives it to Llama and Qwen too, whose layer then ends in a norm kernel of
+    its own. The computation is the same one (the norm in f32, rounded to the weights' dtype), so the logits
+    are bit-equal."""
     from lum.builder.compile import compile_group
     from lum.builder.models.transformer import ENV_NORMS_AHEAD
     from lum.builder.partition import chunk_graph, partition
 
     def decode(flag: str):
         monkeypatch.setenv(ENV_NORMS_AHEAD, flag)
-        spec = load_spec(random_name="tiny-gemma3", dtype="bf16", max_seq=32)
+        spec = load_spec(random_name=name, dtype="bf16", max_seq=32)
         ref = ReferenceModel(spec)
         ref.prefill(PROMPT[:6])
         logits = [ref.decode(t) for t in PROMPT[6:9]]
@@ -184,8 +188,7 @@ def test_norms_ahead_move_gemma_decode_input_norms_into_the_layer_before(monkeyp
     assert behind_prologues == 2 * cfg.num_layers + 1
     assert ahead_prologues == cfg.num_layers
     monkeypatch.delenv(ENV_NORMS_AHEAD)
-    assert norms_ahead(cfg, "decode") and not norms_ahead(cfg, "prefill")
-    assert not norms_ahead(named_config("llama3-1b"), "decode")
+    assert norms_ahead(cfg, "decode") == cfg.is_gemma and not norms_ahead(cfg, "prefill")
     monkeypatch.setenv(ENV_NORMS_AHEAD, "yes")
     with pytest.raises(ValueError, match="LUM_NORMS_AHEAD must be 0 or 1"):
         norms_ahead(cfg, "decode")
