@@ -87,7 +87,9 @@ What it does, in one run on one GPU:
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
      ``lum-norms-ahead`` with ``LUM_NORMS_AHEAD=0`` / ``1`` (each decode layer's input norm as its qkv's
      prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``; on by default for
-     gemma3-4b, so ``lum-norms-ahead`` on llama3-1b is its qkv as a plain GEMV behind a norm kernel), ``lum-qkv1024``
+     gemma3-4b, so ``lum-norms-ahead`` on llama3-1b is its qkv as a plain GEMV behind a norm kernel;
+     ``lum-norms-ahead-noprologue`` with ``LUM_GEMV_PROLOGUE=0`` too: its gate-up also plain, 4,096 blocks of 128
+     threads behind a residual-norm kernel, as gemma3-4b's layer is), ``lum-qkv1024``
      with ``LUM_GEMV_TUNING=0.threads=1024`` (gemma3-4b's plain qkv in 128 blocks of 1,024 threads, one an SM,
      160 KB preloaded each, as its prologue form had, not 256 of 512), ``lum-o-group32`` with
      ``LUM_GEMV_TUNING=1.group=32`` (o in 160 blocks, a warp a column, all 8 vectors of a lane preloaded,
@@ -150,6 +152,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},
+                 "lum-norms-ahead-noprologue": {"LUM_NORMS_AHEAD": "1", "LUM_GEMV_PROLOGUE": "0"},
                  "lum-qkv1024": {"LUM_GEMV_TUNING": "0.threads=1024"},
                  "lum-o-group32": {"LUM_GEMV_TUNING": "1.group=32"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
