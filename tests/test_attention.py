@@ -193,13 +193,14 @@ def test_decoders_use_one_attention_kernel_per_layer(model, flash_on, monkeypatc
     from lum.builder.codegen import flash_attention
     from lum.builder.extract import ATTENTION_CHUNK, FLASH_ATTENTION_CHUNK
     from lum.builder.models import load_spec
-    from lum.builder.partition import chunk_graph, group_chunks, partition
+    from lum.builder.partition import chunk_graph
+    from tests.model_layers import layer_groups
 
     monkeypatch.setenv("LUM_FLASH_ATTENTION", "1" if flash_on else "0")
     spec = load_spec(random_name=model, dtype="bf16", max_seq=64)
     for entry, flash, chunk in (("decode", False, ATTENTION_CHUNK), ("prefill", True, FLASH_ATTENTION_CHUNK)):
         g = spec.graphs[entry]
-        layers = [grp for grp in group_chunks(g, partition(g)) if len(grp) > 1]  # norms_ahead: last alone
+        layers = layer_groups(g)
         assert layers
         prog = compile_group(chunk_graph(g, layers[0].representative))[0]
         att = [o for o in prog.ops if o.kind == "attention"]
@@ -217,13 +218,14 @@ def test_attention_chunk_from_the_environment(monkeypatch):
     outside the search's choices is a one-line error."""
     from lum.builder.extract import FLASH_ATTENTION_CHUNK
     from lum.builder.models import load_spec
-    from lum.builder.partition import chunk_graph, group_chunks, partition
+    from lum.builder.partition import chunk_graph
+    from tests.model_layers import layer_groups
 
     monkeypatch.setenv("LUM_ATTENTION_CHUNK", "32")
     spec = load_spec(random_name="tiny-llama", dtype="bf16", max_seq=64)
     for entry, chunk in (("decode", 32), ("prefill", FLASH_ATTENTION_CHUNK)):
         g = spec.graphs[entry]
-        layers = [grp for grp in group_chunks(g, partition(g)) if len(grp) > 1]  # norms_ahead: last alone
+        layers = layer_groups(g)
         prog = compile_group(chunk_graph(g, layers[0].representative))[0]
         att = next(o for o in prog.ops if o.kind == "attention")
         assert att.params["chunk"] == chunk, entry
@@ -231,6 +233,6 @@ def test_attention_chunk_from_the_environment(monkeypatch):
             assert str(att.shape[-2]) == "cdiv(p + 1, 32)", att.shape
     monkeypatch.setenv("LUM_ATTENTION_CHUNK", "48")
     g = spec.graphs["decode"]
-    layers = [grp for grp in group_chunks(g, partition(g)) if len(grp) > 1]  # norms_ahead: last alone
+    layers = layer_groups(g)
     with pytest.raises(ValueError, match="LUM_ATTENTION_CHUNK must be 16, 32 or 64"):
         compile_group(chunk_graph(g, layers[0].representative))

@@ -192,7 +192,7 @@ def test_a_fused_gemm_without_its_kernel_is_rejected(tiny_pkg, tmp_path):
     from lum.format.llir import gemm_fused
 
     fused = [(g, o) for g, prog in enumerate(tiny_pkg.programs) for o in prog.ops if gemm_fused(o)]
-    assert {"expr" in o.params for _, o in fused} == {True, False}       # prologue-only and epilogue GEMVs
+    assert any("expr" in o.params for _, o in fused) and any("epilogue" in o.params for _, o in fused)
     for g, o in fused:
         d = copy.deepcopy(tiny_pkg.manifest.to_json())
         table = d["groups"][g]["kernels"]
@@ -594,13 +594,13 @@ def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg_apart, monkeyp
     assert not any(st.function[0] == "prefetch" for st in plain.steps)
     idx = [i for i, st in enumerate(plan.steps) if st.function[0] == "prefetch"]
     assert idx and len(plan.steps) == len(plain.steps) + len(idx)
-    weighted = [i for i, st in enumerate(plan.steps) if st.weights]
+    heavy = [i for i, st in enumerate(plan.steps) if sum(hi - lo for lo, hi in st.weights) >= pf.MIN_WEIGHT_BYTES]
     assert all(st.prefetcher == ("prefetch", st.function[0]) for st in plan.steps if st.weights)
     (seg,) = plan.segments
     before = happens_before(seg.schedule)
     for i in idx:
         st, prev = plan.steps[i], plan.steps[i - 1]
-        target = plan.steps[min(j for j in weighted if j > i)]
+        target = plan.steps[min(j for j in heavy if j > i)]     # a norm's weight row is no GEMV's weight
         ptr, nbytes = st.params.values
         lo, hi = max(target.weights, key=lambda r: r[1] - r[0])
         assert prev.weights and st.hint and st.reads == st.writes == ()

@@ -139,14 +139,15 @@ def test_flash_attention_switched_off_keeps_prefill_on_gemms(monkeypatch):
     from lum.builder.extract import choose_by_cost, lower
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
-    from lum.builder.partition import chunk_graph, group_chunks, partition
+    from lum.builder.partition import chunk_graph
+    from tests.model_layers import layer_groups
 
     monkeypatch.setenv("LUM_FLASH_ATTENTION", "0")
     cfg = named_config("llama3-1b")
     kinds = {}
     for entry in ("prefill", "decode"):
         g = build_entry(cfg, entry, 4096, DType.bf16)
-        layer = [grp for grp in group_chunks(g, partition(g)) if len(grp) == cfg.num_layers][0]
+        layer = layer_groups(g)[0]
         sat = saturate(chunk_graph(g, layer.representative))
         prog = lower(sat, choose_by_cost(sat, lambda o: costmodel.op_cost(o, {"s": 4096, "p": 4096})))
         kinds[entry] = [o.kind for o in prog.ops]

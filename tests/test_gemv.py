@@ -530,10 +530,13 @@ def _layer_gemvs(prog, dv) -> list:
 
 
 def _llama_layer():
-    """llama3-1b's decode layer program (its gate-up GEMV has the post-attention norm as prologue) and dyn slots."""
+    """llama3-1b's decode layer program (its qkv GEMV has the input norm as prologue, the norms behind whatever
+    the default, and its gate-up the post-attention norm) and dyn slots."""
     from tests.test_attention_stage import _layer
 
-    return _layer("llama3-1b", BF16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_NORMS_AHEAD", "0")
+        return _layer("llama3-1b", BF16)
 
 
 def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
@@ -686,6 +689,7 @@ def test_preload_after_small_kernels(monkeypatch):
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
 
+    monkeypatch.setenv("LUM_NORMS_AHEAD", "0")             # qkv after down across the layer boundary
     cgs = compile_graph(build_entry(named_config("llama3-1b"), "decode", 4096, BF16))
     dv = program_dyn_vars([cg.program for cg in cgs])
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (o's shared one by default)

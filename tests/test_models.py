@@ -15,6 +15,7 @@ from lum.builder.models.generate import ReferenceModel
 from lum.builder.models.transformer import norms_ahead
 from lum.builder.partition import group_chunks
 from tests.hf_checkpoints import save_hf_model
+from tests.model_layers import layer_groups
 
 TINY = ["tiny-llama", "tiny-qwen3", "tiny-gemma3"]
 PROMPT = [1, 5, 9, 3, 17, 100, 7, 8, 42, 11]  # longer than tiny-gemma3's sliding window (4)
@@ -105,12 +106,9 @@ def test_real_configs_build_without_weights(name):
     expected = {"llama3-1b": 1.236e9, "llama3-8b": 8.03e9, "qwen3-0.6b": 0.596e9, "gemma3-4b": 3.88e9}[name]
     assert abs(spec.param_count - expected) / expected < 0.01
     for graph in spec.graphs.values():
-        groups = group_chunks(graph)
-        layer_groups = [g for g in groups if len(g.chunks) > 1]
-        # with the norms ahead, the last layer hands no residual on: a group of its own
-        alone = 1 if norms_ahead(cfg, graph.name) else 0
-        assert sum(len(g.chunks) for g in layer_groups) == cfg.num_layers - alone
-        assert len(layer_groups) <= 2
+        layers = layer_groups(graph)     # with the norms ahead, the last layer is a group of its own
+        assert sum(len(g.chunks) for g in layers) == cfg.num_layers
+        assert len(layers) == (2 if norms_ahead(cfg, graph.name) else 1)
 
 
 def test_gemma3_multimodal_config_reads_text_part():
