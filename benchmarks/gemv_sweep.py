@@ -2,6 +2,7 @@
 
     python benchmarks/gemv_sweep.py [--dtype bf16] [--out DIR] [--shapes gemma3-4b,llama3-1b]
         [--projs qkv,o,down] [--threads default,256,512] [--groups default,64] [--loads 4:0,4:4,4:0:1]
+        [--max-blocks default,16032,8016]
 
 For every (n, k) of a model's decode projections (and their fused QKV / gate-up forms), every
 combination of threads, group (threads per output, split-K) and loads (``unroll:inflight[:preload]``:
@@ -36,11 +37,13 @@ from _common import EventTimer, add_record_args, log, record_head, set_log_tag, 
 
 set_log_tag("gemv-sweep")
 
-SHAPES = {   # (n, k) of each decode projection, then the fused forms
+SHAPES = {   # (n, k) of each decode projection, then the fused forms and the LM head
     "gemma3-4b": {"q": (2048, 2560), "kv": (1024, 2560), "o": (2560, 2048), "gate/up": (10240, 2560),
-                  "down": (2560, 10240), "qkv": (4096, 2560), "gate+up": (20480, 2560)},
+                  "down": (2560, 10240), "qkv": (4096, 2560), "gate+up": (20480, 2560),
+                  "lm_head": (262144, 2560)},
     "llama3-1b": {"q": (2048, 2048), "kv": (512, 2048), "o": (2048, 2048), "gate/up": (8192, 2048),
-                  "down": (2048, 8192), "qkv": (3072, 2048), "gate+up": (16384, 2048)},
+                  "down": (2048, 8192), "qkv": (3072, 2048), "gate+up": (16384, 2048),
+                  "lm_head": (128256, 2048)},
 }
 THREADS = (None, 128, 256, 512)   # None: codegen's default (_default_threads)
 GROUPS = (None, 32, 64, 128, 256)
@@ -91,13 +94,17 @@ def main(argv=None) -> int:
     add_record_args(ap)
     ap.add_argument("--mode", choices=("plain", "prologue"), default="plain",
                     help="plain: gemv.cu's tuning space; prologue: GEMV prologues against their unfused pair")
-    ap.add_argument("--projs", default=None, help="plain: only these projections (e.g. qkv,o,down,gate+up)")
+    ap.add_argument("--projs", default=None,
+                    help="plain: only these projections (e.g. qkv,o,down,gate+up,lm_head)")
     ap.add_argument("--threads", default=None, help="plain: block sizes, 'default' for codegen's (default: %s)"
                     % ",".join("default" if t is None else str(t) for t in THREADS))
     ap.add_argument("--groups", default=None, help="plain: splits, 'default' for codegen's (default: %s)"
                     % ",".join("default" if g is None else str(g) for g in GROUPS))
     ap.add_argument("--loads", default=None, help="plain: unroll:inflight[:preload] (default: %s)"
                     % ",".join(":".join(map(str, v)) for v in LOADS))
+    ap.add_argument("--max-blocks", default=None,
+                    help="plain: grid caps, 'default' for codegen's (default: default only); a capped grid's blocks "
+                         "walk several column tiles, e.g. an LM head's 64,128 one-tile blocks as 8,016 of eight")
     args = ap.parse_args(argv)
 
     def choices(text, default, what):
@@ -109,6 +116,7 @@ def main(argv=None) -> int:
             ap.error(f"--{what}: comma-separated integers or 'default', got {text!r}")
 
     threads_space, groups_space = choices(args.threads, THREADS, "threads"), choices(args.groups, GROUPS, "groups")
+    caps_space = choices(args.max_blocks, (None,), "max-blocks")
     try:
         loads_space = LOADS if args.loads is None else tuple((*t, 0)[:3] for t in (
             tuple(int(x) for x in v.split(":")) for v in args.loads.split(",")) if len(t) in (2, 3))
@@ -221,11 +229,12 @@ def main(argv=None) -> int:
                 x, y, dyn = buf(k * dt.itemsize), buf(n * 4), buf(8)
                 packs = [ParamPack([y.ptr, x.ptr, w.ptr, dyn.ptr]) for w in ws]
                 results = []
-                for threads, group, (unroll, inflight, preload) in itertools.product(
-                        threads_space, groups_space, loads_space):
+                for threads, group, (unroll, inflight, preload), cap in itertools.product(
+                        threads_space, groups_space, loads_space, caps_space):
                     try:
                         ks = generate(op, [], arg_dtypes=[dt, dt], threads=threads, group=group, unroll=unroll,
-                                      inflight=inflight, preload=preload)
+                                      inflight=inflight, preload=preload,
+                                      **({} if cap is None else {"max_blocks": cap}))
                     except CodegenError:
                         continue
                     mod = cu.Module(nvrtc.compile_cuda(ks.source, info.sm).cubin, "gemv sweep")
@@ -243,7 +252,7 @@ def main(argv=None) -> int:
                     mod.close()
                     gbps = (wbytes + (k + n) * dt.itemsize) / t / 1e9
                     results.append({"threads": threads, "group": group, "unroll": unroll, "inflight": inflight,
-                                    "preload": preload,
+                                    "preload": preload, "max_blocks": cap, "grid": grid[0],
                                     "chosen_threads": ks.tuning["threads"], "chosen_preload": ks.tuning["preload"],
                                     "chosen_group": ks.tuning["group"], "chosen_inflight": ks.tuning["inflight"],
                                     "us": round(t * 1e6, 2),
@@ -253,7 +262,8 @@ def main(argv=None) -> int:
                     owned.remove(b)
                 best = max(results, key=lambda r: r["GBps"])
                 default = next((r for r in results if r["threads"] is None and r["group"] is None
-                                and r["unroll"] == 4 and r["inflight"] == 0 and r["preload"] == 0), None)
+                                and r["unroll"] == 4 and r["inflight"] == 0 and r["preload"] == 0
+                                and r["max_blocks"] is None), None)
                 ahead = [r for r in results if r["inflight"] or r["preload"]]
                 best_ahead = max(ahead, key=lambda r: r["GBps"]) if ahead else None
                 record["rows"].append({"model": model, "proj": proj, "n": n, "k": k, "best": best,
