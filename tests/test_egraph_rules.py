@@ -552,6 +552,7 @@ def test_chunk_graph_is_standalone_and_compiles():
     assert any(name.startswith("out") for name in outs)          # the residual stream read by layer 1
     compiled = compile_graph(g)
     assert [len(c.group) for c in compiled] == [1, *map(len, layer_groups(g)), 1]   # layer 1 alone: norms ahead
+    assert sum(len(c.group) for c in compiled) == len(chunks) == 4
     layer = compiled[1]
     # 4 matmuls: the stacked qkv, o, the stacked gate_up and down; q·k, softmax and p·v are one attention
     assert layer.stats["gemms"] == 4 and layer.stats["in_place"] == 2
