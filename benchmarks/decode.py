@@ -93,7 +93,9 @@ What it does, in one run on one GPU:
      with ``LUM_GEMV_TUNING=0.threads=1024`` (gemma3-4b's plain qkv in 128 blocks of 1,024 threads, one an SM,
      160 KB preloaded each, as its prologue form had, not 256 of 512), ``lum-o-group32`` with
      ``LUM_GEMV_TUNING=1.group=32`` (o in 160 blocks, a warp a column, all 8 vectors of a lane preloaded,
-     64 KB, not 320 blocks of 32 KB: fewer blocks to make resident beside the attention's); ``lum-tuned`` built
+     64 KB, not 320 blocks of 32 KB: fewer blocks to make resident beside the attention's), ``lum-lmhead-group32``
+     with ``LUM_GEMV_TUNING=0.group=32`` (on gemma3-4b only its LM head changes, the first GEMV of its group, to
+     32 threads a column: four columns a block, where its qkv already has 32); ``lum-tuned`` built
      by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
      lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
      keeps the cost model's choice).
@@ -155,6 +157,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-norms-ahead-noprologue": {"LUM_NORMS_AHEAD": "1", "LUM_GEMV_PROLOGUE": "0"},
                  "lum-qkv1024": {"LUM_GEMV_TUNING": "0.threads=1024"},
                  "lum-o-group32": {"LUM_GEMV_TUNING": "1.group=32"},
+                 "lum-lmhead-group32": {"LUM_GEMV_TUNING": "0.group=32"},
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
