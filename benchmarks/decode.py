@@ -33,8 +33,7 @@ What it does, in one run on one GPU:
      both ``LUM_GEMV_INFLIGHT=4`` and the wide prologue, ``lum-preload`` / ``lum-preload2`` /
      ``lum-preload4`` / ``lum-preload8`` with ``LUM_GEMV_PRELOAD=1`` / ``2`` / ``4`` / ``8`` (each GEMV lane
      loads its first weight vectors, up to that many, into registers before it waits for the kernel before
-     it, which under programmatic launch still runs; templates/gemv.cu PRELOAD), ``lum-preload-small`` with ``LUM_GEMV_PRELOAD_AFTER_SMALL=1`` (only the GEMVs whose kernel
-     before is not a GEMV preload), ``lum-preload-aftergemv`` with ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (only those
+     it, which under programmatic launch still runs; templates/gemv.cu PRELOAD), ``lum-preload-aftergemv`` with ``LUM_GEMV_PRELOAD_AFTER_GEMV=4`` (only those
      whose kernel before is a GEMV, four vectors: the default since 2026-12-03), ``lum-nopreload`` with it at 0
      (no GEMV preloads, the default before), ``lum-twowaves`` with ``LUM_GEMV_PROLOGUE_ONE_WAVE=0`` (a prologue GEMV's
      grid sized to 2,048 threads an SM whatever its registers, as before 2026-12-02: builder/kernels.py),
@@ -44,8 +43,7 @@ What it does, in one run on one GPU:
      fall unevenly on the SMs: builder/codegen.py blocks_unbalanced),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
-     ``lum-preload-prologue``
-     with ``LUM_GEMV_PRELOAD_PROLOGUE=2`` (GEMVs with a prologue preload 2 vectors: gemma3-4b's qkv), ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
+     ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
      rather than computed by the attention kernel: builder/attention_stage.py), ``lum-stagepred`` with
@@ -60,13 +58,7 @@ What it does, in one run on one GPU:
      ``lum-nopreload-shared`` with ``LUM_GEMV_PRELOAD_SHARED=0`` (GEMVs keep their early weights in registers, as
      before 2026-12-04; by default every GEMV behind a kernel that is not a GEMV, its grid one wave, copies every
      weight vector of its lanes' first column into shared memory before it waits: gemma3-4b's qkv 160 KB a
-     block, its o and llama3-1b's o), ``lum-preload-shared-prologue`` with ``LUM_GEMV_PRELOAD_SHARED=1`` (only
-     such GEMVs with a prologue: gemma3-4b's qkv), ``lum-small-prologue-shared`` with
-     ``LUM_GEMV_PRELOAD_SHARED=small-prologue`` (the default's and every prologue GEMV whose blocks run one tile
-     each: llama3-1b's qkv too, behind down), ``lum-small-gemv-shared`` with
-     ``LUM_GEMV_PRELOAD_SHARED=small-gemv`` (the default's, and the down projections copying the 4 vectors a lane
-     they would preload into registers into shared memory instead, while gate-up drains; measured slower),
-     ``lum-trigger-first`` with
+     block, its o and llama3-1b's o), ``lum-trigger-first`` with
      ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
      the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
      llama3-1b, even on gemma3-4b),
@@ -78,9 +70,7 @@ What it does, in one run on one GPU:
      512 or 256 threads, not 1,024; ``lum-prologue-fit``: as many warps as put the columns on at most one block
      an SM, llama3-1b's qkv 128 blocks), ``lum-unpaired`` with ``LUM_GEMV_PROLOGUE_PAIRS=0`` (one column a warp; by
      default every prologue GEMV without an epilogue computes two, 2026-12-04; ``lum-pairs``: only those whose
-     weights preload into shared memory, ``=shared``), ``lum-wideprologue-shared`` with
-     ``LUM_GEMV_PROLOGUE_MAX_COLS=32768`` and ``LUM_GEMV_PRELOAD_SHARED=prologue`` (gemma3-4b's gate-up computes
-     the residual kernel's norms itself and copies its first weights early), ``lum-lmhead-prologue`` with
+     weights preload into shared memory, ``=shared``), ``lum-lmhead-prologue`` with
      ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
      gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
      down projection, loads 4 weight vectors a lane ahead), ``lum-chunk32`` / ``lum-chunk64`` with
@@ -145,13 +135,11 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-lmhead-prologue": {"LUM_GEMV_PROLOGUE_MAX_COLS": "131072"},
                  "lum-preload": {"LUM_GEMV_PRELOAD": "1"}, "lum-preload2": {"LUM_GEMV_PRELOAD": "2"},
                  "lum-preload4": {"LUM_GEMV_PRELOAD": "4"}, "lum-preload8": {"LUM_GEMV_PRELOAD": "8"},
-                 "lum-preload-small": {"LUM_GEMV_PRELOAD_AFTER_SMALL": "1"},
                  "lum-preload-aftergemv": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "4"},
                  "lum-nopreload": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "0"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
-                 "lum-preload-prologue": {"LUM_GEMV_PRELOAD_PROLOGUE": "2"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},
                  "lum-norms-ahead-noprologue": {"LUM_NORMS_AHEAD": "1", "LUM_GEMV_PROLOGUE": "0"},
@@ -164,16 +152,12 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-stagepred": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "lum-merge1": {"LUM_ATTENTION_MERGE_ALL": "0"},
                  "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
-                 "lum-small-prologue-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-prologue"},
-                 "lum-small-gemv-shared": {"LUM_GEMV_PRELOAD_SHARED": "small-gemv"},
                  "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},
                  "lum-prologue-fit": {"LUM_GEMV_PROLOGUE_THREADS": "fit"},
                  "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"}, "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},
-                 "lum-preload-shared-prologue": {"LUM_GEMV_PRELOAD_SHARED": "1"},
-                 "lum-wideprologue-shared": {"LUM_GEMV_PROLOGUE_MAX_COLS": "32768", "LUM_GEMV_PRELOAD_SHARED": "prologue"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options

@@ -97,9 +97,9 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
            "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
            "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
-           "gemv_preload_default", "ENV_GEMV_PRELOAD_AFTER_SMALL", "gemv_preload_after_small", "gemv_after_small",
+           "gemv_preload_default", "gemv_after_small",
            "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_GEMV_PRELOAD_PROLOGUE", "gemv_preload_prologue", "ENV_GEMV_TUNING", "gemv_tuning_override",
+           "ENV_GEMV_TUNING", "gemv_tuning_override",
            "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
            "prologue_fit_threads",
@@ -134,9 +134,7 @@ ENV_GEMV_PROLOGUE_NARROW_A = "LUM_GEMV_PROLOGUE_NARROW_A"
 ENV_GEMV_PROLOGUE_THREADS = "LUM_GEMV_PROLOGUE_THREADS"
 ENV_GEMV_PROLOGUE_PAIRS = "LUM_GEMV_PROLOGUE_PAIRS"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
-ENV_GEMV_PRELOAD_AFTER_SMALL = "LUM_GEMV_PRELOAD_AFTER_SMALL"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
-ENV_GEMV_PRELOAD_PROLOGUE = "LUM_GEMV_PRELOAD_PROLOGUE"
 ENV_GEMV_TUNING = "LUM_GEMV_TUNING"
 GEMV_OVERRIDE_KEYS = ("threads", "group", "unroll", "inflight", "preload", "max_blocks")
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
@@ -1011,12 +1009,6 @@ def gemv_kernel_ops(program: Program) -> list[LOp]:
     return [o for o in program.ops if o.kind == "gemm" and gemv_rows(o) is not None]
 
 
-def gemv_preload_after_small() -> bool:
-    """``$LUM_GEMV_PRELOAD_AFTER_SMALL`` (1: a GEMV whose kernel before is not a GEMV preloads one vector a
-    lane, see :func:`gemv_after_small`, unless its tuning sets ``preload``), else off."""
-    return env_switch(ENV_GEMV_PRELOAD_AFTER_SMALL)
-
-
 GEMV_PRELOAD_AFTER_GEMV = 4      # the default of $LUM_GEMV_PRELOAD_AFTER_GEMV
 
 
@@ -1030,17 +1022,6 @@ def gemv_preload_after_gemv() -> int:
     return _env_count(ENV_GEMV_PRELOAD_AFTER_GEMV, GEMV_PRELOAD_VECTORS, GEMV_PRELOAD_AFTER_GEMV)
 
 
-def gemv_preload_prologue() -> int:
-    """``$LUM_GEMV_PRELOAD_PROLOGUE`` (N: a GEMV with a prologue preloads at least N vectors a lane, unless its
-    tuning sets ``preload``), else 0. Such a GEMV computes its input (a norm) after the wait before it can
-    issue a weight load, so a preload covers the wait and the prologue's own round trip. In gemma3-4b only
-    the qkv GEMV has a prologue, and it follows a row kernel, so the preload after GEMVs does not reach it;
-    the plain profile has it 0.66 µs slower at a preload of 2 (e827744), where a preload can overlap nothing.
-    Measured at 2 under programmatic launch (gemma3-4b, same runs): +0.7% (0858e76), +0.26% (150e9f0), within
-    noise, so off."""
-    return _env_count(ENV_GEMV_PRELOAD_PROLOGUE, GEMV_PRELOAD_VECTORS)
-
-
 def gemv_preload_shared() -> str | None:
     """``$LUM_GEMV_PRELOAD_SHARED``: which decode GEMVs copy every weight vector of their lanes' first columns
     into shared memory before their wait (:data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` their
@@ -1050,36 +1031,24 @@ def gemv_preload_shared() -> str | None:
     waiting under programmatic launch while the bus idles, so its weights can stream then. gemma3-4b's qkv (128
     blocks of 1,024 threads, 10 vectors a lane, one block an SM, its input norm computed before it could issue
     a load) holds only 2 of its 10 vectors in registers (a preload of 8 spilled 604 bytes a thread); shared
-    memory holds all 160 KB a block. ``1``: only such GEMVs with a prologue (gemma3-4b's qkv): measured
-    (5bfcf52 and 6214d7f, same runs, tokens equal over 145) +2.2% and +2.1% on gemma3-4b (qkv 10.3 → 5.7 µs on
-    the step's timeline, down before it 13.7 → 17.3: the early copies share the bus with down's tail).
-    ``small`` against ``1`` (48ddaa6, same runs, tokens equal): gemma3-4b 399.3 against 397.4 tok/s (+0.5%),
-    llama3-1b 1,184.0 against 1,176.9 (+0.6%); with gemma3-4b's gate-up too, its grid capped from 5,120 blocks
-    to 1,320, it had measured −4.2%. Every prologue GEMV whatever runs before it (``prologue``): llama3-1b,
-    whose prologue GEMVs follow GEMVs, −4.2% (5bfcf52); gemma3-4b's qkv behind down with the FFN post-norm in
-    the next layer (a switch since removed), −0.7% (8b4598a). ``small-prologue``: both, ``small``'s and every
-    prologue GEMV (llama3-1b's qkv behind down beside its o). ``small-gemv`` (not yet measured): ``small``'s, and every
-    GEMV without a prologue behind a GEMV with the vectors it would preload into registers
-    (:func:`gemv_preload_after_gemv`) copied into shared memory instead: the down projections, whose blocks
-    become resident as gate-up's drain. gemma3-4b's down (1,280 blocks of 128 threads) drops a register
-    preload, whose registers would split its grid (builder/kernels.py); the copies take none, 8 KB a block.
-    ``all``: every GEMV (tests: the mechanism on every shape and layout). ``0``: none. A prologue GEMV whose
-    blocks walk more than one tile (llama3-1b's gate-up, 132 blocks for 256 tiles) keeps its register preload
-    in every mode but ``all``: only a block's first tile would be copied, as with the grids past one wave that
-    builder/kernels.py drops. Returns the mode
-    (``"prologue_after_small"``, ``"after_small"``, ``"prologue"``, ``"after_small_prologue"``,
-    ``"after_small_gemv"``, ``"all"``) or ``None``."""
-    return env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "1": "prologue_after_small", "small": "after_small",
-                                                 "prologue": "prologue", "small-prologue": "after_small_prologue",
-                                                 "small-gemv": "after_small_gemv", "all": "all"}, "small")
+    memory holds all 160 KB a block. Against the modes it replaced (benchmarks/NOTES.md, same runs, tokens
+    equal): only such GEMVs with a prologue (gemma3-4b's qkv) +0.5% on gemma3-4b and +0.6% on llama3-1b
+    (48ddaa6); every prologue GEMV whatever runs before it −4.2% on llama3-1b (5bfcf52); llama3-1b's qkv
+    behind down beside ``small``'s −1.7% (816af36); the down projections behind gate-up beside ``small``'s
+    −0.5% on gemma3-4b and −1.9% on llama3-1b (235217b); gemma3-4b's gate-up too (its grid capped from 5,120
+    blocks to 1,320) −4.2%. ``all``: every GEMV (tests: the mechanism on every shape and layout). ``0``: none.
+    A prologue GEMV whose blocks walk more than one tile keeps its register preload in ``small``: only a
+    block's first tile would be copied, as with the grids past one wave that builder/kernels.py drops.
+    Returns ``"after_small"``, ``"all"`` or ``None``."""
+    return env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "small": "after_small", "all": "all"}, "small")
 
 
 def gemv_after_small(program: Program) -> set[int]:
     """Ids of the GEMV ops whose kernel before, in program order, is not a GEMV; for the first kernel, the
     program's last (a decoder layer's group follows itself). Only there can a preload's blocks become
-    resident while the kernel before runs. As the default (``$LUM_GEMV_PRELOAD_AFTER_SMALL``, off) it measured
-    −3.1% on llama3-1b (its o GEMV and LM head preloading), against −4.5% with every GEMV preloading
-    (benchmarks/NOTES.md)."""
+    resident while the kernel before runs (:func:`gemv_preload_shared`). A register preload of one vector a
+    lane there measured −3.1% on llama3-1b (its o GEMV and LM head), against −4.5% with every GEMV preloading
+    (benchmarks/NOTES.md), and is gone."""
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     return {o.id for i, o in enumerate(ks) if o.kind == "gemm" and ks[i - 1].kind != "gemm"}
 
@@ -1099,26 +1068,17 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         if r in rank.values():
             for k, v in given.items():
                 per.setdefault(r, {}).setdefault(k, v)
-    after_small, after_gemv = int(gemv_preload_after_small()), gemv_preload_after_gemv()
-    prologue_n = gemv_preload_prologue()
+    after_gemv = gemv_preload_after_gemv()
     shared = None if common.get("preload_shared") is False else gemv_preload_shared()   # False: in registers
     in_registers: dict[int, dict[str, Any]] = {}     # rank -> its tuning with the preload in registers instead
-    if (after_small or after_gemv or prologue_n or shared) and "preload" not in common:
+    if (after_gemv or shared) and "preload" not in common:
         small = gemv_after_small(program)
         for oid, r in rank.items():
-            n = after_small if oid in small else after_gemv
-            if "expr" in program.ops[oid].params:
-                n = max(n, prologue_n)
-            prologue = "expr" in program.ops[oid].params
-            takes = {None: False, "all": True, "after_small": oid in small, "prologue": prologue,
-                     "prologue_after_small": oid in small and prologue,
-                     "after_small_prologue": oid in small or prologue,
-                     "after_small_gemv": oid in small or (not prologue and n > 0)}[shared]
-            if takes:      # a preload the tuning sets (or builder/kernels.py halves) stays in shared memory
-                mine = per.setdefault(r, {})
+            n = 0 if oid in small else after_gemv
+            if shared == "all" or (shared == "after_small" and oid in small):
+                mine = per.setdefault(r, {})   # a preload the tuning sets (or kernels.py halves) stays shared
                 in_registers[r] = {**mine, **({"preload": n} if n and "preload" not in mine else {})}
-                behind_gemv = shared == "after_small_gemv" and oid not in small    # its register count, moved
-                mine.setdefault("preload", n if behind_gemv else GEMV_SHARED_PRELOAD_VECTORS)
+                mine.setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
                 mine["preload_shared"] = True
             if n:
                 per.setdefault(r, {}).setdefault("preload", n)

@@ -328,13 +328,8 @@ def test_shared_preload_changes_no_bit(tmp_path):
 def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkeypatch):
     """``$LUM_GEMV_PRELOAD_SHARED``. ``small``, the default: every GEMV whose kernel before is not a GEMV and whose
     grid the SMs hold at once preloads into shared memory: gemma3-4b's qkv (after the layer's last residual row
-    kernel; 1,024 threads) its lanes' whole first column, 10 vectors, 160 KB a block, no spills (ptxas), and
-    o (after the attention combine); not gate-up's 5,120 blocks; llama3-1b's o. ``1``: only those with a
-    prologue (gemma3-4b's qkv; llama3-1b's prologue GEMVs, qkv after down and gate-up after o, keep their
-    kernels: there a shared preload measured −4.2%). ``prologue``: every GEMV with a prologue whose blocks run
-    one tile each (llama3-1b's gate-up walks tiles: registers); ``small-prologue``: both; ``small-gemv``:
-    ``small``'s and the down projections (behind gate-up) with their register preload's 4 vectors copied instead;
-    ``all``: every GEMV; ``0``: none."""
+    kernel; 512 threads, two columns a warp) its lanes' whole first columns, 10 vectors, 160 KB a block, no
+    spills (ptxas), and o (after the attention combine) its lanes' 4; not gate-up's 5,120 blocks; llama3-1b's o. ``all``: every GEMV; ``0``: none."""
     from lum.builder import kernels
     from tests.test_attention_stage import _layer
 
@@ -349,52 +344,24 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")
     plain = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     assert not any(ks.tuning.get("preload_shared") or ks.shared_mem for v in plain.values() for ks in v)
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "1")
-    assert [ks.name for ks in _layer_gemvs(*llama)] == [ks.name for ks in plain["llama"]]
-    on = _layer_gemvs(*gemma)
-    shared = [(ks.block[0], ks.tuning["preload"], ks.shared_mem) for ks in on if ks.tuning.get("preload_shared")]
-    assert shared == [(512, 10, 10 * 2 * 16 * 512)], shared     # column pairs: two columns a warp, 512 threads
-    assert [ks.name for ks in on if not ks.tuning.get("preload_shared")] == \
-        [ks.name for ks in plain["gemma"] if not ks.tuning.get("prologue")]
-    log = nvrtc.compile_cuda(kernels.module_source(on), ptx=False, extra_options=["--ptxas-options=-v"]).log
-    assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small")      # the default: llama's o ...
     small = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
     assert {m: [ks.name for ks in v] for m, v in default.items()} == {m: [ks.name for ks in v] for m, v in small.items()}
     assert taken(small["llama"]) == [False, True, False, False]
     got = small["gemma"]       # ... and gemma's qkv and o; gate-up's 5,120 blocks are past one wave: no preload
     assert taken(got) == [True, True, False, False]
-    assert got[0].name == on[0].name and got[1].shared_mem == 4 * 16 * 512, got[1].shared_mem
+    qkv = (got[0].block[0], got[0].tuning["preload"], got[0].shared_mem)
+    assert qkv == (512, 10, 10 * 2 * 16 * 512), qkv             # column pairs: two columns a warp, 512 threads
+    assert got[1].shared_mem == 4 * 16 * 512, got[1].shared_mem
+    assert [ks.name for ks in got[2:]] == [ks.name for ks in plain["gemma"][2:]]
     assert got[2].grid[0].value == 5120 and not got[2].tuning.get("preload"), got[2].tuning
     log = nvrtc.compile_cuda(kernels.module_source(got + small["llama"]), ptx=False,
                              extra_options=["--ptxas-options=-v"]).log
     assert nvrtc.ptxas_spills(log) == {}, log
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "prologue")   # every GEMV with a prologue: llama's qkv; its
-    got = _layer_gemvs(*llama)                                   # gate-up's 132 blocks walk 256 tiles: registers
-    assert taken(got) == [True, False, False, False]
-    assert got[0].shared_mem == 8 * 16 * 1024 and got[0].tuning["preload"] == 8, (got[0].shared_mem, got[0].tuning)
-    assert got[2].name == plain["llama"][2].name
-    assert taken(_layer_gemvs(*gemma)) == [True, False, False, False]
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small-prologue")   # both: llama's qkv and o; gemma's as small
-    got = _layer_gemvs(*llama)
-    assert taken(got) == [True, True, False, False]
-    assert [ks.name for ks in got[1:]] == [ks.name for ks in small["llama"][1:]]
-    assert [ks.name for ks in _layer_gemvs(*gemma)] == [ks.name for ks in small["gemma"]]
-    log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
-    assert nvrtc.ptxas_spills(log) == {}, log
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "small-gemv")   # small's, and down's register preload copied
-    for m, want in (("llama", [False, True, False, True]), ("gemma", [True, True, False, True])):
-        got = _layer_gemvs(*(llama if m == "llama" else gemma))
-        assert taken(got) == want, (m, taken(got))
-        assert [ks.name for ks in got[:3]] == [ks.name for ks in small[m][:3]]
-        assert got[3].tuning["preload"] == 4 and got[3].shared_mem == 4 * 16 * got[3].block[0], got[3].tuning
-        assert got[3].grid == small[m][3].grid         # gemma's 1,280 blocks: no register preload splits them
-    log = nvrtc.compile_cuda(kernels.module_source(got), ptx=False, extra_options=["--ptxas-options=-v"]).log
-    assert nvrtc.ptxas_spills(log) == {}, log
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "all")                 # every GEMV (the tests' mode)
     assert sum(bool(ks.tuning.get("preload_shared")) for ks in _layer_gemvs(*llama)) == 4
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "2")
-    with pytest.raises(CodegenError, match="must be 0, 1, small, prologue, small-prologue, small-gemv or all"):
+    with pytest.raises(CodegenError, match="must be 0, small or all"):
         _layer_gemvs(*llama)
 
 
@@ -678,12 +645,11 @@ def test_weights_stream_with_evict_first(nvrtc, monkeypatch, ahead):
     assert "stream" not in not_weight.tuning and not hinted.search(ptx(not_weight))
 
 
-def test_preload_after_small_kernels(monkeypatch):
-    """``$LUM_GEMV_PRELOAD_AFTER_SMALL``: in llama3-1b's decode layer only the o GEMV (after the attention
-    reduce) and the LM head (its group's first kernel, after its last, the argmax) follow a kernel that is
-    not a GEMV; qkv follows down across the layer boundary, gate-up o and down gate-up. Those preload one
-    vector a lane, the others none; a ``preload`` in the tuning wins over the rule, less what would spill; off by
-    default. ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the complement, N vectors; 4 by default, 0 turns it off."""
+def test_preload_after_gemv_kernels(monkeypatch):
+    """``$LUM_GEMV_PRELOAD_AFTER_GEMV``: in llama3-1b's decode layer the GEMVs whose kernel before is a GEMV
+    (qkv after down across the layer boundary, gate-up after o, down after gate-up) preload N vectors a lane,
+    4 by default, less what would spill or crowd the SMs; o (after the attention reduce) and the LM head (after
+    the argmax) none. 0 turns it off; a ``preload`` in the tuning wins over the rule, less what would spill."""
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
@@ -706,21 +672,13 @@ def test_preload_after_small_kernels(monkeypatch):
     default = preloads()
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     assert all(p == 0 for _, p in preloads())
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "1")
-    assert preloads() == [("3072", 0), ("2048", 1), ("8192", 0), ("2048", 0), ("128256", 1)]
     # a preload of 2 everywhere, but the gate-up GEMV (1,024 threads, so 64 registers at most) spills at 2:
     # halved to 1 (builder/kernels.py _loads_ahead_without_spills)
     assert preloads(preload=2) == [("3072", 2), ("2048", 2), ("8192", 1), ("2048", 2), ("128256", 2)]
-    # ``$LUM_GEMV_PRELOAD_AFTER_GEMV``: the other GEMVs (qkv, gate-up, down) preload 4, less what would spill or
-    # crowd the SMs (gate-up halved to 1, as at LUM_GEMV_PRELOAD=4); both rules at once
+    # 4 (gate-up halved to 1, as at LUM_GEMV_PRELOAD=4; qkv and down to 2, for registers): the default
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "4")
-    both = preloads()
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_SMALL", "0")
-    after = preloads()
-    assert after == default          # the default: qkv 2, gate-up 1, down 2 (halved for registers)
-    assert [p for _, p in default] == [2, 0, 1, 2, 0], default
-    assert [p for _, p in after][1::3] == [0, 0] and all(p > 0 for _, p in (after[0], after[2], after[3])), after
-    assert both == [(n, 1 if i in (1, 4) else p) for i, (n, p) in enumerate(after)], both
+    assert preloads() == default
+    assert default == [("3072", 2), ("2048", 0), ("8192", 1), ("2048", 2), ("128256", 0)], default
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "9")
     with pytest.raises(ValueError):
         preloads()
@@ -775,7 +733,3 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     pre = preloads()
     assert pre[3] == (2560, 0, 1280) and pre[1] == (2560, 0, 320), pre     # down and o: no preload, grids whole
     assert pre[0][1] == 2 and pre[2][1] >= 1, pre
-    # ``$LUM_GEMV_PRELOAD_PROLOGUE``: only the GEMV with a prologue (qkv) preloads; the others as by default
-    monkeypatch.delenv("LUM_GEMV_PRELOAD")
-    monkeypatch.setenv("LUM_GEMV_PRELOAD_PROLOGUE", "2")
-    assert [p for _, p, _ in preloads()] == [2, 0, 0, 0]

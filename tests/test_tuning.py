@@ -72,13 +72,11 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     records)."""
     comp = T.measured_compiler(spec, BuildOptions(budget=2), None, timer_factory=FakeTimer, device=FAKE)
     base = comp.key_options({"p": 3})
-    assert "gemv_preload_prologue" not in base
     assert base["gemv_preload_after_gemv"] == 4                      # the default since 51edf84
     assert base["gemv_preload_shared"] == "after_small"              # the default since 2026-12-04
-    for env, raw, key, value in (("LUM_GEMV_PRELOAD_PROLOGUE", "2", "gemv_preload_prologue", 2),
-                                 ("LUM_ATTENTION_CHUNK", "32", "attention_chunk", 32),
+    for env, raw, key, value in (("LUM_ATTENTION_CHUNK", "32", "attention_chunk", 32),
                                  ("LUM_GEMV_TUNING", "3.inflight=4", "gemv_tuning", {"3": {"inflight": 4}}),
-                                 ("LUM_GEMV_PRELOAD_SHARED", "1", "gemv_preload_shared", "prologue_after_small")):
+                                 ("LUM_GEMV_PRELOAD_SHARED", "all", "gemv_preload_shared", "all")):
         monkeypatch.setenv(env, raw)
         assert comp.key_options({"p": 3}) == {**base, key: value}
         monkeypatch.delenv(env)
