@@ -67,8 +67,7 @@ What it does, in one run on one GPU:
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
      with ``LUM_GEMV_PROLOGUE_NARROW_A=0`` (none does),
      ``lum-prologue512`` and ``lum-prologue256`` with ``LUM_GEMV_PROLOGUE_THREADS`` (prologue GEMVs in blocks of
-     512 or 256 threads, not 1,024; ``lum-prologue-fit``: as many warps as put the columns on at most one block
-     an SM, llama3-1b's qkv 128 blocks), ``lum-unpaired`` with ``LUM_GEMV_PROLOGUE_PAIRS=0`` (one column a warp; by
+     512 or 256 threads, not 1,024), ``lum-unpaired`` with ``LUM_GEMV_PROLOGUE_PAIRS=0`` (one column a warp; by
      default every prologue GEMV without an epilogue computes two, 2026-12-04; ``lum-pairs``: only those whose
      weights preload into shared memory, ``=shared``), ``lum-lmhead-prologue`` with
      ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
@@ -156,7 +155,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},
-                 "lum-prologue-fit": {"LUM_GEMV_PROLOGUE_THREADS": "fit"},
                  "lum-pairs": {"LUM_GEMV_PROLOGUE_PAIRS": "shared"}, "lum-unpaired": {"LUM_GEMV_PROLOGUE_PAIRS": "0"},
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)

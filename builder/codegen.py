@@ -102,7 +102,6 @@ __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "gener
            "ENV_GEMV_TUNING", "gemv_tuning_override",
            "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
            "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
-           "prologue_fit_threads",
            "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
            "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
            "env_switch", "env_choice",
@@ -633,8 +632,7 @@ def _default_threads(op: LOp) -> int:
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
-        t = gemv_prologue_threads()                   # --mode prologue: 1,024 or 512 threads, warp groups, best)
-        return prologue_fit_threads(op) if t == "fit" else t
+        return gemv_prologue_threads()                # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         if cols.is_const and cols.value >= 8192:
@@ -662,27 +660,15 @@ def gemv_prologue_pairs() -> str | None:
     return env_choice(ENV_GEMV_PROLOGUE_PAIRS, {"0": None, "shared": "shared", "1": "all"}, "1")
 
 
-def gemv_prologue_threads() -> int | str:
-    """``$LUM_GEMV_PROLOGUE_THREADS`` (128, 256, 512 or 1,024, the default; or ``fit``): the block size of a
+def gemv_prologue_threads() -> int:
+    """``$LUM_GEMV_PROLOGUE_THREADS`` (128, 256, 512 or 1,024, the default): the block size of a
     prologue GEMV the tuning leaves open. One column a warp, so 1,024 threads give llama3-1b's qkv (3,072
     columns) 96 blocks, one an SM on 96 of the 132 SMs; smaller blocks spread its weights over more SMs, each
     block computing the prologue again. Measured (a431934, same runs): 512 −0.4% on gemma3-4b and −0.5% on
-    llama3-1b, 256 −4.6% on llama3-1b: 192 and 384 blocks, two or three on some SMs and fewer on others.
-    ``fit``: the fewest warps whose blocks, one a tile, still fit the SMs in one wave
-    (:func:`prologue_fit_threads`): llama3-1b's qkv 768 threads, 128 blocks on 128 SMs; gemma3-4b's qkv
-    (4,096 columns) and the wide gate-up keep 1,024."""
-    return env_choice(ENV_GEMV_PROLOGUE_THREADS, {**{str(t): t for t in (128, 256, 512, 1024)}, "fit": "fit"},
-                       "1024")
-
-
-def prologue_fit_threads(op: LOp) -> int:
-    """A prologue GEMV's block size under ``$LUM_GEMV_PROLOGUE_THREADS=fit``: a warp a column (a pair of columns
-    a warp when paired, in half the threads), as many warps as put its columns on at most :data:`SMS` blocks,
-    an even count (whole warps when paired), at most 1,024 threads (a dynamic width: 1,024)."""
-    cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
-    if not cols.is_const:
-        return 1024
-    return 64 * min(16, -(-cols.value // (2 * SMS)))
+    llama3-1b, 256 −4.6% on llama3-1b: 192 and 384 blocks, two or three on some SMs and fewer on others. The
+    fewest warps whose blocks still fit the SMs in one wave (llama3-1b's qkv 128 blocks of 384 threads, two
+    columns a warp) measured −2.1% on llama3-1b (8bb5e81) and is gone."""
+    return env_choice(ENV_GEMV_PROLOGUE_THREADS, {str(t): t for t in (128, 256, 512, 1024)}, "1024")
 
 
 def gemv_balance() -> bool:

@@ -365,25 +365,23 @@ def test_shared_preload_switch_takes_the_gemvs_after_small_kernels(nvrtc, monkey
         _layer_gemvs(*llama)
 
 
-def test_prologue_threads_fit_the_sms(monkeypatch):
-    """``$LUM_GEMV_PROLOGUE_THREADS=fit``: llama3-1b's qkv (3,072 columns, two a warp) in 128 blocks of 384
-    threads, not 96 of 512; its gate-up and gemma3-4b's qkv (4,096 columns: 32 warps already fill 128 SMs)
-    keep 1,024 threads' worth; other values are refused with the choices named."""
-    from tests.test_attention_stage import _layer
-
-    llama, gemma = _llama_layer(), _layer("gemma3-4b", BF16)
+def test_prologue_threads_switch(monkeypatch):
+    """``$LUM_GEMV_PROLOGUE_THREADS=512``: llama3-1b's prologue GEMVs in blocks of half the default's 1,024
+    threads (its qkv, two columns a warp, 512 → 256; gate-up 1,024 → 512), its qkv in twice the blocks, the
+    other GEMVs unchanged; values other than 128, 256, 512 and
+    1,024 (``fit``, since removed) are refused with the choices named."""
+    llama = _llama_layer()
     monkeypatch.delenv("LUM_GEMV_PROLOGUE_THREADS", raising=False)
-    before = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "fit")
-    after = {m: _layer_gemvs(*pd) for m, pd in (("llama", llama), ("gemma", gemma))}
-    qkv = after["llama"][0]
-    assert (qkv.block[0], qkv.grid[0].value, qkv.tuning["cols"]) == (384, 128, 24), (qkv.block, qkv.grid)
-    assert before["llama"][0].grid[0].value == 96
-    assert [ks.name for ks in after["llama"][1:]] == [ks.name for ks in before["llama"][1:]]
-    assert [ks.name for ks in after["gemma"]] == [ks.name for ks in before["gemma"]]
-    monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "384")
-    with pytest.raises(CodegenError, match="fit"):
-        _layer_gemvs(*llama)
+    before = _layer_gemvs(*llama)
+    monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", "512")
+    after = _layer_gemvs(*llama)
+    assert [(before[i].block[0], after[i].block[0]) for i in (0, 2)] == [(512, 256), (1024, 512)]
+    assert after[0].grid[0].value == 2 * before[0].grid[0].value, (before[0].grid, after[0].grid)
+    assert [after[i].name for i in (1, 3)] == [before[i].name for i in (1, 3)]
+    for bad in ("fit", "384"):
+        monkeypatch.setenv("LUM_GEMV_PROLOGUE_THREADS", bad)
+        with pytest.raises(CodegenError, match="128, 256, 512 or 1024"):
+            _layer_gemvs(*llama)
 
 
 def test_one_gemv_tuned_from_the_environment(monkeypatch):

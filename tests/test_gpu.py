@@ -116,10 +116,8 @@ def test_gemv_matches_reference(dt, name, tmp_path_factory):
 @pytest.mark.parametrize("env", [{"LUM_GEMV_INFLIGHT": "4"}, {"LUM_GEMV_PRELOAD": "1", "LUM_CUDA_PDL": "1"},
                                  {"LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"},
                                  {"LUM_GEMV_PROLOGUE_NARROW_A": "1"},
-                                 {"LUM_GEMV_PROLOGUE_PAIRS": "1", "LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"},
-                                 {"LUM_GEMV_PROLOGUE_THREADS": "fit", "LUM_CUDA_PDL": "1"}],
-                         ids=["loads-ahead", "preload-pdl", "preload-shared-pdl", "narrow-a", "pairs-shared-pdl",
-                              "prologue-fit-pdl"])
+                                 {"LUM_GEMV_PROLOGUE_PAIRS": "1", "LUM_GEMV_PRELOAD_SHARED": "all", "LUM_CUDA_PDL": "1"}],
+                         ids=["loads-ahead", "preload-pdl", "preload-shared-pdl", "narrow-a", "pairs-shared-pdl"])
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     """The gemv cases built with every GEMV lane loading 4 weight vectors ahead (``LUM_GEMV_INFLIGHT``), with
@@ -128,9 +126,7 @@ def test_gemv_variants_match_reference(dt, env, tmp_path_factory, monkeypatch):
     (``LUM_GEMV_PRELOAD_SHARED=all``), launched programmatically (``LUM_CUDA_PDL``; templates/gemv.cu, all off by
     default), or with the prologue cases' bf16 A kept as bf16 in shared memory (``LUM_GEMV_PROLOGUE_NARROW_A``),
     or with each warp of the prologue cases computing two columns (``LUM_GEMV_PROLOGUE_PAIRS``) from weights
-    preloaded into shared memory, or with the prologue cases in as many warps as fill the SMs once
-    (``LUM_GEMV_PROLOGUE_THREADS=fit``: 3 warps a block for 600 columns), poisoned output arena, against the
-    reference."""
+    preloaded into shared memory, poisoned output arena, against the reference."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     res = _compute_cases(gemv_cases, dt, tmp_path_factory)
