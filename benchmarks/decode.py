@@ -46,22 +46,11 @@ What it does, in one run on one GPU:
      ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
-     rather than computed by the attention kernel: builder/attention_stage.py), ``lum-stagepred`` with
-     ``LUM_ATTENTION_STAGE_BRANCH=0`` (every warp of the attention kernel runs every stage row, the others'
-     predicated off, as before 2026-12-03: builder/codegen.py _attention_stage), ``lum-merge1`` with
-     ``LUM_ATTENTION_MERGE_ALL=0`` (decode attention merges its warps' partials a query row at a time, a
-     barrier pair each, rather than all rows after one pair), ``lum-keybykey`` with ``LUM_ATTENTION_KEY_BATCH=0``
-     (decode attention updates each query row's softmax after every key, rather than once for a step's
-     keys after their logits), ``lum-stage2rounds`` with ``LUM_ATTENTION_STAGE_ONE_ROUND=0`` (decode attention's block keeps
-     4 warps of 4 keys, its stage's rows in two rounds where they are more than 4: llama3-1b's six, as
-     before 2026-12-04; by default 8 warps of 2 keys),
+     rather than computed by the attention kernel: builder/attention_stage.py),
      ``lum-nopreload-shared`` with ``LUM_GEMV_PRELOAD_SHARED=0`` (GEMVs keep their early weights in registers, as
      before 2026-12-04; by default every GEMV behind a kernel that is not a GEMV, its grid one wave, copies every
      weight vector of its lanes' first column into shared memory before it waits: gemma3-4b's qkv 160 KB a
-     block, its o and llama3-1b's o), ``lum-trigger-first`` with
-     ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0`` (decode attention lets
-     the combine, and so o, launch as it starts, not after its stage as by default; measured slower on
-     llama3-1b, even on gemma3-4b),
+     block, its o and llama3-1b's o),
      ``lum-narrow-a`` with
      ``LUM_GEMV_PROLOGUE_NARROW_A=1`` (prologue GEMVs keep their bf16 A as bf16 in shared memory, half the bytes
      each warp reads; the default does only where their weights preload into shared memory), ``lum-wide-a``
@@ -148,10 +137,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
-                 "lum-stagepred": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "lum-merge1": {"LUM_ATTENTION_MERGE_ALL": "0"},
-                 "lum-keybykey": {"LUM_ATTENTION_KEY_BATCH": "0"}, "lum-stage2rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
-                 "lum-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},
                  "lum-prologue256": {"LUM_GEMV_PROLOGUE_THREADS": "256"},

@@ -46,25 +46,9 @@ from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
 __all__ = ["ENV_ATTENTION_STAGE", "attention_stage_enabled", "stage_ops",
-           "ENV_ATTENTION_TRIGGER_AFTER_STAGE", "attention_trigger_after_stage",
            "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
-ENV_ATTENTION_TRIGGER_AFTER_STAGE = "LUM_ATTENTION_TRIGGER_AFTER_STAGE"
-
-
-def attention_trigger_after_stage() -> bool:
-    """``$LUM_ATTENTION_TRIGGER_AFTER_STAGE``: ``1`` (the default) has each block of a fused attention let the
-    next kernel launch after its stage's barrier, not as it starts; ``0`` lets it launch as the block starts.
-    Why: under programmatic launch the combine (which triggers as it starts) and o (whose 320 blocks then copy
-    10.5 MB of weights into shared memory before their wait) become resident as the attention starts, and the
-    copies share the bus with the stage's reads: gemma3-4b's stage took 2.72 µs from the wait to its barrier
-    at b57ec6e, 1.86 µs with o launched after the combine's wait (a switch since removed, c2fe51a,
-    which lost 1.3% as o's copies had too little time left). After the stage, o's copies still have the
-    chunk's keys, the stores and the combine (≈ 5 µs) to land in. Measured (2d7e1fb): the stage 2.72 → 1.76
-    µs and o's link 2.94 → 4.38; gemma3-4b ±0, llama3-1b +0.7%, +0.6%, +0.6% in three same-run pairs
-    (2d7e1fb, 67ad255): on since then."""
-    return env_switch(ENV_ATTENTION_TRIGGER_AFTER_STAGE, default=True)
 
 
 def attention_stage_enabled() -> bool:
@@ -199,13 +183,15 @@ def _dts(program: Program, op: LOp) -> list:
 def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Sequence[str],
           max_dyn: Mapping[str, int] | None, common: Mapping[str, Any]) -> KernelSource:
     """The attention kernel running its stage's rows (``templates/attention.cu`` STAGE); CodegenError where it
-    cannot."""
+    cannot. Each block lets the next kernel launch after its stage's barrier, not as it starts: under
+    programmatic launch o's blocks (behind the combine) copy their weights into shared memory once resident,
+    and those copies shared the bus with the stage's reads (gemma3-4b's stage 2.72 → 1.76 µs; llama3-1b +0.6%
+    in three same-run pairs, gemma3-4b ±0: 2d7e1fb, 67ad255)."""
     md = dict(max_dyn or {}) or None
-    trigger = attention_trigger_after_stage()
     rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
             for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), trigger=trigger), **common)
+                  stage=_stage(att, rows), **common)
     body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
     if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -239,5 +225,5 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
                         launches=(replace(ks.launches[0], kernel=name),), params=tuple(params), dyn_vars=ks.dyn_vars,
                         dyn_slots=dict(sorted(slots.items(), key=lambda kv: kv[1])),
                         tuning={**ks.tuning, "stage": [o.id for o in run[:-1]],
-                                **({"stage_trigger": True} if trigger else {})},
+                                "stage_trigger": True},
                         tails=tuple(o.id for o in run[1:]))

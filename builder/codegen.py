@@ -139,10 +139,6 @@ GEMV_OVERRIDE_KEYS = ("threads", "group", "unroll", "inflight", "preload", "max_
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
-ENV_STAGE_ONE_ROUND = "LUM_ATTENTION_STAGE_ONE_ROUND"  # 0: a stage's rows take two rounds of 4 warps where they are more than 4
-ENV_STAGE_BRANCH = "LUM_ATTENTION_STAGE_BRANCH"  # 0: every warp runs every stage row, predicated off but its own
-ENV_MERGE_ALL_ROWS = "LUM_ATTENTION_MERGE_ALL"   # 0: decode attention merges its warps' partials a query row at a time
-ENV_ATTENTION_KEY_BATCH = "LUM_ATTENTION_KEY_BATCH"  # 0: decode attention updates its softmax after every key (default 1: once a step)
 SMS = 132                                       # SMs of an H100 / H200
 _GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
 
@@ -769,10 +765,8 @@ def attention_stage_block(op: LOp) -> tuple[int, int] | None:
     4) for the stage's M query rows and its k and v rows to take one round, and UNROLL keys a warp so that
     WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six rows) ran in two rounds,
     warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips (one round measured
-    +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round, where the
-    chunk cannot be split so, or with ``$LUM_ATTENTION_STAGE_ONE_ROUND=0``."""
-    if not env_switch(ENV_STAGE_ONE_ROUND, default=True):
-        return None
+    +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round or where the
+    chunk cannot be split so."""
     rows, chunk = attention_group_rows(op), int(op.params["chunk"])
     if not rows.is_const or rows.value + 2 <= 4:
         return None
@@ -855,7 +849,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads(trigger="template" if stage is not None and stage.trigger else "start")
+    dyn_loads, slots = ctx.dyn_loads(trigger="start" if stage is None else "template")
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
@@ -882,8 +876,6 @@ class AttentionStage:
     qb: tuple[int, int, int]
     k: tuple[int, int]
     v: tuple[int, int]
-    trigger: bool = False   # each block lets the next kernel launch after its stage's barrier, not as it
-                            # starts ($LUM_ATTENTION_TRIGGER_AFTER_STAGE, builder/attention_stage.py)
 
 
 @dataclass(frozen=True)
@@ -1896,20 +1888,16 @@ class _Gen:
         rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
         scale = float(op.params["scale"])
         logit = f"(lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)}"
-        keys_before, keys_after = "", ""
-        # a step's logits first, then one update a query row
-        if env_switch(ENV_ATTENTION_KEY_BATCH, default=True):
-            key, keys_before, keys_after = self._attention_key_batch(ind4, mval, logit, rnd)
-        else:
-            key = self._attention_key(ind4, mval, logit, rnd)
+        key, keys_before, keys_after = self._attention_key_batch(ind4, mval, logit, rnd)
         out_idx = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), zero))
         ctx.bound_var("lum_j", ns)
         ctx.exprs.append(ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), as_expr(DV + 2))))
         # the warps' partials of all M query rows merged after one barrier pair where they and the stage's rows
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
+        # (a row at a time, two barriers each, measured even: benchmarks/NOTES.md)
         other = 4 * 32 * m_size * dpl if self.stage is not None else 0
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
-        merge_rows = m_size if fits and env_switch(ENV_MERGE_ALL_ROWS, default=True) else 1
+        merge_rows = m_size if fits else 1
         src = render(load_template("attention.cu"), {**stage,
             "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
@@ -2039,18 +2027,12 @@ class _Gen:
                 f"{ind}  for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] += lum_p * lum_v[u][i];",
                 f"{ind}}}"]
 
-    def _attention_key(self, ind: str, mval: str, logit: str, rnd: str) -> list[str]:
-        """attention.cu's KEY: every query row's online-softmax update for key lum_t of slot u."""
-        return [*self._attention_logit(ind, mval, logit, "lum_keep", "lum_x", True),
-                *self._attention_rescale(ind + "  ", ind, "lum_x"),
-                *self._attention_term(ind + "  ", ind, "lum_keep", "lum_x", rnd), f"{ind}}}"]
-
     def _attention_key_batch(self, ind: str, mval: str, logit: str, rnd: str) -> tuple[list[str], str, str]:
-        """attention.cu's KEY, KEYS_BEFORE and KEYS_AFTER (unless ``$LUM_ATTENTION_KEY_BATCH`` is 0): the step's
-        UNROLL logits of every query row first (their warp reductions independent of each other), then per
-        row one maximum, one rescale and the UNROLL keys' terms in key order. The offsets are integers, so
-        2^(x − c) · 2^(c − c') = 2^(x − c') and rounding commutes with the rescale: the same partials as
-        the update after every key (outside subnormal results)."""
+        """attention.cu's KEY, KEYS_BEFORE and KEYS_AFTER: the step's UNROLL logits of every query row first
+        (their warp reductions independent of each other), then per row one maximum, one rescale and the
+        UNROLL keys' terms in key order. The offsets are integers, so 2^(x − c) · 2^(c − c') = 2^(x − c') and
+        rounding commutes with the rescale: the same partials as an update after every key (outside subnormal
+        results), which it replaced (2026-12-03)."""
         key = [*self._attention_logit(ind, mval, logit, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", False), f"{ind}}}"]
         i6 = ind[:-2]
         before = f"{i6}float lum_xs[UNROLL][M];   // the step's logits (log2 domain), and which keys count\n" \
@@ -2068,10 +2050,11 @@ class _Gen:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row ``t`` (t < M),
         the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a stage
-        row reduces with warp shuffles only: its group is a warp). With ``$LUM_ATTENTION_STAGE_BRANCH=0``
-        every warp calls every row function, the others' predicated off: the compiler cannot tell the
-        condition is warp-uniform, so each warp issued all three rows' instructions (Nsight Compute on
-        gemma3-4b: 823 instructions a warp before the barrier, 175 of them loads)."""
+        row reduces with warp shuffles only: its group is a warp). Every warp calling every row function,
+        the others' predicated off, issued all three rows' instructions in each warp (the compiler cannot tell
+        the condition is warp-uniform; Nsight Compute on gemma3-4b: 823 instructions a warp before the
+        barrier, 175 of them loads) and measured 1.7% slower on gemma3-4b. Each block lets the next kernel
+        launch after its stage's barrier (:mod:`lum.builder.attention_stage`)."""
         st = self.stage
         if st is None:
             return {"STAGE_DECL": "", "STAGE_PRE": "", "STAGE": ""}
@@ -2081,12 +2064,9 @@ class _Gen:
         q0, qh, qm = st.q
         b0, bh, bm = st.qb
 
-        branch = env_switch(ENV_STAGE_BRANCH, default=True)
-
         def call(ind: str, live: str, fn: str) -> str:
-            """Row function call ``fn(…, live, …)``: only in the warps whose task it is (``branch``), else in
-            every warp with ``live`` as its flag."""
-            return f"{ind}if ({live}) {fn.format(live='true')}" if branch else f"{ind}{fn.format(live=live)}"
+            """Row function call ``fn(…, live, …)``, only in the warps whose task it is."""
+            return f"{ind}if ({live}) {fn.format(live='true')}"
 
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
             return [call(ind, k_live, f"lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {{live}}, "
@@ -2108,8 +2088,7 @@ class _Gen:
                      "(long long)lum_w0, (long long)lum_w1, (long long)lum_T, lum_j == 0"),
                  f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
                  # the parenthesised name calls the function, not the stamps builds' macro (its start stamp)
-                 *([f"{ind}  if (lum_untriggered) {{ lum_untriggered = false; (lum_pdl_trigger)(); }}"]
-                   if st.trigger else []),
+                 f"{ind}  if (lum_untriggered) {{ lum_untriggered = false; (lum_pdl_trigger)(); }}",
                  f"{ind}}}"]
         pre = ["  if (lum_ns == 0) {   // no chunk reads the cache: the stage still writes the kv rows",
                f"    for (idx_t lum_h = (idx_t)blockIdx.x; lum_h < (idx_t)({self.ctx.c(heads_n)}); "
@@ -2120,8 +2099,8 @@ class _Gen:
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
         decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
-        if st.trigger:    # the next kernel launches once every block has passed its first stage (or exited)
-            decl += "\n  bool lum_untriggered = true;"
+        # the next kernel launches once every block has passed its first stage (or exited)
+        decl += "\n  bool lum_untriggered = true;"
         return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}
 

@@ -65,9 +65,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.attention_stage import ENV_ATTENTION_STAGE, ENV_ATTENTION_TRIGGER_AFTER_STAGE
-from lum.builder.codegen import (ENV_ATTENTION_KEY_BATCH, ENV_GEMV_EVICT_FIRST,
-                                 ENV_MERGE_ALL_ROWS, ENV_STAGE_BRANCH, ENV_STAGE_ONE_ROUND, env_switch,
+from lum.builder.attention_stage import ENV_ATTENTION_STAGE
+from lum.builder.codegen import (ENV_GEMV_EVICT_FIRST, env_switch,
                                  flash_attention, flash_attention_enabled,
                                  gemv_balance, gemv_inflight_default,
                                  gemv_kernel_ops, gemv_preload_after_gemv,
@@ -97,9 +96,7 @@ __all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECIS
 DB_VERSION = 1
 # On / off kernel switches with no entry of their own in a search's database key, and their defaults: the key
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
-KEY_SWITCHES = {ENV_STAGE_ONE_ROUND: True, ENV_STAGE_BRANCH: True, ENV_MERGE_ALL_ROWS: True,
-                ENV_ATTENTION_KEY_BATCH: True, ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True,
-                ENV_ATTENTION_TRIGGER_AFTER_STAGE: True}
+KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8

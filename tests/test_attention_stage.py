@@ -130,11 +130,10 @@ def test_stage_kernels_compile(nvrtc, tmp_path, arch):
 
 
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
-def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, block):
+def test_one_round_stage_takes_warps_for_every_stage_row(model, block):
     """By default a stage of more than four rows (llama3-1b: 4 query rows, k, v) gets a
     power of two of warps, all its rows in one round, and UNROLL so that WARPS · UNROLL stays the chunk (16);
-    a stage that fits four warps (gemma3-4b: 2 query rows) keeps 4 warps of 4 keys. With
-    ``LUM_ATTENTION_STAGE_ONE_ROUND=0`` every one keeps them."""
+    a stage that fits four warps (gemma3-4b: 2 query rows) keeps 4 warps of 4 keys."""
     prog, dv = _layer(model, DType.bf16)
     att = _attention(prog)
     assert attention_stage_block(att) == block
@@ -144,31 +143,25 @@ def test_one_round_stage_takes_warps_for_every_stage_row(monkeypatch, model, blo
     assert len(ks) == 1 and ks[0].block[0] == threads and ks[0].tuning["unroll"] == unroll
     if block is not None:                  # one round of stage rows
         assert "for (int lum_r = 0; lum_r < 1; ++lum_r)" in ks[0].body
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")
-    assert attention_stage_block(att) is None
 
 
-def test_trigger_after_stage(monkeypatch):
-    """``LUM_ATTENTION_TRIGGER_AFTER_STAGE`` (on by default): of gemma3-4b's decode layer kernels only the fused
-    attention differs from the build at ``0``: no trigger in its preamble (a start stamp instead), one after its
-    stage's barrier, once a block; it still waits first, so the table stays programmatic. At ``0`` the trigger
-    comes first."""
+def test_trigger_after_stage():
+    """Of gemma3-4b's decode layer kernels only the fused attention lets the next kernel launch after its
+    stage's barrier: no trigger in its preamble (a start stamp instead), one after the barrier, once a block;
+    it still waits first, so the table stays programmatic. Every other kernel triggers first."""
     prog, dv = _layer("gemma3-4b", DType.bf16)
-    max_dyn = default_max_dyn(dv, MAX_SEQ)
-    after = group_kernel_sources(prog, dv, max_dyn)
-    monkeypatch.setenv("LUM_ATTENTION_TRIGGER_AFTER_STAGE", "0")
-    first = group_kernel_sources(prog, dv, max_dyn)
-    changed = [i for i in first if first[i] is not None and first[i].name != after[i].name]
-    assert len(changed) == 1 and after[changed[0]].tuning.get("stage_trigger")
-    assert "stage_trigger" not in first[changed[0]].tuning
-    early = first[changed[0]].body.split("_attn(LumQ")[1]
-    assert early.index("lum_pdl_trigger();") < early.index("lum_pdl_wait();")
-    body = after[changed[0]].body.split("_attn(LumQ")[1]
+    after = group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ))
+    fused = [i for i, k in after.items() if k is not None and k.tuning.get("stage_trigger")]
+    assert len(fused) == 1 and after[fused[0]].tuning["stage"] and "_attn(LumQ" in after[fused[0]].body
+    for i, k in after.items():
+        if k is not None and i not in fused:
+            assert k.body.count("lum_pdl_trigger();") >= 1 and "(lum_pdl_trigger)();" not in k.body, k.name
+    body = after[fused[0]].body.split("_attn(LumQ")[1]
     assert "lum_pdl_trigger();" not in body and body.count("(lum_pdl_trigger)();") == 1
     order = ["LUM_STAMP_AT(0);", "lum_pdl_wait();", "__syncthreads();   // the query", "(lum_pdl_trigger)();",
              "LUM_STAMP_AT(2);"]
     assert [body.index(x) for x in order] == sorted(body.index(x) for x in order)
-    assert _waits(after[changed[0]])
+    assert _waits(after[fused[0]])
 
 
 def test_a_kernel_that_does_not_wait_warns_at_the_table():

@@ -39,10 +39,7 @@ GEMV_VARIANTS = {"narrow-a": ({"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "narrow_a"), 
                  "unpaired": ({"LUM_GEMV_PROLOGUE_PAIRS": "0"}, "pairs")}          # one column a warp
 FUSED = {"stage": {},     # kernel fusions: their build environment (none: the default)
          "siblings": {"LUM_ATTENTION_STAGE": "0"},
-         "stage-predicated": {"LUM_ATTENTION_STAGE_BRANCH": "0"}, "merge-by-row": {"LUM_ATTENTION_MERGE_ALL": "0"},
-         "key-by-key": {"LUM_ATTENTION_KEY_BATCH": "0"}, "stage-two-rounds": {"LUM_ATTENTION_STAGE_ONE_ROUND": "0"},
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
-         "stage-trigger-first": {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"}}
 
 
@@ -296,14 +293,13 @@ print(json.dumps(out))
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
 
-BIT_EQUAL = ("key-by-key", "merge-by-row", "stage-predicated", "preload-shared")   # the default's arithmetic
+BIT_EQUAL = ("preload-shared",)   # the default's arithmetic
 
 
 def test_variants_that_reorder_no_arithmetic_are_bit_equal(env):
-    """The variants that change only how the work is scheduled (the attention stage rows predicated in every
-    warp, the warps' partials merged a row at a time, a step's keys' softmax updated at once: its offsets are
-    integers, so the rescales are exact; GEMVs' first weights preloaded into shared memory, summed in the same
-    order) give every kernel case's outputs bit for bit as the default package does."""
+    """The variants that change only how the work is scheduled (every GEMV's first weights preloaded into shared
+    memory, summed in the same order) give every kernel case's outputs bit for bit as the default package
+    does."""
     res = run(env, r'''
 import numpy as np
 import lum.loader as L
@@ -358,16 +354,10 @@ print(json.dumps({"flagged": flagged, "outputs": len(plain), "diff": [k for k in
 def test_fused_kernel_variants_match_reference(env, variant):
     """Built with a kernel fusion: ``stage`` (the default package: the tiny models' decode attention computes its q
     rows and kv-cache writes, builder/attention_stage.py; the kernel cases' independent kernels in a row run as
-    one launch each), ``stage-predicated`` (``LUM_ATTENTION_STAGE_BRANCH=0``: every warp runs every stage row,
-    predicated), ``merge-by-row`` (``LUM_ATTENTION_MERGE_ALL=0``: the warps' partials merged a query row at a
-    time), ``key-by-key`` (``LUM_ATTENTION_KEY_BATCH=0``: a softmax update after every key, not one a step),
-    ``stage-two-rounds`` (``LUM_ATTENTION_STAGE_ONE_ROUND=0``: tiny-qwen3's stage of 4 query rows, k and v on 4
-    warps of 4 keys, two rounds, rather than 8 warps of 2; the kernel cases run no stage), ``siblings``
+    one launch each), ``siblings``
     (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch), ``preload-shared``
     (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into shared memory before it
-    waits, where by default only those behind small kernels do: builder/codegen.py gemv_preload_shared),
-    ``stage-trigger-first`` (``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``: decode attention lets the kernel after it
-    launch as it starts, not after its stage as by default; launch order only, as the emulation runs it) or
+    waits, where by default only those behind small kernels do: builder/codegen.py gemv_preload_shared) or
     ``norms-ahead`` (``LUM_NORMS_AHEAD=1``: every tiny model's decode layer ends with the next layer's input norm,
     as only Gemma's does by default, so its qkv is a plain GEMV; the kernel cases are unchanged). Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
@@ -430,10 +420,10 @@ print(json.dumps(out))
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
-        if variant.startswith("stage"):   # q, k, v and the attention: one kernel
-            assert 3 in res["tails"][name], res["tails"]
-        elif variant == "siblings":    # q, k and v: one sibling kernel
+        if variant == "siblings":      # q, k and v: one sibling kernel
             assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
+        else:                          # q, k, v and the attention: one kernel
+            assert 3 in res["tails"][name], res["tails"]
         assert res[name] == res[name + ".want"], name
 
 

@@ -404,9 +404,6 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                                _any_op(_sibling_kernel)),
                   "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"},
                                        _any_op(lambda op: op.tuning.get("stream"))),
-                  "attention-trigger-after-stage": (None, {"LUM_ATTENTION_TRIGGER_AFTER_STAGE": "0"},
-                                                    _any_op(lambda op: _stage_kernel(op)
-                                                            and op.tuning.get("stage_trigger"))),
                   "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer)}
 
 
@@ -417,8 +414,7 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     or independent small kernels in a row as one launch (on by default; built without them at
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
-    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or the attention letting the kernels after it
-    launch after its stage (the default; as it starts at ``LUM_ATTENTION_TRIGGER_AFTER_STAGE=0``), or each decode
+    ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or each decode
     layer ending with the next one's input norm (``LUM_NORMS_AHEAD=1``, Gemma's default; against 0); none changes
     a value. Decode logits of the fused package as the reference backend's (arena poisoned), and 40 greedy
     tokens (up to p = 47: three attention chunks) as the reference backend's and as the package without the

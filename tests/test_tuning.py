@@ -83,14 +83,14 @@ def test_the_db_key_follows_each_codegen_switch(spec, monkeypatch):
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")               # off: named by its absence
     assert comp.key_options({"p": 3}) == {k: v for k, v in base.items() if k != "gemv_preload_shared"}
     monkeypatch.delenv("LUM_GEMV_PRELOAD_SHARED")
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "1")          # a switch at its default: the same key
+    monkeypatch.setenv("LUM_GEMV_EVICT_FIRST", "1")                  # a switch at its default: the same key
     assert comp.key_options({"p": 3}) == base
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_ONE_ROUND", "0")          # ... set the other way: named
-    monkeypatch.setenv("LUM_ATTENTION_STAGE_BRANCH", "0")
-    assert comp.key_options({"p": 3}) == {**base, "switches": {"LUM_ATTENTION_STAGE_ONE_ROUND": False,
-                                                               "LUM_ATTENTION_STAGE_BRANCH": False}}
-    monkeypatch.delenv("LUM_ATTENTION_STAGE_ONE_ROUND")
-    monkeypatch.delenv("LUM_ATTENTION_STAGE_BRANCH")
+    monkeypatch.setenv("LUM_GEMV_EVICT_FIRST", "0")                  # ... set the other way: named
+    monkeypatch.setenv("LUM_ATTENTION_STAGE", "0")
+    assert comp.key_options({"p": 3}) == {**base, "switches": {"LUM_GEMV_EVICT_FIRST": False,
+                                                               "LUM_ATTENTION_STAGE": False}}
+    monkeypatch.delenv("LUM_GEMV_EVICT_FIRST")
+    monkeypatch.delenv("LUM_ATTENTION_STAGE")
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     assert "gemv_preload_after_gemv" not in comp.key_options({"p": 3})
 
