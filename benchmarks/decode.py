@@ -18,11 +18,9 @@ What it does, in one run on one GPU:
      input is the previous step's ``next_token`` output, no wait between steps, as the torch.compile loop
      below) and with ``device_loop=False``; the row's rate is the best of these (all in ``details``).
    * ``lum-serial``: the same package with every graph captured from one stream (``graph_branches=False``),
-     to measure what parallel graph branches give, side by side; ``lum-prefetch`` with ``l2_prefetch=True``
-     (a side branch warms L2 with each GEMV's weight while the small kernels before it run;
-     loader/cuda/prefetch.py); ``lum-graph-a-step`` with ``steps_per_graph=1`` (generate launches a CUDA graph
-     a decode step, as before step chains: loader/cuda/chain.py), ``lum-chain4`` / ``lum-chain16`` with 4 / 16
-     steps a graph (the default is 8).
+     to measure what parallel graph branches give, side by side; ``lum-graph-a-step`` with ``steps_per_graph=1``
+     (generate launches a CUDA graph a decode step, as before step chains: loader/cuda/chain.py),
+     ``lum-chain4`` / ``lum-chain16`` with 4 / 16 steps a graph (the default is 8).
    * ``lum-noprologue``: a second package built with ``LUM_GEMV_PROLOGUE=0`` (decode GEMVs read their
      input vectors from buffers; builder/prologue.py), to measure what GEMV prologues give, side by side;
      ``lum-noepilogue`` likewise with ``LUM_GEMV_EPILOGUE=0`` (builder/epilogue.py), ``lum-norowreads`` with
@@ -145,7 +143,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-next": {"LUM_GEMV_INFLIGHT": "4", "LUM_GEMV_PROLOGUE_MAX_COLS": "32768"}}
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
-               "lum-prefetch": {"l2_prefetch": True}, "lum-plain": {"programmatic_launch": False},
+               "lum-plain": {"programmatic_launch": False},
                "lum-graph-a-step": {"steps_per_graph": 1}, "lum-chain4": {"steps_per_graph": 4},
                "lum-chain16": {"steps_per_graph": 16},
                **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}

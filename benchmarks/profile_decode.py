@@ -56,7 +56,6 @@ from pathlib import Path
 import numpy as np
 
 from lum.builder.codegen import STAMP_FIELDS, stamp_tag
-from lum.format.manifest import L2_PREFETCH_ENTRY
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -66,8 +65,6 @@ from _common import (build_package, gpu_and_target, log, make_hf_folder, new_rec
                      set_log_tag)  # noqa: E402
 
 set_log_tag("profile-decode")
-# the loader's L2 prefetch hints (loader/cuda/prefetch.py) run on a branch of their own: listed, not summed
-HINT = {"kind": "l2_prefetch", "op": "hint"}
 
 
 def kernel_ops(pkg, entry: str, dyn: dict[str, int]) -> dict[str, dict]:
@@ -352,7 +349,7 @@ def _profile(args) -> int:
         us = _device_us(evt)
         if us <= 0:
             continue
-        info = ops.get(evt.key, HINT if evt.key == L2_PREFETCH_ENTRY else {})
+        info = ops.get(evt.key, {})
         per_step_us = us / args.steps
         launches = evt.count / args.steps
         nbytes = info.get("bytes", 0) * launches
@@ -363,8 +360,8 @@ def _profile(args) -> int:
                      "bytes_per_step": nbytes,
                      "GBps": round(nbytes / (per_step_us * 1e-6) / 1e9, 1) if nbytes and per_step_us else None})
     rows.sort(key=lambda r: -r["us_per_step"])
-    kernel_us = sum(r["us_per_step"] for r in rows if r["kind"] != HINT["kind"])   # hints: off the critical path
-    launches = sum(r["launches_per_step"] for r in rows if r["kind"] != HINT["kind"])
+    kernel_us = sum(r["us_per_step"] for r in rows)
+    launches = sum(r["launches_per_step"] for r in rows)
     by_kind: dict[str, dict] = defaultdict(lambda: {"us_per_step": 0.0, "launches_per_step": 0.0, "bytes_per_step": 0})
     for r in rows:
         k = by_kind[f"{r['kind']}/{r['op']}"]

@@ -90,7 +90,7 @@ from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
 from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
                              attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
                              gemm_parts, has_row_ops)
-from lum.format.manifest import L2_PREFETCH_CHUNK, MAX_SHARED_MEM
+from lum.format.manifest import MAX_SHARED_MEM
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
@@ -1088,8 +1088,7 @@ def _prologue_walks_tiles(op: LOp, ks: KernelSource) -> bool:
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:
-    """One NVRTC module holding several kernels (common.cuh once; identical kernels once), and the L2
-    prefetch entry the loader launches before a weight's GEMV (``lum.format.manifest.L2_PREFETCH_ENTRY``).
+    """One NVRTC module holding several kernels (common.cuh once; identical kernels once).
     With ``stamps`` (default ``$LUM_STAMPS`` is ``1``) the module also records when each kernel's sampled
     blocks start and finish waiting (templates/common.cuh "stamps"; read by benchmarks/profile_decode.py
     --stamps): a probe build, never a default one. The kernels' own text, and so their names, stay the same."""
@@ -1099,7 +1098,7 @@ def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -
     for k in kernels:
         unique.setdefault(k.name, k)
     if not stamps:
-        return "\n".join([common_header(), *(k.body for k in unique.values()), _l2_prefetch_source()])
+        return "\n".join([common_header(), *(k.body for k in unique.values())])
     parts, slot = [], 0
     for k in unique.values():
         parts += [f"#define LUM_STAMP_KERNEL {slot}\n#define LUM_STAMP_TAG {stamp_tag(k.name)}ull", k.body,
@@ -1107,7 +1106,7 @@ def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -
         slot += 1
     head = [f"#define LUM_STAMPS 1\n#define LUM_STAMP_BLOCKS {STAMP_BLOCKS}\n#define LUM_STAMP_FIELDS {STAMP_FIELDS}",
             f"__device__ unsigned long long lum_stamps[{max(1, slot) * STAMP_BLOCKS * STAMP_FIELDS}];"]
-    return "\n".join([*head, common_header(), *parts, _l2_prefetch_source()])
+    return "\n".join([*head, common_header(), *parts])
 
 
 ENV_STAMPS = "LUM_STAMPS"
@@ -1119,10 +1118,6 @@ def stamp_tag(name: str) -> int:
     """The number a stamped kernel records as its own (60 bits of its name's SHA-256), which the reader maps
     back to the kernel's name."""
     return int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
-
-
-def _l2_prefetch_source() -> str:
-    return render(load_template("l2_prefetch.cu"), {"CHUNK": L2_PREFETCH_CHUNK})
 
 
 # ============================================================================ generators

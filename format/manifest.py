@@ -58,13 +58,10 @@ time (``lum.builder.gemm_algos``)::
                 "algo_dims": {"m": 512, "n": 256, "k": 256, "batch": 1}}]   # where it was timed
 
 with ``target.cublaslt_version`` (an int, ``cublasLtGetVersion()``) naming the library they are valid
-for: the loader passes them only to that version. A group's module may also hold the entry
-``lum_l2_prefetch(const char* p, unsigned long long nbytes)`` (:data:`L2_PREFETCH_ENTRY`, every module
-built since the L2 prefetch; ``templates/l2_prefetch.cu``): a hint that warms L2 with ``nbytes`` from
-``p``, each thread one :data:`L2_PREFETCH_CHUNK` of it per pass, which the CUDA loader launches before
-weight GEMVs where it finds it (an older module simply has none). The parser checks everything above that a loader
-relies on (names, expressions and their vars, block limits, the parameter convention); the loader
-checks the table against the LLIR (every kernel op covered, kinds and arities equal).
+for: the loader passes them only to that version. Modules of packages built before the L2 prefetch was
+removed may carry an unused ``lum_l2_prefetch`` entry, which the loader ignores. The parser checks
+everything above that a loader relies on (names, expressions and their vars, block limits, the parameter
+convention); the loader checks the table against the LLIR (every kernel op covered, kinds and arities equal).
 
 ``programmatic: true`` says that every kernel of the table lets the next kernel of its stream launch
 early (``griddepcontrol.launch_dependents``) and waits on the device for the kernel before it
@@ -97,8 +94,6 @@ MAX_CLUSTER = 8                     # blocks a cluster, at most (the portable cl
 # kinds that are always kernels
 KERNEL_OP_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention")
 TABLE_OP_KINDS = KERNEL_OP_KINDS + ("gemm",)   # kinds a launch table may hold (a gemm: when not cuBLASLt)
-L2_PREFETCH_ENTRY = "lum_l2_prefetch"   # optional entry of a group module (see above)
-L2_PREFETCH_CHUNK = 1 << 14             # bytes one of its threads asks for at a time (the loader sizes grids by it)
 SM_RE = re.compile(r"sm_(\d{2,3})([af]?)")
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 _VERSION_RE = re.compile(r"\d{1,4}\.\d{1,4}")

@@ -344,11 +344,9 @@ class Session:
     default True), ``graph_cache`` (graphs kept per entry, LRU, default 1024), ``upload_method``
     (``"staged"`` or ``"register"``), ``debug_sync`` (synchronise after every op, naming a failure),
     ``graph_branches`` (capture independent kernels on parallel streams, default True;
-    ``LUM_CUDA_BRANCHES=0``), ``l2_prefetch`` (with branches: warm L2 with each weight GEMV's first bytes
-    while the small kernels before it run, default False: it measured within noise; ``LUM_CUDA_PREFETCH=1``),
-    ``programmatic_launch`` (programmatic dependent launch on sm_90+, default True; ``LUM_CUDA_PDL=0``),
-    ``steps_per_graph`` (greedy decode steps :meth:`generate` captures as one CUDA graph, default 8;
-    ``LUM_CUDA_STEPS_PER_GRAPH``; 1: a graph a step).
+    ``LUM_CUDA_BRANCHES=0``), ``programmatic_launch`` (programmatic dependent launch on sm_90+, default
+    True; ``LUM_CUDA_PDL=0``), ``steps_per_graph`` (greedy decode steps :meth:`generate` captures as one
+    CUDA graph, default 8; ``LUM_CUDA_STEPS_PER_GRAPH``; 1: a graph a step).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lum.builder.codegen import KernelSource, module_source
-from lum.format.manifest import L2_PREFETCH_ENTRY
 
 CC = shutil.which("cc") or shutil.which("gcc")
 CXX = shutil.which("g++") or shutil.which("clang++")
@@ -260,9 +259,6 @@ def kernel_library(kernels: Iterable[KernelSource], out_dir: Path) -> Path:
             sync = "true" if threaded else "false"
             run = f"lum_emu_run(grid, block, {sync}, [&] {{ {lc.kernel}({args}); }})"
             src.append(f'extern "C" void run_{lc.kernel}(void** p, unsigned grid, unsigned block) {{ {run}; }}')
-    src.append(f'extern "C" void run_{L2_PREFETCH_ENTRY}(void** p, unsigned grid, unsigned block) '
-               f'{{ lum_emu_run(grid, block, false, [&] {{ {L2_PREFETCH_ENTRY}(*(const char**)p[0], '
-               f'*(unsigned long long*)p[1]); }}); }}')
     out_dir.mkdir(parents=True, exist_ok=True)
     cpp = out_dir / "kernels.cpp"
     cpp.write_text("\n".join(src))

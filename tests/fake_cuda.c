@@ -205,7 +205,6 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
     case 76: *v = cc % 10; break;        /* COMPUTE_CAPABILITY_MINOR */
     case 16: *v = 132; break;            /* MULTIPROCESSOR_COUNT */
     case 113: *v = 1; break;             /* READ_ONLY_HOST_REGISTER_SUPPORTED */
-    case 38: *v = 50 << 20; break;       /* L2_CACHE_SIZE */
     default: *v = 0; break;
   }
   return OK;

@@ -56,7 +56,7 @@ def tiny_pkg(tmp_path_factory):
 def tiny_pkg_apart(tmp_path_factory):
     """tiny-llama with its independent small kernels launched apart (``LUM_SIBLING_KERNELS=0`` and
     ``LUM_ATTENTION_STAGE=0``; by default the k / v / q stage after qkv runs in the attention kernel): what graph
-    branches and the L2 prefetch branch schedule."""
+    branches schedule."""
     if not HAVE_NVRTC:
         pytest.skip("NVRTC is not installed")
     from lum.builder.models import load_spec
@@ -575,42 +575,6 @@ def test_graph_branches_schedule_small_cases():
     writes = [((0, 8),)] + [((8 * k, 8 * k + 8),) for k in range(1, 7)] + [((64, 72),)]
     s = schedule(reads, writes, max_streams=3)
     assert s.streams == 3 and set(range(7)) <= happens_before(s)[7]
-
-
-@needs_nvrtc
-def test_decode_plan_prefetches_weights_on_a_side_branch(tiny_pkg_apart, monkeypatch):
-    """With a prefetch kernel and a budget, each weight GEMV that ends a stretch of small kernels gets an
-    L2 prefetch step right after the GEMV before it, ordered after that GEMV and before nothing (on a
-    stream no other step uses), asking for the first bytes of the GEMV's largest weight."""
-    from lum.loader.cuda import prefetch as pf
-    from lum.loader.cuda.branches import happens_before
-
-    monkeypatch.setattr(pf, "MIN_WEIGHT_BYTES", 1024)      # tiny-llama's matrices are kilobytes
-    pkg, bounds = tiny_pkg_apart, {"p": 31}
-    layout, _ = _fake_layout(pkg, "decode", bounds)
-    plain = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds)
-    plan = build_entry_plan(pkg, "decode", layout, lambda g, name: (g, name), bounds,
-                            prefetcher=lambda g: ("prefetch", g), prefetch_bytes=1 << 20)
-    assert not any(st.function[0] == "prefetch" for st in plain.steps)
-    idx = [i for i, st in enumerate(plan.steps) if st.function[0] == "prefetch"]
-    assert idx and len(plan.steps) == len(plain.steps) + len(idx)
-    heavy = [i for i, st in enumerate(plan.steps) if sum(hi - lo for lo, hi in st.weights) >= pf.MIN_WEIGHT_BYTES]
-    assert all(st.prefetcher == ("prefetch", st.function[0]) for st in plan.steps if st.weights)
-    (seg,) = plan.segments
-    before = happens_before(seg.schedule)
-    for i in idx:
-        st, prev = plan.steps[i], plan.steps[i - 1]
-        target = plan.steps[min(j for j in heavy if j > i)]     # a norm's weight row is no GEMV's weight
-        ptr, nbytes = st.params.values
-        lo, hi = max(target.weights, key=lambda r: r[1] - r[0])
-        assert prev.weights and st.hint and st.reads == st.writes == ()
-        assert lo == ptr and 0 < nbytes <= min(hi - lo, 1 << 20) and nbytes % 16 == 0
-        assert i - 1 in before[i] and not any(i in before[j] for j in range(i + 1, len(plan.steps)) if j not in idx)
-        assert seg.schedule.placements[i].stream == seg.schedule.streams - 1      # the hints' own stream
-    assert {p.stream for j, p in enumerate(seg.schedule.placements) if j not in idx} == \
-        set(range(seg.schedule.streams - 1))
-    o_proj = [plan.steps[i + 1:] for i in idx]
-    assert any("(gemm " in next(s for s in rest if s.weights).where for rest in o_proj)
 
 
 def test_a_kernel_opts_in_where_its_static_and_dynamic_shared_memory_pass_48_kb(monkeypatch):

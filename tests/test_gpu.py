@@ -284,22 +284,6 @@ def test_tiny_model_logits_match_reference_backend(tiny_model, cublaslt):
         assert compare(got_d, want_d, 1e-4) is None, compare(got_d, want_d, 1e-4)
 
 
-def test_l2_prefetch_changes_no_result(tiny_model, cublaslt, monkeypatch):
-    """The L2 prefetch steps (loader/cuda/prefetch.py; tiny weights made eligible) run in the branched
-    decode graph and change no bit of the logits or the tokens."""
-    from lum.loader.cuda import prefetch
-
-    monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 1024)
-    _, _, path = tiny_model
-    pkg = lum.loader.open(path)
-
-    def hints_on(sess, on):
-        hints = sum(getattr(st, "hint", False) for st in sess.runner.plans["decode"].steps)
-        assert (hints > 0) == on, hints
-
-    _same_results_both_ways(pkg, "l2_prefetch", hints_on)
-
-
 def _same_results_both_ways(pkg, option: str, check) -> np.ndarray:
     """One decode step's logits and 12 greedy tokens with session ``option`` on and off (``check(sess, on)``
     first): finite and bit-equal both ways. Returns the logits."""

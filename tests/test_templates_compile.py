@@ -395,13 +395,3 @@ def test_kernel_cases_compile(cache_dir):
     assert {"attention", "scatter_nocopy", "reduce", "elementwise"} <= kinds
     assert any(k.tuning.get("scheme") == "row" for k in ks)
     _compile_family(ks, cache_dir)
-
-
-@pytest.mark.parametrize("arch,hint", [("sm_90", "cp.async.bulk.prefetch.L2.global"), ("sm_80", "prefetch.global.L2")])
-def test_every_module_holds_the_l2_prefetch_entry(arch, hint, cache_dir):
-    """The loader launches ``lum_l2_prefetch`` from any group module (loader/cuda/prefetch.py): it is in
-    every module, under the name the format gives, with Hopper's bulk hint or the per-line one before."""
-    from lum.format.manifest import L2_PREFETCH_ENTRY
-
-    res = nvrtc.compile_cuda(module_source([]), arch, name="prefetch.cu", ptx=True, cache_dir=cache_dir)
-    assert res.cubin and f".entry {L2_PREFETCH_ENTRY}(" in res.ptx and hint in res.ptx

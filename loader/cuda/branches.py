@@ -26,7 +26,7 @@ branches on, the runner plans the arena with ``BRANCH_SLACK`` steps of slack aft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -77,39 +77,29 @@ def _hits(table: tuple[np.ndarray, np.ndarray, np.ndarray], ranges: Sequence[Ran
     return step[m & (step < i)]
 
 
-def schedule(reads: Sequence[Sequence[Range]], writes: Sequence[Sequence[Range]], max_streams: int = 4,
-             hints: Mapping[int, int] | None = None) -> Schedule:
+def schedule(reads: Sequence[Sequence[Range]], writes: Sequence[Sequence[Range]], max_streams: int = 4) -> Schedule:
     """Place steps given their read and write ranges (``EVERYTHING`` for a barrier) on up to
     ``max_streams`` streams; see the module docstring. Step ``i`` depends on an earlier ``j`` when
-    ``i`` writes what ``j`` reads or writes, or reads what ``j`` writes. ``hints``: steps (an L2
-    prefetch) that follow the step given and precede nothing: they read and write nothing, and go on
-    a stream of their own that no other step uses, so no step waits behind one."""
+    ``i`` writes what ``j`` reads or writes, or reads what ``j`` writes."""
     n = len(reads)
-    hints = dict(hints or {})
     rt, wt = _table(reads), _table(writes)
     stream_of = np.zeros(n, dtype=np.int64)
-    regular = max(1, max_streams)
-    tails: list[int | None] = [None] * (regular + (1 if hints else 0))   # the hints' stream last
+    tails: list[int | None] = [None] * max(1, max_streams)
     placements: list[Placement] = []
     signals: set[int] = set()
     clocks: list[list[int]] = []
     for i in range(n):
-        if i in hints:
-            deps = np.array([hints[i]], dtype=np.int64)
-        else:
-            deps = np.concatenate([_hits(wt, writes[i], i), _hits(rt, writes[i], i), _hits(wt, reads[i], i)])
+        deps = np.concatenate([_hits(wt, writes[i], i), _hits(rt, writes[i], i), _hits(wt, reads[i], i)])
         latest: dict[int, int] = {}          # stream -> its latest step that i depends on
         for j in deps.tolist():
             k = int(stream_of[j])
             if j > latest.get(k, -1):
                 latest[k] = j
-        own = [k for k, j in latest.items() if tails[k] == j and k < regular]
-        if i in hints:
-            k = regular
-        elif own:
+        own = [k for k, j in latest.items() if tails[k] == j]
+        if own:
             k = max(own, key=lambda s: latest[s])
         elif latest:
-            k = min(range(regular), key=lambda s: -1 if tails[s] is None else tails[s])
+            k = min(range(len(tails)), key=lambda s: -1 if tails[s] is None else tails[s])
         else:
             k = 0
         # vector clocks: clock[s] = the latest step of stream s ordered before; a dependency that the

@@ -62,7 +62,7 @@ class StepChain:
                 layout, dyn={o: self.dyn.ptr + i * self.dyn_bytes + off for o, off in self._orders.items()},
                 inputs={in_name: self.log.ptr + 4 * i}, input_bytes={in_name: 4})
             self.plans.append(build_entry_plan(runner.pkg, entry, lay, runner._function, runner.bounds[entry],
-                                               runner.gemm_algos, None, 0, runner.programmatic,
+                                               runner.gemm_algos, runner.programmatic,
                                                feedback_to=self.log.ptr + 4 * (i + 1)))
         self._stage = [runner._own(_Slot(self.dyn_bytes * self.count)) for _ in range(2)]
         self._turn = 0

@@ -98,7 +98,6 @@ class DeviceInfo:
     total_memory: int
     multiprocessors: int
     read_only_host_register: bool        # cuMemHostRegister(READ_ONLY) of a read-only mapping works
-    l2_bytes: int = 0                    # L2 cache size
 
     @property
     def sm(self) -> str:
@@ -127,8 +126,7 @@ def device_info(ordinal: int = 0) -> DeviceInfo:
                        attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
                       int(call(drv.cuDriverGetVersion)), int(call(drv.cuDeviceTotalMem, dev)),
                       attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-                      bool(attr(A.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED)),
-                      attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE))
+                      bool(attr(A.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED)))
 
 
 def mem_info() -> tuple[int, int]:

@@ -40,9 +40,6 @@ from lum.format.llir import GEMM_DEFAULTS, LOp, gemm_parts
 from lum.format.shapetracker import ShapeTracker
 from lum.loader.cuda.branches import EVERYTHING, Schedule
 from lum.loader.cuda.branches import schedule as branch_schedule
-from lum.loader.cuda.prefetch import THREADS as PREFETCH_THREADS
-from lum.loader.cuda.prefetch import grid_blocks as prefetch_blocks
-from lum.loader.cuda.prefetch import plan_prefetches
 from lum.loader.errors import BackendUnavailableError, SessionError
 
 __all__ = ["ParamPack", "Layout", "GemmSpec", "KernelStep", "GemmStep", "CopyStep", "Segment", "EntryPlan", "bucket",
@@ -132,9 +129,6 @@ class KernelStep:
     params: ParamPack
     reads: tuple[tuple[int, int], ...] = ()    # [lo, hi) device bytes of its arguments' buffers
     writes: tuple[tuple[int, int], ...] = ()   # ... and of its output's (branches.schedule)
-    weights: tuple[tuple[int, int], ...] = ()  # ... and of the weights it reads (prefetch.py; not in reads)
-    prefetcher: Any = None                     # its group's L2 prefetch kernel, None if the package has none
-    hint: bool = False                         # an L2 prefetch: follows the step before it, precedes nothing
     programmatic: bool = False                 # launched with programmatic stream serialization (it waits itself)
     cluster: int = 1                           # blocks a thread block cluster along x
 
@@ -249,12 +243,8 @@ class EntryPlan:
         grids = tuple(bucket(e.evaluate(dyn), cap) for e, cap in zip(self.grid_exprs, self.grid_caps))
         return exact, grids
 
-    def finish(self, prefetch_bytes: int = 0, max_dyn: Mapping[str, int] | None = None) -> None:
-        """Make the entry's segment (see :class:`Segment`); called once the steps are complete.
-        ``prefetch_bytes`` > 0 first adds the L2 prefetch steps of :mod:`lum.loader.cuda.prefetch`, each
-        asking for at most that many bytes."""
-        if prefetch_bytes > 0:
-            self._add_prefetches(prefetch_bytes, max_dyn or {})
+    def finish(self) -> None:
+        """Make the entry's segment (see :class:`Segment`); called once the steps are complete."""
         grid_ids = sorted({i for st in self.steps if isinstance(st, KernelStep) for i in st.grid})
         exact_ids = sorted({i for st in self.steps for i in self.volatile_exprs(st)})
         if not self.steps:
@@ -262,21 +252,8 @@ class EntryPlan:
             return
         reads = [st.reads if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
         writes = [st.writes if isinstance(st, KernelStep) else EVERYTHING for st in self.steps]
-        hints = {i: i - 1 for i, st in enumerate(self.steps) if isinstance(st, KernelStep) and st.hint}
         self.segments = [Segment(0, list(self.steps), tuple(grid_ids), tuple(exact_ids),
-                                 branch_schedule(reads, writes, hints=hints))]
-
-    def _add_prefetches(self, budget: int, max_dyn: Mapping[str, int]) -> None:
-        """Insert each prefetch step right after the step it follows (see :func:`plan_prefetches`)."""
-        one = self.grid(as_expr(1), max_dyn)
-        after: dict[int, list[KernelStep]] = {}
-        for p in plan_prefetches(self.steps, budget):
-            target = self.steps[p.target]
-            grid = (self.grid(as_expr(prefetch_blocks(p.nbytes)), max_dyn), one, one)
-            after.setdefault(p.after, []).append(KernelStep(
-                f"L2 prefetch of {p.nbytes} weight bytes for {target.where}", target.prefetcher, grid,
-                (PREFETCH_THREADS, 1, 1), 0, ParamPack([p.ptr, p.nbytes]), hint=True))
-        self.steps = [s for i, st in enumerate(self.steps) for s in (st, *after.get(i, ()))]
+                                 branch_schedule(reads, writes))]
 
     def volatile_exprs(self, st: Any) -> list[int]:
         """The dyn-dependent expressions (indices into ``exact_exprs``) that a captured graph bakes
@@ -390,7 +367,6 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
                      max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None,
-                     prefetcher: Callable[[int], Any] | None = None, prefetch_bytes: int = 0,
                      programmatic: bool = False, feedback_to: int | None = None) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
@@ -400,8 +376,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     an entry in its group's launch table (lum's gemv kernel, small static m) becomes a kernel step like
     any other; one without is a library call (:class:`GemmStep`). ``gemm_algos``: (group, op id) -> the
     package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner passes them only for the
-    same cuBLASLt version). ``prefetcher(group)``: the group's L2 prefetch kernel, or None; with it and
-    ``prefetch_bytes`` > 0 the plan warms L2 with weights before their GEMVs (:mod:`lum.loader.cuda.prefetch`).
+    same cuBLASLt version).
     ``programmatic``: kernels of tables marked programmatic launch with programmatic stream serialization
     where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest).
     ``feedback_to``: where the :data:`FEEDBACK` output goes (a chained step's next step's input,
@@ -492,7 +467,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                     plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
                 head.add(op, ptr, cap, readonly)
                 if op.id == head.kop.tail[-1]:
-                    _kernel_steps(plan, head, function, call.group, max_dyn, prefetcher, pdl)
+                    _kernel_steps(plan, head, function, call.group, max_dyn, pdl)
                     head = None
                 continue
             if kop is None:
@@ -509,7 +484,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             if kop.tail:
                 head = step                     # launched once its tails' buffers are known
             else:
-                _kernel_steps(plan, step, function, call.group, max_dyn, prefetcher, pdl)
+                _kernel_steps(plan, step, function, call.group, max_dyn, pdl)
         plan.steps.extend(state_copies)
 
     for t in e.outputs:
@@ -522,7 +497,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
         plan.outputs.append(IORef(t.name, v.ptr, t.shape, t.dtype, v.capacity))
         plan.size_checks.append((_numel(t.shape) * t.dtype.itemsize, v.capacity, f"output {t.name!r}"))
     plan.size_checks = _dedupe_checks(plan.size_checks, max_dyn)
-    plan.finish(prefetch_bytes, max_dyn)
+    plan.finish()
     return plan
 
 
@@ -566,7 +541,7 @@ class _Launch:
 
     def add(self, op: LOp, ptr: dict[int, int], cap: dict[int, int], readonly: set[int]) -> None:
         """``op``'s buffers: its output, then its arguments (weights are never written: they order nothing,
-        and are kept apart for the L2 prefetch)."""
+        and are kept apart for the programmatic launch's check of ``early``)."""
         self.values += [ptr[op.id]] + [ptr[a.src] for a in op.args]
         self.reads += [(ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args if ptr[a.src] not in readonly]
         self.weights += [(ptr[a.src], ptr[a.src] + cap[a.src]) for a in op.args if ptr[a.src] in readonly]
@@ -574,19 +549,17 @@ class _Launch:
 
 
 def _kernel_steps(plan: EntryPlan, launch: _Launch, function: Callable[[int, str], Any], group: int,
-                  max_dyn: Mapping[str, int], prefetcher: Callable[[int], Any] | None, pdl: bool) -> None:
+                  max_dyn: Mapping[str, int], pdl: bool) -> None:
     """The kernel steps of one launch-table op (with its tails' buffers, when it has tails); ``pdl``: its
     table is programmatic and the session launches such tables so."""
     params = ParamPack(launch.values)
-    pf = prefetcher(group) if prefetcher is not None and launch.weights else None
     early = {launch.values[launch.kop.params.index(p)] for p in launch.kop.early}
     programmatic = pdl and all(any(lo == v for lo, _ in launch.weights) for v in early)
     for lc in launch.kop.launches:
         grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
         plan.steps.append(KernelStep(f"{launch.where} kernel {lc.kernel}", function(group, lc.kernel), grid,
                                      lc.block, lc.shared_mem, params, tuple(launch.reads),  # type: ignore[arg-type]
-                                     tuple(launch.writes), tuple(launch.weights), pf,
-                                     programmatic=programmatic, cluster=lc.cluster))
+                                     tuple(launch.writes), programmatic=programmatic, cluster=lc.cluster))
 
 
 def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, int]) -> list[tuple[Expr, int, str]]:

@@ -20,9 +20,7 @@ library calls that depend on dyn values) — or captures one first (LRU cache of
 per entry; an evicted graph is destroyed, so memory stays flat); see :mod:`lum.loader.cuda.plan`. If a capture fails (a library that refuses stream capture)
 the session warns once and runs eagerly. A graph is captured from several streams where the plan's
 kernels do not depend on each other (``graph_branches``, default on; ``LUM_CUDA_BRANCHES=0`` turns it
-off; :mod:`lum.loader.cuda.branches`), so such kernels run side by side; in such a graph a side branch
-can warm L2 with a weight GEMV's first bytes while the small kernels before it run (``l2_prefetch``,
-off by default: measured within noise; ``LUM_CUDA_PREFETCH=1`` turns it on; :mod:`lum.loader.cuda.prefetch`).
+off; :mod:`lum.loader.cuda.branches`), so such kernels run side by side.
 ``programmatic_launch`` (sm_90+; on by default, ``LUM_CUDA_PDL=0`` turns it off: measured +2.6-3.0% a decode
 step) launches the kernels of tables marked programmatic with programmatic stream serialization: each is
 scheduled while the kernel before it still runs and waits for it on the device, so its launch and ramp
@@ -48,7 +46,7 @@ from lum.format.dtypes import DType
 from lum.format.errors import IncompatibleTargetError, LumError, PackageFormatError
 from lum.format.expr import as_expr
 from lum.format.llir import LOp
-from lum.format.manifest import KERNEL_OP_KINDS, L2_PREFETCH_ENTRY
+from lum.format.manifest import KERNEL_OP_KINDS
 from lum.format.numerics import store_as
 from lum.loader.cuda import driver as cu
 from lum.loader.cuda.arrays import DeviceArray
@@ -126,8 +124,8 @@ class CudaRunner:
     def __init__(self, pkg: Any, dyn: Mapping[str, int], *, device: int = 0, graphs: bool = True,
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
                  workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
-                 graph_branches: bool | None = None, l2_prefetch: bool | None = None,
-                 programmatic_launch: bool | None = None, steps_per_graph: int | None = None):
+                 graph_branches: bool | None = None, programmatic_launch: bool | None = None,
+                 steps_per_graph: int | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -140,9 +138,6 @@ class CudaRunner:
         if graph_branches is None:
             graph_branches = os.environ.get("LUM_CUDA_BRANCHES", "1") != "0"
         self.graph_branches = bool(graph_branches)
-        if l2_prefetch is None:
-            l2_prefetch = os.environ.get("LUM_CUDA_PREFETCH", "0") != "0"
-        self.l2_prefetch = bool(l2_prefetch) and self.graphs and self.graph_branches   # needs side branches
         self.captures = 0
         self.bounds = session_bounds(pkg, dyn)
         m = pkg.manifest
@@ -222,7 +217,6 @@ class CudaRunner:
         self._events: list[cu.Event] = []    # their cross-stream dependencies, reused by every capture
         # modules
         self.modules: dict[int, cu.Module] = {}
-        self._prefetchers: dict[int, Any] = {}
         for g in used:
             t = m.groups[g].table
             if t is None or t.cubin is None:
@@ -307,7 +301,6 @@ class CudaRunner:
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
             self.layouts[e] = layout
             self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos,
-                                             self._prefetcher, self.device.l2_bytes // 2 if self.l2_prefetch else 0,
                                              self.programmatic)
         # pinned staging: two slots for dyn values + inputs, one for outputs
         stage = max((sum(_align(n) for _, n in io[e].values()) for e in io), default=0)
@@ -322,15 +315,6 @@ class CudaRunner:
 
     def _function(self, group: int, name: str) -> Any:
         return self.modules[group].function(name)
-
-    def _prefetcher(self, group: int) -> Any:
-        """The group module's L2 prefetch kernel, or None (a module built before it has none)."""
-        if group not in self._prefetchers:
-            try:
-                self._prefetchers[group] = self._function(group, L2_PREFETCH_ENTRY)
-            except (cu.CudaError, KeyError):
-                self._prefetchers[group] = None
-        return self._prefetchers[group]
 
     # ------------------------------------------------------------------ resources
     @property
