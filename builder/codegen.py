@@ -1992,15 +1992,15 @@ class _Gen:
         return [src], [("", self.grid(work, 1), (self.threads, 1, 1), smem)], tuning, self.max_blocks
 
     @staticmethod
-    def _attention_logit(ind: str, mval: str, logit: str, keep: str, x: str, declare: bool) -> list[str]:
+    def _attention_logit(ind: str, mval: str, logit: str, keep: str, x: str) -> list[str]:
         """The loop over query rows lum_m, left open: each row's logit (log2 domain) of key lum_t of slot u
-        into ``x``, whether it counts into ``keep`` (locals of those names with ``declare``, else lvalues)."""
+        into the lvalue ``x``, whether it counts into the lvalue ``keep``."""
         return [f"{ind}#pragma unroll", f"{ind}for (int lum_m = 0; lum_m < M; ++lum_m) {{",
                 f"{ind}  float lum_s = 0.0f;", f"{ind}#pragma unroll",
                 f"{ind}  for (int i = 0; i < DPL; ++i) lum_s += lum_q[lum_m][i] * lum_k[u][i];",
                 f"{ind}  lum_s = lum_warp_reduce<LumSum, 32>(lum_s);",
-                f"{ind}  {'const bool ' if declare else ''}{keep} = lum_in && {mval};",
-                f"{ind}  {'const float ' if declare else ''}{x} = {keep} ? {logit} : -LUM_INF_F32;"]
+                f"{ind}  {keep} = lum_in && {mval};",
+                f"{ind}  {x} = {keep} ? {logit} : -LUM_INF_F32;"]
 
     @staticmethod
     def _attention_rescale(ind: str, pind: str, xmax: str) -> list[str]:
@@ -2028,7 +2028,7 @@ class _Gen:
         UNROLL keys' terms in key order. The offsets are integers, so 2^(x − c) · 2^(c − c') = 2^(x − c') and
         rounding commutes with the rescale: the same partials as an update after every key (outside subnormal
         results), which it replaced (2026-12-03)."""
-        key = [*self._attention_logit(ind, mval, logit, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", False), f"{ind}}}"]
+        key = [*self._attention_logit(ind, mval, logit, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]"), f"{ind}}}"]
         i6 = ind[:-2]
         before = f"{i6}float lum_xs[UNROLL][M];   // the step's logits (log2 domain), and which keys count\n" \
                  f"{i6}bool lum_kp[UNROLL][M];"
