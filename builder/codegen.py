@@ -1055,7 +1055,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
             n = 0 if oid in small else after_gemv
             if shared == "all" or (shared == "after_small" and oid in small):
                 mine = per.setdefault(r, {})   # a preload the tuning sets (or kernels.py halves) stays shared
-                in_registers[r] = {**mine, **({"preload": n} if n and "preload" not in mine else {})}
+                in_registers[r] = dict(mine)   # read in ``small`` mode only, where n = 0 (no register preload)
                 mine.setdefault("preload", GEMV_SHARED_PRELOAD_VECTORS)
                 mine["preload_shared"] = True
             if n:
