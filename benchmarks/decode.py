@@ -38,7 +38,7 @@ What it does, in one run on one GPU:
      ``lum-noevict`` with ``LUM_GEMV_EVICT_FIRST=0`` (GEMVs load their weights without the L2 evict-first
      policy that keeps the small tensors each step rereads in L2: templates/common.cuh lum_load_stream),
      ``lum-nobalance`` with ``LUM_GEMV_BALANCE=0`` (a large GEMV keeps 512 threads even where its blocks
-     fall unevenly on the SMs: builder/codegen.py blocks_unbalanced),
+     fall unevenly on the SMs: builder/gemv_policy.py blocks_unbalanced),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small

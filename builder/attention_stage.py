@@ -38,8 +38,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from lum.builder.codegen import (_ENTRY, AttentionStage, CodegenError, KernelSource, Launch, StageRow,
-                                 attention_row_dims, common_header, env_switch, generate, split_gemv_tuning, stage_row)
+from lum.builder.attention_policy import attention_row_dims
+from lum.builder.codegen import (_ENTRY, AttentionStage, CodegenError, KernelSource, StageRow, common_header, generate,
+                                 stage_row)
+from lum.builder.env_switches import env_switch
+from lum.builder.gemv_policy import split_gemv_tuning
 from lum.builder.rewrite import readers
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr

@@ -11,11 +11,15 @@ fused prologue's expression tree), ``row.cu`` (trees with row reductions: an ele
 over the last axis or a scatter whose prologue normalises rows), ``gather.cu``, ``scatter.cu``
 (scatter rows and scatter_nocopy, with or without a fused prologue), ``iota.cu``, ``attention.cu``
 (the chunk partials of decode attention), ``flash_attention.cu`` (the same op where many query rows share
-a K / V row, as in prefill: tiled flash attention, see :func:`flash_attention`), ``gemv.cu`` (a ``gemm``
-with a static m ≤ GEMV_MAX_M: decode GEMV, see :func:`gemv_rows`); ``common.cuh`` (f16/bf16 conversions,
-floor-div helpers, warp reductions, vector loads) is pasted at the top of each module. Any other ``gemm``
-is a cuBLASLt call: :func:`generate` returns ``None`` for it (and for input / output / constant, which are
-not kernels).
+a K / V row, as in prefill: tiled flash attention, see :func:`~lum.builder.attention_policy.flash_attention`),
+``gemv.cu`` (a ``gemm`` with a static m ≤ :data:`~lum.builder.gemv_policy.GEMV_MAX_M`: decode GEMV, see
+:func:`~lum.builder.gemv_policy.gemv_rows`); ``common.cuh`` (f16/bf16 conversions, floor-div helpers, warp
+reductions, vector loads) is pasted at the top of each module. Any other ``gemm`` is a cuBLASLt call:
+:func:`generate` returns ``None`` for it (and for input / output / constant, which are not kernels). The
+policy that needs no kernel generator lives beside this module: which gemms run ``gemv.cu`` and the GEMV's
+default sizes and ``$LUM_GEMV_*`` knobs in :mod:`lum.builder.gemv_policy`, which attention ops run flash
+attention in :mod:`lum.builder.attention_policy`, the ``$LUM_…`` switch readers in
+:mod:`lum.builder.env_switches`.
 
 **Kernel signature convention.** Every entry point is ``extern "C"`` and takes, in this order::
 
@@ -62,10 +66,11 @@ threads reducing one output column, gemv — above 32 a split-K across warps), `
 the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``preload`` (gemv,
 dot scheme: vectors of the weights, per product column, that each lane loads from its column of the
 block's first tile into registers before the kernel waits for its predecessor, together at most
-:data:`GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also :func:`gemv_after_small`),
-``preload_shared`` (gemv: the preload goes to shared memory, up to :data:`GEMV_SHARED_PRELOAD_VECTORS`, so it
-may hold every vector of a lane's first column; see :func:`gemv_preload_shared`),
-``tile_keys`` (flash attention: keys a tile, one of :data:`FLASH_TILE_KEYS`; 64 on tensor cores, 32 with
+:data:`~lum.builder.gemv_policy.GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also
+:func:`gemv_after_small`), ``preload_shared`` (gemv: the preload goes to shared memory, up to
+:data:`~lum.builder.gemv_policy.GEMV_SHARED_PRELOAD_VECTORS`, so it may hold every vector of a lane's first
+column; see :func:`~lum.builder.gemv_policy.gemv_preload_shared`), ``tile_keys`` (flash attention: keys a
+tile, one of :data:`~lum.builder.attention_policy.FLASH_TILE_KEYS`; 64 on tensor cores, 32 with
 FMAs; its query rows a block are 16 a warp of ``threads``, default 128), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
 read it each phase, for fewer registers). Gemv's defaults size ``group`` from the static n and k (see
@@ -75,7 +80,6 @@ read it each phase, for fewer registers). Gemv's defaults size ``group`` from th
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -85,9 +89,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_SMEM, FLASH_MAX_D, FLASH_TILE_KEYS,
+                                          attention_group_rows, attention_row_dims, attention_stage_block,
+                                          flash_attention, flash_features_fit)
+from lum.builder.env_switches import CodegenError, env_switch
+from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_MAX_ACC, GEMV_MAX_INFLIGHT, GEMV_PRELOAD_VECTORS,
+                                     GEMV_SHARED_PRELOAD_BYTES, GEMV_SHARED_PRELOAD_VECTORS, SMS, blocks_unbalanced,
+                                     gemv_balance, gemv_evict_first, gemv_inflight_default, gemv_kernel_ops,
+                                     gemv_preload_after_gemv, gemv_preload_default, gemv_preload_shared,
+                                     gemv_prologue_fits, gemv_prologue_narrow_a, gemv_prologue_pairs,
+                                     gemv_prologue_threads, gemv_rows, gemv_tuning_override, prologue_walks_tiles,
+                                     split_gemv_tuning)
+from lum.builder.intmath import is_one, pow2_floor, pow2ceil
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr, cdiv, smax, smin
-from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, GEMM_LAYOUTS, ROW_OPS, LOp, Program, check_expr,
+from lum.format.llir import (ELEMENTWISE_ARITY, GEMM_DEFAULTS, ROW_OPS, LOp, Program, check_expr,
                              attention_dims, check_attention, check_row_reduce, check_scatter_prologue, gemm_fused,
                              gemm_parts, has_row_ops)
 from lum.format.manifest import MAX_SHARED_MEM
@@ -95,52 +111,14 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["Launch", "Param", "KernelSource", "CodegenError", "generate", "generate_program", "module_source",
            "render", "load_template", "common_header", "coalesce", "view_access", "access_plan", "AccessPlan", "STORAGE_C",
-           "ELEMENTWISE_OPS", "KERNEL_KINDS", "GEMV_MAX_M", "gemv_rows", "gemv_prologue_fits",
-           "split_gemv_tuning", "gemv_kernel_ops", "ENV_GEMV_INFLIGHT", "gemv_inflight_default", "ENV_GEMV_PRELOAD",
-           "gemv_preload_default", "gemv_after_small",
-           "ENV_GEMV_PRELOAD_AFTER_GEMV", "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv",
-           "ENV_GEMV_TUNING", "gemv_tuning_override",
-           "ENV_GEMV_PRELOAD_SHARED", "gemv_preload_shared",
-           "ENV_GEMV_PROLOGUE_NARROW_A", "gemv_prologue_narrow_a", "ENV_GEMV_PROLOGUE_THREADS", "gemv_prologue_threads",
-           "ENV_GEMV_PROLOGUE_PAIRS", "gemv_prologue_pairs",
-           "GEMV_SHARED_PRELOAD_VECTORS", "gemv_tile_a_block",
-           "env_switch", "env_choice",
-           "attention_row_dims", "ENV_GEMV_BALANCE", "gemv_balance",
-           "blocks_unbalanced",
-           "ENV_FLASH_ATTENTION", "flash_attention_enabled",
-           "attention_group_rows", "flash_attention", "flash_features_fit", "FLASH_MAX_D", "FLASH_TILE_KEYS",
+           "ELEMENTWISE_OPS", "KERNEL_KINDS", "gemv_after_small",
            "AttentionStage", "StageRow", "stage_row"]
 
 ELEMENTWISE_OPS = ("Cast", "Contiguous", "Exp2", "Log2", "Sin", "Sqrt", "Recip", "Add", "Mul", "Mod",
                    "LessThan", "Where")
 KERNEL_KINDS = ("elementwise", "reduce", "gather", "scatter", "scatter_nocopy", "iota", "attention", "gemm")
-GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
-PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
-ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
-ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
-FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
-FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
-GEMV_DTYPES = (DType.f32, DType.bf16, DType.f16)
-GEMV_MAX_ACC = 4                                 # product columns a gemv epilogue may combine per output column
-GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
-ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
-GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
-GEMV_SHARED_PRELOAD_VECTORS = 32                 # ... into shared memory (preload_shared; its bytes bound it first)
-GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
-ENV_GEMV_PRELOAD_SHARED = "LUM_GEMV_PRELOAD_SHARED"
-ENV_GEMV_PROLOGUE_NARROW_A = "LUM_GEMV_PROLOGUE_NARROW_A"
-ENV_GEMV_PROLOGUE_THREADS = "LUM_GEMV_PROLOGUE_THREADS"
-ENV_GEMV_PROLOGUE_PAIRS = "LUM_GEMV_PROLOGUE_PAIRS"
-ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
-ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
-ENV_GEMV_TUNING = "LUM_GEMV_TUNING"
-GEMV_OVERRIDE_KEYS = ("threads", "group", "unroll", "inflight", "preload", "max_blocks")
-ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
-ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
-ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
-SMS = 132                                       # SMs of an H100 / H200
-_GEMV_FILL_THREADS = SMS * 2048                 # their resident threads (2,048 an SM)
+_GEMV_FILL_THREADS = SMS * 2048                 # the resident threads of the SMS SMs (2,048 an SM)
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
              DType.i64: "long long", DType.bool: "lum_bool"}
@@ -148,10 +126,6 @@ _KIND_C = {"f": "float", "d": "double", "i": "long long", "b": "bool"}
 _ZERO = {"f": "0.0f", "d": "0.0", "i": "0LL", "b": "false"}
 _I32_MAX = 2**31 - 1
 _ENTRY = "LUM_ENTRY_NAME"  # stands for the entry name while the source is hashed
-
-
-class CodegenError(ValueError):
-    """An op cannot be turned into a kernel (malformed, or information such as arg dtypes missing)."""
 
 
 # ============================================================================ data
@@ -275,10 +249,6 @@ def _static_sections(text: str) -> str:
 
 
 # ============================================================================ index plans
-def _is_one(e: Expr) -> bool:
-    return e.is_const and e.value == 1
-
-
 def _mask_trivial(v: ShapeTracker, k: int) -> bool:
     if v.mask is None:
         return True
@@ -301,7 +271,7 @@ def coalesce(shape: Sequence[Expr], views: Sequence[ShapeTracker]) -> tuple[tupl
     dims = list(range(len(shape)))
     # per view, per dim: (stride, mask or None)
     cols = [[(v.strides[k], None if _mask_trivial(v, k) else v.mask[k]) for k in dims] for v in views]  # type: ignore[index]
-    keep = [k for k in dims if not (_is_one(shape[k]) and all(c[k][1] is None for c in cols))]
+    keep = [k for k in dims if not (is_one(shape[k]) and all(c[k][1] is None for c in cols))]
     shp = [shape[k] for k in keep]
     cols = [[c[k] for k in keep] for c in cols]
     k = len(shp) - 2
@@ -574,47 +544,7 @@ def _arg_dtypes(op: LOp, given: Sequence[DType | str] | None) -> list[DType]:
                        f"the op's dtype (use generate_program to infer them from the program)")
 
 
-# ============================================================================ which gemms are kernels
-def gemv_rows(op: LOp) -> int | None:
-    """M when lum's own kernel (``templates/gemv.cu``) runs this gemm op: ``m`` a constant in [1,
-    GEMV_MAX_M] (decode: one token per sequence, or a few query heads sharing a KV head), C dense
-    (``ldc`` = n and ``stride_c`` = m*n where given), not in place. Else None: a cuBLASLt call, whose
-    plan checks such parameters at run time. (Operand and result dtypes are checked by :func:`generate`.)"""
-    p = op.params
-    if op.kind != "gemm" or op.alias is not None or p.get("layout") not in GEMM_LAYOUTS:
-        return None
-    if any(name not in p for name in ("m", "n", "k", "lda", "ldb")):
-        return None
-    m, n = as_expr(p["m"]), as_expr(p["n"])
-    if not m.is_const or not 1 <= m.value <= GEMV_MAX_M:
-        return None
-    if "ldc" in p and as_expr(p["ldc"]) != n:
-        return None
-    if "stride_c" in p and as_expr(p.get("batch", 1)) != as_expr(1) and as_expr(p["stride_c"]) != m * n:
-        return None
-    return m.value
-
-
-def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[Expr]) -> str | None:
-    """Why lum's GEMV cannot compute its A operand as a fused prologue over domain ``dom`` (None: it can):
-    the dot scheme (``RmCm``), no batch, A's buffer read from its start row-major, a static A of
-    ``m × k`` = numel(dom) floats that fits :data:`PROLOGUE_SMEM_BYTES` of shared memory."""
-    k = as_expr(p["k"])
-    if layout != "RmCm":
-        return f"needs layout RmCm (A row-major, B column-major), not {layout}"
-    if as_expr(p.get("batch", 1)) != as_expr(1) or as_expr(p.get("offset_a", 0)) != as_expr(0):
-        return "needs batch 1 and offset_a 0"
-    if not k.is_const or not dom or not all(as_expr(d).is_const for d in dom):
-        return "needs static k and a static domain"
-    if m > 1 and as_expr(p["lda"]) != k:
-        return "needs lda = k"
-    if numel(tuple(dom)) != as_expr(m * k.value):
-        return f"has a domain of {numel(tuple(dom))} elements for an A of {m} x {k.value}"
-    if m * k.value * 4 > PROLOGUE_SMEM_BYTES:
-        return f"A of {m} x {k.value} floats exceeds {PROLOGUE_SMEM_BYTES} bytes of shared memory"
-    return None
-
-
+# ============================================================================ literals and default block sizes
 def _f32_literal(x: float) -> str:
     """``x`` rounded to f32 as an exact C++ hex-float literal (what an f32 constant buffer would hold)."""
     return struct.unpack("<f", struct.pack("<f", x))[0].hex() + "f"
@@ -624,7 +554,8 @@ def _default_threads(op: LOp) -> int:
     """Block size when the caller leaves it open: 256, except lum's decode GEMV (dot scheme), where
     benchmarks/gemv_sweep.py measured small blocks best for many columns (>= 8,192: 128 threads, e.g.
     3.54 vs 3.15 TB/s on gemma3-4b's gate projection) and large ones for few (512: 2.40 vs 2.15 TB/s on
-    its q projection), unless a large one's blocks would load the SMs unevenly (:func:`blocks_unbalanced`)."""
+    its q projection), unless a large one's blocks would load the SMs unevenly
+    (:func:`~lum.builder.gemv_policy.blocks_unbalanced`)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
     if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
@@ -634,166 +565,11 @@ def _default_threads(op: LOp) -> int:
         if cols.is_const and cols.value >= 8192:
             return 128
         k = as_expr(op.params["k"])
-        if (cols.is_const and k.is_const and cols.value * k.value >= _GEMV_LARGE and blocks_unbalanced(cols.value // 8)
+        if (cols.is_const and k.is_const and cols.value * k.value >= GEMV_LARGE and blocks_unbalanced(cols.value // 8)
                 and gemv_balance()):
             return 128
         return 512
     return 256
-
-
-_GEMV_LARGE = 1 << 24      # weights of a decode GEMV (elements) whose time is its bytes, not its latency
-
-
-def gemv_prologue_pairs() -> str | None:
-    """``$LUM_GEMV_PROLOGUE_PAIRS``: which prologue GEMVs (no epilogue, static even n) have each warp compute two
-    output columns, j and j + n/2, reading A from shared memory once for both, in half the threads a block
-    (the same columns a block). Every warp of such a block reads all of A, one column a warp, so this halves
-    those reads (gemma3-4b's qkv: A 32 × 5 KB → 16 × 5 KB an SM beside its 160 KB of weights, after
-    :func:`gemv_prologue_narrow_a`). ``1``, the default: every one (gemma3-4b's qkv, llama3-1b's qkv);
-    ``shared``: those whose weights preload into shared memory; ``0``: none. Measured at cd3818a (same runs,
-    tokens equal): gemma3-4b ``shared`` 403.4 → 404.9 tok/s (+0.4%), llama3-1b ``1`` 1,178.0 → 1,182.5 (+0.4%).
-    Returns ``"all"``, ``"shared"`` or ``None``."""
-    return env_choice(ENV_GEMV_PROLOGUE_PAIRS, {"0": None, "shared": "shared", "1": "all"}, "1")
-
-
-def gemv_prologue_threads() -> int:
-    """``$LUM_GEMV_PROLOGUE_THREADS`` (128, 256, 512 or 1,024, the default): the block size of a
-    prologue GEMV the tuning leaves open. One column a warp, so 1,024 threads give llama3-1b's qkv (3,072
-    columns) 96 blocks, one an SM on 96 of the 132 SMs; smaller blocks spread its weights over more SMs, each
-    block computing the prologue again. Measured (a431934, same runs): 512 −0.4% on gemma3-4b and −0.5% on
-    llama3-1b, 256 −4.6% on llama3-1b: 192 and 384 blocks, two or three on some SMs and fewer on others. The
-    fewest warps whose blocks still fit the SMs in one wave (llama3-1b's qkv 128 blocks of 384 threads, two
-    columns a warp) measured −2.1% on llama3-1b (8bb5e81) and is gone."""
-    return env_choice(ENV_GEMV_PROLOGUE_THREADS, {str(t): t for t in (128, 256, 512, 1024)}, "1024")
-
-
-def gemv_balance() -> bool:
-    """``$LUM_GEMV_BALANCE`` (1, the default: a large decode GEMV whose 512-thread blocks would load the SMs
-    unevenly takes 128 threads, :func:`blocks_unbalanced`), else off."""
-    return env_switch(ENV_GEMV_BALANCE, default=True)
-
-
-def blocks_unbalanced(blocks: int, slots: int = SMS) -> bool:
-    """``blocks`` equal blocks over ``slots`` places that run at once (the SMs; or the blocks a wave holds,
-    builder/kernels.py) leave some places a block more than others by more than a tenth of their work: a
-    large GEMV at 512 threads (eight columns a block) then takes 128 (two), e.g. gemma3-4b's down projection,
-    whose 320 blocks put three on some SMs and two on the others, 15.56 µs at 512 threads against 14.02 at 128
-    (1,280 blocks; benchmarks/gemv_sweep.py at 893d4ba); llama3-1b's (256 blocks) stays at 512."""
-    return -(-blocks // slots) * slots > 1.1 * blocks
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (int(x).bit_length() - 1)
-
-
-def _env_count(name: str, hi: int, default: int = 0) -> int:
-    raw = os.environ.get(name, str(default))
-    if not raw.isdigit() or int(raw) > hi:
-        raise CodegenError(f"${name} must be an integer in [0, {hi}], got {raw!r}")
-    return int(raw)
-
-
-def env_choice(name: str, modes: Mapping[str, Any], default: str) -> Any:
-    """``modes[$name]`` (``default`` when unset); a value not among ``modes`` is refused, naming them."""
-    raw = os.environ.get(name, default)
-    if raw not in modes:
-        *head, last = modes
-        raise CodegenError(f"${name} must be {', '.join(head)} or {last}, got {raw!r}")
-    return modes[raw]
-
-
-def env_switch(name: str, default: bool = False) -> bool:
-    """``$name`` as an on / off switch: ``1`` or ``0``, else ``default`` when unset; anything else is refused."""
-    v = os.environ.get(name, "1" if default else "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"${name} must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
-def gemv_preload_default() -> int:
-    """``$LUM_GEMV_PRELOAD`` (N: GEMV lanes load their first N weight vectors into registers before waiting for
-    their predecessor), else 0."""
-    return _env_count(ENV_GEMV_PRELOAD, GEMV_PRELOAD_VECTORS)
-
-
-def gemv_evict_first() -> bool:
-    """``$LUM_GEMV_EVICT_FIRST`` (1, the default: a GEMV whose B is a weight loads it with an L2 evict-first
-    policy, templates/common.cuh lum_load_stream; gemma3-4b bf16 decode +3.2%, llama3-1b −0.2%, 5f9afe5)."""
-    return env_switch(ENV_GEMV_EVICT_FIRST, default=True)
-
-
-def gemv_prologue_narrow_a() -> str | None:
-    """``$LUM_GEMV_PROLOGUE_NARROW_A``: which prologue GEMVs whose A is bf16 or f16 keep it so in shared memory,
-    rather than as floats. The prologue rounds A to its dtype before storing it, so the values, and the sums,
-    are the same; what changes is the shared memory the dot reads: each warp reads all of A, one column a warp
-    (gemma3-4b's qkv: 32 warps × 10 KB = 320 KB an SM beside its 160 KB of weights, ≈ 1.9 µs at 128 bytes a
-    clock in a 5.5 µs link, benchmarks/NOTES.md 2026-12-04), halved in bf16, against a conversion per element.
-    ``shared``, the default: those whose weights preload into shared memory too (gemma3-4b's qkv), where the
-    dot reads both from shared memory; ``1``: every one; ``0``: none. Measured at 87f41af (same runs, tokens
-    equal): every one (``1``) +1.9% on gemma3-4b (its qkv only), −1.3% on llama3-1b (qkv and gate-up, weights
-    streamed from memory: the reads of A were hidden there, the conversions are not). Returns ``"shared"``,
-    ``"all"`` or ``None``."""
-    return env_choice(ENV_GEMV_PROLOGUE_NARROW_A, {"0": None, "shared": "shared", "1": "all"}, "shared")
-
-
-def gemv_inflight_default() -> int:
-    """``$LUM_GEMV_INFLIGHT`` (vector loads a GEMV lane issues ahead), else 0: the compiler's unrolled loop."""
-    return _env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT)
-
-
-def _pow2ceil(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def attention_row_dims(op: LOp) -> tuple[list[int], list[int]]:
-    """(group, heads): the dims of an attention op's rows ``R…`` along which K and V do not move (size 1, or
-    stride 0 in both: the query rows of one GQA group, one block's), and the kv-row dims the blocks split."""
-    r = attention_dims(op)[0]
-    vk, vv, zero = op.args[1].view, op.args[2].view, as_expr(0)
-    group = [i for i in range(len(r)) if _is_one(r[i]) or (vk.strides[i] == zero and vv.strides[i] == zero)]
-    return group, [i for i in range(len(r)) if i not in group]
-
-
-def attention_group_rows(op: LOp) -> Expr:
-    """The query rows of an attention op that share one K / V row: the product of its group dims."""
-    r = attention_dims(op)[0]
-    return numel(tuple(r[i] for i in attention_row_dims(op)[0]))
-
-
-def attention_stage_block(op: LOp) -> tuple[int, int] | None:
-    """(threads, unroll) of a decode attention kernel that runs its stage: enough warps (a power of two, at least
-    4) for the stage's M query rows and its k and v rows to take one round, and UNROLL keys a warp so that
-    WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six rows) ran in two rounds,
-    warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips (one round measured
-    +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round or where the
-    chunk cannot be split so."""
-    rows, chunk = attention_group_rows(op), int(op.params["chunk"])
-    if not rows.is_const or rows.value + 2 <= 4:
-        return None
-    warps = _pow2ceil(rows.value + 2)
-    if warps > chunk or chunk % warps or warps > 32:
-        return None
-    return 32 * warps, chunk // warps
-
-
-def flash_attention(op: LOp) -> bool:
-    """Whether an attention op runs as flash attention (templates/flash_attention.cu): its query rows sharing a
-    K / V row are not a static few (prefill: the GQA group times the prompt), so no block holds them in
-    registers as decode's kernel (templates/attention.cu) does."""
-    rows = attention_group_rows(op)
-    return not (rows.is_const and rows.value <= ATTENTION_MAX_GROUP)
-
-
-def flash_attention_enabled() -> bool:
-    """``$LUM_FLASH_ATTENTION`` (on by default: prefill's attention runs as flash attention where it fits,
-    builder/egraph.py; 0: q·k and p·v stay GEMMs with the scores in memory, the path measured against it)."""
-    return env_switch(ENV_FLASH_ATTENTION, default=True)
-
-
-def flash_features_fit(d: Expr, dv: Expr) -> bool:
-    """Whether flash attention takes q·k features ``d`` and v features ``dv``: static multiples of 16 (the mma
-    tile's k and two n-tiles), at most :data:`FLASH_MAX_D`."""
-    return all(x.is_const and x.value % 16 == 0 and 16 <= x.value <= FLASH_MAX_D for x in (d, dv))
 
 
 # ============================================================================ public entry points
@@ -805,10 +581,11 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
-    (see :func:`gemv_rows`) and for input / output / constant (no kernel). ``dyn_vars``: the slot order of
-    the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args`` (their producers' dtypes) where
-    the op's own dtype does not imply them. ``stage``: the rows of the ops before it an
-    attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning parameters."""
+    (see :func:`~lum.builder.gemv_policy.gemv_rows`) and for input / output / constant (no kernel).
+    ``dyn_vars``: the slot order of the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args``
+    (their producers' dtypes) where the op's own dtype does not imply them. ``stage``: the rows of the ops
+    before it an attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning
+    parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -948,85 +725,12 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
                     rp.write_step.value if scatter else None, params, slots)
 
 
-_GEMV_KEY = re.compile(r"gemv(\d+)\.(\w+)")
-
-
-def split_gemv_tuning(tuning: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """``tuning`` as (the parameters of every kernel, rank -> the parameters of the rank-th GEMV kernel in
-    program order): a key ``gemv<i>.<name>`` (the measured search's per-shape choice) sets ``name`` for
-    GEMV ``i`` only, over the group-wide value."""
-    common: dict[str, Any] = {}
-    per: dict[int, dict[str, Any]] = {}
-    for k, v in tuning.items():
-        m = _GEMV_KEY.fullmatch(k)
-        if m:
-            per.setdefault(int(m.group(1)), {})[m.group(2)] = v
-        else:
-            common[k] = v
-    return common, per
-
-
-def gemv_tuning_override() -> dict[int, dict[str, int]]:
-    """``$LUM_GEMV_TUNING`` (e.g. ``3.inflight=4,1.preload=2``: the i-th GEMV kernel of every group, in program
-    order, takes that value unless the group's tuning sets it), else {}: one GEMV's parameter measured in a
-    whole decode step (``decode.py``), which the measured search reaches only at large budgets. Keys:
-    :data:`GEMV_OVERRIDE_KEYS`."""
-    raw = os.environ.get(ENV_GEMV_TUNING, "").strip()
-    out: dict[int, dict[str, int]] = {}
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        m = re.fullmatch(r"(\d+)\.(\w+)=(\d+)", item)
-        if not m or m.group(2) not in GEMV_OVERRIDE_KEYS:
-            raise CodegenError(f"${ENV_GEMV_TUNING} takes <gemv>.<key>=<int> entries, key one of "
-                               f"{', '.join(GEMV_OVERRIDE_KEYS)}; got {item!r}")
-        out.setdefault(int(m.group(1)), {})[m.group(2)] = int(m.group(3))
-    return out
-
-
-def gemv_kernel_ops(program: Program) -> list[LOp]:
-    """The program's gemm ops that lum's GEMV kernel runs, in program order (the ranks of ``gemv<i>.``)."""
-    return [o for o in program.ops if o.kind == "gemm" and gemv_rows(o) is not None]
-
-
-GEMV_PRELOAD_AFTER_GEMV = 4      # the default of $LUM_GEMV_PRELOAD_AFTER_GEMV
-
-
-def gemv_preload_after_gemv() -> int:
-    """``$LUM_GEMV_PRELOAD_AFTER_GEMV`` (N: a GEMV whose kernel before is a GEMV, the complement of
-    :func:`gemv_after_small`, preloads N vectors a lane unless its tuning sets ``preload``; 0: off), else
-    :data:`GEMV_PRELOAD_AFTER_GEMV`. Measured on llama3-1b at 4, same runs, tokens equal: +2.9% (c9dfe46), as
-    much as every GEMV preloading (+3.0%), and +2.9% again (e35cef7: 1,126.8 against 1,095.0 tok/s). In
-    gemma3-4b only its down GEMV follows a GEMV, and its preload is dropped (builder/kernels.py
-    ``_waves_unbalanced``; kept, it cost the step 7.4% at e827744), so gemma's kernels are unchanged."""
-    return _env_count(ENV_GEMV_PRELOAD_AFTER_GEMV, GEMV_PRELOAD_VECTORS, GEMV_PRELOAD_AFTER_GEMV)
-
-
-def gemv_preload_shared() -> str | None:
-    """``$LUM_GEMV_PRELOAD_SHARED``: which decode GEMVs copy every weight vector of their lanes' first columns
-    into shared memory before their wait (:data:`GEMV_SHARED_PRELOAD_VECTORS` at most, or the ``preload`` their
-    tuning sets) rather than up to a few into registers. ``small``, the default: every GEMV whose kernel before
-    is not a GEMV (:func:`gemv_after_small`) and whose grid the SMs hold at once (builder/kernels.py drops the
-    rest): gemma3-4b's qkv and o, llama3-1b's o. Behind a small kernel such a GEMV's blocks are resident and
-    waiting under programmatic launch while the bus idles, so its weights can stream then. gemma3-4b's qkv (128
-    blocks of 1,024 threads, 10 vectors a lane, one block an SM, its input norm computed before it could issue
-    a load) holds only 2 of its 10 vectors in registers (a preload of 8 spilled 604 bytes a thread); shared
-    memory holds all 160 KB a block. Against the modes it replaced (benchmarks/NOTES.md, same runs, tokens
-    equal): only such GEMVs with a prologue (gemma3-4b's qkv) +0.5% on gemma3-4b and +0.6% on llama3-1b
-    (48ddaa6); every prologue GEMV whatever runs before it −4.2% on llama3-1b (5bfcf52); llama3-1b's qkv
-    behind down beside ``small``'s −1.7% (816af36); the down projections behind gate-up beside ``small``'s
-    −0.5% on gemma3-4b and −1.9% on llama3-1b (235217b); gemma3-4b's gate-up too (its grid capped from 5,120
-    blocks to 1,320) −4.2%. ``all``: every GEMV (tests: the mechanism on every shape and layout). ``0``: none.
-    A prologue GEMV whose blocks walk more than one tile keeps its register preload in ``small``: only a
-    block's first tile would be copied, as with the grids past one wave that builder/kernels.py drops.
-    Returns ``"after_small"``, ``"all"`` or ``None``."""
-    return env_choice(ENV_GEMV_PRELOAD_SHARED, {"0": None, "small": "after_small", "all": "all"}, "small")
-
-
 def gemv_after_small(program: Program) -> set[int]:
     """Ids of the GEMV ops whose kernel before, in program order, is not a GEMV; for the first kernel, the
     program's last (a decoder layer's group follows itself). Only there can a preload's blocks become
-    resident while the kernel before runs (:func:`gemv_preload_shared`). A register preload of one vector a
-    lane there measured −3.1% on llama3-1b (its o GEMV and LM head), against −4.5% with every GEMV preloading
-    (benchmarks/NOTES.md), and is gone."""
+    resident while the kernel before runs (:func:`~lum.builder.gemv_policy.gemv_preload_shared`). A register
+    preload of one vector a lane there measured −3.1% on llama3-1b (its o GEMV and LM head), against −4.5%
+    with every GEMV preloading (benchmarks/NOTES.md), and is gone."""
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     return {o.id for i, o in enumerate(ks) if o.kind == "gemm" and ks[i - 1].kind != "gemm"}
 
@@ -1037,7 +741,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     ``dyn_vars`` defaults to every dyn var the program mentions, sorted. ``weights``: op ids of the
     program's inputs that are weights (an op's arguments read from them are its ``weight_args``).
     ``tuning``: keyword arguments of :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the
-    i-th GEMV (:func:`split_gemv_tuning`)."""
+    i-th GEMV (:func:`~lum.builder.gemv_policy.split_gemv_tuning`)."""
     if dyn_vars is None:
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
@@ -1066,25 +770,10 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
         r = rank.get(o.id, -1)
         ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})})
-        if r in in_registers and shared != "all" and ks is not None and _prologue_walks_tiles(o, ks):
+        if r in in_registers and shared != "all" and ks is not None and prologue_walks_tiles(o, ks):
             ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
         out[o.id] = ks
     return out
-
-
-def gemv_tile_a_block(op: LOp, ks: KernelSource) -> bool | None:
-    """Whether a dot-scheme GEMV's static grid has a block for each tile of its output columns (``cols`` of
-    them a tile), so no block walks a second one; None where the grid or the columns are dynamic."""
-    cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params.get("n_out", op.params["n"]))
-    if not (ks.grid[0].is_const and cols.is_const):
-        return None
-    return ks.grid[0].value * ks.tuning["cols"] >= cols.value
-
-
-def _prologue_walks_tiles(op: LOp, ks: KernelSource) -> bool:
-    """A prologue GEMV with a shared preload whose static grid is fewer blocks than its tiles, so that its
-    blocks walk tiles and only each one's first is preloaded."""
-    return bool(ks.tuning.get("preload_shared") and ks.tuning.get("prologue")) and gemv_tile_a_block(op, ks) is False
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:
@@ -1474,7 +1163,7 @@ class _Gen:
                 # a warp per row fills the GPU only with many rows; few long rows (RMSNorm's one row of
                 # 2,560) get wider groups, about 8 elements per thread, or one warp's loop is
                 # latency-bound (measured: 15 us for a single row)
-                group = 32 if rows_hi >= 4096 and red_hi <= 4096 else max(32, _pow2_floor(max(1, red_hi // 8)))
+                group = 32 if rows_hi >= 4096 and red_hi <= 4096 else max(32, pow2_floor(max(1, red_hi // 8)))
             else:
                 group = 1 if rows_hi >= 1024 else 32
             group = min(group, self.threads)
@@ -1553,10 +1242,10 @@ class _Gen:
         rows_hi, n_hi = rows.bounds(bounds)[1], n.bounds(bounds)[1]
         n_hi = 4096 if n_hi == INF else n_hi
         if rows_hi >= 1024:
-            return 32 if n_hi >= 32 else _pow2ceil(max(1, int(n_hi)))
+            return 32 if n_hi >= 32 else pow2ceil(max(1, int(n_hi)))
         if n.is_const:                   # the row in registers: at most ROW_REGS elements per lane
-            return max(32, min(1024, _pow2ceil(-(-n.value // ROW_REGS))))
-        return max(32, min(1024, _pow2_floor(max(1, int(n_hi) // 4))))
+            return max(32, min(1024, pow2ceil(-(-n.value // ROW_REGS))))
+        return max(32, min(1024, pow2_floor(max(1, int(n_hi) // 4))))
 
     def _row_threads(self, rows: Expr, group: int) -> int:
         """Threads per block of a row kernel: a whole row group of at least 256 threads, else as many
@@ -1566,7 +1255,7 @@ class _Gen:
         if group >= 256:
             return min(1024, group)
         rows_hi = rows.bounds(self.ctx._dyn_bounds())[1]
-        per_block = 256 // group if rows_hi == INF else min(256 // group, _pow2_floor(max(1, int(rows_hi) // SMS)))
+        per_block = 256 // group if rows_hi == INF else min(256 // group, pow2_floor(max(1, int(rows_hi) // SMS)))
         return max(32, group * per_block)            # a warp at least (rows shorter than a warp take fewer threads)
 
     def k_row(self):
@@ -1789,7 +1478,7 @@ class _Gen:
     def k_attention(self):
         """The per-chunk partials of attention (semantics in format/llir.py): decode's split-K kernel
         (templates/attention.cu), or flash attention where many query rows share a K / V row
-        (:func:`flash_attention`: :meth:`_flash_attention`)."""
+        (:func:`~lum.builder.attention_policy.flash_attention`: :meth:`_flash_attention`)."""
         op, ctx = self.op, self.ctx
         try:
             check_attention(op, "attention")
@@ -1945,7 +1634,7 @@ class _Gen:
         for pos, i in enumerate(heads):
             idx[i] = Var(f"lum_i{pos}")
         lum_m, rest = Var("lum_m"), as_expr(1)
-        inner = [i for i in sorted(reversed(group), key=lambda i: vm.strides[i] != zero) if not _is_one(r[i])]
+        inner = [i for i in sorted(reversed(group), key=lambda i: vm.strides[i] != zero) if not is_one(r[i])]
         for k, i in enumerate(inner):
             idx[i] = lum_m // rest if k == len(inner) - 1 else (lum_m // rest) % r[i]
             rest = rest * r[i]
@@ -2403,7 +2092,7 @@ class _Gen:
     def _gemv_prologue(self, m: int, p: dict[str, Expr], layout: str, jb: int, dta: DType = DType.f32) -> str:
         """The code that computes a gemm's A (its fused prologue tree, ``params["expr"]``) into the shared
         array ``lum_as`` (templates/gemv_prologue.cuh), of floats or (``dta``, the tree's own dtype) of its
-        storage; CodegenError where the kernel cannot (see :func:`gemv_prologue_fits`)."""
+        storage; CodegenError where the kernel cannot (see :func:`~lum.builder.gemv_policy.gemv_prologue_fits`)."""
         op = self.op
         expr = op.params["expr"]
         dom = tuple(as_expr(d) for d in op.args[0].view.shape)
@@ -2452,8 +2141,9 @@ class _Gen:
     def _gemv_preload(self, k: Expr, group: int, vec: int, nacc: int, inflight: int, shared: int = 0) -> int:
         """Weight vectors per lane and product column that it loads into registers before the wait
         (``preload``; dot scheme, plain loop, vector loads): at most those of its first column, and
-        :data:`GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns (``shared`` > 0: into shared memory,
-        :data:`GEMV_SHARED_PRELOAD_VECTORS` and ``shared`` bytes a block); 0 beside loads ahead (``inflight``)."""
+        :data:`~lum.builder.gemv_policy.GEMV_PRELOAD_VECTORS` across the ``nacc`` product columns (``shared`` > 0:
+        into shared memory, :data:`~lum.builder.gemv_policy.GEMV_SHARED_PRELOAD_VECTORS` and ``shared`` bytes a
+        block); 0 beside loads ahead (``inflight``)."""
         hi = GEMV_SHARED_PRELOAD_VECTORS if self.preload_shared else GEMV_PRELOAD_VECTORS
         if not 0 <= self.preload <= hi:
             raise CodegenError(f"preload must be in [0, {hi}], got {self.preload}")
@@ -2497,11 +2187,11 @@ class _Gen:
             kv = max(1, -(-k.value // vec))
             if kv >= 128:      # two warps per output, >= 2 vectors per thread: best or within 7% of
                 return min(64, t)   # it on every decode projection of gemma3-4b / llama3-1b (gemv_sweep)
-            g = min(32, _pow2ceil(kv), t)
+            g = min(32, pow2ceil(kv), t)
             while sized and g < t and batch.value * n.value * g < _GEMV_FILL_THREADS and kv >= 4 * g:
                 g *= 2
             return g
-        span = min(32, t) if not n.is_const else min(32, t, _pow2ceil(max(1, -(-n.value // vec))))
+        span = min(32, t) if not n.is_const else min(32, t, pow2ceil(max(1, -(-n.value // vec))))
         while (sized and span > 1 and span * vec * self.dts[-1].itemsize > 64
                and batch.value * -(-n.value // (span * vec)) * t < _GEMV_FILL_THREADS):
             span //= 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from lum.builder.codegen import flash_attention
+from lum.builder.attention_policy import flash_attention
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, smax, smin
 from lum.format.llir import LOp, Program, expr_nodes, gemm_parts

@@ -37,7 +37,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Iterable
 
-from lum.builder.codegen import ATTENTION_MAX_GROUP, flash_attention_enabled, flash_features_fit
+from lum.builder.attention_policy import ATTENTION_MAX_GROUP, flash_attention_enabled, flash_features_fit
 from lum.builder.hlir import BINARY_OPS, REDUCE_OPS, UNARY_OPS, Graph
 from lum.format.expr import Expr, as_expr, parse
 from lum.format.llir import ELEMENTWISE_ARITY
@@ -582,7 +582,7 @@ class AttentionViews:
     k [R…, T, D], v [R…, T, Dv], mask [R…, T]; ``group``: the R dims along which k and v do not move (the
     query heads of a GQA group; in prefill also the prompt's positions). ``flash``: their sizes do not
     multiply to a static number of at most :data:`ATTENTION_MAX_GROUP` (decode's kernel holds those rows in
-    registers), so the op runs as flash attention (codegen.flash_attention)."""
+    registers), so the op runs as flash attention (attention_policy.flash_attention)."""
 
     q: ShapeTracker
     k: ShapeTracker
@@ -597,7 +597,7 @@ def attention_views(sat: SaturatedGroup, node: ENode) -> AttentionViews | None:
     attention over the keys: q read broadcast along the keys, the probabilities read by p·v in their own
     row-major layout broadcast along V's feature axis, static feature sizes, no padded q / k / v reads,
     float operands; the rows sharing a K / V row a static few, or else (flash attention: prefill) features
-    that :func:`~lum.builder.codegen.flash_features_fit` and an unpadded mask. Memoised per node: extraction
+    that :func:`~lum.builder.attention_policy.flash_features_fit` and an unpadded mask. Memoised per node: extraction
     asks again for every lowering."""
     key = ("attention", node)
     if key not in sat._memo:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from lum.builder.codegen import GEMV_MAX_ACC, gemv_rows
+from lum.builder.gemv_policy import GEMV_MAX_ACC, gemv_rows
 from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
 from lum.format.llir import Arg, LOp, Program, gemm_parts, has_row_ops

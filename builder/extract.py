@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from lum.builder import costmodel, epilogue, prologue, row_reads
-from lum.builder.codegen import env_choice
+from lum.builder.env_switches import env_choice
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.builder.rewrite import outputs_last
 from lum.format.dtypes import DType

@@ -25,8 +25,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from lum.builder.codegen import (SMS, KernelSource, blocks_unbalanced, env_switch, gemv_kernel_ops, gemv_tile_a_block,
-                                 generate_program, module_source)
+from lum.builder.codegen import KernelSource, generate_program, module_source
+from lum.builder.env_switches import env_switch
+from lum.builder.gemv_policy import SMS, blocks_unbalanced, gemv_kernel_ops, gemv_tile_a_block
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
@@ -166,7 +167,7 @@ def _kernels_in_registers(program: Program, dyn_vars: Sequence[str], max_dyn: Ma
                           ) -> tuple[dict[str, Any], dict[int, KernelSource | None]]:
     """(``tuning``, the program's kernels): :func:`_loads_ahead_without_spills`, then
     :func:`_grids_in_one_wave`, whose capped prologue GEMVs may walk tiles with their preload in registers,
-    which must not spill either (codegen._prologue_walks_tiles)."""
+    which must not spill either (gemv_policy.prologue_walks_tiles)."""
     tuning, gen = _loads_ahead_without_spills(program, dyn_vars, max_dyn, dict(tuning or {}), arch, cache_dir,
                                               weights)
     capped, capped_gen = _grids_in_one_wave(program, dyn_vars, max_dyn, tuning, gen, arch, cache_dir, weights)
@@ -226,9 +227,10 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
 def _waves_unbalanced(ks: KernelSource, wave: int) -> bool:
     """A GEMV without a prologue whose static grid is more than ``wave`` blocks (what the SMs hold at its
     registers) and would, capped there (:func:`_grids_in_one_wave`), give some blocks a tile more than others
-    by over a tenth of the average (:func:`~lum.builder.codegen.blocks_unbalanced` over the wave). gemma3-4b's down projection
-    (1,280 blocks of 128 threads, all resident without a preload) held 1,056 at a preload of 2: 224 blocks
-    walked two tiles, and the kernel took 21.3 µs against 14.2 (profile, e827744); the step lost 7.4%."""
+    by over a tenth of the average (:func:`~lum.builder.gemv_policy.blocks_unbalanced` over the wave).
+    gemma3-4b's down projection (1,280 blocks of 128 threads, all resident without a preload) held 1,056 at a
+    preload of 2: 224 blocks walked two tiles, and the kernel took 21.3 µs against 14.2 (profile, e827744); the
+    step lost 7.4%."""
     if ks.tuning.get("prologue") or not ks.grid[0].is_const:
         return False
     blocks = ks.grid[0].value

@@ -18,7 +18,7 @@ at most :data:`PROLOGUE_MAX_COLS` columns (``$LUM_GEMV_PROLOGUE_MAX_COLS`` to me
 :func:`fuse_gemv_prologues` rewrites a lowered program: such an elementwise op whose every reader is
 a GEMV of lum's kernel reading it as A becomes those GEMVs' ``params["expr"]`` (LLIR version 3, see
 :mod:`lum.format.llir`) and is dropped. Prefill GEMMs (a dynamic m, cuBLASLt) and A operands the kernel
-cannot compute (:func:`~lum.builder.codegen.gemv_prologue_fits`) are left alone. ``LUM_GEMV_PROLOGUE=0``
+cannot compute (:func:`~lum.builder.gemv_policy.gemv_prologue_fits`) are left alone. ``LUM_GEMV_PROLOGUE=0``
 turns it off (to measure what it gives).
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from lum.builder.codegen import gemv_prologue_fits, gemv_rows
+from lum.builder.gemv_policy import gemv_prologue_fits, gemv_rows
 from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
 from lum.format.llir import GEMM_DEFAULTS, LOp, Program, has_row_ops

@@ -30,8 +30,10 @@ import re
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, _Ctx, common_header, env_switch,
-                                 generate, load_template, render, split_gemv_tuning)
+from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, _Ctx, common_header, generate,
+                                 load_template, render)
+from lum.builder.env_switches import env_switch
+from lum.builder.gemv_policy import split_gemv_tuning
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program

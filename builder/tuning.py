@@ -65,14 +65,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from lum.builder.attention_policy import flash_attention, flash_attention_enabled
 from lum.builder.attention_stage import ENV_ATTENTION_STAGE
-from lum.builder.codegen import (ENV_GEMV_EVICT_FIRST, env_switch,
-                                 flash_attention, flash_attention_enabled,
-                                 gemv_balance, gemv_inflight_default,
-                                 gemv_kernel_ops, gemv_preload_after_gemv,
-                                 gemv_preload_default, gemv_preload_shared,
-                                 gemv_tuning_override,
-                                 gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads)
+from lum.builder.env_switches import env_switch
+from lum.builder.gemv_policy import (ENV_GEMV_EVICT_FIRST, gemv_balance, gemv_inflight_default, gemv_kernel_ops,
+                                     gemv_preload_after_gemv, gemv_preload_default, gemv_preload_shared,
+                                     gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads,
+                                     gemv_tuning_override)
 from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.extract import ATTENTION_CHUNK, ATTENTION_CHUNKS, attention_chunk_default
@@ -114,7 +113,7 @@ TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("unroll", (None, 8)),
 )
 # ... and per decode GEMV (lum's kernel, in program order: ``gemv<i>.<name>``, see
-# codegen.split_gemv_tuning), for as many as the cost model's program of the group has: the best block
+# gemv_policy.split_gemv_tuning), for as many as the cost model's program of the group has: the best block
 # size, split and unroll differ by shape (benchmarks/gemv_sweep.py at 893d4ba: gemma3-4b's down projection
 # 10% faster with 128 threads / split 64, llama3-1b's 8% with 1,024 / 128 / unroll 8, and each one's best
 # 11-13% slower on the other), which one group-wide value cannot choose.
@@ -128,9 +127,10 @@ GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("max_blocks", (None, 132, 264)),   # grid cap: one or two blocks an SM (a prologue GEMV's blocks each
 )                                       # compute A; gemv_sweep --mode prologue: 132 best for gemma's gate-up)
 MAX_TUNED_GEMVS = 8
-# ... and, in a group whose program runs flash attention (prefill), its key tile (codegen.FLASH_TILE_KEYS; its
-# query rows a block follow the group-wide ``threads``): 64 on tensor cores and 32 with FMAs by default, the
-# others trading shared memory and registers against the passes over a block's rows
+# ... and, in a group whose program runs flash attention (prefill), its key tile
+# (attention_policy.FLASH_TILE_KEYS; its query rows a block follow the group-wide ``threads``): 64 on tensor
+# cores and 32 with FMAs by default, the others trading shared memory and registers against the passes over a
+# block's rows
 FLASH_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("tile_keys", (None, 32, 64, 128)),
 )

@@ -49,7 +49,7 @@ that many blocks along x (sm_90+; 2 to :data:`MAX_CLUSTER`, the portable size; t
 multiple of it), which the kernel's blocks synchronise within. The loader runs them; lum's builder emits
 none since its one user, an attention combine in clusters, measured slower and was removed. Every op
 of a KERNEL_OP_KINDS kind has an entry or is a tail; a ``gemm`` op has one when lum's own kernel runs
-it (a small static m, see :func:`lum.builder.codegen.gemv_rows`) and none when it is a cuBLASLt call
+it (a small static m, see :func:`lum.builder.gemv_policy.gemv_rows`) and none when it is a cuBLASLt call
 described by the LLIR alone. For the latter, a table built on a GPU may add the cuBLASLt algorithm timed fastest at build
 time (``lum.builder.gemm_algos``)::
 

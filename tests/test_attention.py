@@ -190,7 +190,7 @@ def test_decoders_use_one_attention_kernel_per_layer(model, flash_on, monkeypatc
     """Decode's attention is the split-K kernel (a GQA group of static rows, chunks of 16 keys). Prefill's, whose
     rows sharing a K / V row are the group times the prompt, is flash attention (chunks of 4,096 keys); with
     ``$LUM_FLASH_ATTENTION=0`` its q·k and p·v stay GEMMs."""
-    from lum.builder.codegen import flash_attention
+    from lum.builder.attention_policy import flash_attention
     from lum.builder.extract import ATTENTION_CHUNK, FLASH_ATTENTION_CHUNK
     from lum.builder.models import load_spec
     from lum.builder.partition import chunk_graph

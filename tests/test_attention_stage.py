@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from lum.builder.attention_policy import attention_stage_block
 from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages, stage_ops
-from lum.builder.codegen import AttentionStage, attention_stage_block, generate_program
+from lum.builder.codegen import AttentionStage, generate_program
 from lum.builder.kernels import _waits, default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr

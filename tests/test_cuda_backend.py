@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import lum.loader
-from lum.builder.codegen import gemv_rows
+from lum.builder.gemv_policy import gemv_rows
 from lum.builder.kernels import compile_group_kernels, default_max_dyn, launch_table, program_dyn_vars
 from lum.format.dtypes import DType
 from lum.format.errors import PackageFormatError

@@ -19,7 +19,8 @@ pytest.importorskip("egglog")
 
 import lum.loader  # noqa: E402
 from lum.builder import frontend as F  # noqa: E402
-from lum.builder.codegen import CodegenError, flash_attention, generate  # noqa: E402
+from lum.builder.attention_policy import flash_attention  # noqa: E402
+from lum.builder.codegen import CodegenError, generate  # noqa: E402
 from lum.builder.compile import compile_group  # noqa: E402
 from lum.builder.egraph import saturate  # noqa: E402
 from lum.builder.extract import FLASH_ATTENTION_CHUNK  # noqa: E402

@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lum.builder.codegen import GEMV_MAX_M, CodegenError, generate, gemv_rows
+from lum.builder.codegen import CodegenError, generate
+from lum.builder.gemv_policy import GEMV_MAX_M, gemv_rows
 from lum.format.dtypes import DType
 from lum.format.expr import Var, as_expr
 from lum.format.llir import GEMM_LAYOUTS, Arg, LOp
@@ -302,7 +303,7 @@ def test_shared_preload_changes_no_bit(tmp_path):
     in the order of k: bit-equal to the plain loop, for grids of one to several tiles a block, bf16 and f32.
     It takes up to GEMV_SHARED_PRELOAD_VECTORS (a lane's whole first column where registers held 8), and the
     launch's dynamic shared memory is their bytes; vectors under 16 bytes keep the plain loop."""
-    from lum.builder.codegen import GEMV_SHARED_PRELOAD_VECTORS
+    from lum.builder.gemv_policy import GEMV_SHARED_PRELOAD_VECTORS
 
     for case, dts, tun in ((".preload", [BF16, BF16], {"threads": 64}), (".preload_f32", [F32, F32], {}),
                            (".preload_part", [BF16, BF16], {"threads": 64})):
@@ -447,7 +448,7 @@ def test_loads_ahead_that_would_spill_are_halved(monkeypatch):
     from types import SimpleNamespace
 
     from lum.builder import kernels, nvrtc
-    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.gemv_policy import gemv_kernel_ops
     from lum.builder.compile import compile_group
     from tests.test_prologue import _groups
 
@@ -488,7 +489,7 @@ def test_resident_blocks():
 def _layer_gemvs(prog, dv) -> list:
     """A decode layer's GEMV kernels as the package builder makes them (group_kernel_sources), in program order."""
     from lum.builder import kernels
-    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.gemv_policy import gemv_kernel_ops
 
     got = kernels.group_kernel_sources(prog, dv)
     return [got[o.id] for o in gemv_kernel_ops(prog)]
@@ -514,7 +515,7 @@ def test_prologue_gemvs_in_one_wave_by_their_registers(monkeypatch):
     from types import SimpleNamespace
 
     from lum.builder import kernels, nvrtc
-    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.gemv_policy import gemv_kernel_ops
 
     monkeypatch.setenv("LUM_GEMV_PRELOAD_AFTER_GEMV", "0")
     prog, dv = _llama_layer()
@@ -558,7 +559,7 @@ def test_llama_gate_up_runs_in_one_wave(nvrtc):
     """With ptxas's real count, llama3-1b's gate-up prologue GEMV takes more than 32 registers at 1,024 threads
     (one block an SM), so its grid is the 132 SMs, one wave."""
     from lum.builder import kernels
-    from lum.builder.codegen import SMS, gemv_kernel_ops
+    from lum.builder.gemv_policy import SMS, gemv_kernel_ops
 
     prog, dv = _llama_layer()
     got = kernels.group_kernel_sources(prog, dv)
@@ -595,7 +596,7 @@ def test_preloading_gemvs_in_one_wave_without_spills(nvrtc):
     most, where the 512-thread o GEMV takes its first tile's 4 (the qkv, two columns a warp, 512 threads: as
     many vectors a lane as a 1,024-thread block's)."""
     from lum.builder import kernels
-    from lum.builder.codegen import SMS, gemv_kernel_ops
+    from lum.builder.gemv_policy import SMS, gemv_kernel_ops
 
     prog, dv = _llama_layer()
     got = kernels.group_kernel_sources(prog, dv, tuning={"preload": 8})

@@ -213,7 +213,8 @@ def test_search_is_seeded_with_the_cost_model_choice(spec, groups, cache, tmp_pa
     FakeTimer.calls = []
     comp, _ = _build(spec, tmp_path / "a.lumpkg")
     dyn = typical_dyn(spec)
-    from lum.builder.codegen import flash_attention, gemv_kernel_ops
+    from lum.builder.attention_policy import flash_attention
+    from lum.builder.gemv_policy import gemv_kernel_ops
     from lum.builder.extract import lower
 
     firsts, flash_groups, split_k_groups = {}, 0, 0
@@ -379,7 +380,7 @@ def favouring(key: str, value):
 
 def test_the_search_picks_threads_per_gemv_and_the_package_has_them(spec, cache, tmp_path):
     import lum.loader
-    from lum.builder.codegen import gemv_kernel_ops
+    from lum.builder.gemv_policy import gemv_kernel_ops
 
     comp, path = _build(spec, tmp_path / "g.lumpkg", budget=64, factory=favouring("gemv0.threads", 128))
     tuned = [rec for rec in comp.records if any(name.startswith("tune:gemv0.") for name, _ in rec["decisions"])]
@@ -438,7 +439,8 @@ def test_the_search_picks_decode_attentions_split_and_the_package_has_it(spec, c
 
 
 def test_generate_program_applies_gemv_keys_by_rank():
-    from lum.builder.codegen import generate_program, gemv_kernel_ops, split_gemv_tuning
+    from lum.builder.codegen import generate_program
+    from lum.builder.gemv_policy import gemv_kernel_ops, split_gemv_tuning
     from lum.builder.compile import compile_group
     from tests.test_prologue import _groups
 
