@@ -13,7 +13,7 @@ timed as a CUDA graph of back-to-back launches over weight copies that together 
 (so each launch reads its weight from HBM, as in decode). Reports GB/s (weight + x + y bytes over the
 median launch time) beside a device-to-device copy measured in the same run, the codegen default's
 rate and the best configuration's; the JSON record goes to ``<out>/gemv-sweep-<dtype>-<date>.json``.
-This is what codegen's default GEMV choice (``_Gen._gemv_group``) is calibrated against.
+This is what codegen's default GEMV choice (``GemvKernels._gemv_group``, builder/gemv_codegen.py) is calibrated against.
 
 ``--mode prologue`` times GEMV prologues instead (builder/prologue.py): per decode shape, the pair a
 decode step runs without them (the one-row kernel that computes the GEMV's input, an RMSNorm of an f32

@@ -39,10 +39,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lum.builder.attention_policy import attention_row_dims
-from lum.builder.codegen import (_ENTRY, AttentionStage, CodegenError, KernelSource, StageRow, common_header, generate,
-                                 stage_row)
+from lum.builder.codegen import AttentionStage, CodegenError, StageRow, generate, stage_row
 from lum.builder.env_switches import env_switch
 from lum.builder.gemv_policy import split_gemv_tuning
+from lum.builder.kernel_text import _ENTRY, KernelSource, common_header
 from lum.builder.rewrite import readers
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr

@@ -30,10 +30,10 @@ import re
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from lum.builder.codegen import (_ENTRY, CodegenError, KernelSource, Launch, _Ctx, common_header, generate,
-                                 load_template, render)
+from lum.builder.codegen import CodegenError, generate
 from lum.builder.env_switches import env_switch
 from lum.builder.gemv_policy import split_gemv_tuning
+from lum.builder.kernel_text import _ENTRY, KernelSource, Launch, _Ctx, common_header, load_template, render
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
