@@ -10,8 +10,6 @@ tests/test_gpu_flash.py."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -29,8 +27,8 @@ from lum.builder.reference import run_graph  # noqa: E402
 from lum.format.dtypes import DType  # noqa: E402
 from lum.format.expr import Var  # noqa: E402
 from lum.loader.reference_backend import execute  # noqa: E402
-from tests.flash_cases import FlashCase, flash_inputs, flash_program, flash_reference  # noqa: E402
-from tests.kernel_cases import compare, entry_for  # noqa: E402
+from tests.flash_cases import FlashCase, flash_program  # noqa: E402
+from tests.kernel_cases import entry_for  # noqa: E402
 from tests.test_attention import attention_options, attention_rule_program  # noqa: E402
 
 RNG = np.random.default_rng(17)

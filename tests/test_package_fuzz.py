@@ -409,7 +409,6 @@ def test_mutated_packages(tmp_path, traced):
     assert len(cases) >= 2000, len(cases)
     modes = ("metadata", "all", "none")
     failures = []
-    outcomes = {}
     path = tmp_path / "case.lumpkg"
     for k, (desc, data, expected) in enumerate(cases):
         verify = modes[k % 3]

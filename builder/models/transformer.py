@@ -233,7 +233,6 @@ class DecoderBuilder:
     def mask(self, kind: str, positions: GraphTensor, total: Expr) -> GraphTensor:
         """[s, T] bool for layers of ``kind``: key j is visible to query at position q when j ≤ q (and, in a
         sliding layer, q − j < window). Built once per entry and read by every layer of that kind."""
-        g = self.g
         kpos = self.arange(0, total).unsqueeze(0)       # [1, T]
         qpos = positions.unsqueeze(1)                   # [s, 1]
         visible = kpos < qpos + 1
