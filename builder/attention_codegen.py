@@ -10,8 +10,8 @@ from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_S
                                           flash_features_fit)
 from lum.builder.env_switches import CodegenError
 from lum.builder.intmath import is_one
-from lum.builder.kernel_text import (STORAGE_C, _ENTRY, _f32_literal, _load_conv, _store_conv, _unravel, load_template,
-                                     render, view_access)
+from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, f32_literal, load_conv, load_template, render,
+                                     store_conv, unravel_index, view_access)
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, Var, as_expr, cdiv
 from lum.format.llir import attention_dims, check_attention
@@ -62,7 +62,7 @@ class AttentionKernels:
         ind, ind4 = " " * 4, " " * 8
         # row indices: the kv-row dims from lum_h, the group dims from the unrolled query row lum_m
         hshape = tuple(r[i] for i in heads)
-        setup = [_unravel(ctx, "lum_h", hshape, ind).rstrip("\n")]
+        setup = [unravel_index(ctx, "lum_h", hshape, ind).rstrip("\n")]
         idx: list[Expr] = [as_expr(0)] * nr
         for pos, i in enumerate(heads):
             idx[i] = Var(f"lum_i{pos}")
@@ -85,7 +85,7 @@ class AttentionKernels:
                   f"{ind}#pragma unroll", f"{ind}  for (int i = 0; i < DPL; ++i) {{",
                   f"{ind}    const int lum_d = lum_lane * DPL + i;",
                   f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? "
-                  f"{_load_conv(self.dts[0], f'in0[lum_qb + (idx_t)lum_d * ({ctx.c(qd)})]')} : 0.0f;",
+                  f"{load_conv(self.dts[0], f'in0[lum_qb + (idx_t)lum_d * ({ctx.c(qd)})]')} : 0.0f;",
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
@@ -102,24 +102,24 @@ class AttentionKernels:
                       and all(e % per_lane == zero for e in (view.offset, *view.strides[:-1])))
             src = f"in{k} + {base} + lum_t * ({ctx.c(st)})"
             if vec_ok:
-                cvt = f"[](const {STORAGE_C[dt]} x) {{ return {_load_conv(dt, 'x')}; }}"
+                cvt = f"[](const {STORAGE_C[dt]} x) {{ return {load_conv(dt, 'x')}; }}"
                 return [f"{ind4}if (lum_in) lum_load_f32<{per_lane}>({src} + lum_lane * {per_lane}, {dest}[u], {cvt});",
                         f"{ind4}else {{", f"{ind4}#pragma unroll",
                         f"{ind4}  for (int i = 0; i < {per_lane}; ++i) {dest}[u][i] = 0.0f;", f"{ind4}}}"]
             return [f"{ind4}#pragma unroll", f"{ind4}for (int i = 0; i < {per_lane}; ++i) {{",
                     f"{ind4}  const int lum_d = lum_lane * {per_lane} + i;",
                     f"{ind4}  {dest}[u][i] = (lum_in && lum_d < {width}) ? "
-                    f"{_load_conv(dt, f'({src})[(idx_t)lum_d * ({ctx.c(sd)})]')} : 0.0f;",
+                    f"{load_conv(dt, f'({src})[(idx_t)lum_d * ({ctx.c(sd)})]')} : 0.0f;",
                     f"{ind4}}}"]
 
         load_kv = row_load(1, vk, D, dpl, "lum_k", "lum_kb") + row_load(2, vv, DV, vpl, "lum_v", "lum_vb")
         mphys, mvalid = view_access(ctx, vm, tuple(idx) + (lum_t,))
-        mval = _load_conv(DType.bool, f"in3[{mphys}]")
+        mval = load_conv(DType.bool, f"in3[{mphys}]")
         mval = "false" if mvalid == "false" else f"(({mvalid}) && {mval})" if mvalid else mval
         p_dt = DType.parse(op.params["p_dtype"])
-        rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
+        rnd = "lum_e" if p_dt == DType.f32 else load_conv(p_dt, store_conv("f", "lum_e", p_dt))
         scale = float(op.params["scale"])
-        logit = f"(lum_s * {_f32_literal(scale)}) * {_f32_literal(1.4426950408889634)}"
+        logit = f"(lum_s * {f32_literal(scale)}) * {f32_literal(1.4426950408889634)}"
         key, keys_before, keys_after = self._attention_key_batch(ind4, mval, logit, rnd)
         out_idx = ShapeTracker.contiguous(op.shape).physical_index(tuple(idx) + (Var("lum_j"), zero))
         ctx.bound_var("lum_j", ns)
@@ -131,7 +131,7 @@ class AttentionKernels:
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits else 1
         src = render(load_template("attention.cu"), {**stage,
-            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
             "MERGE_ROWS": merge_rows,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
@@ -175,7 +175,7 @@ class AttentionKernels:
         ns = cdiv(t, chunk)
         group, heads = attention_row_dims(op)
         hshape = tuple(r[i] for i in heads)
-        setup = [_unravel(ctx, "lum_h", hshape, " " * 4).rstrip("\n")]
+        setup = [unravel_index(ctx, "lum_h", hshape, " " * 4).rstrip("\n")]
         # query row lum_m of kv row lum_h: the group dims unravelled with the mask's own (moving) dims outer,
         # so that a row tile's rows share mask rows (prefill: a position's GQA heads side by side)
         idx: list[Expr] = [zero] * len(r)
@@ -207,11 +207,11 @@ class AttentionKernels:
             return int(view.strides[-1] == as_expr(1) and all(e % per == zero for e in rows))
 
         qv, kv, vvec = vec(vq, dq), vec(vk, dk), vec(vv, dvt)
-        rnd = "lum_e" if p_dt == DType.f32 else _load_conv(p_dt, _store_conv("f", "lum_e", p_dt))
+        rnd = "lum_e" if p_dt == DType.f32 else load_conv(p_dt, store_conv("f", "lum_e", p_dt))
         src = render(load_template("flash_attention.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "Q_T": STORAGE_C[dq], "K_T": STORAGE_C[dk], "V_T": STORAGE_C[dvt],
-            "CVT_Q": _load_conv(dq, "x"), "CVT_K": _load_conv(dk, "x"), "CVT_V": _load_conv(dvt, "x"),
+            "CVT_Q": load_conv(dq, "x"), "CVT_K": load_conv(dk, "x"), "CVT_V": load_conv(dvt, "x"),
             "D": D, "DV": DV, "BC": bc, "CHUNK": chunk, "SMEM": smem, "MMA": int(mma), "FMA": int(not mma),
             "BF16": int(p_dt == DType.bf16),
             **{f"{x}_VEC": "true" if ok else "false" for x, ok in (("Q", qv), ("K", kv), ("V", vvec))},
@@ -222,7 +222,7 @@ class AttentionKernels:
             "OROW": ctx.c(out.physical_index(tuple(idx) + (Var("lum_j"), zero))),
             "QD": ctx.c(vq.strides[-1]), "KT": ctx.c(vk.strides[-2]), "KD": ctx.c(vk.strides[-1]),
             "VT": ctx.c(vv.strides[-2]), "VD": ctx.c(vv.strides[-1]), "MT": ctx.c(vm.strides[-1]),
-            "SCALE": _f32_literal(float(op.params["scale"])), "ROUND": rnd})
+            "SCALE": f32_literal(float(op.params["scale"])), "ROUND": rnd})
         work = numel(hshape) * ns * cdiv(m_rows, br)
         tuning = {"threads": self.threads, "tile_rows": br, "tile_keys": bc, "max_blocks": self.max_blocks,
                   "flash": "mma" if mma else "fma"}

@@ -42,7 +42,7 @@ from lum.builder.attention_policy import attention_row_dims
 from lum.builder.codegen import AttentionStage, CodegenError, StageRow, generate, stage_row
 from lum.builder.env_switches import env_switch
 from lum.builder.gemv_policy import split_gemv_tuning
-from lum.builder.kernel_text import _ENTRY, KernelSource, common_header
+from lum.builder.kernel_text import ENTRY_PLACEHOLDER, KernelSource, common_header
 from lum.builder.rewrite import readers
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
@@ -191,15 +191,15 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     and those copies shared the bus with the stage's reads (gemma3-4b's stage 2.72 → 1.76 µs; llama3-1b +0.6%
     in three same-run pairs, gemma3-4b ±0: 2d7e1fb, 67ad255)."""
     md = dict(max_dyn or {}) or None
-    rows = {role: stage_row(op, dyn_vars, f"{_ENTRY}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
+    rows = {role: stage_row(op, dyn_vars, f"{ENTRY_PLACEHOLDER}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
             for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
                   stage=_stage(att, rows), **common)
-    body = ks.body.replace(ks.name, f"{_ENTRY}_attn")
+    body = ks.body.replace(ks.name, f"{ENTRY_PLACEHOLDER}_attn")
     if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
     body = ENTRY_RE.sub(f"template <class LumQ, class LumK, class LumV>\n__device__ __forceinline__ void "
-                         f"{_ENTRY}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, ", body, count=1)
+                         f"{ENTRY_PLACEHOLDER}_attn(LumQ lum_qrow, LumK lum_krow, LumV lum_vrow, ", body, count=1)
     body = body.replace("__restrict__ ", "")    # it reads the cache rows its own stage writes
     run = sorted((*ops, att), key=lambda o: o.id)
     role_of = {op.id: role for role, op in zip("qkv", ops)}
@@ -209,18 +209,19 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     q, k, v = (args[o.id] for o in ops)
     window, wargs = "long long w0, long long w1, long long wT, bool wf", "w0, w1, wT, wf"
     entry = "\n".join([
-        f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) {_ENTRY}({", ".join(p.ctype for p in params)}) {{',
-        f"  {_ENTRY}_attn(",
-        f"      [&](long long r, bool live, LumSink s) {{ {_ENTRY}_q(r, live, s, {q}); }},",
-        f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_k(r, live, {wargs}, {k}); }},",
-        f"      [&](long long r, bool live, {window}) {{ {_ENTRY}_v(r, live, {wargs}, {v}); }},",
+        f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) '
+        f'{ENTRY_PLACEHOLDER}({", ".join(p.ctype for p in params)}) {{',
+        f"  {ENTRY_PLACEHOLDER}_attn(",
+        f"      [&](long long r, bool live, LumSink s) {{ {ENTRY_PLACEHOLDER}_q(r, live, s, {q}); }},",
+        f"      [&](long long r, bool live, {window}) {{ {ENTRY_PLACEHOLDER}_k(r, live, {wargs}, {k}); }},",
+        f"      [&](long long r, bool live, {window}) {{ {ENTRY_PLACEHOLDER}_v(r, live, {wargs}, {v}); }},",
         f"      {args[att.id]});",
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])
     head = run[0]
     digest = hashlib.sha256(f"stage/{head.kind}/{head.op}\n{body}".encode()).hexdigest()[:16]
     name = f"lum_{head.kind}_{(head.op or head.kind).lower()}_stage_{digest}"
-    body = body.replace(_ENTRY, name)
+    body = body.replace(ENTRY_PLACEHOLDER, name)
     slots = dict(ks.dyn_slots)
     for row in rows.values():
         slots.update(row.dyn_slots)

@@ -99,10 +99,10 @@ from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOA
                                      gemv_preload_default, gemv_preload_shared, gemv_prologue_threads, gemv_rows,
                                      gemv_tuning_override, prologue_walks_tiles, split_gemv_tuning)
 from lum.builder.intmath import pow2_floor
-from lum.builder.kernel_text import (STORAGE_C, _ENTRY, _KIND_C, _ZERO, AccessPlan, KernelSource, Launch, Param, _Ctx,
-                                     _compute, _kind, _load_conv, _mask_trivial, _store_conv, _to_kind, _unravel,
-                                     access_plan, coalesce, common_header, index_vars, load_template, render,
-                                     validity_terms, view_access)
+from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, ZERO_C, AccessPlan, KernelContext,
+                                     KernelSource, Launch, Param, access_plan, coalesce, common_header, compute_node,
+                                     convert_kind, index_vars, load_conv, load_template, mask_trivial, render,
+                                     store_conv, unravel_index, validity_terms, value_kind, view_access)
 from lum.builder.row_codegen import RowKernels
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, Var, as_expr, cdiv, smax, smin
@@ -207,7 +207,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
             raise CodegenError(f"a fused gemm's B and output must be one of {[d.value for d in GEMV_DTYPES]}")
     elif op.kind == "gemm" and any(d not in GEMV_DTYPES for d in (*dts, op.dtype)):
         return None
-    ctx = _Ctx(dyn_vars, max_dyn=max_dyn)
+    ctx = KernelContext(dyn_vars, max_dyn=max_dyn)
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
                preload=gemv_preload_default() if preload is None else preload, preload_shared=preload_shared,
@@ -227,7 +227,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     tuning = {**tuning, "index_bits": index_bits}
     digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
     name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
-    body = body.replace(_ENTRY, name)
+    body = body.replace(ENTRY_PLACEHOLDER, name)
     launches = tuple(Launch(name + suffix, grid, block, *smem) for suffix, grid, block, *smem in launches_raw)
     params = gen.params()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,
@@ -282,7 +282,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     if op.kind not in ("elementwise", "scatter_nocopy") or "expr" not in op.params or \
             (op.kind == "elementwise" and (op.op != "Fused" or op.alias is not None)):
         raise CodegenError(f"a stage row is an elementwise Fused op or a scatter_nocopy, not {op.kind} {op.op}")
-    ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn)
+    ctx = KernelContext(tuple(dyn_vars), max_dyn=max_dyn)
     gen = _Gen(op, _arg_dtypes(op, arg_dtypes), ctx, threads=threads, ept=None, vec=None, group=32, unroll=None,
                inflight=0, max_blocks=1, acc="f32", math="f32")
     rp = gen._row_parts(sink=None if scatter else "lum_sink",
@@ -307,7 +307,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
         f"__device__ __forceinline__ void {name}(long long lum_row_, bool lum_live, {extra}, "
         f"{', '.join(p.ctype for p in params)}) {{",
         f"  typedef {'int' if ctx.fits_i32(0) else 'long long'} idx_t;",
-        f"  typedef {_KIND_C[rp.acc_kind]} acc_t;",
+        f"  typedef {KIND_C[rp.acc_kind]} acc_t;",
         "  constexpr int GROUP = 32;",
         "  __shared__ acc_t lum_smem[1];          // a warp's reduction needs none",
         dyn,
@@ -409,7 +409,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
     kernels, attention and GEMV ones are the mixins' (:mod:`lum.builder.row_codegen`,
     :mod:`lum.builder.attention_codegen`, :mod:`lum.builder.gemv_codegen`)."""
 
-    def __init__(self, op: LOp, dts: list[DType], ctx: _Ctx, *, threads: int, ept: int | None, vec: int | None,
+    def __init__(self, op: LOp, dts: list[DType], ctx: KernelContext, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
@@ -447,7 +447,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
             if k != a and other.src == src and (other.view != v or self.op.kind != "elementwise"):
                 raise CodegenError(f"in place (alias {a}): argument {k} also reads the aliased buffer through "
                                    "another view, which threads would race on")
-        if v.mask is not None and any(not _mask_trivial(v, k) for k in range(v.ndim)):
+        if v.mask is not None and any(not mask_trivial(v, k) for k in range(v.ndim)):
             raise CodegenError("an in-place op cannot write through a padded (masked) view")
         if tuple(v.shape) != self.out_shape() and self.op.kind != "scatter_nocopy":
             raise CodegenError("the aliased argument's view must have the op's shape")
@@ -487,12 +487,12 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         phys, valid = view_access(self.ctx, view, idx, extra_phys, extra_terms)
         conds = [c for c in (guard, valid) if c]
         if valid == "false":
-            return _ZERO[_kind(dt)]
-        val = _load_conv(dt, f"in{k}[{base} + {phys}]" if base else f"in{k}[{phys}]")
-        return f"(({' && '.join(conds)}) ? {val} : {_ZERO[_kind(dt)]})" if conds else val
+            return ZERO_C[value_kind(dt)]
+        val = load_conv(dt, f"in{k}[{base} + {phys}]" if base else f"in{k}[{phys}]")
+        return f"(({' && '.join(conds)}) ? {val} : {ZERO_C[value_kind(dt)]})" if conds else val
 
     def common_values(self, ept: int) -> dict[str, Any]:
-        return {"KERNEL": _ENTRY, "THREADS": self.threads, "EPT": ept, "IDX_T": "@IDX_T@",
+        return {"KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "EPT": ept, "IDX_T": "@IDX_T@",
                 "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@"}
 
     # ------------------------------------------------------------------ elementwise
@@ -515,7 +515,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         items = n if vec == 1 else n // vec
         self.ctx.c(items)
         self.ctx.c(n)
-        lines = [_unravel(self.ctx, "lum_w", cshape, ind, vec).rstrip("\n")]
+        lines = [unravel_index(self.ctx, "lum_w", cshape, ind, vec).rstrip("\n")]
         idx = index_vars(len(cshape))
         wview, aviews = cviews[0], cviews[1:]
         raw = op_name in ("Cast", "Contiguous") and self.dts[arg_ids[0]] == self.op.dtype
@@ -548,21 +548,21 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         elif vec == 1:
             args = []
             for j, (k, v) in enumerate(zip(arg_ids, aviews)):
-                lines.append(f"{ind}const {_KIND_C[_kind(self.dts[k])]} lum_a{j} = {self.load(k, v, idx)};")
-                args.append((f"lum_a{j}", _kind(self.dts[k])))
+                lines.append(f"{ind}const {KIND_C[value_kind(self.dts[k])]} lum_a{j} = {self.load(k, v, idx)};")
+                args.append((f"lum_a{j}", value_kind(self.dts[k])))
             expr, kind = self._apply(op_name, args, lines, ind)
             if contiguous_out:
                 self.ctx.c(as_expr(0))
                 dest = "lum_w"
             else:
                 dest, _ = view_access(self.ctx, wview, idx)
-            lines.append(f"{ind}out[{dest}] = {_store_conv(kind, expr, self.op.dtype)};")
+            lines.append(f"{ind}out[{dest}] = {store_conv(kind, expr, self.op.dtype)};")
         else:
             args = []
             for j, (k, v) in enumerate(zip(arg_ids, aviews)):
-                dt, kk = self.dts[k], _kind(self.dts[k])
+                dt, kk = self.dts[k], value_kind(self.dts[k])
                 if v.strides[-1] == as_expr(0):          # broadcast along the vector: one scalar
-                    lines.append(f"{ind}const {_KIND_C[kk]} lum_s{j} = {self.load(k, v, idx)};")
+                    lines.append(f"{ind}const {KIND_C[kk]} lum_s{j} = {self.load(k, v, idx)};")
                     args.append((f"lum_s{j}", kk))
                     continue
                 phys, valid = view_access(self.ctx, v, idx)
@@ -573,17 +573,17 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                 elif valid:
                     ld = f"(({valid}) ? {ld} : {vt}{{}})"
                 lines.append(f"{ind}const {vt} lum_v{j} = {ld};")
-                args.append((_load_conv(dt, f"lum_v{j}.v[lum_k]"), kk))
+                args.append((load_conv(dt, f"lum_v{j}.v[lum_k]"), kk))
             ot = f"lum_vec<{STORAGE_C[self.op.dtype]}, {vec}>"
             lines.append(f"{ind}{ot} lum_o;")
             lines.append(f"{ind}#pragma unroll")
             lines.append(f"{ind}for (int lum_k = 0; lum_k < {vec}; ++lum_k) {{")
             named = []
             for j, (c_expr, kk) in enumerate(args):
-                lines.append(f"{ind}  const {_KIND_C[kk]} lum_a{j} = {c_expr};")
+                lines.append(f"{ind}  const {KIND_C[kk]} lum_a{j} = {c_expr};")
                 named.append((f"lum_a{j}", kk))
             expr, kind = self._apply(op_name, named, lines, ind + "  ")
-            lines.append(f"{ind}  lum_o.v[lum_k] = {_store_conv(kind, expr, self.op.dtype)};")
+            lines.append(f"{ind}  lum_o.v[lum_k] = {store_conv(kind, expr, self.op.dtype)};")
             lines.append(f"{ind}}}")
             dest = "lum_w * " + str(vec) if contiguous_out else view_access(self.ctx, wview, idx)[0]
             lines.append(f"{ind}*reinterpret_cast<{ot}*>(out + ({dest})) = lum_o;")
@@ -596,7 +596,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         whose inner nodes become locals rounded to their dtype (a repeated subtree is computed once), the
         root too with ``round_root`` (a reduce's prologue: no store rounds it)."""
         if op_name != "Fused":
-            return _compute(op_name, args, self.math)
+            return compute_node(op_name, args, self.math)
         return self._tree(self.op.params["expr"], {}, lines, ind, round_root,
                           lambda t, key: args[t[1]] if t[0] == "arg" else None)
 
@@ -613,14 +613,14 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                 return known
             if key in names:
                 return names[key]
-            expr, kind = _compute(t[0], [node(k) for k in t[2:]], self.math)
+            expr, kind = compute_node(t[0], [node(k) for k in t[2:]], self.math)
             if root and not round_root:
                 return expr, kind
             dt = DType.parse(t[1])
-            names[key] = (f"lum_u{len(names)}", _kind(dt))
-            val = _to_kind(kind, _kind(dt), expr) if dt in (DType.i64, DType.bool) else \
-                _load_conv(dt, _store_conv(kind, expr, dt))           # round through the storage type
-            lines.append(f"{ind}const {_KIND_C[_kind(dt)]} {names[key][0]} = {val};")
+            names[key] = (f"lum_u{len(names)}", value_kind(dt))
+            val = convert_kind(kind, value_kind(dt), expr) if dt in (DType.i64, DType.bool) else \
+                load_conv(dt, store_conv(kind, expr, dt))           # round through the storage type
+            lines.append(f"{ind}const {KIND_C[value_kind(dt)]} {names[key][0]} = {val};")
             return names[key]
 
         return node(t, True)
@@ -636,7 +636,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         if views[0].strides[-1] != as_expr(1):
             return 1
         for v in views:
-            if v.strides[-1] not in (as_expr(0), as_expr(1)) or not _mask_trivial(v, v.ndim - 1):
+            if v.strides[-1] not in (as_expr(0), as_expr(1)) or not mask_trivial(v, v.ndim - 1):
                 return 1
         cands = [self.vec] if self.vec is not None else [8, 4, 2]
         for w in cands:
@@ -683,9 +683,9 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         n = as_expr(op.params.get("n", op.shape[0]))
         self.ctx.c(n)
         src = render(load_template("iota.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
+            "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "N": self.ctx.c(n),
-            "STORE": f"out[lum_w] = {_store_conv('i', 'lum_v', op.dtype)};"})
+            "STORE": f"out[lum_w] = {store_conv('i', 'lum_v', op.dtype)};"})
         tuning = {"threads": self.threads, "max_blocks": self.max_blocks}
         return [src], [("", self.grid(n, self.threads), (self.threads, 1, 1))], tuning, self.max_blocks * self.threads
 
@@ -732,7 +732,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         rows = numel(cshape)
         dt_in = self.dts[0] if expr is None else DType.parse(expr[1])   # the values reduced
         acc_kind = ("d" if self.acc == "f64" else "f") if dt_in.is_float else "i"
-        acc_t = _KIND_C[acc_kind]
+        acc_t = KIND_C[acc_kind]
         # group: threads per output row
         group = self.group
         if group is None:
@@ -752,13 +752,13 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         ctx = self.ctx
         idx = index_vars(len(cshape))
         lum_r = Var("lum_r")
-        setup = [_unravel(ctx, "lum_row", cshape, ind).rstrip("\n")]
+        setup = [unravel_index(ctx, "lum_row", cshape, ind).rstrip("\n")]
         ctx.bound_var("lum_r", red)
         for rv, (_, ax) in zip(rviews, splits):   # the full physical indices, for the index-width decision
             ctx.exprs.append(rv.physical_index(idx) + lum_r * ax.strides[0])
         fixup = ""
         if expr is None:
-            ax_mask = None if inv.mask is None or _mask_trivial(inv, axis) else inv.mask[axis]
+            ax_mask = None if inv.mask is None or mask_trivial(inv, axis) else inv.mask[axis]
             base, valid = view_access(ctx, rviews[0], idx)
             setup.append(f"{ind}const bool lum_valid = {valid or 'true'};")
             setup.append(f"{ind}const idx_t lum_base = {base};")
@@ -770,7 +770,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                 setup.append(f"{ind}const idx_t lum_rlo = lum_max((idx_t)0, (idx_t)({ctx.c(ax_mask[0])}));")
                 setup.append(f"{ind}const idx_t lum_rhi = lum_min(lum_red, (idx_t)({ctx.c(ax_mask[1])}));")
             load = [f"{ind2}const idx_t lum_p = lum_base + lum_r * lum_rstride;",
-                    f"{ind2}const {_KIND_C[_kind(dt_in)]} lum_x = {_load_conv(dt_in, 'in0[lum_p]')};"]
+                    f"{ind2}const {KIND_C[value_kind(dt_in)]} lum_x = {load_conv(dt_in, 'in0[lum_p]')};"]
             if op.op == "Max" and inv.mask is not None:
                 fixup = (f"{ind}  if (lum_red > 0 && (!lum_valid || lum_rlo > 0 || lum_rhi < lum_red)) "
                          f"lum_acc = LumMax::apply(lum_acc, (acc_t)0);")
@@ -784,12 +784,12 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                 setup.append(f"{ind}const idx_t lum_b{k} = {base}; (void)lum_b{k};")
                 if valid:
                     setup.append(f"{ind}const bool lum_v{k} = {valid};")
-                kind = _kind(self.dts[k])
+                kind = value_kind(self.dts[k])
                 val = self.load(k, ax, (lum_r,), base=f"lum_b{k}", guard=f"lum_v{k}" if valid else None)
-                load.append(f"{ind2}const {_KIND_C[kind]} lum_a{k} = {val};")
+                load.append(f"{ind2}const {KIND_C[kind]} lum_a{k} = {val};")
                 leaves.append((f"lum_a{k}", kind))
             x, kind = self._apply("Fused", leaves, load, ind2, round_root=True)
-            load.append(f"{ind2}const {_KIND_C[kind]} lum_x = {x};")
+            load.append(f"{ind2}const {KIND_C[kind]} lum_x = {x};")
         if op.op == "Sum":
             identity = "(acc_t)0"
         else:
@@ -799,9 +799,9 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
             dest = "lum_row"
         else:
             dest, _ = view_access(ctx, wview, idx)
-        store = f"{ind}  out[{dest}] = {_store_conv(acc_kind, 'lum_acc', op.dtype)};"
+        store = f"{ind}  out[{dest}] = {store_conv(acc_kind, 'lum_acc', op.dtype)};"
         src = render(load_template("reduce.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "GROUP": group, "IDX_T": "@IDX_T@",
+            "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "GROUP": group, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "ACC_T": acc_t, "OP": f"Lum{op.op}",
             "IDENTITY": identity, "ROWS": ctx.c(rows), "RED": ctx.c(red), "ROW_SETUP": "\n".join(s for s in setup if s),
             "LOAD": "\n".join(load), "PAD_FIXUP": fixup or f"{ind}  (void)0;", "STORE": store})
@@ -830,7 +830,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
             raise CodegenError(f"index argument {k} must be an integer tensor, got {self.dts[k]}")
 
     def _row_terms(self, tv: ShapeTracker) -> list[tuple[Expr, str, Expr]]:
-        if tv.mask is None or _mask_trivial(tv, 0):
+        if tv.mask is None or mask_trivial(tv, 0):
             return []
         lo, hi = tv.mask[0]
         return validity_terms(ShapeTracker((tv.shape[0],), (as_expr(1),), as_expr(0), ((lo, hi),)), [Var("lum_row")])
@@ -853,7 +853,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         ctx = self.ctx
         ept = self.ept or 2
         ind = " " * 8
-        unravel = _unravel(ctx, "lum_w", cshape, ind).rstrip("\n")
+        unravel = unravel_index(ctx, "lum_w", cshape, ind).rstrip("\n")
         idx = index_vars(len(cshape))
         ctx.bound_var("lum_row", tv.shape[0])
         row = f"(long long)({self.load(1, iview, idx)})"
@@ -866,7 +866,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
             store_val = "lum_v"
         else:
             value = self.load(0, tview, idx, extra_phys=row_phys, extra_terms=row_terms, guard="lum_ok")
-            store_val = _store_conv(_kind(self.dts[0]), "lum_v", op.dtype)
+            store_val = store_conv(value_kind(self.dts[0]), "lum_v", op.dtype)
         dest = "lum_w" if self.alias() is None else view_access(ctx, wview, idx)[0]
         n = numel(cshape)
         src = render(load_template("gather.cu"), {
@@ -904,7 +904,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         *sviews, iview, dview = cviews
         ctx = self.ctx
         ind = " " * 8
-        unravel = _unravel(ctx, "lum_w", cshape, ind).rstrip("\n")
+        unravel = unravel_index(ctx, "lum_w", cshape, ind).rstrip("\n")
         idx = index_vars(len(cshape))
         ctx.bound_var("lum_row", shape[0])
         row = f"(long long)({self.load(last, iview, idx)})"
@@ -913,15 +913,15 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         if expr is not None:
             leaves = []
             for j, sv in enumerate(sviews):
-                kind = _kind(self.dts[1 + j])
-                prologue.append(f"{ind}const {_KIND_C[kind]} lum_a{j} = {self.load(1 + j, sv, idx)};")
+                kind = value_kind(self.dts[1 + j])
+                prologue.append(f"{ind}const {KIND_C[kind]} lum_a{j} = {self.load(1 + j, sv, idx)};")
                 leaves.append((f"lum_a{j}", kind))
             x, kind = self._apply("Fused", leaves, prologue, ind, round_root=True)
-            value = _store_conv(kind, x, op.dtype)
+            value = store_conv(kind, x, op.dtype)
         elif self.dts[1] == op.dtype and sviews[0].mask is None:
             value = f"in1[{view_access(ctx, sviews[0], idx)[0]}]"
         else:
-            value = _store_conv(_kind(self.dts[1]), self.load(1, sviews[0], idx), op.dtype)
+            value = store_conv(value_kind(self.dts[1]), self.load(1, sviews[0], idx), op.dtype)
         n = numel(cshape)
         src = render(load_template("scatter.cu"), {
             **self.common_values(ept), "NUM_ITEMS": ctx.c(n), "ROWS": ctx.c(shape[0]), "UNRAVEL": unravel,
@@ -944,9 +944,9 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                                                          ShapeTracker.contiguous(self.out_shape()), True)
         copy = render(load_template("elementwise.cu"),
                       {**self.common_values(tun["ept"]), "NUM_ITEMS": self.ctx.c(items), "BODY": body})
-        copy = copy.replace(_ENTRY, _ENTRY + "_copy", 1)
+        copy = copy.replace(ENTRY_PLACEHOLDER, ENTRY_PLACEHOLDER + "_copy", 1)
         rows, grid, threads, margin, rtun = self._scatter_launch(ept)
-        rows = rows.replace(_ENTRY, _ENTRY + "_rows", 1)
+        rows = rows.replace(ENTRY_PLACEHOLDER, ENTRY_PLACEHOLDER + "_rows", 1)
         tuning = {"threads": self.threads, "ept": ept, **rtun, "copy_vec": tun["vec"], "copy_ept": tun["ept"],
                   "max_blocks": self.max_blocks}
         launches = [("_copy", self.grid(items, ctile), (self.threads, 1, 1)), ("_rows", grid, (threads, 1, 1))]

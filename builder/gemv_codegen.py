@@ -10,8 +10,8 @@ from lum.builder.gemv_policy import (GEMV_MAX_ACC, GEMV_MAX_INFLIGHT, GEMV_PRELO
                                      GEMV_SHARED_PRELOAD_VECTORS, SMS, gemv_evict_first, gemv_prologue_fits,
                                      gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_rows)
 from lum.builder.intmath import pow2ceil
-from lum.builder.kernel_text import (STORAGE_C, _ENTRY, _KIND_C, _kind, _load_conv, _store_conv, _unravel, index_vars,
-                                     load_template, render)
+from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, index_vars, load_conv, load_template, render,
+                                     store_conv, unravel_index, value_kind)
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr, cdiv, smax, smin
 from lum.format.llir import GEMM_DEFAULTS, LOp, gemm_parts
@@ -115,7 +115,7 @@ class GemvKernels:
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
         src = render(load_template("gemv.cu"), {
-            "KERNEL": _ENTRY, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
+            "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS_NOWAIT@", "M": m, "GROUP": group, "VEC": vec,
             "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
@@ -125,8 +125,8 @@ class GemvKernels:
             "ACC_COLS": ", ".join(map(str, acc_cols)), "N_OUT": ctx.c(n_out),
             "HAS_EPILOGUE": "true" if epi else "false", "EPILOGUE": epi,
             "A_KCONTIG": "true" if a_kc else "false", "B_KCONTIG": "true" if b_kc else "false",
-            "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": _load_conv(dta, "lum_x"),
-            "B_LOAD": _load_conv(dtb, "lum_x"), "STORE": _store_conv("f", "lum_v", op.dtype),
+            "A_T": STORAGE_C[dta], "B_T": STORAGE_C[dtb], "A_LOAD": load_conv(dta, "lum_x"),
+            "B_LOAD": load_conv(dtb, "lum_x"), "STORE": store_conv("f", "lum_v", op.dtype),
             "N": ctx.c(n), "K": ctx.c(k), "BATCH": ctx.c(batch), "LDA": ctx.c(p["lda"]), "LDB": ctx.c(p["ldb"]),
             "STRIDE_A": ctx.c(p["stride_a"]), "STRIDE_B": ctx.c(p["stride_b"]), "OFF_A": ctx.c(p["offset_a"]),
             "OFF_B": ctx.c(p["offset_b"]), "VEC_OK": vec_ok})
@@ -152,25 +152,25 @@ class GemvKernels:
         ind = " " * 10
         lines = [f"{ind[:-2]}#pragma unroll", f"{ind[:-2]}for (int lum_ei = 0; lum_ei < M; ++lum_ei) {{",
                  f"{ind}const idx_t lum_f = (lum_b * M + lum_ei) * lum_nout + lum_j;"]
-        lines += _unravel(ctx, "lum_f", shape, ind).rstrip("\n").split("\n")
+        lines += unravel_index(ctx, "lum_f", shape, ind).rstrip("\n").split("\n")
         idx = index_vars(len(shape))
         names: dict[str, tuple[str, str]] = {}
 
         def leaf(t: list, key: str) -> tuple[str, str] | None:
             if t[0] == "acc":
-                return _load_conv(acc_dt, _store_conv("f", f"lum_acc[{int(t[1])} * M + lum_ei]", acc_dt)), "f"
+                return load_conv(acc_dt, store_conv("f", f"lum_acc[{int(t[1])} * M + lum_ei]", acc_dt)), "f"
             if t[0] != "arg":
                 return None
             if key not in names:
                 k = jb + 1 + t[1]
                 view = op.args[k].view
                 ctx.exprs.append(view.physical_index(idx))
-                names[key] = (f"lum_e{t[1]}", _kind(self.dts[k]))
-                lines.append(f"{ind}const {_KIND_C[names[key][1]]} lum_e{t[1]} = {self.load(k, view, idx)};")
+                names[key] = (f"lum_e{t[1]}", value_kind(self.dts[k]))
+                lines.append(f"{ind}const {KIND_C[names[key][1]]} lum_e{t[1]} = {self.load(k, view, idx)};")
             return names[key]
 
         x, kd = self._tree(op.params["epilogue"], {}, lines, ind, False, leaf)
-        lines += [f"{ind}out[lum_f] = {_store_conv(kd, x, op.dtype)};", f"{ind[:-2]}}}"]
+        lines += [f"{ind}out[lum_f] = {store_conv(kd, x, op.dtype)};", f"{ind[:-2]}}}"]
         ctx.exprs.append(as_expr(m) * n_out * as_expr(op.params.get("batch", 1)))
         return "\n".join(ln for ln in lines if ln)
 
@@ -192,7 +192,7 @@ class GemvKernels:
                          unroll=None, inflight=0, max_blocks=1, acc=self.acc, math=self.math)
         rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32)
         return render(load_template("gemv_prologue.cuh"), {
-            "ACC_T": _KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "A_FLOAT": int(dta == DType.f32),
+            "ACC_T": KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "A_FLOAT": int(dta == DType.f32),
             "A_NARROW": int(dta != DType.f32), "A_T": STORAGE_C[dta], "A_BYTES": m * p["k"].value * dta.itemsize,
             "ROWS": self.ctx.c(rp.rows),
             "N": self.ctx.c(rp.n), "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})

@@ -1,7 +1,7 @@
 """The pieces every kernel generator shares: what a generated kernel is (:class:`Launch`, :class:`Param`,
 :class:`KernelSource`), the templates (:func:`load_template`, :func:`render`, :func:`common_header`), index
-plans (:func:`coalesce`, :class:`_Ctx`, :func:`view_access`, :func:`access_plan`) and the dtype / value
-conversions of the C text (:data:`STORAGE_C`, ``_load_conv``, ``_store_conv``, ``_compute`` …).
+plans (:func:`coalesce`, :class:`KernelContext`, :func:`view_access`, :func:`access_plan`) and the dtype / value
+conversions of the C text (:data:`STORAGE_C`, ``load_conv``, ``store_conv``, ``compute_node`` …).
 
 It exists so that :mod:`lum.builder.codegen` and the per-kind generators beside it
 (:mod:`lum.builder.row_codegen`, :mod:`lum.builder.attention_codegen`, :mod:`lum.builder.gemv_codegen`) can all
@@ -26,10 +26,10 @@ from lum.format.shapetracker import ShapeTracker
 
 STORAGE_C = {DType.f32: "float", DType.f16: "lum_f16", DType.bf16: "lum_bf16", DType.i32: "int",
              DType.i64: "long long", DType.bool: "lum_bool"}
-_KIND_C = {"f": "float", "d": "double", "i": "long long", "b": "bool"}
-_ZERO = {"f": "0.0f", "d": "0.0", "i": "0LL", "b": "false"}
+KIND_C = {"f": "float", "d": "double", "i": "long long", "b": "bool"}
+ZERO_C = {"f": "0.0f", "d": "0.0", "i": "0LL", "b": "false"}
 _I32_MAX = 2**31 - 1
-_ENTRY = "LUM_ENTRY_NAME"  # stands for the entry name while the source is hashed
+ENTRY_PLACEHOLDER = "LUM_ENTRY_NAME"  # stands for the entry name while the source is hashed
 
 
 # ============================================================================ data
@@ -153,7 +153,7 @@ def _static_sections(text: str) -> str:
 
 
 # ============================================================================ index plans
-def _mask_trivial(v: ShapeTracker, k: int) -> bool:
+def mask_trivial(v: ShapeTracker, k: int) -> bool:
     if v.mask is None:
         return True
     lo, hi = v.mask[k]
@@ -174,7 +174,8 @@ def coalesce(shape: Sequence[Expr], views: Sequence[ShapeTracker]) -> tuple[tupl
                                f"{[str(x) for x in shape]}")
     dims = list(range(len(shape)))
     # per view, per dim: (stride, mask or None)
-    cols = [[(v.strides[k], None if _mask_trivial(v, k) else v.mask[k]) for k in dims] for v in views]  # type: ignore[index]
+    cols = [[(v.strides[k], None if mask_trivial(v, k) else v.mask[k])  # type: ignore[index]
+             for k in dims] for v in views]
     keep = [k for k in dims if not (is_one(shape[k]) and all(c[k][1] is None for c in cols))]
     shp = [shape[k] for k in keep]
     cols = [[c[k] for k in keep] for c in cols]
@@ -214,7 +215,7 @@ def validity_terms(view: ShapeTracker, idx: Sequence[Expr]) -> list[tuple[Expr, 
 
 
 @dataclass
-class _Ctx:
+class KernelContext:
     """Collects what the printed C needs: dyn var renaming/slots and every index expression (for the
     32/64-bit decision)."""
 
@@ -280,7 +281,7 @@ class _Ctx:
         return "\n".join(lines), slots
 
 
-def view_access(ctx: _Ctx, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
+def view_access(ctx: KernelContext, view: ShapeTracker, idx: Sequence[Expr], extra_phys: Expr | None = None,
                 extra_terms: Sequence[tuple[Expr, str, Expr]] = ()) -> tuple[str, str | None]:
     """(physical index C, validity C or None when always valid) of ``view`` at logical index ``idx``."""
     phys = view.physical_index(idx)
@@ -298,7 +299,7 @@ def view_access(ctx: _Ctx, view: ShapeTracker, idx: Sequence[Expr], extra_phys: 
     return ctx.c(phys), (" && ".join(conds) if conds else None)
 
 
-def _unravel(ctx: _Ctx, flat: str, shape: Sequence[Expr], indent: str, last_vec: int = 1) -> str:
+def unravel_index(ctx: KernelContext, flat: str, shape: Sequence[Expr], indent: str, last_vec: int = 1) -> str:
     """C statements defining lum_i0.. (idx_t) from the non-negative flat index ``flat`` (row-major over
     ``shape``; with ``last_vec`` > 1 the flat index counts groups of that many innermost elements)."""
     n = len(shape)
@@ -338,20 +339,20 @@ class AccessPlan:
 def access_plan(shape: Sequence[Expr], views: Sequence[ShapeTracker], dyn_vars: Sequence[str] = (),
                 vec: int = 1) -> AccessPlan:
     """Coalesce ``views`` over ``shape`` and print the unravel code and each view's index / validity."""
-    ctx = _Ctx(tuple(dyn_vars))
+    ctx = KernelContext(tuple(dyn_vars))
     cshape, cviews = coalesce([as_expr(d) for d in shape], views)
-    unravel = _unravel(ctx, "lum_w", cshape, "", vec)
+    unravel = unravel_index(ctx, "lum_w", cshape, "", vec)
     idx = index_vars(len(cshape))
     acc = tuple(view_access(ctx, v, idx) for v in cviews)
     return AccessPlan(cshape, tuple(cviews), unravel, acc, ctx.dyn_loads()[1])
 
 
 # ============================================================================ values and conversions
-def _kind(dt: DType) -> str:
+def value_kind(dt: DType) -> str:
     return "f" if dt.is_float else "i" if dt.is_int else "b"
 
 
-def _load_conv(dt: DType, raw: str) -> str:
+def load_conv(dt: DType, raw: str) -> str:
     if dt == DType.f32:
         return raw
     if dt == DType.f16:
@@ -363,19 +364,19 @@ def _load_conv(dt: DType, raw: str) -> str:
     return f"(({raw}) != 0)"
 
 
-def _to_kind(kind_from: str, kind_to: str, x: str) -> str:
+def convert_kind(kind_from: str, kind_to: str, x: str) -> str:
     if kind_from == kind_to:
         return x
     if kind_to == "b":
         return f"(({x}) != 0)"
-    return f"({_KIND_C[kind_to]})({x})"
+    return f"({KIND_C[kind_to]})({x})"
 
 
-def _store_conv(kind: str, x: str, dt: DType) -> str:
+def store_conv(kind: str, x: str, dt: DType) -> str:
     if dt == DType.f32:
-        return _to_kind(kind, "f", x) if kind != "b" else f"(({x}) ? 1.0f : 0.0f)"
+        return convert_kind(kind, "f", x) if kind != "b" else f"(({x}) ? 1.0f : 0.0f)"
     if dt in (DType.f16, DType.bf16):
-        f = _to_kind(kind, "f", x) if kind != "b" else f"(({x}) ? 1.0f : 0.0f)"
+        f = convert_kind(kind, "f", x) if kind != "b" else f"(({x}) ? 1.0f : 0.0f)"
         return f"lum_f32_to_{dt.value}({f})"
     if dt.is_int:
         return f"({STORAGE_C[dt]})({x})"
@@ -395,7 +396,7 @@ _UNARY_D = {"Exp2": "exp2({})", "Log2": "log2({})", "Sin": "sin({})", "Sqrt": "s
             "Recip": "(1.0 / {})"}
 
 
-def _compute(op: str, args: Sequence[tuple[str, str]], math: str) -> tuple[str, str]:
+def compute_node(op: str, args: Sequence[tuple[str, str]], math: str) -> tuple[str, str]:
     """(C expression, value kind) of an elementwise op on (C name, kind) arguments."""
     if op in ("Cast", "Contiguous"):
         return args[0]
@@ -403,11 +404,11 @@ def _compute(op: str, args: Sequence[tuple[str, str]], math: str) -> tuple[str, 
         a, k = args[0]
         if k == "f" and math == "f32":
             return _UNARY_F[op].format(a), "f"
-        return _UNARY_D[op].format(_to_kind(k, "d", a) if k != "b" else f"({a} ? 1.0 : 0.0)"), "d"
+        return _UNARY_D[op].format(convert_kind(k, "d", a) if k != "b" else f"({a} ? 1.0 : 0.0)"), "d"
     if op in ("Add", "Mul", "Mod", "LessThan"):
         (a, ka), (b, kb) = args
         k = _promote(ka, kb)
-        a, b = _to_kind(ka, k, a), _to_kind(kb, k, b)
+        a, b = convert_kind(ka, k, a), convert_kind(kb, k, b)
         if op == "LessThan":
             return f"({a} < {b})", "b"
         if k == "b":
@@ -421,11 +422,11 @@ def _compute(op: str, args: Sequence[tuple[str, str]], math: str) -> tuple[str, 
         (c, kc), (a, ka), (b, kb) = args
         k = _promote(ka, kb)
         cond = c if kc == "b" else f"({c} != 0)"
-        return f"({cond} ? {_to_kind(ka, k, a)} : {_to_kind(kb, k, b)})", k
+        return f"({cond} ? {convert_kind(ka, k, a)} : {convert_kind(kb, k, b)})", k
     raise CodegenError(f"unknown elementwise op {op!r}")
 
 
 # ============================================================================ literals
-def _f32_literal(x: float) -> str:
+def f32_literal(x: float) -> str:
     """``x`` rounded to f32 as an exact C++ hex-float literal (what an f32 constant buffer would hold)."""
     return struct.unpack("<f", struct.pack("<f", x))[0].hex() + "f"

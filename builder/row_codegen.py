@@ -12,8 +12,8 @@ from typing import Any
 from lum.builder.env_switches import CodegenError
 from lum.builder.gemv_policy import SMS
 from lum.builder.intmath import pow2_floor, pow2ceil
-from lum.builder.kernel_text import (_ENTRY, _KIND_C, _ZERO, _kind, _load_conv, _store_conv, _unravel, coalesce,
-                                     index_vars, load_template, render, view_access)
+from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, ZERO_C, coalesce, index_vars, load_conv, load_template,
+                                     render, store_conv, unravel_index, value_kind, view_access)
 from lum.format.dtypes import DType
 from lum.format.expr import INF, Expr, Var, as_expr
 from lum.format.llir import ROW_OPS, check_row_reduce
@@ -83,8 +83,8 @@ class RowKernels:
         """The row kernel's source, grid, threads, index margin and tuning (see :meth:`k_row`)."""
         rp = self._row_parts()
         src = render(load_template("row.cu"), {
-            "KERNEL": _ENTRY, "THREADS": rp.threads, "GROUP": rp.group, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "ACC_T": _KIND_C[rp.acc_kind],
+            "KERNEL": ENTRY_PLACEHOLDER, "THREADS": rp.threads, "GROUP": rp.group, "IDX_T": "@IDX_T@",
+            "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS@", "ACC_T": KIND_C[rp.acc_kind],
             "ROWS": self.ctx.c(rp.rows), "N": self.ctx.c(rp.n),
             "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
         per_block = rp.threads // rp.group
@@ -160,7 +160,7 @@ class RowKernels:
         ind, ind3 = " " * 4, " " * 8
         idx = index_vars(len(cshape))
         col = Var("lum_c")
-        setup = [_unravel(ctx, "lum_row", cshape, ind).rstrip("\n")]
+        setup = [unravel_index(ctx, "lum_row", cshape, ind).rstrip("\n")]
         ctx.bound_var("lum_c", n)
         guards: dict[int, str | None] = {}
         for k, rv in crows.items():
@@ -181,18 +181,18 @@ class RowKernels:
                     f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;", f"{ind}  if (lum_c < lum_n) {{"]
             close = [f"{ind}  }}}}", f"{ind}}}"]
             for k in crows:
-                kd = _kind(self.dts[k])
+                kd = value_kind(self.dts[k])
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                 col_view = splits[k][1]
                 if (guards[k] is None and col_view.mask is None and as_expr(col_view.strides[0]) == as_expr(0)
                         and "lum_c" not in val):  # one value for the whole row (a broadcast scalar)
-                    setup.append(f"{ind}const {_KIND_C[kd]} lum_a{k} = lum_live ? {val} : {_ZERO[kd]};")
+                    setup.append(f"{ind}const {KIND_C[kd]} lum_a{k} = lum_live ? {val} : {ZERO_C[kd]};")
                     scalars.add(k)
                     continue
-                setup += [f"{ind}{_KIND_C[kd]} lum_a{k}[{regs}];", f"{ind}#pragma unroll",
+                setup += [f"{ind}{KIND_C[kd]} lum_a{k}[{regs}];", f"{ind}#pragma unroll",
                           f"{ind}for (int lum_kk = 0; lum_kk < {regs}; ++lum_kk) {{",
                           f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;",
-                          f"{ind}  lum_a{k}[lum_kk] = (lum_live && lum_c < lum_n) ? {val} : {_ZERO[kd]};", f"{ind}}}"]
+                          f"{ind}  lum_a{k}[lum_kk] = (lum_live && lum_c < lum_n) ? {val} : {ZERO_C[kd]};", f"{ind}}}"]
         else:
             loop = [f"{ind}#pragma unroll 4", f"{ind}  for (idx_t lum_c = lum_lane; lum_c < lum_n; lum_c += GROUP) {{"]
             close = [f"{ind}  }}", f"{ind}}}"]
@@ -212,12 +212,12 @@ class RowKernels:
                 if key in names:
                     return names[key]
                 k = first + t[1]
-                kd = _kind(self.dts[k])
+                kd = value_kind(self.dts[k])
                 if regs:
                     return (f"lum_a{k}", kd) if k in scalars else (f"lum_a{k}[lum_kk]", kd)
                 val = self.load(k, splits[k][1], (col,), base=f"lum_b{k}", guard=guards[k])
                 names[key] = (f"lum_a{k}", kd)
-                lines.append(f"{ind3}const {_KIND_C[kd]} lum_a{k} = {val};")
+                lines.append(f"{ind3}const {KIND_C[kd]} lum_a{k} = {val};")
                 return names[key]
 
             return self._tree(t, names, lines, ind3, round_root, leaf)
@@ -249,14 +249,14 @@ class RowKernels:
             if not dt.is_float:
                 raise CodegenError(f"{t[0]} of {dt}: row reductions are generated for float dtypes only")
             phases += accumulate(j, ROW_OPS[t[0]], t[2])
-            phases.append(f"{ind}const float lum_rv{j} = {_load_conv(dt, _store_conv(acc_kind, f'lum_r{j}', dt))};")
+            phases.append(f"{ind}const float lum_rv{j} = {load_conv(dt, store_conv(acc_kind, f'lum_r{j}', dt))};")
             rownames[repr(t)] = (f"lum_rv{j}", "f")
         wbase, _ = view_access(ctx, cviews[0], idx)
         if kind == "reduce":
             j = len(order)
             final = accumulate(j, op.op, expr)
             final += [f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = "
-                      f"{_store_conv(acc_kind, f'lum_r{j}', op.dtype)};"]
+                      f"{store_conv(acc_kind, f'lum_r{j}', op.dtype)};"]
         else:
             cond = "lum_live"
             dest = f"({wbase}) + lum_c * ({ctx.c(wcol.strides[0])})"
@@ -275,10 +275,10 @@ class RowKernels:
             final += [f"{ind}if ({cond}) {{", *loop]
             x, kd = emit(expr, final, kind == "scatter")
             if sink is None:
-                final.append(f"{ind3}out[{dest}] = {_store_conv(kd, x, op.dtype)};")
+                final.append(f"{ind3}out[{dest}] = {store_conv(kd, x, op.dtype)};")
             else:
-                stored = _store_conv(kd, x, op.dtype)
-                final.append(f"{ind3}{sink}[{dest}] = {stored if sink_stored else _load_conv(op.dtype, stored)};")
+                stored = store_conv(kd, x, op.dtype)
+                final.append(f"{ind3}{sink}[{dest}] = {stored if sink_stored else load_conv(op.dtype, stored)};")
             final += close
         return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
                          group, threads, regs, acc_kind, tuple(cshape),

@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 from lum.builder.codegen import CodegenError, generate
 from lum.builder.env_switches import env_switch
 from lum.builder.gemv_policy import split_gemv_tuning
-from lum.builder.kernel_text import _ENTRY, KernelSource, Launch, _Ctx, common_header, load_template, render
+from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KernelContext, KernelSource, Launch, common_header,
+                                     load_template, render)
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
@@ -129,12 +130,12 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
             if ks is None or len(ks.launches) != 1 or ks.block != (threads, 1, 1):
                 return None
         kernels.append(ks)
-    ctx = _Ctx(tuple(dyn_vars), max_dyn=max_dyn or None)
+    ctx = KernelContext(tuple(dyn_vars), max_dyn=max_dyn or None)
     params, args = joined_params([ks.params for ks in kernels])   # the first's, then each other's as a tail's
     funcs, grids, dispatch = [], [], []
     total = as_expr(0)
     for j, ks in enumerate(kernels):
-        fname = f"{_ENTRY}_s{j}"
+        fname = f"{ENTRY_PLACEHOLDER}_s{j}"
         body = ks.body.replace(ks.name, f"{ks.name}_s{j}")     # two siblings may be the same kernel
         entry = replace(ks.launches[0], kernel=f"{ks.name}_s{j}")
         funcs.append(_device_function(replace(ks, body=body, launches=(entry,)), fname, ("lum_bx", "lum_gx")))
@@ -146,13 +147,13 @@ def _fuse(program: Program, run: Sequence[LOp], sources: Mapping[int, KernelSour
                         f"    if (lum_b < lum_g{j}) {{ {call} continue; }}\n    lum_b -= lum_g{j};")
     preamble, slots = ctx.dyn_loads()
     body = render(load_template("siblings.cu"), {
-        "KERNEL": _ENTRY, "THREADS": threads, "PARAMS": ", ".join(p.ctype for p in params),
+        "KERNEL": ENTRY_PLACEHOLDER, "THREADS": threads, "PARAMS": ", ".join(p.ctype for p in params),
         "FUNCTIONS": "\n".join(funcs), "DYN_LOADS": preamble, "GRIDS": "\n".join(grids),
         "TOTAL": " + ".join(f"lum_g{j}" for j in range(len(kernels))), "DISPATCH": "\n".join(dispatch)})
     head = kernels[0]
     digest = hashlib.sha256(f"siblings/{head.kind}/{head.op}\n{body}".encode()).hexdigest()[:16]
     name = f"lum_{head.kind}_{(head.op or head.kind).lower()}_siblings_{digest}"
-    body = body.replace(_ENTRY, name)
+    body = body.replace(ENTRY_PLACEHOLDER, name)
     for ks in kernels:
         slots.update(ks.dyn_slots)
     return replace(head, name=name, source=common_header() + "\n" + body, body=body,

@@ -315,7 +315,7 @@ def test_generated_source_is_complete_and_stable(case):
     ks = generate(op, ["s", "p"], arg_dtypes=dts)
     assert ks is not None
     assert not re.search(r"\{\{\w+\}\}", ks.source) and "//!" not in ks.source
-    assert "@IDX_T@" not in ks.source and "@DYN_LOADS@" not in ks.source and codegen._ENTRY not in ks.source
+    assert "@IDX_T@" not in ks.source and "@DYN_LOADS@" not in ks.source and codegen.ENTRY_PLACEHOLDER not in ks.source
     assert ks.source.startswith(codegen.common_header())
     for lc in ks.launches:
         assert re.search(rf'extern "C" __global__ void __launch_bounds__\(\d+\) {lc.kernel}\(', ks.body)
