@@ -38,7 +38,9 @@ What it does, in one run on one GPU:
      ``lum-noevict`` with ``LUM_GEMV_EVICT_FIRST=0`` (GEMVs load their weights without the L2 evict-first
      policy that keeps the small tensors each step rereads in L2: templates/common.cuh lum_load_stream),
      ``lum-nobalance`` with ``LUM_GEMV_BALANCE=0`` (a large GEMV keeps 512 threads even where its blocks
-     fall unevenly on the SMs: builder/gemv_policy.py blocks_unbalanced),
+     fall unevenly on the SMs: builder/gemv_policy.py blocks_unbalanced), ``lum-row-phases`` with
+     ``LUM_ROW_ONLINE=0`` (decode attention's combine visits its chunks once per row reduction, three times,
+     not once with a running maximum: builder/row_codegen.py online_softmax_sum),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
@@ -125,6 +127,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-nopreload": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "0"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
+                 "lum-row-phases": {"LUM_ROW_ONLINE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},

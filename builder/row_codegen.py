@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lum.builder.env_switches import CodegenError
+from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.gemv_policy import SMS
 from lum.builder.intmath import pow2_floor, pow2ceil
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, ZERO_C, coalesce, index_vars, load_conv, load_template,
@@ -21,6 +21,67 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
+ENV_ROW_ONLINE = "LUM_ROW_ONLINE"                # 0: a softmax-weighted row sum visits its row once per reduction
+
+
+def row_online_enabled() -> bool:
+    """``$LUM_ROW_ONLINE`` (default on): a reduce whose prologue is a softmax-weighted sum (decode attention's
+    combine of its chunks) visits its row once, with a running maximum (:func:`online_softmax_sum`)."""
+    return env_switch(ENV_ROW_ONLINE, default=True)
+
+
+def _pairs(t: list, op: str) -> list[tuple[list, list]]:
+    """A binary node ``op``'s operands in both orders (none if ``t`` is another node)."""
+    return [(t[2], t[3]), (t[3], t[2])] if t[0] == op and len(t) == 4 else []
+
+
+def _holds(t: list, sub: list) -> bool:
+    return t == sub or (t[0] != "arg" and any(_holds(c, sub) for c in t[2:]))
+
+
+@dataclass(frozen=True)
+class OnlineSum:
+    """A softmax-weighted row sum ``Σ E·A · Recip(Σ E·L)``, ``E = Exp2(X + RowMax(X)·K)`` (Fused trees)."""
+
+    x: list
+    k: list        # an arg leaf
+    el: list       # E·L
+    ea: list       # E·A
+    rmax: list     # RowMax(X)
+    rsum: list     # RowSum(E·L)
+
+
+def online_softmax_sum(expr: list) -> OnlineSum | None:
+    """The parts of a reduce's prologue ``expr`` when it is ``E·A · Recip(RowSum(E·L))`` with ``E = Exp2(X +
+    RowMax(X)·K)``, K a leaf, every node f32 and no other row reduction; else None.
+
+    Decode attention's combine is this sum over the chunks (X their offsets c, L their sums l, A their
+    accumulators, K = −1). One visit of the row computes it: a running maximum m, and Σ E·L and Σ E·A at m,
+    both scaled by ``Exp2((m' − m)·K)`` when m grows to m' (exact for integer offsets), then merged across the
+    group at the group's maximum: one round of loads and three group reductions, where the phases take three
+    of each. The quotient is taken once (``Σ E·A · Recip``, not ``Σ (E·A · Recip)``: a rounding apart)."""
+    stack, rows = [expr], []
+    while stack:
+        t = stack.pop()
+        if t[0] != "arg":
+            if t[1] != "f32":
+                return None
+            rows += [t] if t[0] in ROW_OPS else []
+            stack.extend(t[2:])
+    for ea, r in _pairs(expr, "Mul"):
+        if r[0] != "Recip" or r[2][0] != "RowSum":
+            continue
+        rsum = r[2]
+        for e, ell in _pairs(rsum[2], "Mul"):
+            add = e[2] if e[0] == "Exp2" else ["none", ""]
+            for x, mk in _pairs(add, "Add"):
+                for rmax, k in _pairs(mk, "Mul"):
+                    if rmax != ["RowMax", "f32", x] or k[0] != "arg" or any(t not in (rmax, rsum) for t in rows):
+                        continue
+                    for e2, a in _pairs(ea, "Mul"):
+                        if e2 == e and not _holds(a, rmax) and not _holds(a, rsum) and not _holds(ell, rmax):
+                            return OnlineSum(x, k, rsum[2], ea, rmax, rsum)
+    return None
 
 
 @dataclass(frozen=True)
@@ -40,6 +101,7 @@ class _RowParts:
     write_row: ShapeTracker | None = None  # the write's row part: element 0 of a row (a scatter's at dest row 0)
     write_col: Expr | None = None          # the write's stride along a row
     write_step: Expr | None = None         # a scatter's: the dest's stride along its rows
+    online: bool = False                   # a softmax-weighted sum visiting its row once (online_softmax_sum)
 
 
 class RowKernels:
@@ -89,7 +151,7 @@ class RowKernels:
             "ROW_SETUP": rp.setup, "PHASES": rp.phases, "FINAL": rp.final})
         per_block = rp.threads // rp.group
         tuning = {"threads": rp.threads, "group": rp.group, "max_blocks": self.max_blocks, "acc": self.acc,
-                  "math": self.math, "scheme": "row", "regs": rp.regs}
+                  "math": self.math, "scheme": "row", "regs": rp.regs, **({"online": True} if rp.online else {})}
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
     def _row_parts(self, sink: str | None = None, writer: str | None = None, sink_stored: bool = False) -> _RowParts:
@@ -198,9 +260,11 @@ class RowKernels:
             close = [f"{ind}  }}", f"{ind}}}"]
         rownames: dict[str, tuple[str, str]] = {}
 
-        def emit(t: list, lines: list[str], round_root: bool) -> tuple[str, str]:
-            """C lines computing tree ``t`` at column lum_c (leaves loaded on first use); its (value, kind)."""
-            names: dict[str, tuple[str, str]] = {}
+        def emit(t: list, lines: list[str], round_root: bool,
+                 names: dict[str, tuple[str, str]] | None = None) -> tuple[str, str]:
+            """C lines computing tree ``t`` at column lum_c (leaves loaded on first use, once per ``names``);
+            its (value, kind)."""
+            names = {} if names is None else names
 
             def leaf(t: list, key: str) -> tuple[str, str] | None:
                 if key in rownames:                  # a row value of an earlier phase
@@ -243,6 +307,17 @@ class RowKernels:
                 order.append(t)
 
         collect(expr)
+        online = online_softmax_sum(expr) if kind == "reduce" and op.op == "Sum" and acc_kind == "f" else None
+        if online is not None:
+            col_k = splits[first + online.k[1]][1]      # K must be one value a row: the rescale reads it
+            if not (col_k.mask is None and as_expr(col_k.strides[0]) == as_expr(0)) or not row_online_enabled():
+                online = None
+        if online is not None:
+            phases, final = self._online_row(online, expr, emit, rownames, loop, close, ind, ind3)
+            wbase, _ = view_access(ctx, cviews[0], idx)
+            final.append(f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = {store_conv('f', 'lum_y', op.dtype)};")
+            return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
+                             group, threads, regs, acc_kind, tuple(cshape), cviews[0], None, None, True)
         phases: list[str] = []
         for j, t in enumerate(order):
             dt = DType.parse(t[1])
@@ -284,6 +359,42 @@ class RowKernels:
                          group, threads, regs, acc_kind, tuple(cshape),
                          cviews[0], None if wcol is None else wcol.strides[0],
                          write.strides[0] if kind == "scatter" else None)
+
+    @staticmethod
+    def _online_row(parts: OnlineSum, expr: list, emit: Any,
+                    rownames: dict[str, tuple[str, str]], loop: list[str], close: list[str], ind: str, ind3: str
+                    ) -> tuple[list[str], list[str]]:
+        """The one-visit row of :func:`online_softmax_sum` (f32 accumulation): its loop and group merge
+        (PHASES) and the row's value ``lum_y`` (FINAL, before the store)."""
+        x, k, el, ea, rmax, rsum = parts.x, parts.k, parts.el, parts.ea, parts.rmax, parts.rsum
+        names: dict[str, tuple[str, str]] = {}
+        lines = [f"{ind}float lum_m = -LUM_INF_F32, lum_k = 0.0f;   // the running maximum of X, K",
+                 f"{ind}acc_t lum_sl = (acc_t)0, lum_sa = (acc_t)0;   // sums of E·L and E·A at lum_m",
+                 f"{ind}if (lum_live) {{", *loop]
+        xv, _ = emit(x, lines, True, names)
+        kv, _ = emit(k, lines, True, names)
+        lines += [f"{ind3}lum_k = {kv};",
+                  f"{ind3}if ({xv} > lum_m) {{   // a new maximum: the sums so far move to it",
+                  f"{ind3}  if (lum_m != -LUM_INF_F32) {{",
+                  f"{ind3}    const float lum_up = exp2f(({xv} - lum_m) * lum_k);",
+                  f"{ind3}    lum_sl *= lum_up;", f"{ind3}    lum_sa *= lum_up;", f"{ind3}  }}",
+                  f"{ind3}  lum_m = {xv};", f"{ind3}}}"]
+        rownames[repr(rmax)] = ("lum_m", "f")
+        sv, _ = emit(el, lines, True, names)         # loaded whatever X is, so that the loads overlap
+        tv, _ = emit(ea, lines, True, names)
+        lines += [f"{ind3}if ({xv} != -LUM_INF_F32) {{   // E = 0 at a finite maximum, NaN at -inf: skipped",
+                  f"{ind3}  lum_sl += {sv};", f"{ind3}  lum_sa += {tv};", f"{ind3}}}", *close,
+                  f"{ind}const float lum_mx = lum_group_reduce<LumMax, GROUP>(lum_m, lum_smem);",
+                  f"{ind}const float lum_to = lum_m == lum_mx ? 1.0f : lum_m == -LUM_INF_F32 ? 0.0f "
+                  f": exp2f((lum_mx - lum_m) * lum_k);",
+                  f"{ind}lum_sl = lum_group_reduce<LumSum, GROUP>(lum_sl * lum_to, lum_smem);",
+                  f"{ind}lum_sa = lum_group_reduce<LumSum, GROUP>(lum_sa * lum_to, lum_smem);"]
+        rownames[repr(rsum)] = ("lum_sl", "f")
+        rownames[repr(ea)] = ("lum_sa", "f")
+        final: list[str] = []
+        y, _ = emit(expr, final, True)
+        final.append(f"{ind}const float lum_y = lum_n > 0 ? {y} : 0.0f;   // an empty row sums to 0")
+        return lines, final
 
     @staticmethod
     def _row_identity(red: str) -> str:

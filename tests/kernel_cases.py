@@ -270,6 +270,29 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
         cargs = [(f"{case}.part", a.view) for a in comb.args[:3]] + [(f"{case}.neg", comb.args[3].view)]
         b.op(case, "reduce", "Sum", cargs, comb.shape, dt, comb.params, output=f"{case}.y", case_kind="attention",
              tol=tol if dt == f32 else 2e-2)
+    # the combine alone over s + 40 chunks (more than a warp's lanes: each lane meets a new maximum and
+    # rescales), integer offsets c with whole chunks masked (c = -inf, the first one among them) and one
+    # chunk's c far above the rest: the one-visit row (row_codegen.online_softmax_sum) against the reference
+    case, ns, dv = "row.combine", s + 40, 8
+    nsv = n_of(ns)
+    part = rng.uniform(0.25, 4.0, (2, 3, nsv, dv + 2)) * rng.choice([-1.0, 1.0], (2, 3, nsv, dv + 2))
+    part[..., dv] = rng.integers(-8, 9, (2, 3, nsv))
+    part[..., dv][rng.random((2, 3, nsv)) < 0.2] = -np.inf
+    part[:, :, 0, dv] = -np.inf
+    part[0, 1, nsv // 2, dv] = 40.0
+    part[..., dv + 1] = np.abs(part[..., dv + 1])
+    xp = inp(case, 0, 6 * ns * (dv + 2), f32, data=part.astype(np.float32).ravel())
+    row = ShapeTracker((as_expr(2), as_expr(3), as_expr(dv), ns),
+                       (3 * ns * (dv + 2), ns * (dv + 2), as_expr(1), as_expr(dv + 2)), as_expr(0))
+    col = lambda off: ShapeTracker(row.shape, row.strides[:2] + (as_expr(0), row.strides[3]),  # noqa: E731
+                                   as_expr(off))
+    e = ["Exp2", "f32", ["Add", "f32", ["arg", 1], ["Mul", "f32", ["RowMax", "f32", ["arg", 1]], ["arg", 3]]]]
+    expr = ["Mul", "f32", ["Mul", "f32", e, ["arg", 0]],
+            ["Recip", "f32", ["RowSum", "f32", ["Mul", "f32", e, ["arg", 2]]]]]
+    b.op(f"{case}.neg", "constant", "Constant", [], (), f32, {"value": -1.0})
+    b.op(case, "reduce", "Sum", [(xp, row), (xp, col(dv)), (xp, col(dv + 1)),
+                                 (f"{case}.neg", ShapeTracker(row.shape, (as_expr(0),) * 4, as_expr(0)))],
+         (2, 3, dv), dt, {"axis": 3, "expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
     # iota in the dtype and in i64
     for odt in (dt, DType.i64):
         case = f"iota.{odt.value}"

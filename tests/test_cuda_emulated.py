@@ -40,7 +40,8 @@ GEMV_VARIANTS = {"narrow-a": ({"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "narrow_a"), 
 FUSED = {"stage": {},     # kernel fusions: their build environment (none: the default)
          "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
-         "norms-ahead": {"LUM_NORMS_AHEAD": "1"}}
+         "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
+         "row-multipass": {"LUM_ROW_ONLINE": "0"}}
 
 
 @pytest.fixture(scope="module")

@@ -388,7 +388,8 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                                _any_op(_sibling_kernel)),
                   "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"},
                                        _any_op(lambda op: op.tuning.get("stream"))),
-                  "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer)}
+                  "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer),
+                  "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -399,10 +400,11 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     ``LUM_SIBLING_KERNELS=0``, builder/siblings.py: the k / v / q stage after qkv, where the attention does
     not run it), or GEMVs loading their weights with an L2 evict-first policy (the default; without it at
     ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or each decode
-    layer ending with the next one's input norm (``LUM_NORMS_AHEAD=1``, Gemma's default; against 0); none changes
-    a value. Decode logits of the fused package as the reference backend's (arena poisoned), and 40 greedy
-    tokens (up to p = 47: three attention chunks) as the reference backend's and as the package without the
-    fusion, graphs replayed."""
+    layer ending with the next one's input norm (``LUM_NORMS_AHEAD=1``, Gemma's default; against 0), or decode
+    attention's combine visiting its chunks once with a running maximum (the default; against
+    ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart); none changes a token. Decode logits of the
+    fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
+    attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
 
