@@ -307,7 +307,8 @@ class RowKernels:
                 order.append(t)
 
         collect(expr)
-        online = online_softmax_sum(expr) if kind == "reduce" and op.op == "Sum" and acc_kind == "f" else None
+        online = online_softmax_sum(expr) if (kind == "reduce" and op.op == "Sum" and acc_kind == "f"
+                                              and self.math == "f32") else None
         if online is not None:
             col_k = splits[first + online.k[1]][1]      # K must be one value a row: the rescale reads it
             if not (col_k.mask is None and as_expr(col_k.strides[0]) == as_expr(0)) or not row_online_enabled():
@@ -364,7 +365,7 @@ class RowKernels:
     def _online_row(parts: OnlineSum, expr: list, emit: Any,
                     rownames: dict[str, tuple[str, str]], loop: list[str], close: list[str], ind: str, ind3: str
                     ) -> tuple[list[str], list[str]]:
-        """The one-visit row of :func:`online_softmax_sum` (f32 accumulation): its loop and group merge
+        """The one-visit row of :func:`online_softmax_sum` (f32 accumulation and math): its loop and group merge
         (PHASES) and the row's value ``lum_y`` (FINAL, before the store)."""
         x, k, el, ea, rmax, rsum = parts.x, parts.k, parts.el, parts.ea, parts.rmax, parts.rsum
         names: dict[str, tuple[str, str]] = {}

@@ -109,3 +109,11 @@ def test_a_k_that_varies_along_the_row_keeps_the_phases(monkeypatch):
     op2 = replace(op, args=op.args[:3] + (varying,))
     src = generate(op2, ("p",), arg_dtypes=[DType.f32] * 4, max_dyn={"p": 4096}).source
     assert "lum_m = " not in src
+
+
+@pytest.mark.parametrize("acc,math", [("f64", "f32"), ("f32", "f64")])
+def test_f64_accumulation_or_math_keeps_the_phases(monkeypatch, acc, math):
+    """The one visit rescales in f32: a kernel asked to accumulate or compute in f64 keeps the phases."""
+    monkeypatch.setenv(ENV_ROW_ONLINE, "1")
+    src = generate(_combine(), ("p",), arg_dtypes=[DType.f32] * 4, max_dyn={"p": 4096}, acc=acc, math=math).source
+    assert "lum_m = " not in src and "lum_rv0" in src
