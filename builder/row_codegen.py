@@ -2,7 +2,9 @@
 axis, a scatter whose prologue normalises rows. :class:`RowKernels` holds the generator's row methods
 (a mixin of :mod:`lum.builder.codegen`'s ``_Gen``, whose ``self`` they use); their row loop
 (:meth:`RowKernels._row_parts`) is also what attention stages, flash attention's combine and a GEMV's
-prologue run, which is why it is a concept of its own."""
+prologue run, which is why it is a concept of its own. The row is visited once per row reduction (row.cu's
+PHASES), except a softmax-weighted sum (decode attention's combine): once, with a running maximum
+(:func:`online_softmax_sum`)."""
 
 from __future__ import annotations
 
