@@ -358,9 +358,11 @@ def test_fused_kernel_variants_match_reference(env, variant):
     one launch each), ``siblings``
     (``LUM_ATTENTION_STAGE=0``: the q / k / v ops before attention are one sibling launch), ``preload-shared``
     (``LUM_GEMV_PRELOAD_SHARED=all``: every GEMV copies its lanes' first weights into shared memory before it
-    waits, where by default only those behind small kernels do: builder/gemv_policy.py gemv_preload_shared) or
+    waits, where by default only those behind small kernels do: builder/gemv_policy.py gemv_preload_shared),
     ``norms-ahead`` (``LUM_NORMS_AHEAD=1``: every tiny model's decode layer ends with the next layer's input norm,
-    as only Gemma's does by default, so its qkv is a plain GEMV; the kernel cases are unchanged). Every
+    as only Gemma's does by default, so its qkv is a plain GEMV; the kernel cases are unchanged) or
+    ``row-multipass`` (``LUM_ROW_ONLINE=0``: decode attention's combine, and the ``row.combine`` case, visit their
+    rows once per row reduction, not once with a running maximum: builder/row_codegen.py). Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
