@@ -448,8 +448,9 @@ def run_and_record(result: dict, rows: dict[str, dict], out_path: Path, workdir:
         result["rows"] = list(rows.values())
         result["timings_s"]["total"] = round(time.perf_counter() - t_start, 1)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
-        log(f"wrote {out_path}")
+        path = unused_path(out_path)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        log(f"wrote {path}")
         print_table(result)
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -515,9 +516,20 @@ def add_record_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD here)")
 
 
+def unused_path(path: Path) -> Path:
+    """``path``, or ``<stem>-2.json``, ``-3`` … when a record already has that name: records are named by day,
+    and a second run of the same benchmark that day must not overwrite the first's."""
+    k = 2
+    while path.exists():
+        base = path.stem if k == 2 else path.stem.rsplit("-", 1)[0]
+        path, k = path.with_name(f"{base}-{k}{path.suffix}"), k + 1
+    return path
+
+
 def write_record(record: dict, out: str | Path, stem: str) -> Path:
-    """``record`` as ``<out>/<stem>-<today>.json`` (the folder made when missing); returns the path."""
-    path = Path(out) / f"{stem}-{_dt.date.today().isoformat()}.json"
+    """``record`` as ``<out>/<stem>-<today>.json`` (``-2`` … if taken; the folder made when missing); returns the
+    path."""
+    path = unused_path(Path(out) / f"{stem}-{_dt.date.today().isoformat()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
@@ -525,7 +537,8 @@ def write_record(record: dict, out: str | Path, stem: str) -> Path:
 
 def new_record(benchmark: str, args: argparse.Namespace, config: dict, **extra) -> tuple[dict, Path, Path]:
     """The JSON record's head (commit, GPU, driver, date, config …), the file it goes to
-    (``<out>/<benchmark>-<model>-<dtype>-<date>.json``) and the work folder (``--workdir`` or a temp dir)."""
+    (``<out>/<benchmark>-<model>-<dtype>-<date>.json``; written with ``-2`` … if taken: :func:`unused_path`) and
+    the work folder (``--workdir`` or a temp dir)."""
     result: dict = {**record_head(benchmark, args.commit, None), **extra, "config": config,
                     "versions": {"python": sys.version.split()[0]}, "timings_s": {}, "rows": []}
     out_path = Path(args.out) / f"{benchmark}-{args.model}-{args.dtype}-{_dt.date.today().isoformat()}.json"

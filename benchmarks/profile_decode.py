@@ -62,7 +62,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from _common import (build_package, gpu_and_target, log, make_hf_folder, new_record, prompt_ids,
-                     set_log_tag)  # noqa: E402
+                     set_log_tag, unused_path)  # noqa: E402
 
 set_log_tag("profile-decode")
 
@@ -254,6 +254,7 @@ def _profile(args) -> int:
         out_path = out_path.with_name(f"{out_path.stem}-plain.json")
     if args.stamps:
         out_path = out_path.with_name(f"{out_path.stem}-stamps.json")
+    out_path = unused_path(out_path)                  # a second run the same day keeps the first's record
     result["gpu"], target = gpu_and_target(torch, "cuda")
     pkg_path = Path(args.pkg) if args.pkg else workdir / "model.lumpkg"
     if not args.pkg:

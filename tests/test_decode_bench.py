@@ -132,7 +132,8 @@ print(json.dumps({"got": got, "addr": addr, "live": live, "after": fake_stats()[
 
 def test_kernel_benchmarks_record_head_and_file(tmp_path, monkeypatch):
     """benchmarks/_common's record helpers (gemv_sweep.py, pdl_probe.py, phase_probe.py): ``--out`` and
-    ``--commit``, a head naming the benchmark, commit, GPU, driver and date, one file a day and stem."""
+    ``--commit``, a head naming the benchmark, commit, GPU, driver and date, a file a day and stem, and a second
+    and third run that day beside it (``-2``, ``-3``), not over it."""
     import argparse
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -147,3 +148,6 @@ def test_kernel_benchmarks_record_head_and_file(tmp_path, monkeypatch):
     back = json.loads(path.read_text())
     assert back == record and {"benchmark", "commit", "gpu", "driver", "date"} <= back.keys()
     assert back["commit"] == "abc1234" and back["gpu"] == "NVIDIA H200"
+    again = [write_record({**record, "rows": [k]}, args.out, "gemv-sweep-bf16") for k in (2, 3)]
+    assert [p.name for p in again] == [path.name.replace(".json", f"-{k}.json") for k in (2, 3)]
+    assert [json.loads(p.read_text())["rows"] for p in (path, *again)] == [[1], [2], [3]]
