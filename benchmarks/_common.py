@@ -519,11 +519,10 @@ def add_record_args(ap: argparse.ArgumentParser) -> None:
 def unused_path(path: Path) -> Path:
     """``path``, or ``<stem>-2.json``, ``-3`` … when a record already has that name: records are named by day,
     and a second run of the same benchmark that day must not overwrite the first's."""
-    k = 2
-    while path.exists():
-        base = path.stem if k == 2 else path.stem.rsplit("-", 1)[0]
-        path, k = path.with_name(f"{base}-{k}{path.suffix}"), k + 1
-    return path
+    free, k = path, 2
+    while free.exists():
+        free, k = path.with_name(f"{path.stem}-{k}{path.suffix}"), k + 1
+    return free
 
 
 def write_record(record: dict, out: str | Path, stem: str) -> Path:

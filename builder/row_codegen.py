@@ -315,22 +315,22 @@ class RowKernels:
             col_k = splits[first + online.k[1]][1]      # K must be one value a row: the rescale reads it
             if not (col_k.mask is None and as_expr(col_k.strides[0]) == as_expr(0)) or not row_online_enabled():
                 online = None
+        phases: list[str] = []
         if online is not None:
             phases, final = self._online_row(online, expr, emit, rownames, loop, close, ind, ind3)
-            wbase, _ = view_access(ctx, cviews[0], idx)
-            final.append(f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = {store_conv('f', 'lum_y', op.dtype)};")
-            return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
-                             group, threads, regs, acc_kind, tuple(cshape), cviews[0], None, None, True)
-        phases: list[str] = []
-        for j, t in enumerate(order):
-            dt = DType.parse(t[1])
-            if not dt.is_float:
-                raise CodegenError(f"{t[0]} of {dt}: row reductions are generated for float dtypes only")
-            phases += accumulate(j, ROW_OPS[t[0]], t[2])
-            phases.append(f"{ind}const float lum_rv{j} = {load_conv(dt, store_conv(acc_kind, f'lum_r{j}', dt))};")
-            rownames[repr(t)] = (f"lum_rv{j}", "f")
+        else:
+            for j, t in enumerate(order):
+                dt = DType.parse(t[1])
+                if not dt.is_float:
+                    raise CodegenError(f"{t[0]} of {dt}: row reductions are generated for float dtypes only")
+                phases += accumulate(j, ROW_OPS[t[0]], t[2])
+                phases.append(f"{ind}const float lum_rv{j} = "
+                              f"{load_conv(dt, store_conv(acc_kind, f'lum_r{j}', dt))};")
+                rownames[repr(t)] = (f"lum_rv{j}", "f")
         wbase, _ = view_access(ctx, cviews[0], idx)
-        if kind == "reduce":
+        if online is not None:
+            final.append(f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = {store_conv('f', 'lum_y', op.dtype)};")
+        elif kind == "reduce":
             j = len(order)
             final = accumulate(j, op.op, expr)
             final += [f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = "
@@ -361,7 +361,7 @@ class RowKernels:
         return _RowParts("\n".join(x for x in setup if x), "\n".join(phases), "\n".join(final), rows, n,
                          group, threads, regs, acc_kind, tuple(cshape),
                          cviews[0], None if wcol is None else wcol.strides[0],
-                         write.strides[0] if kind == "scatter" else None)
+                         write.strides[0] if kind == "scatter" else None, online is not None)
 
     @staticmethod
     def _online_row(parts: OnlineSum, expr: list, emit: Any,
