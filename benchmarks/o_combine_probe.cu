@@ -1,0 +1,117 @@
+//! lum/benchmarks/o_combine_probe.cu — the kernels of benchmarks/o_combine_probe.py (pasted after
+//! templates/common.cuh and benchmarks/probe.cuh; lum's own combine and o kernels come after them).
+//!
+//! Decode attention leaves, per query head h (8) and chunk j (ns), the partials [acc[0..256), c, l] (f32,
+//! [heads][ns][258]); lum combines them in a kernel of their own (a reduce, 2,048 rows) whose bf16 output A
+//! is o's input (a GEMV over W [2,560][2,048] bf16). probe_o_combine does both in one launch, split by head:
+//! a thread block cluster of 8 blocks (block rank h) owns 64 output columns; block h copies its head's
+//! 64 × 256 weights into shared memory before its wait, then combines head h's 256 values of A from the
+//! partials (one pass over the chunks, a running offset), dots them with its weights, and the cluster
+//! sums the 8 heads' column partials through distributed shared memory in a fixed order.
+
+// %globaltimer in ns (the stand-ins' clock).
+__device__ __forceinline__ unsigned long long probe_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// What the attention kernel is to the chain, without its work: it waits for the kernel before, lets the
+// next launch after `stage_ns` (lum's attention triggers after its stage) and ends after `total_ns`.
+extern "C" __global__ void probe_attention_standin(long long stage_ns, long long total_ns) {
+  lum_pdl_wait();
+  const unsigned long long t0 = probe_ns();
+  while (probe_ns() - t0 < (unsigned long long)stage_ns) {
+  }
+  lum_pdl_trigger();
+  while (probe_ns() - t0 < (unsigned long long)total_ns) {
+  }
+}
+
+// The residual kernel's stand-in: one block of 256 threads, y = RMSNorm(x) over n <= 4,096 floats.
+extern "C" __global__ void __launch_bounds__(256) probe_consumer(const float* x, const float* w, float* y, int n) {
+  lum_pdl_trigger();
+  lum_pdl_wait();
+  probe_norm_row(x, w, y, n);
+}
+
+constexpr int OC_HEADS = 8;       // query heads = blocks a cluster
+constexpr int OC_D = 256;         // a head's features = threads a block
+constexpr int OC_COLS = 64;       // output columns a cluster
+constexpr int OC_K = OC_HEADS * OC_D;
+
+__device__ __forceinline__ unsigned probe_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void probe_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank) {
+  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
+// chunks (m their largest c). Grid: 8 blocks a cluster (launched with a cluster dimension of 8), n / 64
+// clusters; 256 threads.
+extern "C" __global__ void __launch_bounds__(OC_D) probe_o_combine(float* out, const float* part,
+                                                                   const lum_bf16* w, int ns, int n) {
+  lum_pdl_trigger();
+  __shared__ lum_vec<unsigned, 4> ws[OC_COLS][OC_D / 8];   // head h's 256 weights of each column, 32 KB
+  __shared__ float as[OC_D];
+  __shared__ float ps[OC_COLS];
+  const unsigned h = probe_cluster_rank();
+  const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS;
+  for (int i = (int)threadIdx.x; i < OC_COLS * (OC_D / 8); i += OC_D) {
+    const int col = i / (OC_D / 8), v = i % (OC_D / 8);
+    if (c0 + col < n) lum_copy16_async(&ws[col][v], w + (size_t)(c0 + col) * OC_K + h * OC_D + v * 8);
+  }
+  lum_pdl_wait();
+  const int d = (int)threadIdx.x;
+  const float* ph = part + (size_t)h * ns * (OC_D + 2);
+  float m = -LUM_INF_F32, sl = 0.0f, sa = 0.0f;
+#pragma unroll 4
+  for (int j = 0; j < ns; ++j) {
+    const float c = ph[j * (OC_D + 2) + OC_D], l = ph[j * (OC_D + 2) + OC_D + 1], a = ph[j * (OC_D + 2) + d];
+    if (c > m) {
+      const float f = m == -LUM_INF_F32 ? 0.0f : exp2f(m - c);
+      sl *= f;
+      sa *= f;
+      m = c;
+    }
+    const float e = exp2f(c - m);
+    sl += e * l;
+    sa += e * a;
+  }
+  as[d] = lum_bf16_to_f32(lum_f32_to_bf16(sa * (1.0f / sl)));
+  lum_copy_wait_all();
+  __syncthreads();
+  const int warp = d / 32, lane = d % 32;
+  float ys[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) ys[e] = as[lane * 8 + e];
+#pragma unroll
+  for (int q = 0; q < OC_COLS / 8; ++q) {
+    const int col = warp * (OC_COLS / 8) + q;
+    const lum_vec<unsigned, 4> raw = ws[col][lane];
+    float s = probe_dot8(0.0f, make_uint4(raw.v[0], raw.v[1], raw.v[2], raw.v[3]), ys);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) ps[col] = s;
+  }
+  probe_cluster_sync();                    // every head's column partials are in its block's ps
+  if (d < OC_COLS / OC_HEADS) {
+    const int col = (int)h * (OC_COLS / OC_HEADS) + d;
+    float s = 0.0f;
+#pragma unroll
+    for (unsigned r = 0; r < OC_HEADS; ++r) s += probe_dsmem_load(&ps[col], r);
+    if (c0 + col < n) out[c0 + col] = s;
+  }
+  probe_cluster_sync();                    // no block leaves while another still reads its ps
+}
