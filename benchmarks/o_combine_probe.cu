@@ -5,9 +5,9 @@
 //! [heads][ns][258]); lum combines them in a kernel of their own (a reduce, 2,048 rows) whose bf16 output A
 //! is o's input (a GEMV over W [2,560][2,048] bf16). probe_o_combine does both in one launch, split by head:
 //! a thread block cluster of 8 blocks (block rank h) owns 64 output columns; block h copies its head's
-//! 64 × 256 weights into shared memory before its wait, then combines head h's 256 values of A from the
-//! partials (one pass over the chunks, a running offset), dots them with its weights, and the cluster
-//! sums the 8 heads' column partials through distributed shared memory in a fixed order.
+//! 64 × 256 weights into shared memory before its wait, then stages head h's partials in shared memory (one
+//! round of loads), combines its 256 values of A, dots them with its weights, and the cluster sums the 8
+//! heads' column partials through distributed shared memory in a fixed order.
 
 // %globaltimer in ns (the stand-ins' clock).
 __device__ __forceinline__ unsigned long long probe_ns() {
@@ -59,55 +59,83 @@ __device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank)
 
 // out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
 // chunks (m their largest c). Grid: 8 blocks a cluster (launched with a cluster dimension of 8), n / 64
-// clusters; 256 threads.
-extern "C" __global__ void __launch_bounds__(OC_D) probe_o_combine(float* out, const float* part,
-                                                                   const lum_bf16* w, int ns, int n) {
+// clusters; 512 threads; dynamic shared memory ns · 258 floats (head h's partials, staged in one round of
+// loads: a thread's loads are all issued before any is used).
+extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* out, const float* part,
+                                                                       const lum_bf16* w, int ns, int n) {
   lum_pdl_trigger();
+  constexpr int T = 2 * OC_D, U = 8;
   __shared__ lum_vec<unsigned, 4> ws[OC_COLS][OC_D / 8];   // head h's 256 weights of each column, 32 KB
-  __shared__ float as[OC_D];
-  __shared__ float ps[OC_COLS];
+  __shared__ float as[OC_D], half_a[OC_D], ps[OC_COLS];
+  extern __shared__ float2 lum_pre_part[];                  // [ns][129] float2: the chunks' [acc, c, l]
+  const float* pc = reinterpret_cast<const float*>(lum_pre_part);
   const unsigned h = probe_cluster_rank();
-  const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS;
-  for (int i = (int)threadIdx.x; i < OC_COLS * (OC_D / 8); i += OC_D) {
+  const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS, t = (int)threadIdx.x;
+  for (int i = t; i < OC_COLS * (OC_D / 8); i += T) {
     const int col = i / (OC_D / 8), v = i % (OC_D / 8);
     if (c0 + col < n) lum_copy16_async(&ws[col][v], w + (size_t)(c0 + col) * OC_K + h * OC_D + v * 8);
   }
   lum_pdl_wait();
-  const int d = (int)threadIdx.x;
-  const float* ph = part + (size_t)h * ns * (OC_D + 2);
-  float m = -LUM_INF_F32, sl = 0.0f, sa = 0.0f;
-#pragma unroll 4
-  for (int j = 0; j < ns; ++j) {
-    const float c = ph[j * (OC_D + 2) + OC_D], l = ph[j * (OC_D + 2) + OC_D + 1], a = ph[j * (OC_D + 2) + d];
-    if (c > m) {
-      const float f = m == -LUM_INF_F32 ? 0.0f : exp2f(m - c);
-      sl *= f;
-      sa *= f;
-      m = c;
+  const float2* ph = reinterpret_cast<const float2*>(part + (size_t)h * ns * (OC_D + 2));
+  const int total = ns * ((OC_D + 2) / 2);
+  for (int b = 0; b < total; b += U * T) {
+    float2 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = b + u * T + t;
+      r[u] = i < total ? ph[i] : make_float2(0.0f, 0.0f);
     }
-    const float e = exp2f(c - m);
-    sl += e * l;
-    sa += e * a;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = b + u * T + t;
+      if (i < total) lum_pre_part[i] = r[u];
+    }
   }
-  as[d] = lum_bf16_to_f32(lum_f32_to_bf16(sa * (1.0f / sl)));
+  __syncthreads();
+  const int d = t % OC_D, half = t / OC_D;
+  float m = -LUM_INF_F32;
+  for (int j = 0; j < ns; ++j) m = fmaxf(m, pc[j * (OC_D + 2) + OC_D]);
+  float sl = 0.0f, sa = 0.0f;
+  for (int j = half; j < ns; j += 2) {
+    const float e = exp2f(pc[j * (OC_D + 2) + OC_D] - m);
+    sl += e * pc[j * (OC_D + 2) + OC_D + 1];
+    sa += e * pc[j * (OC_D + 2) + d];
+  }
+  __shared__ float half_l;
+  if (half == 1) {
+    half_a[d] = sa;
+    if (d == 0) half_l = sl;
+  }
+  __syncthreads();
+  if (half == 0) as[d] = lum_bf16_to_f32(lum_f32_to_bf16((sa + half_a[d]) * (1.0f / (sl + half_l))));
   lum_copy_wait_all();
   __syncthreads();
-  const int warp = d / 32, lane = d % 32;
+  const int warp = t / 32, lane = t % 32;
   float ys[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) ys[e] = as[lane * 8 + e];
+  float v[4];                              // this warp's 4 columns, then halved across the lanes
 #pragma unroll
-  for (int q = 0; q < OC_COLS / 8; ++q) {
-    const int col = warp * (OC_COLS / 8) + q;
-    const lum_vec<unsigned, 4> raw = ws[col][lane];
-    float s = probe_dot8(0.0f, make_uint4(raw.v[0], raw.v[1], raw.v[2], raw.v[3]), ys);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) ps[col] = s;
+  for (int q = 0; q < 4; ++q) {
+    const lum_vec<unsigned, 4> raw = ws[warp * 4 + q][lane];
+    v[q] = probe_dot8(0.0f, make_uint4(raw.v[0], raw.v[1], raw.v[2], raw.v[3]), ys);
   }
+  const bool hi16 = lane & 16, hi8 = lane & 8;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {            // lanes 16-31 keep columns 2, 3; lanes 0-15 columns 0, 1
+    const float send = hi16 ? v[q] : v[q + 2], keep = hi16 ? v[q + 2] : v[q];
+    v[q] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+  {                                        // then lanes with bit 3 keep the odd one of the two
+    const float send = hi8 ? v[0] : v[1], keep = hi8 ? v[1] : v[0];
+    v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+  if ((lane & 7) == 0) ps[warp * 4 + (hi16 ? 2 : 0) + (hi8 ? 1 : 0)] = v[0];
   probe_cluster_sync();                    // every head's column partials are in its block's ps
-  if (d < OC_COLS / OC_HEADS) {
-    const int col = (int)h * (OC_COLS / OC_HEADS) + d;
+  if (t < OC_COLS / OC_HEADS) {
+    const int col = (int)h * (OC_COLS / OC_HEADS) + t;
     float s = 0.0f;
 #pragma unroll
     for (unsigned r = 0; r < OC_HEADS; ++r) s += probe_dsmem_load(&ps[col], r);

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     dev = ProbeDevice("o_combine_probe.cu", extra=combine.body + "\n" + o.body)
     cu, stream, info = dev.cu, dev.stream, dev.info
     f_att, f_norm = dev.module.function("probe_attention_standin"), dev.module.function("probe_consumer")
-    f_fused = dev.module.function("probe_o_combine")
+    f_fused = dev.module.function("probe_o_combine", shared_mem=max(counts) * (D + 2) * 4)
     f_comb, f_o = dev.module.function(combine.name), dev.module.function(o.name)
     rng = np.random.default_rng(0)
     wsets = [(0.02 * rng.standard_normal((N, K))).astype(np.float32) for _ in range(SETS)]
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                     cu.launch_kernel(f_att, att_grid, (128, 1, 1), 0, st,
                                      dev.pack([args.stage_ns, args.attention_ns]), programmatic=True)
                     if mode == "fused":
-                        cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (D, 1, 1), 0, st,
+                        cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (2 * D, 1, 1), ns * (D + 2) * 4, st,
                                          dev.pack([o_dev[i].ptr, part_dev[i].ptr, w_dev[i % SETS].ptr, ns, N]),
                                          programmatic=True, cluster=HEADS)
                     else:

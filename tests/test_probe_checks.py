@@ -162,8 +162,8 @@ def o_combine(monkeypatch):
 
 
 def _fused_in_float32(p: np.ndarray, w: np.ndarray, ocp) -> np.ndarray:
-    """What probe_o_combine computes, in float32: each head's combine in one pass over its chunks (a running
-    offset), rounded to bf16, dotted with that head's weights; the heads' column partials summed in order."""
+    """What probe_o_combine computes, in float32 (its order of summation aside): each head's combine over its
+    chunks, rounded to bf16, dotted with that head's weights; the heads' column partials summed in order."""
     heads, ns, _ = p.shape
     out = np.zeros(w.shape[0], np.float32)
     for h in range(heads):
