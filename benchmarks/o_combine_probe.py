@@ -16,7 +16,8 @@ them. ``--layers`` links, one CUDA graph, every launch programmatic as in lum's 
   stand-in), what lum runs today;
 * ``fused``: the stand-in → ``probe_o_combine`` → the norm;
 * ``o-alone``: the stand-in → lum's o on a combined input computed before → the norm: o with no combine
-  before it, the floor the fused kernel is measured against.
+  before it, the floor the fused kernel is measured against; ``o-alone-cluster``: the same o launched in
+  clusters of 8 blocks (it uses nothing of them): what a cluster launch itself costs in the chain.
 
 The stand-in waits, lets the next kernel launch after ``--stage-ns`` (lum's attention triggers after its
 stage) and ends after ``--attention-ns``, touching no memory, on lum's attention grid (4 kv rows × the chunks).
@@ -47,7 +48,7 @@ K = HEADS * D
 COLS = 64                                   # output columns a cluster (o_combine_probe.cu OC_COLS)
 SETS = 8
 TOLERANCE = 1e-2                           # of the largest |o|: A is bf16, so a rounding tie may fall either way
-MODES = ("kernels", "fused", "o-alone")
+MODES = ("kernels", "fused", "o-alone", "o-alone-cluster")
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
                                              programmatic=True)
                         cu.launch_kernel(f_o, o_grid, o_block, o_smem, st,
                                          dev.pack([o_dev[i].ptr, a_dev[i].ptr, w_dev[i % SETS].ptr, dyn_dev.ptr]),
-                                         programmatic=True)
+                                         programmatic=True, cluster=HEADS if mode.endswith("-cluster") else 1)
                     cu.launch_kernel(f_norm, (1, 1, 1), (256, 1, 1), 0, st,
                                      dev.pack([o_dev[i].ptr, norm_w.ptr, y_dev[i].ptr, N]), programmatic=True)
             return rec
