@@ -60,9 +60,12 @@ __device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank)
 // out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
 // chunks (m their largest c). Grid: 8 blocks a cluster (launched with a cluster dimension of 8), n / 64
 // clusters; 512 threads; dynamic shared memory ns · 258 floats (head h's partials, staged in one round of
-// loads: a thread's loads are all issued before any is used).
+// loads: a thread's loads are all issued before any is used). `variant` (timing only, the output then wrong):
+// 1 skips the partials (A = 1), 2 the cluster's sum (no cluster barrier or distributed shared memory: head
+// 0's block stores its own partials).
 extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* out, const float* part,
-                                                                       const lum_bf16* w, int ns, int n) {
+                                                                       const lum_bf16* w, int ns, int n,
+                                                                       int variant) {
   lum_pdl_trigger();
   constexpr int T = 2 * OC_D, U = 8;
   __shared__ lum_vec<unsigned, 4> ws[OC_COLS][OC_D / 8];   // head h's 256 weights of each column, 32 KB
@@ -77,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
   }
   lum_pdl_wait();
   const float2* ph = reinterpret_cast<const float2*>(part + (size_t)h * ns * (OC_D + 2));
-  const int total = ns * ((OC_D + 2) / 2);
+  const int total = variant == 1 ? 0 : ns * ((OC_D + 2) / 2);
   for (int b = 0; b < total; b += U * T) {
     float2 r[U];
 #pragma unroll
@@ -94,9 +97,9 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
   __syncthreads();
   const int d = t % OC_D, half = t / OC_D;
   float m = -LUM_INF_F32;
-  for (int j = 0; j < ns; ++j) m = fmaxf(m, pc[j * (OC_D + 2) + OC_D]);
+  for (int j = 0; j < (variant == 1 ? 0 : ns); ++j) m = fmaxf(m, pc[j * (OC_D + 2) + OC_D]);
   float sl = 0.0f, sa = 0.0f;
-  for (int j = half; j < ns; j += 2) {
+  for (int j = half; j < (variant == 1 ? 0 : ns); j += 2) {
     const float e = exp2f(pc[j * (OC_D + 2) + OC_D] - m);
     sl += e * pc[j * (OC_D + 2) + OC_D + 1];
     sa += e * pc[j * (OC_D + 2) + d];
@@ -107,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
     if (d == 0) half_l = sl;
   }
   __syncthreads();
-  if (half == 0) as[d] = lum_bf16_to_f32(lum_f32_to_bf16((sa + half_a[d]) * (1.0f / (sl + half_l))));
+  if (half == 0) as[d] = variant == 1 ? 1.0f : lum_bf16_to_f32(lum_f32_to_bf16((sa + half_a[d]) * (1.0f / (sl + half_l))));
   lum_copy_wait_all();
   __syncthreads();
   const int warp = t / 32, lane = t % 32;
@@ -133,6 +136,11 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
   if ((lane & 7) == 0) ps[warp * 4 + (hi16 ? 2 : 0) + (hi8 ? 1 : 0)] = v[0];
+  if (variant == 2) {
+    __syncthreads();
+    if (h == 0 && t < OC_COLS && c0 + t < n) out[c0 + t] = ps[t];
+    return;
+  }
   probe_cluster_sync();                    // every head's column partials are in its block's ps
   if (t < OC_COLS / OC_HEADS) {
     const int col = (int)h * (OC_COLS / OC_HEADS) + t;

@@ -17,7 +17,10 @@ them. ``--layers`` links, one CUDA graph, every launch programmatic as in lum's 
 * ``fused``: the stand-in → ``probe_o_combine`` → the norm;
 * ``o-alone``: the stand-in → lum's o on a combined input computed before → the norm: o with no combine
   before it, the floor the fused kernel is measured against; ``o-alone-cluster``: the same o launched in
-  clusters of 8 blocks (it uses nothing of them): what a cluster launch itself costs in the chain.
+  clusters of 8 blocks (it uses nothing of them): what a cluster launch itself costs in the chain;
+* ``fused-no-partials`` and ``fused-no-cluster-sum``: the fused kernel without reading the partials (A = 1),
+  or without the cluster's sum (head 0's block stores its own columns): where its time goes (timing only,
+  their outputs are wrong and not checked).
 
 The stand-in waits, lets the next kernel launch after ``--stage-ns`` (lum's attention triggers after its
 stage) and ends after ``--attention-ns``, touching no memory, on lum's attention grid (4 kv rows × the chunks).
@@ -48,7 +51,8 @@ K = HEADS * D
 COLS = 64                                   # output columns a cluster (o_combine_probe.cu OC_COLS)
 SETS = 8
 TOLERANCE = 1e-2                           # of the largest |o|: A is bf16, so a rounding tie may fall either way
-MODES = ("kernels", "fused", "o-alone", "o-alone-cluster")
+MODES = ("kernels", "fused", "o-alone", "o-alone-cluster", "fused-no-partials", "fused-no-cluster-sum")
+TIMING_ONLY = {"fused-no-partials": 1, "fused-no-cluster-sum": 2}     # the fused kernel's variant: output wrong
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -155,9 +159,10 @@ def main(argv=None) -> int:
                 for i in range(layers):
                     cu.launch_kernel(f_att, att_grid, (128, 1, 1), 0, st,
                                      dev.pack([args.stage_ns, args.attention_ns]), programmatic=True)
-                    if mode == "fused":
+                    if mode.startswith("fused"):
                         cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (2 * D, 1, 1), ns * (D + 2) * 4, st,
-                                         dev.pack([o_dev[i].ptr, part_dev[i].ptr, w_dev[i % SETS].ptr, ns, N]),
+                                         dev.pack([o_dev[i].ptr, part_dev[i].ptr, w_dev[i % SETS].ptr, ns, N,
+                                                   TIMING_ONLY.get(mode, 0)]),
                                          programmatic=True, cluster=HEADS)
                     else:
                         if mode == "kernels":
@@ -188,7 +193,8 @@ def main(argv=None) -> int:
            "lum_kernels": {"combine": combine.name, "o": o.name, "o_tuning": o.tuning}, "rows": rows}
     log(f"wrote {write_record(rec, args.out, 'o-combine-probe')}")
     dev.close()
-    ok = all(r["finite"] and r["err"] < TOLERANCE for row in rows for r in row["modes"].values())
+    ok = all(r["finite"] and r["err"] < TOLERANCE for row in rows for m, r in row["modes"].items()
+             if m not in TIMING_ONLY)
     return 0 if ok else 1
 
 
