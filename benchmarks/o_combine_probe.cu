@@ -5,9 +5,10 @@
 //! [heads][ns][258]); lum combines them in a kernel of their own (a reduce, 2,048 rows) whose bf16 output A
 //! is o's input (a GEMV over W [2,560][2,048] bf16). probe_o_combine does both in one launch, split by head:
 //! a thread block cluster of 8 blocks (block rank h) owns 64 output columns; block h copies its head's
-//! 64 × 256 weights into shared memory before its wait, then stages head h's partials in shared memory (one
-//! round of loads), combines its 256 values of A, dots them with its weights, and the cluster sums the 8
-//! heads' column partials through distributed shared memory in a fixed order.
+//! 64 × 256 weights into shared memory before its wait, then loads head h's partials (a round of loads for up
+//! to 32 chunks), combines its 256 values of A, dots them with its weights, and the cluster sums the 8 heads'
+//! column partials through distributed shared memory in a fixed order (or, ``variant`` 3, adds them into the
+//! output with fire-and-forget atomics).
 
 // %globaltimer in ns (the stand-ins' clock).
 __device__ __forceinline__ unsigned long long probe_ns() {
@@ -17,9 +18,12 @@ __device__ __forceinline__ unsigned long long probe_ns() {
 }
 
 // What the attention kernel is to the chain, without its work: it waits for the kernel before, lets the
-// next launch after `stage_ns` (lum's attention triggers after its stage) and ends after `total_ns`.
-extern "C" __global__ void probe_attention_standin(long long stage_ns, long long total_ns) {
+// next launch after `stage_ns` (lum's attention triggers after its stage) and ends after `total_ns`; its
+// first block zeroes `zero[0 .. nz)` (the fused kernel's atomic mode adds into it).
+extern "C" __global__ void probe_attention_standin(long long stage_ns, long long total_ns, float* zero, int nz) {
   lum_pdl_wait();
+  if (blockIdx.x == 0)
+    for (int i = (int)threadIdx.x; i < nz; i += (int)blockDim.x) zero[i] = 0.0f;
   const unsigned long long t0 = probe_ns();
   while (probe_ns() - t0 < (unsigned long long)stage_ns) {
   }
@@ -59,19 +63,18 @@ __device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank)
 
 // out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
 // chunks (m their largest c). Grid: 8 blocks a cluster (launched with a cluster dimension of 8), n / 64
-// clusters; 512 threads; dynamic shared memory ns · 258 floats (head h's partials, staged in one round of
-// loads: a thread's loads are all issued before any is used). `variant` (timing only, the output then wrong):
-// 1 skips the partials (A = 1), 2 the cluster's sum (no cluster barrier or distributed shared memory: head
-// 0's block stores its own partials).
+// clusters; 512 threads, the two halves of the block each taking every other chunk: a thread loads 16 chunks'
+// c, l and acc[d] before it uses any (one round of loads up to 32 chunks), the offset kept across rounds.
+// `variant`: 0 sums the heads in the cluster (barrier, distributed shared memory); 3 adds each head's columns
+// into `out` (red.global.add, fire and forget; out zeroed by the kernel before: the sum's order then varies).
+// Timing only, the output wrong: 1 skips the partials (A = 1), 2 skips the sum (head 0's block stores its own).
 extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* out, const float* part,
                                                                        const lum_bf16* w, int ns, int n,
                                                                        int variant) {
   lum_pdl_trigger();
-  constexpr int T = 2 * OC_D, U = 8;
+  constexpr int T = 2 * OC_D, R = 16;
   __shared__ lum_vec<unsigned, 4> ws[OC_COLS][OC_D / 8];   // head h's 256 weights of each column, 32 KB
-  __shared__ float as[OC_D], half_a[OC_D], ps[OC_COLS];
-  extern __shared__ float2 lum_pre_part[];                  // [ns][129] float2: the chunks' [acc, c, l]
-  const float* pc = reinterpret_cast<const float*>(lum_pre_part);
+  __shared__ float as[OC_D], half_a[OC_D], half_ml[2], ps[OC_COLS];
   const unsigned h = probe_cluster_rank();
   const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS, t = (int)threadIdx.x;
   for (int i = t; i < OC_COLS * (OC_D / 8); i += T) {
@@ -79,38 +82,49 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
     if (c0 + col < n) lum_copy16_async(&ws[col][v], w + (size_t)(c0 + col) * OC_K + h * OC_D + v * 8);
   }
   lum_pdl_wait();
-  const float2* ph = reinterpret_cast<const float2*>(part + (size_t)h * ns * (OC_D + 2));
-  const int total = variant == 1 ? 0 : ns * ((OC_D + 2) / 2);
-  for (int b = 0; b < total; b += U * T) {
-    float2 r[U];
+  const float* ph = part + (size_t)h * ns * (OC_D + 2);
+  const int d = t % OC_D, half = t / OC_D, chunks = variant == 1 ? 0 : ns;
+  float m = -LUM_INF_F32, sl = 0.0f, sa = 0.0f;
+  for (int j0 = half; j0 < chunks; j0 += 2 * R) {
+    float c[R], l[R], a[R];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = b + u * T + t;
-      r[u] = i < total ? ph[i] : make_float2(0.0f, 0.0f);
+    for (int u = 0; u < R; ++u) {
+      const int j = j0 + 2 * u;
+      const bool in = j < chunks;
+      c[u] = in ? ph[j * (OC_D + 2) + OC_D] : -LUM_INF_F32;
+      l[u] = in ? ph[j * (OC_D + 2) + OC_D + 1] : 0.0f;
+      a[u] = in ? ph[j * (OC_D + 2) + d] : 0.0f;
+    }
+    float mr = m;
+#pragma unroll
+    for (int u = 0; u < R; ++u) mr = fmaxf(mr, c[u]);
+    if (mr > m) {
+      const float f = m == -LUM_INF_F32 ? 0.0f : exp2f(m - mr);
+      sl *= f;
+      sa *= f;
+      m = mr;
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = b + u * T + t;
-      if (i < total) lum_pre_part[i] = r[u];
+    for (int u = 0; u < R; ++u) {
+      const float e = c[u] == -LUM_INF_F32 ? 0.0f : exp2f(c[u] - m);
+      sl += e * l[u];
+      sa += e * a[u];
     }
   }
-  __syncthreads();
-  const int d = t % OC_D, half = t / OC_D;
-  float m = -LUM_INF_F32;
-  for (int j = 0; j < (variant == 1 ? 0 : ns); ++j) m = fmaxf(m, pc[j * (OC_D + 2) + OC_D]);
-  float sl = 0.0f, sa = 0.0f;
-  for (int j = half; j < (variant == 1 ? 0 : ns); j += 2) {
-    const float e = exp2f(pc[j * (OC_D + 2) + OC_D] - m);
-    sl += e * pc[j * (OC_D + 2) + OC_D + 1];
-    sa += e * pc[j * (OC_D + 2) + d];
-  }
-  __shared__ float half_l;
   if (half == 1) {
     half_a[d] = sa;
-    if (d == 0) half_l = sl;
+    if (d == 0) half_ml[0] = m, half_ml[1] = sl;
   }
   __syncthreads();
-  if (half == 0) as[d] = variant == 1 ? 1.0f : lum_bf16_to_f32(lum_f32_to_bf16((sa + half_a[d]) * (1.0f / (sl + half_l))));
+  if (half == 0) {
+    float y = 1.0f;
+    if (variant != 1) {                    // the two halves at the larger offset
+      const float m1 = half_ml[0], mm = fmaxf(m, m1);
+      const float f0 = m == -LUM_INF_F32 ? 0.0f : exp2f(m - mm), f1 = m1 == -LUM_INF_F32 ? 0.0f : exp2f(m1 - mm);
+      y = lum_bf16_to_f32(lum_f32_to_bf16((sa * f0 + half_a[d] * f1) * (1.0f / (sl * f0 + half_ml[1] * f1))));
+    }
+    as[d] = y;
+  }
   lum_copy_wait_all();
   __syncthreads();
   const int warp = t / 32, lane = t % 32;
@@ -136,9 +150,12 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
   if ((lane & 7) == 0) ps[warp * 4 + (hi16 ? 2 : 0) + (hi8 ? 1 : 0)] = v[0];
-  if (variant == 2) {
+  if (variant >= 2) {
     __syncthreads();
-    if (h == 0 && t < OC_COLS && c0 + t < n) out[c0 + t] = ps[t];
+    if (t < OC_COLS && c0 + t < n) {
+      if (variant == 3) asm volatile("red.global.add.f32 [%0], %1;" :: "l"(out + c0 + t), "f"(ps[t]) : "memory");
+      else if (h == 0) out[c0 + t] = ps[t];
+    }
     return;
   }
   probe_cluster_sync();                    // every head's column partials are in its block's ps

@@ -18,9 +18,11 @@ them. ``--layers`` links, one CUDA graph, every launch programmatic as in lum's 
 * ``o-alone``: the stand-in → lum's o on a combined input computed before → the norm: o with no combine
   before it, the floor the fused kernel is measured against; ``o-alone-cluster``: the same o launched in
   clusters of 8 blocks (it uses nothing of them): what a cluster launch itself costs in the chain;
-* ``fused-no-partials`` and ``fused-no-cluster-sum``: the fused kernel without reading the partials (A = 1),
-  or without the cluster's sum (head 0's block stores its own columns): where its time goes (timing only,
-  their outputs are wrong and not checked).
+* ``fused-atomic``: the fused kernel adding each head's columns into o's output (``red.global.add``, fire and
+  forget; the stand-in zeroes it first), no cluster barrier: the heads' sum in an order that varies;
+* ``fused-no-partials`` and ``fused-no-sum``: the fused kernel without reading the partials (A = 1), or
+  without the heads' sum (head 0's block stores its own columns): where its time goes (timing only, their
+  outputs are wrong and not checked).
 
 The stand-in waits, lets the next kernel launch after ``--stage-ns`` (lum's attention triggers after its
 stage) and ends after ``--attention-ns``, touching no memory, on lum's attention grid (4 kv rows × the chunks).
@@ -51,8 +53,9 @@ K = HEADS * D
 COLS = 64                                   # output columns a cluster (o_combine_probe.cu OC_COLS)
 SETS = 8
 TOLERANCE = 1e-2                           # of the largest |o|: A is bf16, so a rounding tie may fall either way
-MODES = ("kernels", "fused", "o-alone", "o-alone-cluster", "fused-no-partials", "fused-no-cluster-sum")
-TIMING_ONLY = {"fused-no-partials": 1, "fused-no-cluster-sum": 2}     # the fused kernel's variant: output wrong
+MODES = ("kernels", "fused", "fused-atomic", "o-alone", "o-alone-cluster", "fused-no-partials", "fused-no-sum")
+FUSED_VARIANT = {"fused": 0, "fused-no-partials": 1, "fused-no-sum": 2, "fused-atomic": 3}
+TIMING_ONLY = ("fused-no-partials", "fused-no-sum")     # their outputs are wrong
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     dev = ProbeDevice("o_combine_probe.cu", extra=combine.body + "\n" + o.body)
     cu, stream, info = dev.cu, dev.stream, dev.info
     f_att, f_norm = dev.module.function("probe_attention_standin"), dev.module.function("probe_consumer")
-    f_fused = dev.module.function("probe_o_combine", shared_mem=max(counts) * (D + 2) * 4)
+    f_fused = dev.module.function("probe_o_combine")
     f_comb, f_o = dev.module.function(combine.name), dev.module.function(o.name)
     rng = np.random.default_rng(0)
     wsets = [(0.02 * rng.standard_normal((N, K))).astype(np.float32) for _ in range(SETS)]
@@ -158,11 +161,12 @@ def main(argv=None) -> int:
             def rec(st) -> None:
                 for i in range(layers):
                     cu.launch_kernel(f_att, att_grid, (128, 1, 1), 0, st,
-                                     dev.pack([args.stage_ns, args.attention_ns]), programmatic=True)
+                                     dev.pack([args.stage_ns, args.attention_ns, o_dev[i].ptr,
+                                               N if mode == "fused-atomic" else 0]), programmatic=True)
                     if mode.startswith("fused"):
-                        cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (2 * D, 1, 1), ns * (D + 2) * 4, st,
+                        cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (2 * D, 1, 1), 0, st,
                                          dev.pack([o_dev[i].ptr, part_dev[i].ptr, w_dev[i % SETS].ptr, ns, N,
-                                                   TIMING_ONLY.get(mode, 0)]),
+                                                   FUSED_VARIANT[mode]]),
                                          programmatic=True, cluster=HEADS)
                     else:
                         if mode == "kernels":
