@@ -6,7 +6,7 @@
 //! is o's input (a GEMV over W [2,560][2,048] bf16). probe_o_combine does both in one launch, split by head:
 //! a thread block cluster of 8 blocks (block rank h) owns 64 output columns; block h copies its head's
 //! 64 × 256 weights into shared memory before its wait, then loads head h's partials (a round of loads for up
-//! to 32 chunks), combines its 256 values of A, dots them with its weights, and the cluster sums the 8 heads'
+//! to 16 chunks), combines its 256 values of A, dots them with its weights, and the cluster sums the 8 heads'
 //! column partials through distributed shared memory in a fixed order (or, ``variant`` 3, adds them into the
 //! output with fire-and-forget atomics).
 
@@ -63,41 +63,41 @@ __device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank)
 
 // out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
 // chunks (m their largest c). Grid: 8 blocks a cluster (launched with a cluster dimension of 8), n / 64
-// clusters; 512 threads, the two halves of the block each taking every other chunk: a thread loads 16 chunks'
-// c, l and acc[d] before it uses any (one round of loads up to 32 chunks), the offset kept across rounds.
+// clusters; 256 threads, three blocks an SM (so the 320 blocks are resident at once). Thread d loads acc_j[d]
+// of 16 chunks before it uses any (one round of loads up to 16 chunks, the offset kept across rounds), and
+// the first threads the rounds' c and l into shared memory beside them.
 // `variant`: 0 sums the heads in the cluster (barrier, distributed shared memory); 3 adds each head's columns
 // into `out` (red.global.add, fire and forget; out zeroed by the kernel before: the sum's order then varies).
 // Timing only, the output wrong: 1 skips the partials (A = 1), 2 skips the sum (head 0's block stores its own).
-extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* out, const float* part,
-                                                                       const lum_bf16* w, int ns, int n,
-                                                                       int variant) {
+extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out, const float* part,
+                                                                      const lum_bf16* w, int ns, int n,
+                                                                      int variant) {
   lum_pdl_trigger();
-  constexpr int T = 2 * OC_D, R = 16;
+  constexpr int R = 16;
   __shared__ lum_vec<unsigned, 4> ws[OC_COLS][OC_D / 8];   // head h's 256 weights of each column, 32 KB
-  __shared__ float as[OC_D], half_a[OC_D], half_ml[2], ps[OC_COLS];
+  __shared__ float as[OC_D], ps[OC_COLS], cl[2][R];
   const unsigned h = probe_cluster_rank();
-  const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS, t = (int)threadIdx.x;
-  for (int i = t; i < OC_COLS * (OC_D / 8); i += T) {
+  const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS, d = (int)threadIdx.x;
+  for (int i = d; i < OC_COLS * (OC_D / 8); i += OC_D) {
     const int col = i / (OC_D / 8), v = i % (OC_D / 8);
     if (c0 + col < n) lum_copy16_async(&ws[col][v], w + (size_t)(c0 + col) * OC_K + h * OC_D + v * 8);
   }
   lum_pdl_wait();
   const float* ph = part + (size_t)h * ns * (OC_D + 2);
-  const int d = t % OC_D, half = t / OC_D, chunks = variant == 1 ? 0 : ns;
+  const int chunks = variant == 1 ? 0 : ns;
   float m = -LUM_INF_F32, sl = 0.0f, sa = 0.0f;
-  for (int j0 = half; j0 < chunks; j0 += 2 * R) {
-    float c[R], l[R], a[R];
+  for (int j0 = 0; j0 < chunks; j0 += R) {
+    float a[R];
 #pragma unroll
-    for (int u = 0; u < R; ++u) {
-      const int j = j0 + 2 * u;
-      const bool in = j < chunks;
-      c[u] = in ? ph[j * (OC_D + 2) + OC_D] : -LUM_INF_F32;
-      l[u] = in ? ph[j * (OC_D + 2) + OC_D + 1] : 0.0f;
-      a[u] = in ? ph[j * (OC_D + 2) + d] : 0.0f;
+    for (int u = 0; u < R; ++u) a[u] = j0 + u < chunks ? ph[(j0 + u) * (OC_D + 2) + d] : 0.0f;
+    if (d < 2 * R) {
+      const int u = d % R, j = j0 + u;
+      cl[d / R][u] = j < chunks ? ph[j * (OC_D + 2) + OC_D + d / R] : (d < R ? -LUM_INF_F32 : 0.0f);
     }
+    __syncthreads();
     float mr = m;
 #pragma unroll
-    for (int u = 0; u < R; ++u) mr = fmaxf(mr, c[u]);
+    for (int u = 0; u < R; ++u) mr = fmaxf(mr, cl[0][u]);
     if (mr > m) {
       const float f = m == -LUM_INF_F32 ? 0.0f : exp2f(m - mr);
       sl *= f;
@@ -106,61 +106,48 @@ extern "C" __global__ void __launch_bounds__(2 * OC_D) probe_o_combine(float* ou
     }
 #pragma unroll
     for (int u = 0; u < R; ++u) {
-      const float e = c[u] == -LUM_INF_F32 ? 0.0f : exp2f(c[u] - m);
-      sl += e * l[u];
+      const float e = cl[0][u] == -LUM_INF_F32 ? 0.0f : exp2f(cl[0][u] - m);
+      sl += e * cl[1][u];
       sa += e * a[u];
     }
+    __syncthreads();                       // cl is read by all before the next round writes it
   }
-  if (half == 1) {
-    half_a[d] = sa;
-    if (d == 0) half_ml[0] = m, half_ml[1] = sl;
-  }
-  __syncthreads();
-  if (half == 0) {
-    float y = 1.0f;
-    if (variant != 1) {                    // the two halves at the larger offset
-      const float m1 = half_ml[0], mm = fmaxf(m, m1);
-      const float f0 = m == -LUM_INF_F32 ? 0.0f : exp2f(m - mm), f1 = m1 == -LUM_INF_F32 ? 0.0f : exp2f(m1 - mm);
-      y = lum_bf16_to_f32(lum_f32_to_bf16((sa * f0 + half_a[d] * f1) * (1.0f / (sl * f0 + half_ml[1] * f1))));
-    }
-    as[d] = y;
-  }
+  as[d] = variant == 1 ? 1.0f : lum_bf16_to_f32(lum_f32_to_bf16(sa * (1.0f / sl)));
   lum_copy_wait_all();
   __syncthreads();
-  const int warp = t / 32, lane = t % 32;
+  const int warp = d / 32, lane = d % 32;
   float ys[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) ys[e] = as[lane * 8 + e];
-  float v[4];                              // this warp's 4 columns, then halved across the lanes
+  float v[8];                              // this warp's 8 columns, then halved across the lanes
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const lum_vec<unsigned, 4> raw = ws[warp * 4 + q][lane];
+  for (int q = 0; q < 8; ++q) {
+    const lum_vec<unsigned, 4> raw = ws[warp * 8 + q][lane];
     v[q] = probe_dot8(0.0f, make_uint4(raw.v[0], raw.v[1], raw.v[2], raw.v[3]), ys);
   }
-  const bool hi16 = lane & 16, hi8 = lane & 8;
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {            // lanes 16-31 keep columns 2, 3; lanes 0-15 columns 0, 1
-    const float send = hi16 ? v[q] : v[q + 2], keep = hi16 ? v[q + 2] : v[q];
-    v[q] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-  }
-  {                                        // then lanes with bit 3 keep the odd one of the two
-    const float send = hi8 ? v[0] : v[1], keep = hi8 ? v[1] : v[0];
-    v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  for (int s = 16, k = 4; s >= 4; s >>= 1, k >>= 1) {   // lanes with bit s keep the upper half of the columns
+    const bool hi = lane & s;
+#pragma unroll
+    for (int q = 0; q < k; ++q) {
+      const float send = hi ? v[q] : v[q + k], keep = hi ? v[q + k] : v[q];
+      v[q] = keep + __shfl_xor_sync(0xffffffffu, send, s);
+    }
   }
 #pragma unroll
-  for (int o = 4; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
-  if ((lane & 7) == 0) ps[warp * 4 + (hi16 ? 2 : 0) + (hi8 ? 1 : 0)] = v[0];
+  for (int o = 2; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+  if ((lane & 3) == 0) ps[warp * 8 + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1)] = v[0];
   if (variant >= 2) {
     __syncthreads();
-    if (t < OC_COLS && c0 + t < n) {
-      if (variant == 3) asm volatile("red.global.add.f32 [%0], %1;" :: "l"(out + c0 + t), "f"(ps[t]) : "memory");
-      else if (h == 0) out[c0 + t] = ps[t];
+    if (d < OC_COLS && c0 + d < n) {
+      if (variant == 3) asm volatile("red.global.add.f32 [%0], %1;" :: "l"(out + c0 + d), "f"(ps[d]) : "memory");
+      else if (h == 0) out[c0 + d] = ps[d];
     }
     return;
   }
   probe_cluster_sync();                    // every head's column partials are in its block's ps
-  if (t < OC_COLS / OC_HEADS) {
-    const int col = (int)h * (OC_COLS / OC_HEADS) + t;
+  if (d < OC_COLS / OC_HEADS) {
+    const int col = (int)h * (OC_COLS / OC_HEADS) + d;
     float s = 0.0f;
 #pragma unroll
     for (unsigned r = 0; r < OC_HEADS; ++r) s += probe_dsmem_load(&ps[col], r);

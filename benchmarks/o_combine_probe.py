@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                                      dev.pack([args.stage_ns, args.attention_ns, o_dev[i].ptr,
                                                N if mode == "fused-atomic" else 0]), programmatic=True)
                     if mode.startswith("fused"):
-                        cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (2 * D, 1, 1), 0, st,
+                        cu.launch_kernel(f_fused, (HEADS * N // COLS, 1, 1), (D, 1, 1), 0, st,
                                          dev.pack([o_dev[i].ptr, part_dev[i].ptr, w_dev[i % SETS].ptr, ns, N,
                                                    FUSED_VARIANT[mode]]),
                                          programmatic=True, cluster=HEADS)
