@@ -133,6 +133,10 @@ def main(argv=None) -> int:
     f_att, f_norm = dev.module.function("probe_attention_standin"), dev.module.function("probe_consumer")
     f_fused = dev.module.function("probe_o_combine")
     f_comb, f_o = dev.module.function(combine.name), dev.module.function(o.name)
+    regs = {name: int(cu.call(dev.drv.cuFuncGetAttribute,
+                              dev.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, f))
+            for name, f in (("fused", f_fused), ("combine", f_comb), ("o", f_o))}
+    log(f"registers a thread: {regs}")
     rng = np.random.default_rng(0)
     wsets = [(0.02 * rng.standard_normal((N, K))).astype(np.float32) for _ in range(SETS)]
     w_dev = [dev.upload(bf16_bits(w)) for w in wsets]
@@ -194,7 +198,8 @@ def main(argv=None) -> int:
         rows.append({"ns": ns, "p": p, "modes": modes})
     rec = {**record_head("o-combine-probe", args.commit, info.name), "layers": layers,
            "stage_ns": args.stage_ns, "attention_ns": args.attention_ns,
-           "lum_kernels": {"combine": combine.name, "o": o.name, "o_tuning": o.tuning}, "rows": rows}
+           "lum_kernels": {"combine": combine.name, "o": o.name, "o_tuning": o.tuning}, "registers": regs,
+           "rows": rows}
     log(f"wrote {write_record(rec, args.out, 'o-combine-probe')}")
     dev.close()
     ok = all(r["finite"] and r["err"] < TOLERANCE for row in rows for m, r in row["modes"].items()
