@@ -61,13 +61,22 @@ __device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank)
   return v;
 }
 
+// Store v at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ void probe_dsmem_store(float* p, unsigned rank, float v) {
+  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+}
+
 // out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
 // chunks (m their largest c). Grid: 8 blocks a cluster (launched with a cluster dimension of 8), n / 64
 // clusters; 256 threads, three blocks an SM (so the 320 blocks are resident at once). Thread d loads acc_j[d]
 // of 16 chunks before it uses any (one round of loads up to 16 chunks, the offset kept across rounds), and
 // the first threads the rounds' c and l into shared memory beside them.
-// `variant`: 0 sums the heads in the cluster (barrier, distributed shared memory); 3 adds each head's columns
-// into `out` (red.global.add, fire and forget; out zeroed by the kernel before: the sum's order then varies).
+// `variant`: 0 sums the heads in the cluster (barrier, distributed shared memory reads, barrier); 4 the same
+// by pushing: each block stores its columns into the shared memory of the block that owns them, one barrier,
+// then each sums its own; 3 adds each head's columns into `out` (red.global.add, fire and forget; out zeroed
+// by the kernel before: the sum's order then varies).
 // Timing only, the output wrong: 1 skips the partials (A = 1), 2 skips the sum (head 0's block stores its own).
 extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out, const float* part,
                                                                       const lum_bf16* w, int ns, int n,
@@ -75,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out
   lum_pdl_trigger();
   constexpr int R = 16;
   __shared__ lum_vec<unsigned, 4> ws[OC_COLS][OC_D / 8];   // head h's 256 weights of each column, 32 KB
-  __shared__ float as[OC_D], ps[OC_COLS], cl[2][R];
+  __shared__ float as[OC_D], ps[OC_COLS], cl[2][R], pushed[OC_HEADS][OC_COLS / OC_HEADS];
   const unsigned h = probe_cluster_rank();
   const int c0 = (int)(blockIdx.x / OC_HEADS) * OC_COLS, d = (int)threadIdx.x;
   for (int i = d; i < OC_COLS * (OC_D / 8); i += OC_D) {
@@ -137,6 +146,22 @@ extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out
 #pragma unroll
   for (int o = 2; o > 0; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
   if ((lane & 3) == 0) ps[warp * 8 + ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1)] = v[0];
+  if (variant == 4) {
+    __syncthreads();
+    if (d < OC_COLS) {                     // column d belongs to block d / 8, slot h there
+      const unsigned owner = (unsigned)d / (OC_COLS / OC_HEADS);
+      probe_dsmem_store(&pushed[h][d % (OC_COLS / OC_HEADS)], owner, ps[d]);
+    }
+    probe_cluster_sync();                  // every push has landed; nothing remote is read after it
+    if (d < OC_COLS / OC_HEADS) {
+      const int col = (int)h * (OC_COLS / OC_HEADS) + d;
+      float s = 0.0f;
+#pragma unroll
+      for (int r = 0; r < OC_HEADS; ++r) s += pushed[r][d];
+      if (c0 + col < n) out[c0 + col] = s;
+    }
+    return;
+  }
   if (variant >= 2) {
     __syncthreads();
     if (d < OC_COLS && c0 + d < n) {

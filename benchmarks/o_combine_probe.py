@@ -18,6 +18,8 @@ them. ``--layers`` links, one CUDA graph, every launch programmatic as in lum's 
 * ``o-alone``: the stand-in → lum's o on a combined input computed before → the norm: o with no combine
   before it, the floor the fused kernel is measured against; ``o-alone-cluster``: the same o launched in
   clusters of 8 blocks (it uses nothing of them): what a cluster launch itself costs in the chain;
+* ``fused-push``: the same, each block storing its columns into the shared memory of the block that sums
+  them, one cluster barrier, each block summing its own;
 * ``fused-atomic``: the fused kernel adding each head's columns into o's output (``red.global.add``, fire and
   forget; the stand-in zeroes it first), no cluster barrier: the heads' sum in an order that varies;
 * ``fused-no-partials`` and ``fused-no-sum``: the fused kernel without reading the partials (A = 1), or
@@ -53,8 +55,9 @@ K = HEADS * D
 COLS = 64                                   # output columns a cluster (o_combine_probe.cu OC_COLS)
 SETS = 8
 TOLERANCE = 1e-2                           # of the largest |o|: A is bf16, so a rounding tie may fall either way
-MODES = ("kernels", "fused", "fused-atomic", "o-alone", "o-alone-cluster", "fused-no-partials", "fused-no-sum")
-FUSED_VARIANT = {"fused": 0, "fused-no-partials": 1, "fused-no-sum": 2, "fused-atomic": 3}
+MODES = ("kernels", "fused", "fused-push", "fused-atomic", "o-alone", "o-alone-cluster", "fused-no-partials",
+         "fused-no-sum")
+FUSED_VARIANT = {"fused": 0, "fused-no-partials": 1, "fused-no-sum": 2, "fused-atomic": 3, "fused-push": 4}
 TIMING_ONLY = ("fused-no-partials", "fused-no-sum")     # their outputs are wrong
 
 
