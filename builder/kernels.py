@@ -149,14 +149,18 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     (the program's input ops that are weights, for kernels that read them early) (less the GEMV loads ahead that
     would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one wave by their
     registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_STAGE`` each decode attention computing its q
-    rows and kv-cache writes (:mod:`lum.builder.attention_stage`), with ``$LUM_SIBLING_KERNELS`` independent
+    rows and kv-cache writes (:mod:`lum.builder.attention_stage`), with ``$LUM_O_COMBINE`` each combine and the
+    o split by head after it as one (:mod:`lum.builder.o_combine`), with ``$LUM_SIBLING_KERNELS`` independent
     small kernels in a row as one (:mod:`lum.builder.siblings`)."""
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
+    from lum.builder.o_combine import fuse_o_combines, o_combine_enabled
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
 
     tuning, gen = _kernels_in_registers(program, dyn_vars, max_dyn, tuning, arch, cache_dir, weights)
     if attention_stage_enabled():
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
+    if o_combine_enabled():
+        gen = fuse_o_combines(program, gen, dyn_vars, max_dyn)
     if sibling_kernels_enabled():
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     return {i: ks for i, ks in gen.items() if ks is not None}

@@ -76,6 +76,7 @@ from lum.builder.hlir import Edge, Graph
 from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.extract import ATTENTION_CHUNK, ATTENTION_CHUNKS, attention_chunk_default
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
+from lum.builder.o_combine import ENV_O_COMBINE
 from lum.builder.row_codegen import ENV_ROW_ONLINE
 from lum.builder.row_reads import row_reads_enabled
 from lum.builder.siblings import sibling_kernels_enabled
@@ -96,7 +97,7 @@ __all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECIS
 DB_VERSION = 1
 # On / off kernel switches with no entry of their own in a search's database key, and their defaults: the key
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
-KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True}
+KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True, ENV_O_COMBINE: False}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8

@@ -41,7 +41,8 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "siblings": {"LUM_ATTENTION_STAGE": "0"},
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
-         "row-multipass": {"LUM_ROW_ONLINE": "0"}}
+         "row-multipass": {"LUM_ROW_ONLINE": "0"},
+         "o-combine": {"LUM_O_COMBINE": "1"}}
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +363,9 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``norms-ahead`` (``LUM_NORMS_AHEAD=1``: every tiny model's decode layer ends with the next layer's input norm,
     as only Gemma's does by default, so its qkv is a plain GEMV; the kernel cases are unchanged) or
     ``row-multipass`` (``LUM_ROW_ONLINE=0``: decode attention's combine, and the ``row.combine`` case, visit their
-    rows once per row reduction, not once with a running maximum: builder/row_codegen.py). Every
+    rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``o-combine``
+    (``LUM_O_COMBINE=1``: o split by head, the combine inside it, its readers summing the heads:
+    builder/o_combine.py). Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
@@ -423,6 +426,8 @@ print(json.dumps(out))
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
+        if variant == "o-combine":     # the combine and o: one kernel
+            assert "reduce" in res["fused"][name], res["fused"]
         if variant == "siblings":      # q, k and v: one sibling kernel
             assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
         else:                          # q, k, v and the attention: one kernel

@@ -87,6 +87,28 @@ def test_template_matches_reference(dt, name, tmp_path_factory):
     _check(template_cases, dt, name, tmp_path_factory)
 
 
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda v: v.value)
+def test_o_combine_kernel_matches_reference(dt, tmp_path):
+    """The kernel cases built with ``LUM_O_COMBINE=1``: the ``o.combine`` case's combine and split o run as one
+    kernel (templates/gemv_combine.cu: several rounds of chunks, masked chunks, a far maximum, a part-full
+    column group), against the reference backend, the arena poisoned."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_O_COMBINE", "1")
+        prog, arrays, b = template_cases(dt)
+        path = write_case_package(tmp_path / f"o-combine.{dt.value}.lumpkg", prog, b)
+    pkg = lum.loader.open(path)
+    assert any(op.tuning.get("o_combine") for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
+    ref = pkg.session(dyn=BOUNDS, backend="reference")
+    ref.load_state(b.state_init)
+    want = ref.run("main", arrays, DYN)
+    with pkg.session(dyn=BOUNDS, backend="cuda") as sess:
+        sess.load_state(b.state_init)
+        sess.runner.fill_arena(0xFF)
+        got = sess.run("main", arrays, DYN)
+    err = compare(got["o.combine.y"], want["o.combine.y"], b.tol["o.combine.y"])
+    assert err is None, err
+
+
 # ============================================================================ (b) gemm
 @pytest.fixture(scope="module")
 def cublaslt():
@@ -389,7 +411,8 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                   "gemv-evict-first": (None, {"LUM_GEMV_EVICT_FIRST": "0"},
                                        _any_op(lambda op: op.tuning.get("stream"))),
                   "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer),
-                  "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online")))}
+                  "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
+                  "o-combine": ({"LUM_O_COMBINE": "1"}, None, _any_op(lambda op: op.tuning.get("o_combine")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -402,7 +425,9 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     ``LUM_GEMV_EVICT_FIRST=0``: a cache hint, the same values), or each decode
     layer ending with the next one's input norm (``LUM_NORMS_AHEAD=1``, Gemma's default; against 0), or decode
     attention's combine visiting its chunks once with a running maximum (the default; against
-    ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart); none changes a token. Decode logits of the
+    ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart), or o split by head with the combine inside
+    it (``LUM_O_COMBINE=1``, builder/o_combine.py; against the default: the heads summed in another order); none
+    changes a token. Decode logits of the
     fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
     attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec

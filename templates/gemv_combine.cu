@@ -1,0 +1,172 @@
+//! lum/templates/gemv_combine.cu — decode attention's combine and o, split by head, as one kernel
+//! (builder/o_combine.py). The LLIR keeps both ops: the combine R (a reduce over the chunks whose prologue is
+//! Σ_j E·A · Recip(Σ_j E·L), E = Exp2(X + RowMax(X)·K): X the chunks' offsets c, L their sums l, A their
+//! accumulators) and o as a GEMV batched over the heads, P[h, 0, j] = Σ_d R[h·D + d] · B(h, d, j), whose
+//! readers sum P over h. This kernel computes P from the partials without storing R.
+//!
+//! Work item w = (column group g, head h) = (w / HEADS, w % HEADS), one a block (grid HEADS · groups). Before
+//! its wait a block copies its head's D weights of each of its COLS columns into shared memory (16-byte
+//! asynchronous copies: B is a weight). After it, thread d < D loads A(h, j, d) of ROUND chunks (and threads
+//! < 2 ROUND the chunks' c and l, through shared memory) before it uses any: one round of loads for up to
+//! ROUND chunks. The sums are kept at a running maximum m of X and multiplied by Exp2((m' − m)·K) when it grows
+//! to m' (exact for the combine's integer offsets), as builder/row_codegen.py's one-visit row; the quotient is
+//! taken once and rounded to R's dtype, the value o reads. Then the block's dot: lane l of a warp owns 16-byte
+//! vector l % LPC of a column (NV of them when a column has more than 32), the warp's 32 / LPC segments each a
+//! column at a time, CPS columns a segment, reduced by halving shuffles (a lane keeps half of its columns at
+//! each step while there are two or more) and plain ones after.
+//!
+//! Placeholders: KERNEL THREADS MIN_BLOCKS IDX_T PARAMS DYN_LOADS (trigger and dyn reads, no wait); D COLS ROUND
+//!   VEC LPC NV CPS HEADS; W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of lum_wv[e]) R_ROUND (the float
+//!   lum_y rounded to R's dtype) OUT (P's parameter) OUT_STORE (P's storage of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel lum_h into R's head dims: lum_i*); X_AT,
+//!   L_AT (physical index of X, L at chunk lum_j), A_AT (of A at chunk lum_j, feature lum_d), K_VAL (the float K),
+//!   X_LOAD L_LOAD A_LOAD (float value of the leaf at index lum_q), B_AT (physical index of B's vector at head
+//!   lum_h, column lum_c, features lum_k ..), OUT_AT (P's index of head lum_h, column lum_c).
+extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
+  typedef {{IDX_T}} idx_t;
+  typedef {{W_T}} w_t;
+  constexpr int THREADS = {{THREADS}}, WARPS = THREADS / 32;
+  constexpr int D = {{D}};             // a head's features
+  constexpr int COLS = {{COLS}};       // output columns a block
+  constexpr int ROUND = {{ROUND}};     // chunks a round of loads
+  constexpr int VEC = {{VEC}};         // weights a 16-byte vector
+  constexpr int LPC = {{LPC}};         // lanes a column (its D / VEC vectors, at most 32)
+  constexpr int NV = {{NV}};           // vectors a lane of a column
+  constexpr int CPS = {{CPS}};         // columns a warp's segment of LPC lanes takes
+  constexpr int HEADS = {{HEADS}};
+  constexpr int SEGS = 32 / LPC;
+  static_assert(THREADS % 32 == 0 && THREADS >= D && THREADS >= 2 * ROUND, "threads: a warp multiple, >= D, >= 2 ROUND");
+  static_assert(LPC * NV * VEC == D && (LPC & (LPC - 1)) == 0 && LPC <= 32, "a column is LPC lanes of NV vectors");
+  static_assert(COLS == WARPS * SEGS * CPS && (CPS & (CPS - 1)) == 0, "a block's columns: warps x segments x CPS");
+  static_assert(VEC * sizeof(w_t) == 16, "weights move in 16-byte vectors");
+#if defined(__CUDA_ARCH__)
+  extern __shared__ lum_vec<unsigned, 4> lum_ws[];       // [COLS][D / VEC]: the head's weights of each column
+#else
+  static lum_vec<unsigned, 4> lum_ws[COLS * (D / VEC)];
+#endif
+  __shared__ float lum_as[D];
+  __shared__ float lum_cl[2][ROUND];
+{{DYN_LOADS}}
+  const idx_t lum_ns = {{NS}};
+  const idx_t lum_n = {{N}};
+  const idx_t lum_groups = (lum_n + COLS - 1) / COLS;
+  const int lum_tx = (int)threadIdx.x, lum_warp = lum_tx / 32, lum_lane = lum_tx % 32;
+  auto lum_w_copy = [&](idx_t lum_w) {   // the weights of work item lum_w into lum_ws (copies in flight)
+    const idx_t lum_h = lum_w % HEADS, lum_c0 = lum_w / HEADS * COLS;
+    for (int lum_i = lum_tx; lum_i < COLS * (D / VEC); lum_i += THREADS) {
+      const idx_t lum_c = lum_c0 + lum_i / (D / VEC);
+      const idx_t lum_k = (idx_t)(lum_i % (D / VEC)) * VEC;
+      if (lum_c < lum_n) lum_copy16_async(&lum_ws[lum_i], {{W_PTR}} + ({{B_AT}}));
+    }
+  };
+  if ((idx_t)blockIdx.x < HEADS * lum_groups) lum_w_copy((idx_t)blockIdx.x);
+  lum_pdl_wait();   // common.cuh: the partials are written and visible from here
+  for (idx_t lum_w = (idx_t)blockIdx.x; lum_w < HEADS * lum_groups; lum_w += (idx_t)gridDim.x) {
+    if (lum_w != (idx_t)blockIdx.x) {    // a later item: its weights now (the block's earlier reads are done)
+      __syncthreads();
+      lum_w_copy(lum_w);
+    }
+    const idx_t lum_h = lum_w % HEADS, lum_c0 = lum_w / HEADS * COLS;
+{{SETUP}}
+    const float lum_kf = {{K_VAL}};
+    const int lum_d = lum_tx;
+    float lum_m = -LUM_INF_F32, lum_sl = 0.0f, lum_sa = 0.0f;
+    for (idx_t lum_j0 = 0; lum_j0 < lum_ns; lum_j0 += ROUND) {
+      float lum_a[ROUND];
+#pragma unroll
+      for (int u = 0; u < ROUND; ++u) {
+        const idx_t lum_j = lum_j0 + u;
+        float lum_x = 0.0f;
+        if (lum_d < D && lum_j < lum_ns) {
+          const idx_t lum_q = {{A_AT}};
+          lum_x = {{A_LOAD}};
+        }
+        lum_a[u] = lum_x;
+      }
+      if (lum_tx < 2 * ROUND) {
+        const idx_t lum_j = lum_j0 + lum_tx % ROUND;
+        float lum_x = lum_tx < ROUND ? -LUM_INF_F32 : 0.0f;
+        if (lum_j < lum_ns) {
+          if (lum_tx < ROUND) {
+            const idx_t lum_q = {{X_AT}};
+            lum_x = {{X_LOAD}};
+          } else {
+            const idx_t lum_q = {{L_AT}};
+            lum_x = {{L_LOAD}};
+          }
+        }
+        lum_cl[lum_tx / ROUND][lum_tx % ROUND] = lum_x;
+      }
+      __syncthreads();
+      float lum_mr = lum_m;
+#pragma unroll
+      for (int u = 0; u < ROUND; ++u) lum_mr = fmaxf(lum_mr, lum_cl[0][u]);
+      if (lum_mr > lum_m) {              // the sums so far, to the new maximum
+        const float lum_f = lum_m == -LUM_INF_F32 ? 0.0f : exp2f((lum_mr - lum_m) * lum_kf);
+        lum_sl *= lum_f;
+        lum_sa *= lum_f;
+        lum_m = lum_mr;
+      }
+#pragma unroll
+      for (int u = 0; u < ROUND; ++u) {
+        const float lum_x = lum_cl[0][u];
+        if (lum_x != -LUM_INF_F32) {     // a masked chunk (no finite logit) or one past the chunks adds nothing
+          const float lum_e = exp2f(lum_x + lum_m * lum_kf);
+          lum_sl += lum_e * lum_cl[1][u];
+          lum_sa += lum_e * lum_a[u];
+        }
+      }
+      __syncthreads();                   // lum_cl is read by every thread before the next round writes it
+    }
+    if (lum_d < D) {
+      const float lum_y = lum_sa * (1.0f / lum_sl);
+      lum_as[lum_d] = {{R_ROUND}};
+    }
+    lum_copy_wait_all();
+    __syncthreads();
+    // the dot: segment s of a warp takes columns (warp · SEGS + s) · CPS + c, c < CPS
+    const int lum_seg = lum_lane / LPC, lum_sl_lane = lum_lane % LPC;
+    float lum_v[CPS];
+#pragma unroll
+    for (int c = 0; c < CPS; ++c) {
+      const int lum_col = (lum_warp * SEGS + lum_seg) * CPS + c;
+      float lum_acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int lum_vi = lum_sl_lane + i * LPC;
+        const w_t* lum_wv = reinterpret_cast<const w_t*>(&lum_ws[lum_col * (D / VEC) + lum_vi]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) lum_acc += lum_as[lum_vi * VEC + e] * {{W_LOAD}};
+      }
+      lum_v[c] = lum_acc;
+    }
+    // halving: at offset o (LPC / 2 down to 1) a lane with bit o keeps the upper half of its k columns
+    int lum_cb = 0;                      // this lane's first column, among the segment's CPS
+#pragma unroll
+    for (int o = LPC / 2, k = CPS / 2; o >= 1; o >>= 1, k = k > 1 ? k / 2 : 0) {
+      if (k >= 1) {
+        const bool lum_hi = lum_sl_lane & o;
+#pragma unroll
+        for (int c = 0; c < k; ++c) {
+          const float lum_send = lum_hi ? lum_v[c] : lum_v[c + k], lum_keep = lum_hi ? lum_v[c + k] : lum_v[c];
+          lum_v[c] = lum_keep + __shfl_xor_sync(0xffffffffu, lum_send, o);
+        }
+        lum_cb += lum_hi ? k : 0;
+      } else {
+        lum_v[0] += __shfl_xor_sync(0xffffffffu, lum_v[0], o);
+      }
+    }
+    // CPS > LPC: each lane still holds CPS / LPC columns (lum_v[0 ..)); else lanes with a multiple of
+    // LPC / CPS hold one
+    constexpr int HELD = CPS > LPC ? CPS / LPC : 1;
+    if (CPS >= LPC || lum_sl_lane % (LPC / CPS) == 0) {
+#pragma unroll
+      for (int c = 0; c < HELD; ++c) {
+        const idx_t lum_c = lum_c0 + (lum_warp * SEGS + lum_seg) * CPS + lum_cb + c;
+        if (lum_c < lum_n) {
+          const float lum_v0 = lum_v[c];
+          {{OUT}}[{{OUT_AT}}] = {{OUT_STORE}};
+        }
+      }
+    }
+  }
+}
