@@ -33,7 +33,7 @@ import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from lum.builder import costmodel, epilogue, o_combine, prologue, row_reads
+from lum.builder import costmodel, epilogue, prologue, row_reads
 from lum.builder.env_switches import env_choice
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.builder.rewrite import outputs_last
@@ -558,6 +558,4 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
         program = prologue.fuse_gemv_prologues(program)
     if epilogue.gemv_epilogues_enabled():
         program = epilogue.fuse_gemv_epilogues(program)
-    if o_combine.o_combine_enabled():
-        program = o_combine.split_o_by_head(program)
     return outputs_last(program)

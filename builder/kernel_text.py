@@ -39,6 +39,7 @@ class Launch:
     grid: tuple[Expr, Expr, Expr]                # over the dyn vars, each >= 1
     block: tuple[int, int, int]
     shared_mem: int = 0                          # dynamic shared memory bytes
+    cluster: int = 1                             # blocks a thread block cluster along x (1: none)
 
     def evaluate(self, dyn_map: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
         return tuple(g.evaluate(dyn_map) for g in self.grid), self.block, self.shared_mem  # type: ignore[return-value]
@@ -88,7 +89,8 @@ class KernelSource:
         return {
             "name": self.name, "kind": self.kind, "op": self.op,
             "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
-                          "shared_mem": lc.shared_mem} for lc in self.launches],
+                          "shared_mem": lc.shared_mem, **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
+                         for lc in self.launches],
             "params": [{"name": p.name, "role": p.role, "index": p.index,
                         "dtype": None if p.dtype is None else p.dtype.value} for p in self.params],
             "dyn_vars": list(self.dyn_vars), "dyn_slots": dict(self.dyn_slots), "tuning": dict(self.tuning),

@@ -30,7 +30,7 @@ from lum.builder.env_switches import env_switch
 from lum.builder.gemv_policy import SMS, blocks_unbalanced, gemv_kernel_ops, gemv_tile_a_block
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
-from lum.format.manifest import KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
+from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
 
 __all__ = ["KERNEL_TABLE_VERSION", "TAIL_TABLE_VERSION",
            "GroupKernels", "launch_table", "group_kernel_sources", "compile_group_kernels", "program_dyn_vars",
@@ -97,7 +97,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         entry = {
             "op": op.id, "kind": op.kind, "name": ks.name,
             "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
-                          "shared_mem": int(lc.shared_mem)}
+                          "shared_mem": int(lc.shared_mem), **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
                          for lc in ks.launches],
             "params": [table_name(p) for p in params],
             "dyn_slots": dict(ks.dyn_slots),
@@ -113,7 +113,8 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
         late = sorted(name for name, w in waiting.items() if not w)
         warnings.warn(f"lum: {', '.join(late)} access memory before waiting for the kernel before them, so this "
                       f"group's {len(waiting)} kernels launch without programmatic dependent launch", stacklevel=2)
-    version = TAIL_TABLE_VERSION if any("tail" in o for o in ops) else KERNEL_TABLE_VERSION
+    version = (CLUSTER_TABLE_VERSION if any("cluster" in lc for o in ops for lc in o["launches"])
+               else TAIL_TABLE_VERSION if any("tail" in o for o in ops) else KERNEL_TABLE_VERSION)
     return {"version": version, "arch": arch, "dyn_vars": list(dyn_vars),
             "max_dyn": {k: int(v) for k, v in sorted((max_dyn or {}).items())}, "ops": ops,
             "programmatic": all(waiting.values())}

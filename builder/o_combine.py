@@ -2,32 +2,28 @@
 
 Decode attention leaves per query head and chunk of keys the partials [acc, c, l]; a reduce (the combine,
 :func:`~lum.builder.row_codegen.online_softmax_sum`'s form) merges them into the head's output, and o (a decode
-GEMV over all heads' outputs) reads that. Two kernels and a link between them: ≈ 2.9 µs of gemma3-4b's layer
-in benchmarks/o_combine_probe.py on an H100, where o with its input computed before took 10.4 µs of the 13.3 a
-link. Each of o's blocks could combine the partials itself if it read only one head's: so o is split over k by
-head, and the heads' columns are summed by o's readers.
+GEMV over all heads' outputs) reads that: two kernels and a link between them, ≈ 2.9 µs of a gemma3-4b layer in
+benchmarks/o_combine_probe.py on an H100, where o with its input computed before took 10.4 µs of the 13.3 a link.
+Each of o's blocks could combine the partials itself if it read only one head's, so here o is split over k by
+head inside one kernel (``templates/gemv_combine.cu``): a thread block cluster per group of 64 output columns, a
+block per head, which combines its head's partials and dots them with its head's weights (copied into shared
+memory before its wait); the blocks then push their columns into the shared memory of the block that owns them,
+and after one cluster barrier each owner sums its columns over the heads in head order. The LLIR keeps both ops,
+the launch table names the combine the kernel and o its tail (the combine's output is never stored), and the sum
+over the heads is in a fixed order.
 
-* :func:`split_o_by_head` (after extraction): such a GEMV becomes a GEMV batched over the heads (k = the head
-  dim, A's and B's batch strides the head dim, output [heads, 1, n] in f32), and each reader (an elementwise
-  Fused op, gemma's residual kernel; a GEMV's prologue or epilogue, llama's gate-up computing the residual and
-  its norm, its down adding the residual) reads the sum of its heads' rows in head order where it read o's output. At most :data:`MAX_HEADS` heads:
-  each is one more load of every element a reader reads (llama3-1b's 32 heads of 64 would need heads grouped
-  into a batch element, not built).
-  Plain LLIR: the reference computes the same ops, and the sum's order is fixed.
-* :func:`fuse_o_combines` (kernel generation): the combine and the batched GEMV as one kernel
-  (``templates/gemv_combine.cu``): a block per (head, column group) combines its head's partials and dots them
-  with its head's weights, copied into shared memory before its wait. The launch table names the combine the
-  kernel and o its tail; the combine's output is never stored.
-
-Only where the chunks fit two rounds of the kernel's loads (:data:`MAX_CHUNKS`, by the kv cache's rows):
-past them the probe had the fused kernel slower (each round a dependent round of loads, every column group
-re-reading every head's partials), and the two kernels stay.
+The other ways the probe measured lost more: the readers of o summing the heads' rows themselves (built first:
+gemma's one-block residual kernels then read 8 × 10 KB, −1.6% on an H100), the cluster reading the heads' rows
+back (two barriers), atomics (an order that varies). Only where the chunks fit two rounds of the kernel's loads
+(:data:`MAX_CHUNKS`, by the kv cache's rows; past them the probe had the fused kernel slower, each round a
+dependent round of loads and every column group re-reading every head's partials) and the heads a cluster
+(:data:`MAX_HEADS`, the portable cluster size; llama3-1b's 32 heads of 64 would need heads grouped into a block).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from lum.builder.env_switches import CodegenError, env_switch
@@ -35,19 +31,19 @@ from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
                                      load_conv, load_template, render, store_conv, unravel_index)
-from lum.builder.rewrite import readers, rewritten
+from lum.builder.rewrite import readers
 from lum.builder.row_codegen import online_softmax_sum
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, Var, as_expr
-from lum.format.llir import Arg, LOp, Program, gemm_parts
+from lum.format.llir import LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
-__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "split_o_by_head", "fuse_o_combines", "MAX_CHUNKS"]
+__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "fuse_o_combines", "combine_leaves", "MAX_CHUNKS", "MAX_HEADS"]
 
 ENV_O_COMBINE = "LUM_O_COMBINE"
 ROUND = 16              # chunks a thread loads before it uses any (gemv_combine.cu ROUND)
 MAX_CHUNKS = 2 * ROUND  # the most chunks a past may have for the split (probe: a win at 24 chunks, a loss at 55)
-MAX_HEADS = 8           # the most heads a reader sums (each one more load of every element it reads)
+MAX_HEADS = 8           # the most heads: blocks a cluster (the portable cluster size)
 COLS = 64               # output columns a block
 _VEC_DTYPES = (DType.bf16, DType.f16, DType.f32)
 
@@ -104,19 +100,23 @@ def _static(e: Any) -> int | None:
     return e.value if e.is_const else None
 
 
-def _max_chunks(program: Program, combine: LOp) -> int | None:
-    """The most chunks the attention feeding ``combine`` can have: its kv cache's rows over the chunk."""
+def _max_chunks(program: Program, combine: LOp, max_dyn: Mapping[str, int] | None) -> int | None:
+    """The most chunks ``combine`` can reduce: the attention feeding it has its kv cache's rows over its chunk;
+    otherwise the chunk axis's bound under ``max_dyn``; None where neither bounds it."""
     att = program.ops[combine.args[0].src]
-    if att.kind != "attention" or "chunk" not in att.params:
+    if att.kind == "attention" and "chunk" in att.params:
+        view = att.args[1].view
+        step, cache = _static(view.strides[-2]), _static(numel(program.ops[att.args[1].src].shape))
+        if step and cache is not None:
+            return -(-(cache // step) // int(att.params["chunk"]))
+    ns = as_expr(combine.args[0].view.shape[-1])
+    if any(v not in (max_dyn or {}) for v in ns.vars()):
         return None
-    view = att.args[1].view
-    step, cache = _static(view.strides[-2]), _static(numel(program.ops[att.args[1].src].shape))
-    if not step or cache is None:
-        return None
-    return -(-(cache // step) // int(att.params["chunk"]))
+    return int(ns.bounds({v: (0, int(hi)) for v, hi in (max_dyn or {}).items()})[1])
 
 
-def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]]) -> _Split | None:
+def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]],
+           max_dyn: Mapping[str, int] | None = None) -> _Split | None:
     """The combine and o of a split (the module docstring), or None."""
     if o.kind != "gemm" or gemv_rows(o) != 1 or "expr" in o.params or "epilogue" in o.params \
             or o.params.get("layout") != "RmCm" or len(o.args) != 2:
@@ -141,126 +141,37 @@ def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]]) -> _Split |
         return None
     if program.ops[o.args[1].src].kind != "input" or o.args[1].view.mask is not None:
         return None
-    chunks = _max_chunks(program, combine)
+    chunks = _max_chunks(program, combine, max_dyn)
     if chunks is None or chunks > MAX_CHUNKS:
         return None
-    readers_of_o = users.get(o.id, [])
-    if not readers_of_o or total // d > MAX_HEADS:
+    if total // d > MAX_HEADS:
         return None
-    for u in readers_of_o:               # o read only as a tree's leaf
-        trees = _trees(u)
-        if trees is None or sum(a.src == o.id for a in u.args) != sum(
-                u.args[base + i].src == o.id for _, base, count in trees for i in range(count)):
-            return None
     return _Split(combine, o, leaves, total // d, d, p["n"])
-
-
-def _trees(op: LOp) -> list[tuple[str, int, int]] | None:
-    """The trees a reader computes, each (its param, the arg index of its leaf 0, its leaves): an elementwise
-    Fused op's; a GEMV's prologue (the args before B) and epilogue (those after B); None for other ops."""
-    if op.kind == "elementwise" and op.op == "Fused" and "expr" in op.params and op.alias is None:
-        return [("expr", 0, len(op.args))]
-    if op.kind == "gemm" and ("expr" in op.params or "epilogue" in op.params):
-        jb, leaves = gemm_parts(op)
-        return [t for t, ok in ((("epilogue", jb + 1, leaves), "epilogue" in op.params),
-                                (("expr", 0, jb), "expr" in op.params)) if ok]
-    return None
-
-
-def _summed(expr: list, old: set[int], first_new: int, heads: int, cast: str | None) -> tuple[list, dict[int, int]]:
-    """``expr`` with each leaf ``["arg", i]`` of ``old`` replaced by the sum of its heads' leaves (head 0 the leaf
-    itself, head h ≥ 1 leaf ``first_new + …``, numbered in order of first meeting), cast back when ``cast``;
-    and old arg -> its first new arg."""
-    first: dict[int, int] = {}
-
-    def walk(t: list) -> list:
-        if t[0] == "arg":
-            i = int(t[1])
-            if i not in old:
-                return t
-            if i not in first:
-                first[i] = first_new + (heads - 1) * len(first)
-            s = t
-            for h in range(1, heads):
-                s = ["Add", "f32", s, ["arg", first[i] + h - 1]]
-            return ["Cast", cast, s] if cast else s
-        return [t[0], t[1], *(walk(c) if isinstance(c, list) else c for c in t[2:])]
-
-    return walk(expr), first
-
-
-def split_o_by_head(program: Program) -> Program:
-    """``program`` with every decode GEMV that reads a combine split by head (the module docstring)."""
-    users = readers(program)
-    replace_ops: dict[int, LOp] = {}
-    for o in program.ops:
-        s = _split(program, o, users)
-        if s is None or any(u.id in replace_ops for u in users[o.id]):
-            continue
-        params = {**o.params, "batch": as_expr(s.heads), "k": as_expr(s.d), "lda": as_expr(s.d),
-                  "stride_a": as_expr(s.d), "stride_b": as_expr(s.d), "ldc": as_expr(s.n), "stride_c": as_expr(s.n)}
-        replace_ops[o.id] = replace(o, shape=(as_expr(s.heads), as_expr(1), as_expr(s.n)), dtype=DType.f32,
-                                    params=params)
-        cast = None if o.dtype == DType.f32 else o.dtype.value
-        for uid in dict.fromkeys(u.id for u in users[o.id]):
-            u = replace_ops.get(uid, program.ops[uid])
-            for key, base, count in _trees(u):       # the epilogue first: a prologue's new leaves move it
-                old = {i for i in range(count) if u.args[base + i].src == o.id}
-                if not old:
-                    continue
-                tree, first = _summed(u.params[key], old, count, s.heads, cast)
-                extra = [Arg(o.id, replace(u.args[base + i].view, offset=u.args[base + i].view.offset + as_expr(h * s.n)))
-                         for i in sorted(first, key=first.get) for h in range(1, s.heads)]
-                at = base + count
-                params = {**u.params, key: tree}
-                if key == "epilogue":
-                    params["epilogue_leaves"] = count + len(extra)
-                u = replace(u, args=(*u.args[:at], *extra, *u.args[at:]), params=params)
-            replace_ops[uid] = u
-    return rewritten(program, set(), replace_ops) if replace_ops else program
-
-
-def _batched_o(program: Program, combine: LOp, users: Mapping[int, list[LOp]]) -> LOp | None:
-    """The split o reading ``combine`` (batched over its heads), or None."""
-    if combine_leaves(combine) is None or len(users.get(combine.id, [])) != 1:
-        return None
-    o = users[combine.id][0]
-    d, total = _static(combine.shape[-1]), _static(numel(combine.shape))
-    if o.kind != "gemm" or gemv_rows(o) != 1 or d is None or total is None \
-            or _static(o.params.get("batch", 1)) != total // d or _static(o.params.get("k")) != d \
-            or _static(o.params.get("stride_a", 0)) != d or "expr" in o.params or "epilogue" in o.params:
-        return None
-    return o
 
 
 def fuse_o_combines(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
                     max_dyn: Mapping[str, int] | None = None) -> dict[int, KernelSource | None]:
-    """``sources`` with each combine and its split o (:func:`split_o_by_head`) as one kernel under the combine,
-    o's entry dropped (:attr:`KernelSource.tails` names it)."""
+    """``sources`` with each combine and the o that reads it as one kernel under the combine, o's entry dropped
+    (:attr:`KernelSource.tails` names it)."""
     out = dict(sources)
     users = readers(program)
-    for combine in program.ops:
-        o = _batched_o(program, combine, users) if sources.get(combine.id) is not None else None
-        if o is None or sources.get(o.id) is None or sources[o.id].tails or sources[combine.id].tails:
+    for o in program.ops:
+        s = _split(program, o, users, max_dyn)
+        if s is None or any(sources.get(i) is None or sources[i].tails for i in (s.combine.id, o.id)):
             continue
         try:
-            out[combine.id] = _fused(program, combine, o, sources[combine.id], sources[o.id], dyn_vars, max_dyn)
+            out[s.combine.id] = _fused(program, s, sources[s.combine.id], sources[o.id], dyn_vars, max_dyn)
         except CodegenError:
             continue
         out.pop(o.id, None)
     return out
 
 
-def _fused(program: Program, combine: LOp, o: LOp, ks_c: KernelSource, ks_o: KernelSource,
+def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSource,
            dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None) -> KernelSource:
-    """The kernel of ``combine`` and its split ``o`` (templates/gemv_combine.cu)."""
-    leaves = combine_leaves(combine)
+    """The kernel of a combine and the o split by head after it (templates/gemv_combine.cu)."""
+    combine, o, leaves, d, heads, n = split.combine, split.o, split.leaves, split.d, split.heads, as_expr(split.n)
     ctx = KernelContext(tuple(dyn_vars), max_dyn=dict(max_dyn) if max_dyn else None)
-    d = _static(combine.shape[-1])
-    heads = _static(numel(combine.shape)) // d
-    n = as_expr(o.params["n"])
-    if not n.is_const:
-        raise CodegenError("a split o needs a static number of columns")
     w_dt, r_dt, p_dt = program.ops[o.args[1].src].dtype, combine.dtype, o.dtype
     vec = 16 // w_dt.itemsize
     vectors = d // vec
@@ -298,7 +209,7 @@ def _fused(program: Program, combine: LOp, o: LOp, ks_c: KernelSource, ks_o: Ker
     dts = [program.ops[a.src].dtype for a in combine.args]
     kview = combine.args[leaves.k].view
     k_val = load_conv(dts[leaves.k], f"in{leaves.k}[{ctx.c(kview.physical_index(tuple(hidx) + (as_expr(0),) * 2))}]")
-    p = {k: as_expr(o.params.get(k, v)) for k, v in (("ldb", None), ("stride_b", 0), ("offset_b", 0))}
+    p = {k: as_expr(o.params.get(k, v)) for k, v in (("ldb", None), ("offset_b", 0))}
     if any(not e.is_const or e.value % vec for e in p.values()) or vectors & (vectors - 1) or d % vec:
         raise CodegenError("a split o's weights must be whole 16-byte vectors a head, at static places")
     if program.ops[o.args[1].src].kind != "input" or o.args[1].view.mask is not None:
@@ -306,14 +217,15 @@ def _fused(program: Program, combine: LOp, o: LOp, ks_c: KernelSource, ks_o: Ker
     lum_c, lum_k = Var("lum_c"), Var("lum_k")
     ctx.bound_var("lum_c", n + COLS)
     ctx.bound_var("lum_k", as_expr(d))
-    b_at = p["offset_b"] + Var("lum_h") * p["stride_b"] + lum_c * p["ldb"] + lum_k
-    out_at = Var("lum_h") * n + lum_c
+    b_at = p["offset_b"] + lum_c * p["ldb"] + Var("lum_h") * d + lum_k        # B(h·D + k, column c)
+    out_at = lum_c
     ctx.exprs += [b_at, out_at]
     groups = -(-n.value // COLS)
     body = render(load_template("gemv_combine.cu"), {
         "KERNEL": ENTRY_PLACEHOLDER, "THREADS": threads, "MIN_BLOCKS": ", 3" if 3 * threads <= 2048 else "",
         "IDX_T": "@IDX_T@", "PARAMS": ", ".join(pp.ctype for pp in params), "DYN_LOADS": "@DYN_LOADS_NOWAIT@",
         "D": d, "COLS": COLS, "ROUND": ROUND, "VEC": vec, "LPC": lpc, "NV": nv, "CPS": cps, "HEADS": heads,
+        "GROUPS": groups,
         "W_T": STORAGE_C[w_dt], "W_PTR": w_p, "W_LOAD": load_conv(w_dt, "lum_wv[e]"),
         "R_ROUND": load_conv(r_dt, store_conv("f", "lum_y", r_dt)), "OUT": out_p,
         "OUT_STORE": store_conv("f", "lum_v0", p_dt),
@@ -332,8 +244,8 @@ def _fused(program: Program, combine: LOp, o: LOp, ks_c: KernelSource, ks_o: Ker
     smem = COLS * d * w_dt.itemsize
     tuning = {"threads": threads, "cols": COLS, "round": ROUND, "o_combine": [combine.id, o.id],
               "index_bits": 32 if idx_t == "int" else 64}
+    grid = (as_expr(heads * groups), as_expr(1), as_expr(1))
     return KernelSource(name=name, kind=combine.kind, op=combine.op, source=common_header() + "\n" + body,
-                        body=body, launches=(Launch(name, (as_expr(heads * groups), as_expr(1), as_expr(1)),
-                                                    (threads, 1, 1), smem),),
+                        body=body, launches=(Launch(name, grid, (threads, 1, 1), smem, heads),),
                         params=tuple(params), dyn_vars=tuple(dyn_vars), dyn_slots=slots, tuning=tuning,
                         tails=(o.id,), early=(w_p,))

@@ -311,6 +311,20 @@ LUM_D void lum_pdl_wait() {
 #endif
 }
 
+// Thread block clusters (sm_90+; templates/gemv_combine.cu): `v` stored at `p` (a __shared__ address of this
+// block) in the shared memory of the cluster's block `rank`; every block of the cluster past its writes,
+// acquiring theirs. Device only: the host emulation runs a cluster's blocks one after another.
+#if defined(__CUDA_ARCH__)
+LUM_D void lum_push_to(float* p, unsigned rank, float v) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(lum_shared_addr(p)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
+}
+LUM_D void lum_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#endif
+
 // ------------------------------------------------------------------------------ stamps (probe builds only)
 // A package built with $LUM_STAMPS=1 (benchmarks/profile_decode.py --stamps; builder/codegen.py module_source)
 // defines LUM_STAMPS, the module's array lum_stamps and, around each kernel, LUM_STAMP_KERNEL (its index in the

@@ -1,10 +1,11 @@
 //! lum/templates/gemv_combine.cu — decode attention's combine and o, split by head, as one kernel
 //! (builder/o_combine.py). The LLIR keeps both ops: the combine R (a reduce over the chunks whose prologue is
 //! Σ_j E·A · Recip(Σ_j E·L), E = Exp2(X + RowMax(X)·K): X the chunks' offsets c, L their sums l, A their
-//! accumulators) and o as a GEMV batched over the heads, P[h, 0, j] = Σ_d R[h·D + d] · B(h, d, j), whose
-//! readers sum P over h. This kernel computes P from the partials without storing R.
+//! accumulators) and o, a GEMV over R's HEADS · D values, out[j] = Σ_h Σ_d R[h·D + d] · B(h·D + d, j). This kernel
+//! computes out from the partials without storing R.
 //!
-//! Work item w = (column group g, head h) = (w / HEADS, w % HEADS), one a block (grid HEADS · groups). Before
+//! Work item w = (column group g, head h) = (w / HEADS, w % HEADS), walked grid-stride in whole clusters of HEADS
+//! blocks (launched so; the block of rank h takes head h). Before
 //! its wait a block copies its head's D weights of each of its COLS columns into shared memory (16-byte
 //! asynchronous copies: B is a weight). After it, thread d < D loads A(h, j, d) of ROUND chunks (and threads
 //! < 2 ROUND the chunks' c and l, through shared memory) before it uses any: one round of loads for up to
@@ -13,14 +14,16 @@
 //! taken once and rounded to R's dtype, the value o reads. Then the block's dot: lane l of a warp owns 16-byte
 //! vector l % LPC of a column (NV of them when a column has more than 32), the warp's 32 / LPC segments each a
 //! column at a time, CPS columns a segment, reduced by halving shuffles (a lane keeps half of its columns at
-//! each step while there are two or more) and plain ones after.
+//! each step while there are two or more) and plain ones after. Each column's value goes into the shared
+//! memory of the cluster block that owns it (rank c % HEADS, distributed shared memory), and after one cluster
+//! barrier each owner adds its columns' HEADS values in head order: o's output, the same sum on every run.
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS IDX_T PARAMS DYN_LOADS (trigger and dyn reads, no wait); D COLS ROUND
-//!   VEC LPC NV CPS HEADS; W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of lum_wv[e]) R_ROUND (the float
-//!   lum_y rounded to R's dtype) OUT (P's parameter) OUT_STORE (P's storage of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel lum_h into R's head dims: lum_i*); X_AT,
+//!   VEC LPC NV CPS HEADS GROUPS (column groups); W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of lum_wv[e]) R_ROUND (the float
+//!   lum_y rounded to R's dtype) OUT (o's output parameter) OUT_STORE (its storage of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel lum_h into R's head dims: lum_i*); X_AT,
 //!   L_AT (physical index of X, L at chunk lum_j), A_AT (of A at chunk lum_j, feature lum_d), K_VAL (the float K),
 //!   X_LOAD L_LOAD A_LOAD (float value of the leaf at index lum_q), B_AT (physical index of B's vector at head
-//!   lum_h, column lum_c, features lum_k ..), OUT_AT (P's index of head lum_h, column lum_c).
+//!   lum_h, column lum_c, features lum_k ..), OUT_AT (out's index of column lum_c).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{W_T}} w_t;
@@ -43,8 +46,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 #else
   static lum_vec<unsigned, 4> lum_ws[COLS * (D / VEC)];
 #endif
+  constexpr int OWN = (COLS + HEADS - 1) / HEADS;   // columns a block owns: c % HEADS == its rank
+  constexpr int GROUPS = {{GROUPS}};                  // column groups (host emulation's sums)
   __shared__ float lum_as[D];
   __shared__ float lum_cl[2][ROUND];
+  __shared__ float lum_push[HEADS][OWN];             // the heads' sums of the columns this block owns
 {{DYN_LOADS}}
   const idx_t lum_ns = {{NS}};
   const idx_t lum_n = {{N}};
@@ -155,18 +161,48 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
         lum_v[0] += __shfl_xor_sync(0xffffffffu, lum_v[0], o);
       }
     }
-    // CPS > LPC: each lane still holds CPS / LPC columns (lum_v[0 ..)); else lanes with a multiple of
-    // LPC / CPS hold one
-    constexpr int HELD = CPS > LPC ? CPS / LPC : 1;
-    if (CPS >= LPC || lum_sl_lane % (LPC / CPS) == 0) {
+    // the block's columns go to their owners: column c of the group to block c % HEADS of the cluster, slot
+    // [h][c / HEADS] there; after one cluster barrier each block sums its own over the heads, in head order
+    constexpr int HELD = CPS > LPC ? CPS / LPC : 1;   // columns a lane holds now (lanes hold one if CPS <= LPC)
+    const bool lum_holds = CPS >= LPC || lum_sl_lane % (LPC / CPS) == 0;
+#if defined(__CUDA_ARCH__)
+    if (lum_holds) {
 #pragma unroll
       for (int c = 0; c < HELD; ++c) {
-        const idx_t lum_c = lum_c0 + (lum_warp * SEGS + lum_seg) * CPS + lum_cb + c;
+        const int lum_col = (lum_warp * SEGS + lum_seg) * CPS + lum_cb + c;
+        lum_push_to(&lum_push[lum_h][lum_col / HEADS], (unsigned)(lum_col % HEADS), lum_v[c]);
+      }
+    }
+    lum_cluster_sync();                  // every head's columns are in their owners' lum_push
+    for (int lum_i = lum_tx; lum_i < OWN; lum_i += THREADS) {
+      const idx_t lum_c = lum_c0 + lum_i * HEADS + (int)lum_h;
+      if (lum_i * HEADS + (int)lum_h < COLS && lum_c < lum_n) {
+        float lum_v0 = 0.0f;
+#pragma unroll
+        for (int r = 0; r < HEADS; ++r) lum_v0 += lum_push[r][lum_i];
+        {{OUT}}[{{OUT_AT}}] = {{OUT_STORE}};
+      }
+    }
+    if (lum_w + (idx_t)gridDim.x < HEADS * lum_groups) lum_cluster_sync();   // the owners have read lum_push
+#else
+    // host emulation: blocks run one after another, a cluster's in rank order, so the last rank sums the group
+    static float lum_host_push[GROUPS][HEADS][COLS];
+    const idx_t lum_g = lum_w / HEADS;
+    if (lum_holds) {
+      for (int c = 0; c < HELD; ++c)
+        lum_host_push[lum_g][lum_h][(lum_warp * SEGS + lum_seg) * CPS + lum_cb + c] = lum_v[c];
+    }
+    __syncthreads();
+    if (lum_h == HEADS - 1) {
+      for (int lum_col = lum_tx; lum_col < COLS; lum_col += THREADS) {
+        const idx_t lum_c = lum_c0 + lum_col;
         if (lum_c < lum_n) {
-          const float lum_v0 = lum_v[c];
+          float lum_v0 = 0.0f;
+          for (int r = 0; r < HEADS; ++r) lum_v0 += lum_host_push[lum_g][r][lum_col];
           {{OUT}}[{{OUT_AT}}] = {{OUT_STORE}};
         }
       }
     }
+#endif
   }
 }

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from lum.format.dtypes import DType
-from lum.format.expr import Var, as_expr
+from lum.format.expr import Var, as_expr, cdiv
 from lum.format.llir import Arg, LOp, Program
 from lum.format.manifest import Call, Entry, TensorSpec
 from lum.format.shapetracker import ShapeTracker, numel
@@ -293,11 +293,12 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     b.op(case, "reduce", "Sum", [(xp, row), (xp, col(dv)), (xp, col(dv + 1)),
                                  (f"{case}.neg", ShapeTracker(row.shape, (as_expr(0),) * 4, as_expr(0)))],
          (2, 3, dv), dt, {"axis": 3, "expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
-    # decode attention's combine and o split by head (builder/o_combine.py): 6 heads of 16 over the chunks
-    # above (several rounds of the fused kernel's loads), o batched over the heads (k 16, 96 columns: a second
-    # column group, part full) and a reader summing the heads in order. With LUM_O_COMBINE=1 (the o-combine
-    # variant of tests/test_cuda_emulated.py) the combine and o run as one kernel (templates/gemv_combine.cu)
-    case, hd, heads_n, ncol = "o.combine", 16, 6, 96
+    # decode attention's combine and o after it (builder/o_combine.py): 6 heads of 16 over ⌈(s + 60) / 4⌉ chunks
+    # (two rounds of the fused kernel's loads at the run's s = 5, and at most 31 at MAX_SEQ: it fuses), masked chunks and a far maximum as above, o over 96 columns (a second
+    # column group, part full). With LUM_O_COMBINE=1 (the o-combine variant of tests/test_cuda_emulated.py) the
+    # combine and o run as one kernel split by head (templates/gemv_combine.cu, a cluster of 6 blocks)
+    case, ns, hd, heads_n, ncol = "o.combine", cdiv(s + 60, 4), 16, 6, 96
+    nsv = n_of(ns)
     part = rng.uniform(0.25, 4.0, (2, 3, nsv, hd + 2)) * rng.choice([-1.0, 1.0], (2, 3, nsv, hd + 2))
     part[..., hd] = rng.integers(-8, 9, (2, 3, nsv))
     part[..., hd][rng.random((2, 3, nsv)) < 0.2] = -np.inf
@@ -313,17 +314,11 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
          (2, 3, hd), dt, {"axis": 3, "expr": expr})
     w = inp(case, 1, ncol * heads_n * hd, dt)
     b.arrays[w] = (b.arrays[w].astype(np.float32) / 8).astype(dt.np)
-    params = {"layout": "RmCm", "m": 1, "n": ncol, "k": hd, "lda": hd, "ldb": heads_n * hd, "ldc": ncol,
-              "batch": heads_n, "stride_a": hd, "stride_b": hd, "stride_c": ncol, "offset_a": 0, "offset_b": 0}
-    b.op(f"{case}.o", "gemm", "Gemm", [(f"{case}.comb", ShapeTracker.contiguous((heads_n * hd,))),
-                                        (w, ShapeTracker.contiguous((ncol * heads_n * hd,)))],
-         (heads_n, 1, ncol), f32, {k: v if isinstance(v, str) else as_expr(v) for k, v in params.items()})
-    total: list = ["arg", 0]
-    for h in range(1, heads_n):
-        total = ["Add", "f32", total, ["arg", h]]
-    heads_of = [(f"{case}.o", ShapeTracker((as_expr(ncol),), (as_expr(1),), as_expr(h * ncol)))
-                for h in range(heads_n)]
-    b.op(case, "elementwise", "Fused", heads_of, (ncol,), dt, {"expr": ["Cast", dt.value, total]},
+    params = {"layout": "RmCm", "m": 1, "n": ncol, "k": heads_n * hd, "lda": heads_n * hd, "ldb": heads_n * hd,
+              "ldc": ncol, "batch": 1, "stride_a": 0, "stride_b": 0, "stride_c": ncol, "offset_a": 0, "offset_b": 0}
+    b.op(case, "gemm", "Gemm", [(f"{case}.comb", ShapeTracker.contiguous((heads_n * hd,))),
+                                (w, ShapeTracker.contiguous((ncol * heads_n * hd,)))],
+         (1, 1, ncol), f32, {k: v if isinstance(v, str) else as_expr(v) for k, v in params.items()},
          output=f"{case}.y", case_kind="row", tol=tol if dt == f32 else 2e-2)
     # iota in the dtype and in i64
     for odt in (dt, DType.i64):

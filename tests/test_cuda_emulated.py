@@ -373,7 +373,7 @@ import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
 out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "shared_preloads": 0,
-       "shared_preloads_default": 0, "prologues": {}}
+       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}}
 def tuned(pkg, key="preload_shared"):    # the package's kernels whose tuning sets ``key``
     return sum(bool(op.tuning.get(key)) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
@@ -381,6 +381,7 @@ for dt in (DType.f32, DType.bf16):
     pkg = L.open(PKGS[f"template_cases.{dt.value}.VARIANT"])
     out["shared_preloads"] += tuned(pkg)
     out["shared_preloads_default"] += tuned(L.open(PKGS[f"template_cases.{dt.value}"]))
+    out["o_combines"][dt.value] = tuned(pkg, "o_combine")
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
                               for op in g.table.ops if op.tail]
     prog, arrays, b = template_cases(dt)
@@ -405,6 +406,7 @@ for name in MODELS:
     out["shared_preloads"] += tuned(pkg)
     out["shared_preloads_default"] += tuned(L.open(PKGS[name]))
     out["prologues"][name] = [tuned(pkg, "prologue"), tuned(L.open(PKGS[name]), "prologue")]
+    out["o_combines"][name] = tuned(pkg, "o_combine")
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     with pkg.session(backend="cuda") as sess:
@@ -416,6 +418,8 @@ print(json.dumps(out))
     for dt in ("f32", "bf16"):
         fused = res["fused"][dt]       # many runs of independent kernels, of several kinds
         assert len(fused) >= 5 and len({k for k, _ in fused}) >= 3, fused
+    # the combine and o as one kernel: the o.combine case's and one a decode layer's, only in the o-combine variant
+    assert all((n > 0) == (variant == "o-combine") for n in res["o_combines"].values()), res["o_combines"]
     # the default preloads some GEMVs into shared memory (those behind small kernels); ``all`` every one
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":
@@ -426,8 +430,6 @@ print(json.dumps(out))
     for name in MODELS:
         want = ["scatter_nocopy"]      # the k / v / q stage after qkv
         assert [k for k in res["fused"][name] if k in want] == want, res["fused"]
-        if variant == "o-combine":     # the combine and o: one kernel
-            assert "reduce" in res["fused"][name], res["fused"]
         if variant == "siblings":      # q, k and v: one sibling kernel
             assert 2 in res["tails"][name] and 3 not in res["tails"][name], res["tails"]
         else:                          # q, k, v and the attention: one kernel
