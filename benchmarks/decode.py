@@ -127,7 +127,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-nopreload": {"LUM_GEMV_PRELOAD_AFTER_GEMV": "0"},
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
-                 "lum-row-phases": {"LUM_ROW_ONLINE": "0"}, "lum-o-combine": {"LUM_O_COMBINE": "1"},
+                 "lum-row-phases": {"LUM_ROW_ONLINE": "0"}, "lum-two-kernels": {"LUM_O_COMBINE": "0"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},

@@ -161,7 +161,7 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     if attention_stage_enabled():
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
     if o_combine_enabled():
-        gen = fuse_o_combines(program, gen, dyn_vars, max_dyn)
+        gen = fuse_o_combines(program, gen, dyn_vars, max_dyn, arch)
     if sibling_kernels_enabled():
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     return {i: ks for i, ks in gen.items() if ks is not None}

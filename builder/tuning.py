@@ -97,7 +97,7 @@ __all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECIS
 DB_VERSION = 1
 # On / off kernel switches with no entry of their own in a search's database key, and their defaults: the key
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
-KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True, ENV_O_COMBINE: False}
+KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True, ENV_O_COMBINE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8

@@ -295,8 +295,8 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
          (2, 3, dv), dt, {"axis": 3, "expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
     # decode attention's combine and o after it (builder/o_combine.py): 6 heads of 16 over ⌈(s + 60) / 4⌉ chunks
     # (two rounds of the fused kernel's loads at the run's s = 5, and at most 31 at MAX_SEQ: it fuses), masked chunks and a far maximum as above, o over 96 columns (a second
-    # column group, part full). With LUM_O_COMBINE=1 (the o-combine variant of tests/test_cuda_emulated.py) the
-    # combine and o run as one kernel split by head (templates/gemv_combine.cu, a cluster of 6 blocks)
+    # column group, part full). By default the combine and o run as one kernel split by head
+    # (templates/gemv_combine.cu, a cluster of 6 blocks); tests/test_cuda_emulated.py's two-kernels variant not
     case, ns, hd, heads_n, ncol = "o.combine", cdiv(s + 60, 4), 16, 6, 96
     nsv = n_of(ns)
     part = rng.uniform(0.25, 4.0, (2, 3, nsv, hd + 2)) * rng.choice([-1.0, 1.0], (2, 3, nsv, hd + 2))

@@ -42,7 +42,7 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
-         "o-combine": {"LUM_O_COMBINE": "1"}}
+         "two-kernels": {"LUM_O_COMBINE": "0"}}
 
 
 @pytest.fixture(scope="module")
@@ -363,9 +363,9 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``norms-ahead`` (``LUM_NORMS_AHEAD=1``: every tiny model's decode layer ends with the next layer's input norm,
     as only Gemma's does by default, so its qkv is a plain GEMV; the kernel cases are unchanged) or
     ``row-multipass`` (``LUM_ROW_ONLINE=0``: decode attention's combine, and the ``row.combine`` case, visit their
-    rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``o-combine``
-    (``LUM_O_COMBINE=1``: o split by head, the combine inside it, its readers summing the heads:
-    builder/o_combine.py). Every
+    rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``two-kernels``
+    (``LUM_O_COMBINE=0``: decode attention's combine and o as two kernels, where by default they are one, o split
+    by head in a thread block cluster: builder/o_combine.py). Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
@@ -418,8 +418,8 @@ print(json.dumps(out))
     for dt in ("f32", "bf16"):
         fused = res["fused"][dt]       # many runs of independent kernels, of several kinds
         assert len(fused) >= 5 and len({k for k, _ in fused}) >= 3, fused
-    # the combine and o as one kernel: the o.combine case's and one a decode layer's, only in the o-combine variant
-    assert all((n > 0) == (variant == "o-combine") for n in res["o_combines"].values()), res["o_combines"]
+    # the combine and o as one kernel (the o.combine case's, one a decode layer's) but in the two-kernels variant
+    assert all((n > 0) == (variant != "two-kernels") for n in res["o_combines"].values()), res["o_combines"]
     # the default preloads some GEMVs into shared memory (those behind small kernels); ``all`` every one
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":

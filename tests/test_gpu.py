@@ -89,7 +89,7 @@ def test_template_matches_reference(dt, name, tmp_path_factory):
 
 @pytest.mark.parametrize("dt", DTYPES, ids=lambda v: v.value)
 def test_o_combine_kernel_matches_reference(dt, tmp_path):
-    """The kernel cases built with ``LUM_O_COMBINE=1``: the ``o.combine`` case's combine and o run as one kernel
+    """The kernel cases (``LUM_O_COMBINE=1``, the default): the ``o.combine`` case's combine and o run as one kernel
     split by head (templates/gemv_combine.cu: clusters of 6 blocks, two rounds of chunks, masked chunks, a far
     maximum, a part-full column group), against the reference backend, the arena poisoned."""
     with pytest.MonkeyPatch.context() as mp:
@@ -412,7 +412,7 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                                        _any_op(lambda op: op.tuning.get("stream"))),
                   "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer),
                   "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
-                  "o-combine": ({"LUM_O_COMBINE": "1"}, None, _any_op(lambda op: op.tuning.get("o_combine")))}
+                  "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -426,8 +426,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     layer ending with the next one's input norm (``LUM_NORMS_AHEAD=1``, Gemma's default; against 0), or decode
     attention's combine visiting its chunks once with a running maximum (the default; against
     ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart), or o split by head with the combine inside
-    it (``LUM_O_COMBINE=1``, builder/o_combine.py: a thread block cluster a column group; against the default, the
-    heads summed in another order); none changes a token. Decode logits of the
+    it (the default, builder/o_combine.py: a thread block cluster a column group; against ``LUM_O_COMBINE=0``,
+    the heads summed in another order); none changes a token. Decode logits of the
     fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
     attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec

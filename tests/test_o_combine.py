@@ -30,9 +30,9 @@ def _combine(prog):
     return c
 
 
-def test_the_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+def test_the_switch_is_on_by_default_and_refuses_other_values(monkeypatch):
     monkeypatch.delenv("LUM_O_COMBINE", raising=False)
-    assert not o_combine_enabled()
+    assert o_combine_enabled()
     monkeypatch.setenv("LUM_O_COMBINE", "yes")
     with pytest.raises(ValueError, match="LUM_O_COMBINE"):
         o_combine_enabled()
@@ -60,7 +60,7 @@ def test_the_fused_kernel_replaces_the_combine_and_o(monkeypatch):
     """With the switch on, gemma3-4b's combine and o are one kernel under the combine, o its tail: 40 column
     groups of 64 in clusters of 8 blocks (a head each) of 256 threads, its weights (32 KB a block) read before its
     wait, the table a cluster table (version 3), and the module compiles with NVRTC (no GPU needed); the LLIR is
-    unchanged, and with the switch off nothing fuses."""
+    unchanged, and with the switch off, or for sm_80, nothing fuses."""
     monkeypatch.setenv("LUM_O_COMBINE", "1")
     prog, dv = _layer("gemma3-4b", 512)
     ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
@@ -84,5 +84,8 @@ def test_the_fused_kernel_replaces_the_combine_and_o(monkeypatch):
     monkeypatch.setenv("LUM_O_COMBINE", "0")
     plain, dv = _layer("gemma3-4b", 512)
     ks = group_kernel_sources(plain, dv, default_max_dyn(dv, 512))
+    assert not any("o_combine" in k.tuning for k in ks.values())
+    monkeypatch.setenv("LUM_O_COMBINE", "1")           # no thread block clusters before sm_90
+    ks = group_kernel_sources(plain, dv, default_max_dyn(dv, 512), arch="sm_80")
     assert not any("o_combine" in k.tuning for k in ks.values())
     assert [(o.kind, o.op, o.shape) for o in plain.ops] == [(o.kind, o.op, o.shape) for o in prog.ops]
