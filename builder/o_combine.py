@@ -38,7 +38,8 @@ from lum.format.expr import Expr, Var, as_expr
 from lum.format.llir import LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
-__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "fuse_o_combines", "combine_leaves", "MAX_CHUNKS", "MAX_HEADS"]
+__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "fuse_o_combines", "CombineLeaves", "combine_leaves", "MAX_CHUNKS",
+           "MAX_HEADS"]
 
 ENV_O_COMBINE = "LUM_O_COMBINE"
 ROUND = 16              # chunks a thread loads before it uses any (gemv_combine.cu ROUND)
@@ -73,6 +74,7 @@ def combine_leaves(op: LOp) -> CombineLeaves | None:
     on = online_softmax_sum(op.params["expr"])
     if on is None:
         return None
+
     def other(mul: list) -> list | None:
         if mul[0] != "Mul" or len(mul) != 4:
             return None
@@ -84,6 +86,9 @@ def combine_leaves(op: LOp) -> CombineLeaves | None:
     parts = [on.x, other(on.el), other(on.ea), on.k]
     if any(t is None or t[0] != "arg" for t in parts):
         return None
+    k = op.args[int(on.k[1])].view
+    if any(not as_expr(st).is_const or as_expr(st).value != 0 for st in k.strides[-2:]):
+        return None                      # K one value a head (the kernel reads it at feature 0, chunk 0)
     return CombineLeaves(*(int(t[1]) for t in parts))
 
 

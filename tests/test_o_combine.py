@@ -9,7 +9,7 @@ import pytest
 
 from lum.builder import nvrtc
 from lum.builder.kernels import default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
-from lum.builder.o_combine import MAX_CHUNKS, combine_leaves, o_combine_enabled
+from lum.builder.o_combine import MAX_CHUNKS, CombineLeaves, combine_leaves, o_combine_enabled
 from lum.format.dtypes import DType
 
 
@@ -89,3 +89,26 @@ def test_the_fused_kernel_replaces_the_combine_and_o(monkeypatch):
     ks = group_kernel_sources(plain, dv, default_max_dyn(dv, 512), arch="sm_80")
     assert not any("o_combine" in k.tuning for k in ks.values())
     assert [(o.kind, o.op, o.shape) for o in plain.ops] == [(o.kind, o.op, o.shape) for o in prog.ops]
+
+
+def test_combine_leaves_and_their_near_misses(monkeypatch):
+    """gemma3-4b's combine: X the offsets (arg 1), L the sums (2), A the accumulators (0), K the −1 constant (3).
+    Not a combine for the fused kernel: a K that varies along the features, a reduce that is not a Sum, a Sum
+    over another axis, a prologue whose accumulators are a tree rather than a leaf."""
+    import ast
+    from dataclasses import replace
+
+    from lum.format.expr import as_expr
+    from lum.format.llir import Arg
+
+    prog, _ = _layer("gemma3-4b", 512)
+    comb = _combine(prog)
+    assert combine_leaves(comb) == CombineLeaves(x=1, l=2, a=0, k=3)
+    kview = comb.args[3].view
+    varying = replace(kview, strides=kview.strides[:-2] + (as_expr(1), as_expr(0)))
+    args = comb.args[:3] + (Arg(comb.args[3].src, varying),)
+    assert combine_leaves(replace(comb, args=args)) is None
+    assert combine_leaves(replace(comb, op="Max")) is None
+    assert combine_leaves(replace(comb, params={**comb.params, "axis": 2})) is None
+    tree = str(comb.params["expr"]).replace("['arg', 0]", "['Neg', 'f32', ['arg', 0]]")
+    assert combine_leaves(replace(comb, params={**comb.params, "expr": ast.literal_eval(tree)})) is None
