@@ -54,9 +54,9 @@ def tiny_pkg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_pkg_apart(tmp_path_factory):
-    """tiny-llama with its independent small kernels launched apart (``LUM_SIBLING_KERNELS=0`` and
-    ``LUM_ATTENTION_STAGE=0``; by default the k / v / q stage after qkv runs in the attention kernel): what graph
-    branches schedule."""
+    """tiny-llama with its independent small kernels launched apart (``LUM_SIBLING_KERNELS=0``,
+    ``LUM_ATTENTION_STAGE=0`` and ``LUM_O_COMBINE=0``; by default the k / v / q stage after qkv runs in the
+    attention kernel, and the combine in o's): what graph branches schedule."""
     if not HAVE_NVRTC:
         pytest.skip("NVRTC is not installed")
     from lum.builder.models import load_spec
@@ -65,6 +65,7 @@ def tiny_pkg_apart(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LUM_SIBLING_KERNELS", "0")
         mp.setenv("LUM_ATTENTION_STAGE", "0")
+        mp.setenv("LUM_O_COMBINE", "0")
         path = build_package(load_spec(random_name="tiny-llama", max_seq=32),
                              tmp_path_factory.mktemp("ta") / "t.lumpkg")
     return lum.loader.open(path)

@@ -290,7 +290,7 @@ for on in (True, False):
         out["steps" + str(on)] = sum(getattr(st, "programmatic", False) for st in sess.runner.plans["decode"].steps)
 print(json.dumps(out))
 '''.replace("MODEL", repr(model)))
-    assert res["early_kinds"] == ["gemm"], res["early_kinds"]          # the GEMVs
+    assert res["early_kinds"] == ["gemm", "reduce"], res["early_kinds"]   # the GEMVs, the combine inside o
     assert res["True"] == res["False"] == res["want"]
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
