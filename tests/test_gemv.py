@@ -22,6 +22,13 @@ from tests import cuda_emulation as emu
 from tests.kernel_cases import TOL, gemm_reference
 
 P = Var("p")
+
+
+@pytest.fixture(autouse=True)
+def _o_as_a_gemv(monkeypatch):
+    """The decode layers' GEMV policies are tested with o a GEMV of its own (``LUM_O_COMBINE=0``); the combine
+    inside o is tests/test_o_combine.py's."""
+    monkeypatch.setenv("LUM_O_COMBINE", "0")
 BF16, F16, F32 = DType.bf16, DType.f16, DType.f32
 
 

@@ -76,6 +76,7 @@ def test_siblings_regenerate_with_the_smallest_block_size(monkeypatch):
     dv = program_dyn_vars([cg.program for cg in cgs])
     layer = max(cgs, key=lambda cg: sum(o.kind == "scatter_nocopy" for o in cg.program.ops)).program
     monkeypatch.setenv("LUM_ATTENTION_STAGE", "0")      # else the attention kernel runs the three (attention_stage.py)
+    monkeypatch.setenv("LUM_O_COMBINE", "0")            # and o the combine (o_combine.py): only siblings fuse here
     monkeypatch.setenv("LUM_SIBLING_KERNELS", "0")
     assert not sibling_kernels_enabled()
     plain = group_kernel_sources(layer, dv, {"p": 64})
