@@ -313,8 +313,8 @@ LUM_D void lum_pdl_wait() {
 
 // Thread block clusters (sm_90+; templates/gemv_combine.cu): `v` stored at `p` (a __shared__ address of this
 // block) in the shared memory of the cluster's block `rank`; every block of the cluster past its writes,
-// acquiring theirs. Device only: the host emulation runs a cluster's blocks one after another.
-#if defined(__CUDA_ARCH__)
+// acquiring theirs. sm_90 only: the host emulation runs a cluster's blocks one after another.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 LUM_D void lum_push_to(float* p, unsigned rank, float v) {
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(lum_shared_addr(p)), "r"(rank));

@@ -165,7 +165,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
     // [h][c / HEADS] there; after one cluster barrier each block sums its own over the heads, in head order
     constexpr int HELD = CPS > LPC ? CPS / LPC : 1;   // columns a lane holds now (lanes hold one if CPS <= LPC)
     const bool lum_holds = CPS >= LPC || lum_sl_lane % (LPC / CPS) == 0;
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (lum_holds) {
 #pragma unroll
       for (int c = 0; c < HELD; ++c) {
@@ -184,6 +184,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       }
     }
     if (lum_w + (idx_t)gridDim.x < HEADS * lum_groups) lum_cluster_sync();   // the owners have read lum_push
+#elif defined(__CUDA_ARCH__)
+#error "a combine inside o runs in thread block clusters: sm_90 or newer (builder/o_combine.py)"
 #else
     // host emulation: blocks run one after another, a cluster's in rank order, so the last rank sums the group
     static float lum_host_push[GROUPS][HEADS][COLS];
