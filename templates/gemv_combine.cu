@@ -1,29 +1,30 @@
 //! lum/templates/gemv_combine.cu — decode attention's combine and o, split by head, as one kernel
 //! (builder/o_combine.py). The LLIR keeps both ops: the combine R (a reduce over the chunks whose prologue is
 //! Σ_j E·A · Recip(Σ_j E·L), E = Exp2(X + RowMax(X)·K): X the chunks' offsets c, L their sums l, A their
-//! accumulators) and o, a GEMV over R's HEADS · D values, out[j] = Σ_h Σ_d R[h·D + d] · B(h·D + d, j). This kernel
-//! computes out from the partials without storing R.
+//! accumulators) and o, a GEMV over R's HEADS · D values, out[j] = Σ_h Σ_d R[h·D + d] · B(h·D + d, j). This
+//! kernel computes out from the partials without storing R.
 //!
-//! Work item w = (column group g, head h) = (w / HEADS, w % HEADS), walked grid-stride in whole clusters of HEADS
-//! blocks (launched so; the block of rank h takes head h). Before
-//! its wait a block copies its head's D weights of each of its COLS columns into shared memory (16-byte
-//! asynchronous copies: B is a weight). After it, thread d < D loads A(h, j, d) of ROUND chunks (and threads
-//! < 2 ROUND the chunks' c and l, through shared memory) before it uses any: one round of loads for up to
-//! ROUND chunks. The sums are kept at a running maximum m of X and multiplied by Exp2((m' − m)·K) when it grows
-//! to m' (exact for the combine's integer offsets), as builder/row_codegen.py's one-visit row; the quotient is
-//! taken once and rounded to R's dtype, the value o reads. Then the block's dot: lane l of a warp owns 16-byte
-//! vector l % LPC of a column (NV of them when a column has more than 32), the warp's 32 / LPC segments each a
-//! column at a time, CPS columns a segment, reduced by halving shuffles (a lane keeps half of its columns at
-//! each step while there are two or more) and plain ones after. Each column's value goes into the shared
-//! memory of the cluster block that owns it (rank c % HEADS, distributed shared memory), and after one cluster
-//! barrier each owner adds its columns' HEADS values in head order: o's output, the same sum on every run.
+//! Work item w = (column group g, head h) = (w / HEADS, w % HEADS), walked grid-stride in whole clusters of
+//! HEADS blocks (launched so; the block of rank h takes head h). Before its wait a block copies its head's D
+//! weights of each of its COLS columns into shared memory (16-byte asynchronous copies: B is a weight). After
+//! it, thread d < D loads A(h, j, d) of ROUND chunks (and threads < 2 ROUND the chunks' c and l, through shared
+//! memory) before it uses any: one round of loads for up to ROUND chunks. The sums are kept at a running maximum
+//! m of X and multiplied by Exp2((m' − m)·K) when it grows to m' (exact for the combine's integer offsets), as
+//! builder/row_codegen.py's one-visit row; the quotient is taken once and rounded to R's dtype, the value o
+//! reads. Then the block's dot: lane l of a warp owns 16-byte vector l % LPC of a column (NV of them when a
+//! column has more than 32), the warp's 32 / LPC segments each a column at a time, CPS columns a segment,
+//! reduced by halving shuffles (a lane keeps half of its columns at each step while there are two or more) and
+//! plain ones after. Each column's value goes into the shared memory of the cluster block that owns it (rank
+//! c % HEADS, distributed shared memory), and after one cluster barrier each owner adds its columns' HEADS
+//! values in head order: o's output, the same sum on every run.
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS IDX_T PARAMS DYN_LOADS (trigger and dyn reads, no wait); D COLS ROUND
-//!   VEC LPC NV CPS HEADS GROUPS (column groups); W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of lum_wv[e]) R_ROUND (the float
-//!   lum_y rounded to R's dtype) OUT (o's output parameter) OUT_STORE (its storage of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel lum_h into R's head dims: lum_i*); X_AT,
-//!   L_AT (physical index of X, L at chunk lum_j), A_AT (of A at chunk lum_j, feature lum_d), K_VAL (the float K),
-//!   X_LOAD L_LOAD A_LOAD (float value of the leaf at index lum_q), B_AT (physical index of B's vector at head
-//!   lum_h, column lum_c, features lum_k ..), OUT_AT (out's index of column lum_c).
+//!   VEC LPC NV CPS HEADS GROUPS (column groups); W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of
+//!   lum_wv[e]) R_ROUND (the float lum_y rounded to R's dtype) OUT (o's output parameter) OUT_STORE (its storage
+//!   of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel lum_h into R's head dims:
+//!   lum_i*); X_AT, L_AT (physical index of X, L at chunk lum_j), A_AT (of A at chunk lum_j, feature lum_d), K_VAL
+//!   (the float K), X_LOAD L_LOAD A_LOAD (float value of the leaf at index lum_q), B_AT (physical index of B's
+//!   vector at head lum_h, column lum_c, features lum_k ..), OUT_AT (out's index of column lum_c).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{W_T}} w_t;
@@ -37,7 +38,8 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int CPS = {{CPS}};         // columns a warp's segment of LPC lanes takes
   constexpr int HEADS = {{HEADS}};
   constexpr int SEGS = 32 / LPC;
-  static_assert(THREADS % 32 == 0 && THREADS >= D && THREADS >= 2 * ROUND, "threads: a warp multiple, >= D, >= 2 ROUND");
+  static_assert(THREADS % 32 == 0 && THREADS >= D && THREADS >= 2 * ROUND,
+                "threads: a warp multiple, >= D, >= 2 ROUND");
   static_assert(LPC * NV * VEC == D && (LPC & (LPC - 1)) == 0 && LPC <= 32, "a column is LPC lanes of NV vectors");
   static_assert(COLS == WARPS * SEGS * CPS && (CPS & (CPS - 1)) == 0, "a block's columns: warps x segments x CPS");
   static_assert(VEC * sizeof(w_t) == 16, "weights move in 16-byte vectors");
