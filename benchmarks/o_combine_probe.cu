@@ -49,23 +49,13 @@ __device__ __forceinline__ unsigned probe_cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-__device__ __forceinline__ void probe_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 // The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
 __device__ __forceinline__ float probe_dsmem_load(const float* p, unsigned rank) {
-  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
+  unsigned local = lum_shared_addr(p), remote;
   float v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
-}
-
-// Store v at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
-__device__ __forceinline__ void probe_dsmem_store(float* p, unsigned rank, float v) {
-  unsigned local = (unsigned)__cvta_generic_to_shared(p), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(remote), "f"(v) : "memory");
 }
 
 // out[j] = Σ_k A[k] · W[j][k], A[h·256 + d] = bf16(Σ_j 2^(c_j − m) acc_j[d] / Σ_j 2^(c_j − m) l_j) over head h's
@@ -150,9 +140,9 @@ extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out
     __syncthreads();
     if (d < OC_COLS) {                     // column d belongs to block d / 8, slot h there
       const unsigned owner = (unsigned)d / (OC_COLS / OC_HEADS);
-      probe_dsmem_store(&pushed[h][d % (OC_COLS / OC_HEADS)], owner, ps[d]);
+      lum_push_to(&pushed[h][d % (OC_COLS / OC_HEADS)], owner, ps[d]);
     }
-    probe_cluster_sync();                  // every push has landed; nothing remote is read after it
+    lum_cluster_sync();                  // every push has landed; nothing remote is read after it
     if (d < OC_COLS / OC_HEADS) {
       const int col = (int)h * (OC_COLS / OC_HEADS) + d;
       float s = 0.0f;
@@ -170,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out
     }
     return;
   }
-  probe_cluster_sync();                    // every head's column partials are in its block's ps
+  lum_cluster_sync();                    // every head's column partials are in its block's ps
   if (d < OC_COLS / OC_HEADS) {
     const int col = (int)h * (OC_COLS / OC_HEADS) + d;
     float s = 0.0f;
@@ -178,5 +168,5 @@ extern "C" __global__ void __launch_bounds__(OC_D, 3) probe_o_combine(float* out
     for (unsigned r = 0; r < OC_HEADS; ++r) s += probe_dsmem_load(&ps[col], r);
     if (c0 + col < n) out[c0 + col] = s;
   }
-  probe_cluster_sync();                    // no block leaves while another still reads its ps
+  lum_cluster_sync();                    // no block leaves while another still reads its ps
 }

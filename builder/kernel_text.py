@@ -44,6 +44,11 @@ class Launch:
     def evaluate(self, dyn_map: Mapping[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
         return tuple(g.evaluate(dyn_map) for g in self.grid), self.block, self.shared_mem  # type: ignore[return-value]
 
+    def to_json(self) -> dict[str, Any]:
+        """As a launch table stores it (format/manifest.py): ``cluster`` only where the grid runs in clusters."""
+        return {"kernel": self.kernel, "grid": [str(g) for g in self.grid], "block": list(self.block),
+                "shared_mem": int(self.shared_mem), **({"cluster": self.cluster} if self.cluster > 1 else {})}
+
 
 @dataclass(frozen=True)
 class Param:
@@ -88,9 +93,7 @@ class KernelSource:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name, "kind": self.kind, "op": self.op,
-            "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
-                          "shared_mem": lc.shared_mem, **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
-                         for lc in self.launches],
+            "launches": [lc.to_json() for lc in self.launches],
             "params": [{"name": p.name, "role": p.role, "index": p.index,
                         "dtype": None if p.dtype is None else p.dtype.value} for p in self.params],
             "dyn_vars": list(self.dyn_vars), "dyn_slots": dict(self.dyn_slots), "tuning": dict(self.tuning),

@@ -96,9 +96,7 @@ def launch_table(program: Program, sources: Mapping[int, KernelSource | None], *
 
         entry = {
             "op": op.id, "kind": op.kind, "name": ks.name,
-            "launches": [{"kernel": lc.kernel, "grid": [str(g) for g in lc.grid], "block": list(lc.block),
-                          "shared_mem": int(lc.shared_mem), **({"cluster": lc.cluster} if lc.cluster > 1 else {})}
-                         for lc in ks.launches],
+            "launches": [lc.to_json() for lc in ks.launches],
             "params": [table_name(p) for p in params],
             "dyn_slots": dict(ks.dyn_slots),
             "tuning": {k: v for k, v in sorted(ks.tuning.items())},
