@@ -6,9 +6,10 @@ GEMV over all heads' outputs) reads that: two kernels and a link between them, �
 benchmarks/o_combine_probe.py on an H100, where o with its input computed before took 10.4 µs of the 13.3 a link.
 Each of o's blocks could combine the partials itself if it read only one head's, so here o is split over k by
 head inside one kernel (``templates/gemv_combine.cu``): a thread block cluster per group of 64 output columns, a
-block per head, which combines its head's partials and dots them with its head's weights (copied into shared
-memory before its wait); the blocks then push their columns into the shared memory of the block that owns them,
-and after one cluster barrier each owner sums its columns over the heads in head order. The LLIR keeps both ops,
+block per head (or per group of consecutive heads, where the heads are more than a cluster's blocks: llama3-1b's
+32 heads of 64 as 8 blocks of 4), which combines its heads' partials and dots them with their weights (copied into
+shared memory before its wait); the blocks then push their columns into the shared memory of the block that owns
+them, and after one cluster barrier each owner sums its columns over the blocks in rank order. The LLIR keeps both ops,
 the launch table names the combine the kernel and o its tail (the combine's output is never stored), and the sum
 over the heads is in a fixed order.
 
@@ -16,8 +17,8 @@ The other ways the probe measured lost more: the readers of o summing the heads'
 gemma's one-block residual kernels then read 8 × 10 KB, −1.6% on an H100), the cluster reading the heads' rows
 back (two barriers), atomics (an order that varies). Only where the chunks fit two rounds of the kernel's loads
 (:data:`MAX_CHUNKS`, by the kv cache's rows; past them the probe had the fused kernel slower, each round a
-dependent round of loads and every column group re-reading every head's partials) and the heads a cluster
-(:data:`MAX_HEADS`, the portable cluster size; llama3-1b's 32 heads of 64 would need heads grouped into a block).
+dependent round of loads and every column group re-reading every head's partials), and a block's inputs of o
+(the heads it takes times their features) at most :data:`MAX_BLOCK_INPUTS`.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from lum.format.llir import LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["ENV_O_COMBINE", "o_combine_enabled", "fuse_o_combines", "CombineLeaves", "combine_leaves", "MAX_CHUNKS",
-           "MAX_HEADS"]
+           "MAX_RANKS", "MAX_BLOCK_INPUTS", "heads_a_block"]
 
 ENV_O_COMBINE = "LUM_O_COMBINE"
 ROUND = 16              # chunks a thread loads before it uses any (gemv_combine.cu ROUND)
 MAX_CHUNKS = 2 * ROUND  # the most chunks a past may have for the split (probe: a win at 24 chunks, a loss at 55)
-MAX_HEADS = 8           # the most heads: blocks a cluster (the portable cluster size)
+MAX_RANKS = 8           # blocks a cluster at most (the portable cluster size)
+MAX_BLOCK_INPUTS = 512  # a block's inputs of o (heads a block × a head's features) at most: its threads
 COLS = 64               # output columns a block
 _VEC_DTYPES = (DType.bf16, DType.f16, DType.f32)
 
@@ -98,8 +100,19 @@ class _Split:
     o: LOp
     leaves: CombineLeaves
     heads: int
+    hpb: int
     d: int
     n: int
+
+
+def heads_a_block(heads: int, d: int) -> int | None:
+    """The heads each block of the fused kernel takes: the fewest that divide ``heads`` into at most
+    :data:`MAX_RANKS` blocks a cluster, a whole number of 16-byte vectors' worth of features being the caller's
+    check; None where that is more than :data:`MAX_BLOCK_INPUTS` inputs a block."""
+    for hpb in range(1, heads + 1):
+        if heads % hpb == 0 and heads // hpb <= MAX_RANKS:
+            return hpb if hpb * d <= MAX_BLOCK_INPUTS else None
+    return None
 
 
 def _static(e: Any) -> int | None:
@@ -142,18 +155,19 @@ def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]],
     b_dt, a_dt = program.ops[o.args[1].src].dtype, combine.dtype
     if b_dt not in _VEC_DTYPES or a_dt not in _VEC_DTYPES or o.dtype not in _VEC_DTYPES:
         return None
+    hpb = heads_a_block(total // d, d)
+    if hpb is None:
+        return None
     vec = 16 // b_dt.itemsize
-    vectors = d // vec
-    if d % vec or vectors & (vectors - 1) or p["ldb"] % vec or p["offset_b"] % vec or d > 1024:
+    vectors = hpb * d // vec
+    if d % vec or vectors & (vectors - 1) or p["ldb"] % vec or p["offset_b"] % vec:
         return None
     if program.ops[o.args[1].src].kind != "input" or o.args[1].view.mask is not None:
         return None
     chunks = _max_chunks(program, combine, max_dyn)
     if chunks is None or chunks > MAX_CHUNKS:
         return None
-    if total // d > MAX_HEADS:
-        return None
-    return _Split(combine, o, leaves, total // d, d, p["n"])
+    return _Split(combine, o, leaves, total // d, hpb, d, p["n"])
 
 
 def fuse_o_combines(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
@@ -181,12 +195,14 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     """The kernel of a combine and the o split by head after it (templates/gemv_combine.cu); ``split`` is
     :func:`_split`'s, which checked the weights' placement."""
     combine, o, leaves, d, heads, n = split.combine, split.o, split.leaves, split.d, split.heads, as_expr(split.n)
+    hpb = split.hpb
+    ranks, db = heads // hpb, hpb * d
     ctx = KernelContext(tuple(dyn_vars), max_dyn=dict(max_dyn) if max_dyn else None)
     w_dt, r_dt, p_dt = program.ops[o.args[1].src].dtype, combine.dtype, o.dtype
     vec = 16 // w_dt.itemsize
-    vectors = d // vec
+    vectors = db // vec
     lpc, nv = min(32, vectors), max(1, vectors // 32)
-    threads = max(64, -(-max(d, 2 * ROUND) // 32) * 32)
+    threads = max(64, -(-max(db, 2 * ROUND * hpb) // 32) * 32)
     segs, warps = 32 // lpc, threads // 32
     if COLS % (warps * segs):
         raise CodegenError(f"{COLS} columns do not split over {warps} warps of {segs} segments")
@@ -207,6 +223,7 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     ns = as_expr(combine.args[0].view.shape[-1])         # the chunks
     ctx.bound_var("lum_j", ns + ROUND)
     ctx.var_bounds["lum_h"] = (0, heads - 1)
+    ctx.var_bounds["lum_r"] = (0, ranks - 1)
 
     def at(k: int, feature: Expr) -> str:
         view = combine.args[k].view
@@ -222,15 +239,15 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     p = {k: as_expr(o.params.get(k, v)) for k, v in (("ldb", None), ("offset_b", 0))}
     lum_c, lum_k = Var("lum_c"), Var("lum_k")
     ctx.bound_var("lum_c", n + COLS)
-    ctx.bound_var("lum_k", as_expr(d))
-    b_at = p["offset_b"] + lum_c * p["ldb"] + Var("lum_h") * d + lum_k        # B(h·D + k, column c)
+    ctx.bound_var("lum_k", as_expr(db))
+    b_at = p["offset_b"] + lum_c * p["ldb"] + Var("lum_r") * db + lum_k       # B(r·DB + k, column c)
     out_at = lum_c
     ctx.exprs += [b_at, out_at]
     groups = -(-n.value // COLS)
     body = render(load_template("gemv_combine.cu"), {
         "KERNEL": ENTRY_PLACEHOLDER, "THREADS": threads, "MIN_BLOCKS": ", 3" if 3 * threads <= 2048 else "",
         "IDX_T": "@IDX_T@", "PARAMS": ", ".join(pp.ctype for pp in params), "DYN_LOADS": "@DYN_LOADS_NOWAIT@",
-        "D": d, "COLS": COLS, "ROUND": ROUND, "VEC": vec, "LPC": lpc, "NV": nv, "CPS": cps, "HEADS": heads,
+        "D": d, "COLS": COLS, "ROUND": ROUND, "VEC": vec, "LPC": lpc, "NV": nv, "CPS": cps, "HPB": hpb, "RANKS": ranks,
         "GROUPS": groups,
         "W_T": STORAGE_C[w_dt], "W_PTR": w_p, "W_LOAD": load_conv(w_dt, "lum_wv[e]"),
         "R_ROUND": load_conv(r_dt, store_conv("f", "lum_y", r_dt)), "OUT": out_p,
@@ -247,11 +264,11 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     digest = hashlib.sha256(f"o_combine\n{body}".encode()).hexdigest()[:16]
     name = f"lum_reduce_sum_o_{digest}"
     body = body.replace(ENTRY_PLACEHOLDER, name)
-    smem = COLS * d * w_dt.itemsize
-    tuning = {"threads": threads, "cols": COLS, "round": ROUND, "o_combine": [combine.id, o.id],
+    smem = COLS * db * w_dt.itemsize
+    tuning = {"threads": threads, "cols": COLS, "round": ROUND, "heads_a_block": hpb, "o_combine": [combine.id, o.id],
               "index_bits": 32 if idx_t == "int" else 64}
-    grid = (as_expr(heads * groups), as_expr(1), as_expr(1))
+    grid = (as_expr(ranks * groups), as_expr(1), as_expr(1))
     return KernelSource(name=name, kind=combine.kind, op=combine.op, source=common_header() + "\n" + body,
-                        body=body, launches=(Launch(name, grid, (threads, 1, 1), smem, heads),),
+                        body=body, launches=(Launch(name, grid, (threads, 1, 1), smem, ranks),),
                         params=tuple(params), dyn_vars=tuple(dyn_vars), dyn_slots=slots, tuning=tuning,
                         tails=(o.id,), early=(w_p,))

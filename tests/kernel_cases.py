@@ -274,20 +274,21 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     expr = ["Mul", "f32", ["Mul", "f32", e, ["arg", 0]],
             ["Recip", "f32", ["RowSum", "f32", ["Mul", "f32", e, ["arg", 2]]]]]
 
-    def combine(case: str, key: str, ns: Any, dv: int, far: tuple[int, int], **out: Any) -> None:
-        """Decode attention's combine of [2, 3] rows of ``ns`` chunk partials [acc[0..dv), c, l] as op ``key``:
-        integer offsets c with whole chunks masked (c = -inf, the first one among them) and chunk ns / 2 of
-        row ``far`` far above the rest."""
-        nsv = n_of(ns)
-        part = rng.uniform(0.25, 4.0, (2, 3, nsv, dv + 2)) * rng.choice([-1.0, 1.0], (2, 3, nsv, dv + 2))
-        part[..., dv] = rng.integers(-8, 9, (2, 3, nsv))
-        part[..., dv][rng.random((2, 3, nsv)) < 0.2] = -np.inf
+    def combine(case: str, key: str, ns: Any, dv: int, far: tuple[int, int], rows: tuple[int, int] = (2, 3),
+                **out: Any) -> None:
+        """Decode attention's combine of ``rows`` rows (heads) of ``ns`` chunk partials [acc[0..dv), c, l] as op
+        ``key``: integer offsets c with whole chunks masked (c = -inf, the first one among them) and chunk ns / 2
+        of row ``far`` far above the rest."""
+        nsv, (r0, r1) = n_of(ns), rows
+        part = rng.uniform(0.25, 4.0, (r0, r1, nsv, dv + 2)) * rng.choice([-1.0, 1.0], (r0, r1, nsv, dv + 2))
+        part[..., dv] = rng.integers(-8, 9, (r0, r1, nsv))
+        part[..., dv][rng.random((r0, r1, nsv)) < 0.2] = -np.inf
         part[:, :, 0, dv] = -np.inf
         part[far + (nsv // 2, dv)] = 40.0
         part[..., dv + 1] = np.abs(part[..., dv + 1])
-        xp = inp(case, 0, 6 * ns * (dv + 2), f32, data=part.astype(np.float32).ravel())
-        row = ShapeTracker((as_expr(2), as_expr(3), as_expr(dv), ns),
-                           (3 * ns * (dv + 2), ns * (dv + 2), as_expr(1), as_expr(dv + 2)), as_expr(0))
+        xp = inp(case, 0, r0 * r1 * ns * (dv + 2), f32, data=part.astype(np.float32).ravel())
+        row = ShapeTracker((as_expr(r0), as_expr(r1), as_expr(dv), ns),
+                           (r1 * ns * (dv + 2), ns * (dv + 2), as_expr(1), as_expr(dv + 2)), as_expr(0))
 
         def col(off: int) -> ShapeTracker:
             return ShapeTracker(row.shape, row.strides[:2] + (as_expr(0), row.strides[3]), as_expr(off))
@@ -295,7 +296,7 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
         b.op(f"{case}.neg", "constant", "Constant", [], (), f32, {"value": -1.0})
         b.op(key, "reduce", "Sum", [(xp, row), (xp, col(dv)), (xp, col(dv + 1)),
                                     (f"{case}.neg", ShapeTracker(row.shape, (as_expr(0),) * 4, as_expr(0)))],
-             (2, 3, dv), dt, {"axis": 3, "expr": expr}, **out)
+             (r0, r1, dv), dt, {"axis": 3, "expr": expr}, **out)
 
     # the combine alone over s + 40 chunks (more than a warp's lanes: each lane meets a new maximum and
     # rescales): the one-visit row (row_codegen.online_softmax_sum) against the reference
@@ -304,17 +305,20 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     # chunks (two rounds of the fused kernel's loads at the run's s = 5, at most 31 at MAX_SEQ: it fuses), o
     # over 96 columns (a second column group, part full). By default the combine and o run as one kernel split
     # by head (templates/gemv_combine.cu, a cluster of 6 blocks); tests/test_cuda_emulated.py's two-kernels
-    # variant keeps two
-    case, hd, heads_n, ncol = "o.combine", 16, 6, 96
-    combine(case, f"{case}.comb", cdiv(s + 60, 4), hd, (1, 0))
-    w = inp(case, 1, ncol * heads_n * hd, dt)
-    b.arrays[w] = (b.arrays[w].astype(np.float32) / 8).astype(dt.np)
-    params = {"layout": "RmCm", "m": 1, "n": ncol, "k": heads_n * hd, "lda": heads_n * hd, "ldb": heads_n * hd,
-              "ldc": ncol, "batch": 1, "stride_a": 0, "stride_b": 0, "stride_c": ncol, "offset_a": 0, "offset_b": 0}
-    b.op(case, "gemm", "Gemm", [(f"{case}.comb", ShapeTracker.contiguous((heads_n * hd,))),
-                                (w, ShapeTracker.contiguous((ncol * heads_n * hd,)))],
-         (1, 1, ncol), f32, {k: as_expr(v) if not isinstance(v, str) else v for k, v in params.items()},
-         output=f"{case}.y", case_kind="row", tol=tol if dt == f32 else 2e-2)
+    # variant keeps two. ``o.combine.grouped``: 12 heads (3 × 4 rows), more than a cluster's 8 blocks, so each of
+    # its 6 blocks takes two heads (o_combine.heads_a_block)
+    for case, rows in (("o.combine", (2, 3)), ("o.combine.grouped", (3, 4))):
+        hd, heads_n, ncol = 16, rows[0] * rows[1], 96
+        combine(case, f"{case}.comb", cdiv(s + 60, 4), hd, (1, 0), rows)
+        w = inp(case, 1, ncol * heads_n * hd, dt)
+        b.arrays[w] = (b.arrays[w].astype(np.float32) / 8).astype(dt.np)
+        params = {"layout": "RmCm", "m": 1, "n": ncol, "k": heads_n * hd, "lda": heads_n * hd, "ldb": heads_n * hd,
+                  "ldc": ncol, "batch": 1, "stride_a": 0, "stride_b": 0, "stride_c": ncol, "offset_a": 0,
+                  "offset_b": 0}
+        b.op(case, "gemm", "Gemm", [(f"{case}.comb", ShapeTracker.contiguous((heads_n * hd,))),
+                                    (w, ShapeTracker.contiguous((ncol * heads_n * hd,)))],
+             (1, 1, ncol), f32, {k: as_expr(v) if not isinstance(v, str) else v for k, v in params.items()},
+             output=f"{case}.y", case_kind="row", tol=tol if dt == f32 else 2e-2)
     # iota in the dtype and in i64
     for odt in (dt, DType.i64):
         case = f"iota.{odt.value}"

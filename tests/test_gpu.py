@@ -89,15 +89,17 @@ def test_template_matches_reference(dt, name, tmp_path_factory):
 
 @pytest.mark.parametrize("dt", DTYPES, ids=lambda v: v.value)
 def test_o_combine_kernel_matches_reference(dt, tmp_path):
-    """The kernel cases (``LUM_O_COMBINE=1``, the default): the ``o.combine`` case's combine and o run as one kernel
-    split by head (templates/gemv_combine.cu: clusters of 6 blocks, two rounds of chunks, masked chunks, a far
-    maximum, a part-full column group), against the reference backend, the arena poisoned."""
+    """The kernel cases (``LUM_O_COMBINE=1``, the default): the ``o.combine`` cases' combine and o run as one kernel
+    split by head (templates/gemv_combine.cu: clusters of 6 blocks, a head a block or two, two rounds of chunks,
+    masked chunks, a far maximum, a part-full column group), against the reference backend, the arena poisoned."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LUM_O_COMBINE", "1")
         prog, arrays, b = template_cases(dt)
         path = write_case_package(tmp_path / f"o-combine.{dt.value}.lumpkg", prog, b)
     pkg = lum.loader.open(path)
-    assert any(op.tuning.get("o_combine") for g in pkg.manifest.groups if g.table is not None for op in g.table.ops)
+    hpb = sorted(op.tuning["heads_a_block"] for g in pkg.manifest.groups if g.table is not None
+                 for op in g.table.ops if op.tuning.get("o_combine"))
+    assert hpb == [1, 2], hpb
     ref = pkg.session(dyn=BOUNDS, backend="reference")
     ref.load_state(b.state_init)
     want = ref.run("main", arrays, DYN)
@@ -105,8 +107,9 @@ def test_o_combine_kernel_matches_reference(dt, tmp_path):
         sess.load_state(b.state_init)
         sess.runner.fill_arena(0xFF)
         got = sess.run("main", arrays, DYN)
-    err = compare(got["o.combine.y"], want["o.combine.y"], b.tol["o.combine.y"])
-    assert err is None, err
+    for key in ("o.combine.y", "o.combine.grouped.y"):
+        err = compare(got[key], want[key], b.tol[key])
+        assert err is None, (key, err)
 
 
 # ============================================================================ (b) gemm

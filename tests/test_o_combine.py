@@ -9,7 +9,7 @@ import pytest
 
 from lum.builder import nvrtc
 from lum.builder.kernels import default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
-from lum.builder.o_combine import MAX_CHUNKS, CombineLeaves, combine_leaves, o_combine_enabled
+from lum.builder.o_combine import MAX_CHUNKS, CombineLeaves, combine_leaves, heads_a_block, o_combine_enabled
 from lum.format.dtypes import DType
 
 
@@ -39,10 +39,10 @@ def test_the_switch_is_on_by_default_and_refuses_other_values(monkeypatch):
 
 
 def test_no_fusion_past_the_chunks_two_rounds_take_or_without_a_combine(monkeypatch):
-    """At max_seq 2,048 (128 chunks of 16 keys, past MAX_CHUNKS) the two kernels stay; so do prefill's kernels
-    (no decode attention) and llama3-1b's (32 heads: more than a cluster's blocks)."""
+    """At max_seq 2,048 (128 chunks of 16 keys, past MAX_CHUNKS) the two kernels stay, for gemma3-4b and llama3-1b;
+    so do prefill's kernels (no decode attention)."""
     monkeypatch.setenv("LUM_O_COMBINE", "1")
-    for model, max_seq in (("gemma3-4b", 2048), ("llama3-1b", 512)):
+    for model, max_seq in (("gemma3-4b", 2048), ("llama3-1b", 2048)):
         prog, dv = _layer(model, max_seq)
         ks = group_kernel_sources(prog, dv, default_max_dyn(dv, max_seq))
         assert not any("o_combine" in k.tuning for k in ks.values()), model
@@ -89,6 +89,30 @@ def test_the_fused_kernel_replaces_the_combine_and_o(monkeypatch):
     ks = group_kernel_sources(plain, dv, default_max_dyn(dv, 512), arch="sm_80")
     assert not any("o_combine" in k.tuning for k in ks.values())
     assert [(o.kind, o.op, o.shape) for o in plain.ops] == [(o.kind, o.op, o.shape) for o in prog.ops]
+
+
+def test_llama_groups_four_heads_a_block(monkeypatch):
+    """llama3-1b's 32 heads of 64 are more than a cluster's 8 blocks: each block takes 4 consecutive heads (256 of
+    o's inputs, 32 KB of weights a block), 32 column groups in clusters of 8, and the module compiles."""
+    monkeypatch.setenv("LUM_O_COMBINE", "1")
+    prog, dv = _layer("llama3-1b", 512)
+    ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
+    (fused,) = [k for k in ks.values() if "o_combine" in k.tuning]
+    assert fused.tuning["heads_a_block"] == 4
+    launch = fused.launches[0]
+    assert launch.grid[0].value == 8 * 32 and launch.cluster == 8 and launch.shared_mem == 64 * 256 * 2
+    assert launch.block == (256, 1, 1)
+    res = nvrtc.compile_cuda(fused.source, "sm_90", name="o_combine.cu")
+    assert res.ptx.count(".entry") == 1 and "st.shared::cluster" in res.ptx
+
+
+def test_heads_a_block_is_the_fewest_that_fit_a_cluster():
+    """Heads a block: 1 up to a cluster's 8 blocks, then the fewest dividing the heads into at most 8 (12 → 2,
+    32 → 4, 40 → 5, a prime 11 → all 11 in one block); none where a block's inputs would pass 512 (its threads)."""
+    assert [heads_a_block(h, 64) for h in (1, 6, 8, 12, 32, 40)] == [1, 1, 1, 2, 4, 5]
+    assert heads_a_block(8, 256) == 1 and heads_a_block(16, 256) == 2
+    assert heads_a_block(11, 16) == 11
+    assert heads_a_block(32, 256) is None and heads_a_block(11, 64) is None   # 4 × 256 and 11 × 64 inputs
 
 
 def test_combine_leaves_and_their_near_misses(monkeypatch):
