@@ -154,3 +154,72 @@ __device__ __forceinline__ void fp_fused(const float* x, const unsigned short* W
 FP_FUSED(1)
 FP_FUSED(2)
 FP_FUSED(4)
+
+// fp_sliced: one block an SM, no dependency between blocks. Block b takes h rows [r0, r1) (H / gridDim.x of
+// them): their gate and up dots (a warp a row, as above), h into shared memory, then its partial of out over
+// those rows, from down's weight stored transposed (WdT [H, N2] row-major: the block's rows are contiguous), and
+// adds that partial into out with float atomics (zeroed before the stretch: a memset node). So gate-up's and
+// down's weights stream through one kernel with no boundary and no wait between them; only the atomics' order
+// varies from run to run.
+constexpr int FS_T = 640;                  // threads: 20 warps; in the down part, 2 halves of 320 threads
+constexpr int FS_NV = FP_N2 / 8;           // 16-byte vectors a WdT row
+constexpr int FS_MAX_R = 96;               // h rows a block at most (H / 107 blocks)
+constexpr int FS_BATCH = 8;                // WdT vectors a thread keeps in flight
+
+extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, const unsigned short* Wg,
+    const unsigned short* Wu, const unsigned short* WdT, float* out) {
+  static_assert(FS_T == 2 * FS_NV, "two halves of one thread a WdT vector");
+  __shared__ __align__(16) float xs[FP_K1];
+  __shared__ float hs[FS_MAX_R];
+  __shared__ __align__(16) float part[FS_NV * 8];
+  lum_pdl_trigger();
+  lum_pdl_wait();
+  const int r0 = (int)((long long)blockIdx.x * FP_H / gridDim.x);
+  const int r1 = (int)((long long)(blockIdx.x + 1) * FP_H / gridDim.x);
+  for (int k = (int)threadIdx.x * 4; k < FP_K1; k += FS_T * 4)
+    *reinterpret_cast<float4*>(xs + k) = __ldcg(reinterpret_cast<const float4*>(x + k));
+  __syncthreads();
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+  for (int i = warp; i < r1 - r0; i += FS_T / 32) {
+    const int c = r0 + i;
+    const float g = fp_dot<FP_K1 / 256>(Wg + (size_t)c * FP_K1, xs);
+    const float u = fp_dot<FP_K1 / 256>(Wu + (size_t)c * FP_K1, xs);
+    if (lane == 0) hs[i] = 2.0f * g / (1.0f + __expf(-u));
+  }
+  __syncthreads();
+  const int v = (int)threadIdx.x % FS_NV, half = (int)threadIdx.x / FS_NV;
+  const unsigned long long policy = lum_evict_first_policy();
+  float acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+  for (int i0 = r0 + half; i0 < r1; i0 += 2 * FS_BATCH) {
+    uint4 raw[FS_BATCH];
+#pragma unroll
+    for (int b = 0; b < FS_BATCH; ++b) {
+      const int i = i0 + 2 * b;
+      if (i < r1) raw[b] = fp_load_stream(WdT + (size_t)i * FP_N2 + v * 8, policy);
+    }
+#pragma unroll
+    for (int b = 0; b < FS_BATCH; ++b) {
+      const int i = i0 + 2 * b;
+      if (i < r1) {
+        const float hv = hs[i - r0];
+        const unsigned r[4] = {raw[b].x, raw[b].y, raw[b].z, raw[b].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[2 * e] += hv * __uint_as_float(r[e] << 16);
+          acc[2 * e + 1] += hv * __uint_as_float(r[e] & 0xffff0000u);
+        }
+      }
+    }
+  }
+  if (half == 1) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part[v * 8 + e] = acc[e];
+  }
+  __syncthreads();
+  if (half == 0) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) atomicAdd(out + v * 8 + e, acc[e] + part[v * 8 + e]);
+  }
+}

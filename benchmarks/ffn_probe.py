@@ -12,7 +12,11 @@ one before's output) in one CUDA graph, the weights alternating between two copi
 * ``fused1`` / ``fused2`` / ``fused4``: one persistent kernel (the blocks the SMs hold at once) walking the
   gate-up items then the down items, down's K split in S = 1 / 2 / 4 slices: a down item starts as soon
   as the gate-up items of its h slice are counted done, so down's weights stream while gate-up's last
-  items finish (no kernel boundary, no drain between them).
+  items finish (no kernel boundary, no drain between them);
+* ``sliced`` / ``sliced128``: one kernel of one block an SM (132 / 128 blocks) with no wait between blocks:
+  block b computes h over its own rows (H / blocks of them) and adds its partial of down over those rows into
+  out with float atomics, from down's weight stored transposed (its rows contiguous); out is zeroed by a memset
+  node at the chain's start. Gate-up's and down's weights stream as one pass, with one ramp and one tail.
 
 Why: lum's gate-up and down each stream at ≈ 3.9 TB/s (26.4 and 14.0 µs isolated, 27.0 and 13.6 in the
 step), where the LM head, the same GEMV code over 1.3 GB, streams at 4.5 TB/s. The sweep's two gate-up
@@ -44,7 +48,8 @@ set_log_tag("ffn-probe")
 
 THREADS, ROWS_AN_ITEM = 128, 4
 K1, H, N2 = 2560, 10240, 2560                 # ffn_probe.cu FP_K1, FP_H, FP_N2
-MODES = ("two", "two-plain", "fused1", "fused2", "fused4")
+MODES = ("two", "two-plain", "fused1", "fused2", "fused4", "sliced", "sliced128")
+SLICED_THREADS = 640                          # ffn_probe.cu FS_T
 COPIES = 2
 TOLERANCE = 1e-4
 
@@ -94,30 +99,41 @@ def main(argv=None) -> int:
     x0 = rng.standard_normal(K1).astype(np.float32)
     dense = dense_sets(sets)
     bufs = [tuple(dev.upload(w) for w in s) for s in sets]
+    wdt_bufs = [dev.upload(np.ascontiguousarray(s[2].T)) for s in sets]     # down's weight transposed [H, N2]
     x_buf = dev.upload(x0)
     h_bufs = [dev.buffer(H * 4) for _ in range(n)]
     out_bufs = [dev.buffer(N2 * 4) for _ in range(n)]
     err_buf = dev.buffer(4)
     f_gu, f_dn = dev.module.function("fp_gateup"), dev.module.function("fp_down")
+    f_sl = dev.module.function("fp_sliced")
     sms = dev.info.multiprocessors
     wbytes = (2 * H * K1 + N2 * H) * 2
     results = {}
     for mode in MODES:
-        fused = mode.startswith("fused")
+        fused, sliced = mode.startswith("fused"), mode.startswith("sliced")
         slices = int(mode[5:]) if fused else 1
         ctr = dev.buffer(n * 16)
         cu.memset(ctr.ptr, 0, n * 16, dev.stream)
         cu.memset(err_buf.ptr, 0, 4, dev.stream)
         f = dev.module.function(f"fp_fused_{slices}") if fused else None
-        per_sm = [cu.call(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, g, THREADS, 0)
-                  for g in ((f,) if fused else (f_gu, f_dn))]
-        grid = sms * per_sm[0] if fused else 0
+        per_sm = [cu.call(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, g, t, 0)
+                  for g, t in (((f_sl, SLICED_THREADS),) if sliced else ((f, THREADS),) if fused
+                               else ((f_gu, THREADS), (f_dn, THREADS)))]
+        grid = sms * per_sm[0] if fused else (int(mode[6:]) if mode[6:] else sms) if sliced else 0
         pdl = mode != "two-plain"
 
-        def rec(st, fused=fused, f=f, grid=grid, pdl=pdl, ctr=ctr) -> None:
+        def rec(st, fused=fused, sliced=sliced, f=f, grid=grid, pdl=pdl, ctr=ctr) -> None:
+            if sliced:
+                for b in out_bufs:
+                    cu.memset(b.ptr, 0, N2 * 4, st)
             for s in range(n):
                 x = x_buf.ptr if s == 0 else out_bufs[s - 1].ptr
                 wg, wu, wd = (b.ptr for b in bufs[order[s]])
+                if sliced:
+                    cu.launch_kernel(f_sl, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
+                                     dev.pack([x, wg, wu, wdt_bufs[order[s]].ptr, out_bufs[s].ptr]),
+                                     programmatic=s > 0)
+                    continue
                 if fused:
                     cu.launch_kernel(f, (grid, 1, 1), (THREADS, 1, 1), 0, st,
                                      dev.pack([x, wg, wu, h_bufs[s].ptr, wd, out_bufs[s].ptr, ctr.ptr + 16 * s,
