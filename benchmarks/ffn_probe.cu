@@ -186,19 +186,25 @@ extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, 
     const float u = fp_dot<FP_K1 / 256>(Wu + (size_t)c * FP_K1, xs);
     if (lane == 0) hs[i] = 2.0f * g / (1.0f + __expf(-u));
   }
-  __syncthreads();
+  // down's first batch of weights is loaded before the barrier that waits for the block's h (they do not
+  // depend on it), so the bus sees no gap between the block's two parts
   const int v = (int)threadIdx.x % FS_NV, half = (int)threadIdx.x / FS_NV;
   const unsigned long long policy = lum_evict_first_policy();
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-  for (int i0 = r0 + half; i0 < r1; i0 += 2 * FS_BATCH) {
-    uint4 raw[FS_BATCH];
+  uint4 raw[FS_BATCH];
+  auto load_batch = [&](int i0) {
 #pragma unroll
     for (int b = 0; b < FS_BATCH; ++b) {
       const int i = i0 + 2 * b;
       if (i < r1) raw[b] = fp_load_stream(WdT + (size_t)i * FP_N2 + v * 8, policy);
     }
+  };
+  load_batch(r0 + half);
+  __syncthreads();
+  for (int i0 = r0 + half; i0 < r1; i0 += 2 * FS_BATCH) {
+    if (i0 != r0 + half) load_batch(i0);
 #pragma unroll
     for (int b = 0; b < FS_BATCH; ++b) {
       const int i = i0 + 2 * b;
