@@ -166,8 +166,10 @@ constexpr int FS_NV = FP_N2 / 8;           // 16-byte vectors a WdT row
 constexpr int FS_MAX_R = 96;               // h rows a block at most (H / 107 blocks)
 constexpr int FS_BATCH = 8;                // WdT vectors a thread keeps in flight
 
-extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, const unsigned short* Wg,
-    const unsigned short* Wu, const unsigned short* WdT, float* out) {
+constexpr float FS_SCALE = 16777216.0f;    // fp_sliced_fixed: 2^24 a unit
+template <bool FIXED>
+__device__ __forceinline__ void fp_sliced_body(const float* x, const unsigned short* Wg, const unsigned short* Wu,
+    const unsigned short* WdT, float* out, unsigned long long* fix, unsigned* ctr) {
   static_assert(FS_T == 2 * FS_NV, "two halves of one thread a WdT vector");
   __shared__ __align__(16) float xs[FP_K1];
   __shared__ float hs[FS_MAX_R];
@@ -226,6 +228,37 @@ extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, 
   __syncthreads();
   if (half == 0) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) atomicAdd(out + v * 8 + e, acc[e] + part[v * 8 + e]);
+    for (int e = 0; e < 8; ++e) {
+      const float t = acc[e] + part[v * 8 + e];
+      if (FIXED) atomicAdd(fix + v * 8 + e, (unsigned long long)__float2ll_rn(t * FS_SCALE));
+      else atomicAdd(out + v * 8 + e, t);
+    }
   }
+  if (FIXED) {   // the last block to count itself done converts the sums to floats and zeroes them again
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last = atomicAdd(ctr, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      for (int j = (int)threadIdx.x; j < FP_N2; j += FS_T)
+        out[j] = (float)(long long)atomicExch(fix + j, 0ull) * (1.0f / FS_SCALE);
+      if (threadIdx.x == 0) *ctr = 0u;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, const unsigned short* Wg,
+    const unsigned short* Wu, const unsigned short* WdT, float* out) {
+  fp_sliced_body<false>(x, Wg, Wu, WdT, out, nullptr, nullptr);
+}
+
+// The same with the partials added as 64-bit fixed point (2^24 a unit: integer sums, the same in any order), the
+// last block converting them into out: deterministic, and out needs no zeroing before the kernel.
+extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_fixed(const float* x, const unsigned short* Wg,
+    const unsigned short* Wu, const unsigned short* WdT, float* out, unsigned long long* fix, unsigned* ctr) {
+  fp_sliced_body<true>(x, Wg, Wu, WdT, out, fix, ctr);
 }

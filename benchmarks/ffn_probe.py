@@ -16,7 +16,9 @@ one before's output) in one CUDA graph, the weights alternating between two copi
 * ``sliced`` / ``sliced128``: one kernel of one block an SM (132 / 128 blocks) with no wait between blocks:
   block b computes h over its own rows (H / blocks of them) and adds its partial of down over those rows into
   out with float atomics, from down's weight stored transposed (its rows contiguous); out is zeroed by a memset
-  node at the chain's start. Gate-up's and down's weights stream as one pass, with one ramp and one tail.
+  node at the chain's start. Gate-up's and down's weights stream as one pass, with one ramp and one tail;
+* ``sliced-fixed``: the same (132 blocks) adding its partials as 64-bit fixed point (integer sums: the same in
+  any order), the last block to finish converting them into out and zeroing them for the next stretch.
 
 Why: lum's gate-up and down each stream at ≈ 3.9 TB/s (26.4 and 14.0 µs isolated, 27.0 and 13.6 in the
 step), where the LM head, the same GEMV code over 1.3 GB, streams at 4.5 TB/s. The sweep's two gate-up
@@ -48,7 +50,7 @@ set_log_tag("ffn-probe")
 
 THREADS, ROWS_AN_ITEM = 128, 4
 K1, H, N2 = 2560, 10240, 2560                 # ffn_probe.cu FP_K1, FP_H, FP_N2
-MODES = ("two", "two-plain", "fused1", "fused2", "fused4", "sliced", "sliced128")
+MODES = ("two", "two-plain", "fused1", "fused2", "fused4", "sliced", "sliced128", "sliced-fixed")
 SLICED_THREADS = 640                          # ffn_probe.cu FS_T
 COPIES = 2
 TOLERANCE = 1e-4
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
     out_bufs = [dev.buffer(N2 * 4) for _ in range(n)]
     err_buf = dev.buffer(4)
     f_gu, f_dn = dev.module.function("fp_gateup"), dev.module.function("fp_down")
-    f_sl = dev.module.function("fp_sliced")
+    f_sl, f_sf = dev.module.function("fp_sliced"), dev.module.function("fp_sliced_fixed")
+    fix_buf = dev.buffer(N2 * 8)                # sliced-fixed's sums (zeroed once; the kernel re-zeroes them)
     sms = dev.info.multiprocessors
     wbytes = (2 * H * K1 + N2 * H) * 2
     results = {}
@@ -119,16 +122,24 @@ def main(argv=None) -> int:
         per_sm = [cu.call(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor, g, t, 0)
                   for g, t in (((f_sl, SLICED_THREADS),) if sliced else ((f, THREADS),) if fused
                                else ((f_gu, THREADS), (f_dn, THREADS)))]
-        grid = sms * per_sm[0] if fused else (int(mode[6:]) if mode[6:] else sms) if sliced else 0
+        grid = sms * per_sm[0] if fused else (int(mode[6:]) if mode[6:].isdigit() else sms) if sliced else 0
+        fixed = mode == "sliced-fixed"
+        if fixed:
+            cu.memset(fix_buf.ptr, 0, N2 * 8, dev.stream)
         pdl = mode != "two-plain"
 
-        def rec(st, fused=fused, sliced=sliced, f=f, grid=grid, pdl=pdl, ctr=ctr) -> None:
-            if sliced:
+        def rec(st, fused=fused, sliced=sliced, fixed=fixed, f=f, grid=grid, pdl=pdl, ctr=ctr) -> None:
+            if sliced and not fixed:
                 for b in out_bufs:
                     cu.memset(b.ptr, 0, N2 * 4, st)
             for s in range(n):
                 x = x_buf.ptr if s == 0 else out_bufs[s - 1].ptr
                 wg, wu, wd = (b.ptr for b in bufs[order[s]])
+                if fixed:
+                    cu.launch_kernel(f_sf, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
+                                     dev.pack([x, wg, wu, wdt_bufs[order[s]].ptr, out_bufs[s].ptr, fix_buf.ptr,
+                                               ctr.ptr]), programmatic=s > 0)
+                    continue
                 if sliced:
                     cu.launch_kernel(f_sl, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
                                      dev.pack([x, wg, wu, wdt_bufs[order[s]].ptr, out_bufs[s].ptr]),
