@@ -167,6 +167,21 @@ constexpr int FS_MAX_R = 96;               // h rows a block at most (H / 107 bl
 constexpr int FS_BATCH = 8;                // WdT vectors a thread keeps in flight
 
 constexpr float FS_SCALE = 16777216.0f;    // fp_sliced_fixed: 2^24 a unit
+// The sliced kernels' first part: x staged, then h over rows [r0, r1) (a warp a row) into hs.
+__device__ __forceinline__ void fs_gate_up(const float* x, const unsigned short* Wg, const unsigned short* Wu,
+                                           int r0, int r1, float* xs, float* hs) {
+  for (int k = (int)threadIdx.x * 4; k < FP_K1; k += FS_T * 4)
+    *reinterpret_cast<float4*>(xs + k) = __ldcg(reinterpret_cast<const float4*>(x + k));
+  __syncthreads();
+  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+  for (int i = warp; i < r1 - r0; i += FS_T / 32) {
+    const int c = r0 + i;
+    const float g = fp_dot<FP_K1 / 256>(Wg + (size_t)c * FP_K1, xs);
+    const float u = fp_dot<FP_K1 / 256>(Wu + (size_t)c * FP_K1, xs);
+    if (lane == 0) hs[i] = 2.0f * g / (1.0f + __expf(-u));
+  }
+}
+
 template <bool FIXED>
 __device__ __forceinline__ void fp_sliced_body(const float* x, const unsigned short* Wg, const unsigned short* Wu,
     const unsigned short* WdT, float* out, unsigned long long* fix, unsigned* ctr) {
@@ -178,16 +193,7 @@ __device__ __forceinline__ void fp_sliced_body(const float* x, const unsigned sh
   lum_pdl_wait();
   const int r0 = (int)((long long)blockIdx.x * FP_H / gridDim.x);
   const int r1 = (int)((long long)(blockIdx.x + 1) * FP_H / gridDim.x);
-  for (int k = (int)threadIdx.x * 4; k < FP_K1; k += FS_T * 4)
-    *reinterpret_cast<float4*>(xs + k) = __ldcg(reinterpret_cast<const float4*>(x + k));
-  __syncthreads();
-  const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-  for (int i = warp; i < r1 - r0; i += FS_T / 32) {
-    const int c = r0 + i;
-    const float g = fp_dot<FP_K1 / 256>(Wg + (size_t)c * FP_K1, xs);
-    const float u = fp_dot<FP_K1 / 256>(Wu + (size_t)c * FP_K1, xs);
-    if (lane == 0) hs[i] = 2.0f * g / (1.0f + __expf(-u));
-  }
+  fs_gate_up(x, Wg, Wu, r0, r1, xs, hs);
   // down's first batch of weights is loaded before the barrier that waits for the block's h (they do not
   // depend on it), so the bus sees no gap between the block's two parts
   const int v = (int)threadIdx.x % FS_NV, half = (int)threadIdx.x / FS_NV;
@@ -261,4 +267,44 @@ extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, 
 extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_fixed(const float* x, const unsigned short* Wg,
     const unsigned short* Wu, const unsigned short* WdT, float* out, unsigned long long* fix, unsigned* ctr) {
   fp_sliced_body<true>(x, Wg, Wu, WdT, out, fix, ctr);
+}
+
+// fp_sliced_rm: fp_sliced over down's weight as stored ([N2, H] row-major, as lum's decode GEMV reads it): 128
+// blocks of 80 h rows, so each output's part of a block is one 160-byte run (10 vectors) of its row; a thread
+// takes two outputs at a time, their 20 vectors in flight, and adds its dots into out (float atomics).
+constexpr int FS_RM_R = 80;
+extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_rm(const float* x, const unsigned short* Wg,
+    const unsigned short* Wu, const unsigned short* Wd, float* out) {
+  __shared__ __align__(16) float xs[FP_K1];
+  __shared__ __align__(16) float hs[FS_RM_R];
+  lum_pdl_trigger();
+  lum_pdl_wait();
+  const int r0 = (int)blockIdx.x * FS_RM_R;
+  fs_gate_up(x, Wg, Wu, r0, r0 + FS_RM_R, xs, hs);
+  const unsigned long long policy = lum_evict_first_policy();
+  constexpr int V = FS_RM_R / 8;
+  uint4 raw[2][V];
+  auto load = [&](int j0) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int j = j0 + t * FS_T;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        if (j < FP_N2) raw[t][i] = fp_load_stream(Wd + (size_t)j * FP_K2 + r0 + 8 * i, policy);
+      }
+    }
+  };
+  load((int)threadIdx.x);
+  __syncthreads();
+  for (int j0 = (int)threadIdx.x; j0 < FP_N2; j0 += 2 * FS_T) {
+    if (j0 != (int)threadIdx.x) load(j0);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int j = j0 + t * FS_T;
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc = probe_dot8(acc, raw[t][i], hs + 8 * i);
+      if (j < FP_N2) atomicAdd(out + j, acc);
+    }
+  }
 }

@@ -18,7 +18,9 @@ one before's output) in one CUDA graph, the weights alternating between two copi
   out with float atomics, from down's weight stored transposed (its rows contiguous); out is zeroed by a memset
   node at the chain's start. Gate-up's and down's weights stream as one pass, with one ramp and one tail;
 * ``sliced-fixed``: the same (132 blocks) adding its partials as 64-bit fixed point (integer sums: the same in
-  any order), the last block to finish converting them into out and zeroing them for the next stretch.
+  any order), the last block to finish converting them into out and zeroing them for the next stretch;
+* ``sliced-rm``: ``sliced`` over down's weight as stored ([N2, H] row-major, as lum's GEMVs read it), 128 blocks
+  of 80 rows: each output's part of a block a 160-byte run of its row.
 
 Why: lum's gate-up and down each stream at ≈ 3.9 TB/s (26.4 and 14.0 µs isolated, 27.0 and 13.6 in the
 step), where the LM head, the same GEMV code over 1.3 GB, streams at 4.5 TB/s. The sweep's two gate-up
@@ -50,7 +52,7 @@ set_log_tag("ffn-probe")
 
 THREADS, ROWS_AN_ITEM = 128, 4
 K1, H, N2 = 2560, 10240, 2560                 # ffn_probe.cu FP_K1, FP_H, FP_N2
-MODES = ("two", "two-plain", "fused1", "fused2", "fused4", "sliced", "sliced128", "sliced-fixed")
+MODES = ("two", "two-plain", "fused1", "fused2", "fused4", "sliced", "sliced128", "sliced-fixed", "sliced-rm")
 SLICED_THREADS = 640                          # ffn_probe.cu FS_T
 COPIES = 2
 TOLERANCE = 1e-4
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     err_buf = dev.buffer(4)
     f_gu, f_dn = dev.module.function("fp_gateup"), dev.module.function("fp_down")
     f_sl, f_sf = dev.module.function("fp_sliced"), dev.module.function("fp_sliced_fixed")
+    f_rm = dev.module.function("fp_sliced_rm")
     fix_buf = dev.buffer(N2 * 8)                # sliced-fixed's sums (zeroed once; the kernel re-zeroes them)
     sms = dev.info.multiprocessors
     wbytes = (2 * H * K1 + N2 * H) * 2
@@ -123,6 +126,8 @@ def main(argv=None) -> int:
                   for g, t in (((f_sl, SLICED_THREADS),) if sliced else ((f, THREADS),) if fused
                                else ((f_gu, THREADS), (f_dn, THREADS)))]
         grid = sms * per_sm[0] if fused else (int(mode[6:]) if mode[6:].isdigit() else sms) if sliced else 0
+        if mode == "sliced-rm":
+            grid = H // 80                          # ffn_probe.cu FS_RM_R rows a block
         fixed = mode == "sliced-fixed"
         if fixed:
             cu.memset(fix_buf.ptr, 0, N2 * 8, dev.stream)
@@ -139,6 +144,10 @@ def main(argv=None) -> int:
                     cu.launch_kernel(f_sf, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
                                      dev.pack([x, wg, wu, wdt_bufs[order[s]].ptr, out_bufs[s].ptr, fix_buf.ptr,
                                                ctr.ptr]), programmatic=s > 0)
+                    continue
+                if mode == "sliced-rm":
+                    cu.launch_kernel(f_rm, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
+                                     dev.pack([x, wg, wu, wd, out_bufs[s].ptr]), programmatic=s > 0)
                     continue
                 if sliced:
                     cu.launch_kernel(f_sl, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
