@@ -6,8 +6,8 @@ GEMV over all heads' outputs) reads that: two kernels and a link between them, �
 benchmarks/o_combine_probe.py on an H100, where o with its input computed before took 10.4 µs of the 13.3 a link.
 Each of o's blocks could combine the partials itself if it read only one head's, so here o is split over k by
 head inside one kernel (``templates/gemv_combine.cu``): a thread block cluster per group of 64 output columns, a
-block per head (or per group of consecutive heads, where the heads are more than a cluster's blocks: llama3-1b's
-32 heads of 64 as 8 blocks of 4), which combines its heads' partials and dots them with their weights (copied into
+block per head (with ``$LUM_O_COMBINE=grouped`` also a block per group of consecutive heads, where the heads are
+more than a cluster's blocks: llama3-1b's 32 heads of 64 as 8 blocks of 4), which combines its heads' partials and dots them with their weights (copied into
 shared memory before its wait); the blocks then push their columns into the shared memory of the block that owns
 them, and after one cluster barrier each owner sums its columns over the blocks in rank order. The LLIR keeps both ops,
 the launch table names the combine the kernel and o its tail (the combine's output is never stored), and the sum
@@ -27,7 +27,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from lum.builder.env_switches import CodegenError, env_switch
+from lum.builder.env_switches import CodegenError, env_choice
 from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
@@ -39,7 +39,7 @@ from lum.format.expr import Expr, Var, as_expr
 from lum.format.llir import LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
-__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "fuse_o_combines", "CombineLeaves", "combine_leaves", "MAX_CHUNKS",
+__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "o_combine_grouped", "fuse_o_combines", "CombineLeaves", "combine_leaves", "MAX_CHUNKS",
            "MAX_RANKS", "MAX_BLOCK_INPUTS", "heads_a_block"]
 
 ENV_O_COMBINE = "LUM_O_COMBINE"
@@ -51,11 +51,21 @@ COLS = 64               # output columns a block
 _VEC_DTYPES = (DType.bf16, DType.f16, DType.f32)
 
 
+def _mode() -> str | None:
+    return env_choice(ENV_O_COMBINE, {"0": None, "1": "heads", "grouped": "grouped"}, "1")
+
+
 def o_combine_enabled() -> bool:
-    """``$LUM_O_COMBINE``: ``1`` (the default) splits o by head with the combine inside it, ``0`` keeps both
-    kernels. Measured on an H100 (gemma3-4b bf16, two same-run pairs in either order, tokens equal): +0.4% and
-    +0.3% (benchmarks/NOTES.md)."""
-    return env_switch(ENV_O_COMBINE, default=True)
+    """``$LUM_O_COMBINE``: ``1`` (the default) splits o by head with the combine inside it where the heads are a
+    cluster's blocks at most, ``grouped`` also where they are more (consecutive heads a block), ``0`` keeps both
+    kernels. Measured on an H100 (benchmarks/NOTES.md, same-run pairs, tokens equal): gemma3-4b bf16 +0.4%, +0.3%
+    and −0.3%; llama3-1b ``grouped`` −0.2% twice, so llama's 32 heads keep two kernels by default."""
+    return _mode() is not None
+
+
+def o_combine_grouped() -> bool:
+    """Whether ``$LUM_O_COMBINE`` is ``grouped``: heads past a cluster's blocks grouped into its blocks."""
+    return _mode() == "grouped"
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,7 @@ def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]],
     if b_dt not in _VEC_DTYPES or a_dt not in _VEC_DTYPES or o.dtype not in _VEC_DTYPES:
         return None
     hpb = heads_a_block(total // d, d)
-    if hpb is None:
+    if hpb is None or (hpb > 1 and not o_combine_grouped()):
         return None
     vec = 16 // b_dt.itemsize
     vectors = hpb * d // vec

@@ -305,8 +305,8 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     # chunks (two rounds of the fused kernel's loads at the run's s = 5, at most 31 at MAX_SEQ: it fuses), o
     # over 96 columns (a second column group, part full). By default the combine and o run as one kernel split
     # by head (templates/gemv_combine.cu, a cluster of 6 blocks); tests/test_cuda_emulated.py's two-kernels
-    # variant keeps two. ``o.combine.grouped``: 12 heads (3 × 4 rows), more than a cluster's 8 blocks, so each of
-    # its 6 blocks takes two heads (o_combine.heads_a_block)
+    # variant keeps two. ``o.combine.grouped``: 12 heads (3 × 4 rows), more than a cluster's 8 blocks, so with
+    # LUM_O_COMBINE=grouped each of its 6 blocks takes two heads (o_combine.heads_a_block), else two kernels
     for case, rows in (("o.combine", (2, 3)), ("o.combine.grouped", (3, 4))):
         hd, heads_n, ncol = 16, rows[0] * rows[1], 96
         combine(case, f"{case}.comb", cdiv(s + 60, 4), hd, (1, 0), rows)

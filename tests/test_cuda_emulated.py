@@ -42,7 +42,8 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
-         "two-kernels": {"LUM_O_COMBINE": "0"}}
+         "two-kernels": {"LUM_O_COMBINE": "0"},
+         "o-grouped": {"LUM_O_COMBINE": "grouped"}}
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +366,9 @@ def test_fused_kernel_variants_match_reference(env, variant):
     ``row-multipass`` (``LUM_ROW_ONLINE=0``: decode attention's combine, and the ``row.combine`` case, visit their
     rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``two-kernels``
     (``LUM_O_COMBINE=0``: decode attention's combine and o as two kernels, where by default they are one, o split
-    by head in a thread block cluster: builder/o_combine.py). Every
+    by head in a thread block cluster: builder/o_combine.py) or ``o-grouped`` (``LUM_O_COMBINE=grouped``: that kernel
+    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block).
+    Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
@@ -420,6 +423,8 @@ print(json.dumps(out))
         assert len(fused) >= 5 and len({k for k, _ in fused}) >= 3, fused
     # the combine and o as one kernel (the o.combine case's, one a decode layer's) but in the two-kernels variant
     assert all((n > 0) == (variant != "two-kernels") for n in res["o_combines"].values()), res["o_combines"]
+    if variant == "o-grouped":         # the o.combine.grouped case fuses too: two such kernels a dtype
+        assert res["o_combines"]["f32"] == res["o_combines"]["bf16"] == 2, res["o_combines"]
     # the default preloads some GEMVs into shared memory (those behind small kernels); ``all`` every one
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":

@@ -89,11 +89,11 @@ def test_template_matches_reference(dt, name, tmp_path_factory):
 
 @pytest.mark.parametrize("dt", DTYPES, ids=lambda v: v.value)
 def test_o_combine_kernel_matches_reference(dt, tmp_path):
-    """The kernel cases (``LUM_O_COMBINE=1``, the default): the ``o.combine`` cases' combine and o run as one kernel
-    split by head (templates/gemv_combine.cu: clusters of 6 blocks, a head a block or two, two rounds of chunks,
-    masked chunks, a far maximum, a part-full column group), against the reference backend, the arena poisoned."""
+    """The kernel cases (``LUM_O_COMBINE=grouped``): the ``o.combine`` cases' combine and o run as one kernel split
+    by head (templates/gemv_combine.cu: clusters of 6 blocks, a head a block or two, two rounds of chunks, masked
+    chunks, a far maximum, a part-full column group), against the reference backend, the arena poisoned."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LUM_O_COMBINE", "1")
+        mp.setenv("LUM_O_COMBINE", "grouped")
         prog, arrays, b = template_cases(dt)
         path = write_case_package(tmp_path / f"o-combine.{dt.value}.lumpkg", prog, b)
     pkg = lum.loader.open(path)

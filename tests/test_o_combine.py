@@ -9,7 +9,8 @@ import pytest
 
 from lum.builder import nvrtc
 from lum.builder.kernels import default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
-from lum.builder.o_combine import MAX_CHUNKS, CombineLeaves, combine_leaves, heads_a_block, o_combine_enabled
+from lum.builder.o_combine import (MAX_CHUNKS, CombineLeaves, combine_leaves, heads_a_block, o_combine_enabled,
+                                   o_combine_grouped)
 from lum.format.dtypes import DType
 
 
@@ -33,15 +34,22 @@ def _combine(prog):
 def test_the_switch_is_on_by_default_and_refuses_other_values(monkeypatch):
     monkeypatch.delenv("LUM_O_COMBINE", raising=False)
     assert o_combine_enabled()
+    assert not o_combine_grouped()
+    monkeypatch.setenv("LUM_O_COMBINE", "grouped")
+    assert o_combine_enabled() and o_combine_grouped()
     monkeypatch.setenv("LUM_O_COMBINE", "yes")
     with pytest.raises(ValueError, match="LUM_O_COMBINE"):
         o_combine_enabled()
 
 
 def test_no_fusion_past_the_chunks_two_rounds_take_or_without_a_combine(monkeypatch):
-    """At max_seq 2,048 (128 chunks of 16 keys, past MAX_CHUNKS) the two kernels stay, for gemma3-4b and llama3-1b;
-    so do prefill's kernels (no decode attention)."""
+    """At max_seq 2,048 (128 chunks of 16 keys, past MAX_CHUNKS) the two kernels stay, for gemma3-4b and llama3-1b
+    (grouped); so do prefill's kernels (no decode attention), and llama3-1b's 32 heads unless grouped."""
     monkeypatch.setenv("LUM_O_COMBINE", "1")
+    prog, dv = _layer("llama3-1b", 512)
+    ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
+    assert not any("o_combine" in k.tuning for k in ks.values())
+    monkeypatch.setenv("LUM_O_COMBINE", "grouped")
     for model, max_seq in (("gemma3-4b", 2048), ("llama3-1b", 2048)):
         prog, dv = _layer(model, max_seq)
         ks = group_kernel_sources(prog, dv, default_max_dyn(dv, max_seq))
@@ -92,9 +100,10 @@ def test_the_fused_kernel_replaces_the_combine_and_o(monkeypatch):
 
 
 def test_llama_groups_four_heads_a_block(monkeypatch):
-    """llama3-1b's 32 heads of 64 are more than a cluster's 8 blocks: each block takes 4 consecutive heads (256 of
-    o's inputs, 32 KB of weights a block), 32 column groups in clusters of 8, and the module compiles."""
-    monkeypatch.setenv("LUM_O_COMBINE", "1")
+    """With ``LUM_O_COMBINE=grouped`` llama3-1b's 32 heads of 64, more than a cluster's 8 blocks, fuse with each
+    block taking 4 consecutive heads (256 of o's inputs, 32 KB of weights a block), 32 column groups in clusters
+    of 8, and the module compiles."""
+    monkeypatch.setenv("LUM_O_COMBINE", "grouped")
     prog, dv = _layer("llama3-1b", 512)
     ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
     (fused,) = [k for k in ks.values() if "o_combine" in k.tuning]
