@@ -43,6 +43,21 @@ def test_ffn_probe_check_passes_float32_and_fails_a_wrong_or_nan_output(probes):
     assert not ffn.check(bad, x0, dense, order)[1]
 
 
+def test_ffn_probe_lum_reference_is_torchs_gelu_tanh_with_h_in_bf16(probes):
+    """The ``lum`` mode's float64 reference (lum's gate-up epilogue, gelu_tanh(gate) · up, h rounded to bf16, then
+    down) against torch's tanh-approximated GELU on the same weights."""
+    torch = pytest.importorskip("torch")
+    ffn, _ = probes
+    rng = np.random.default_rng(3)
+    wg, wu, wd = (rng.uniform(-1, 1, s) * np.sqrt(3.0 / s[1]) for s in ((64, 32), (64, 32), (16, 64)))
+    x = rng.standard_normal(32)
+    t = {k: torch.tensor(v) for k, v in (("wg", wg), ("wu", wu), ("wd", wd), ("x", x))}
+    h = torch.nn.functional.gelu(t["wg"] @ t["x"], approximate="tanh") * (t["wu"] @ t["x"])
+    want = (t["wd"] @ h.to(torch.bfloat16).to(torch.float64)).numpy()
+    got = ffn.lum_reference(x, wg, wu, wd)
+    assert np.max(np.abs(got - want)) <= 1e-3 * np.max(np.abs(want))   # a product on a bf16 step's other side
+
+
 def test_layer_probe_check_passes_float32_and_fails_a_wrong_or_nan_layer(probes):
     """layer_probe.check at small shapes (a Dims of its own, grouped query heads): each layer's two residual
     increments from the float32 forward pass; a wrong down output in one layer, a wrong attention in another
