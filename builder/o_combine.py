@@ -7,11 +7,11 @@ benchmarks/o_combine_probe.py on an H100, where o with its input computed before
 Each of o's blocks could combine the partials itself if it read only one head's, so here o is split over k by
 head inside one kernel (``templates/gemv_combine.cu``): a thread block cluster per group of 64 output columns, a
 block per head (with ``$LUM_O_COMBINE=grouped`` also a block per group of consecutive heads, where the heads are
-more than a cluster's blocks: llama3-1b's 32 heads of 64 as 8 blocks of 4), which combines its heads' partials and dots them with their weights (copied into
-shared memory before its wait); the blocks then push their columns into the shared memory of the block that owns
-them, and after one cluster barrier each owner sums its columns over the blocks in rank order. The LLIR keeps both ops,
-the launch table names the combine the kernel and o its tail (the combine's output is never stored), and the sum
-over the heads is in a fixed order.
+more than a cluster's blocks: llama3-1b's 32 heads of 64 as 8 blocks of 4), which combines its heads' partials
+and dots them with their weights (copied into shared memory before its wait); the blocks then push their columns
+into the shared memory of the block that owns them, and after one cluster barrier each owner sums its columns
+over the blocks in rank order. The LLIR keeps both ops, the launch table names the combine the kernel and o its
+tail (the combine's output is never stored), and the sum over the heads is in a fixed order.
 
 The other ways the probe measured lost more: the readers of o summing the heads' rows themselves (built first:
 gemma's one-block residual kernels then read 8 × 10 KB, −1.6% on an H100), the cluster reading the heads' rows
@@ -39,8 +39,8 @@ from lum.format.expr import Expr, Var, as_expr
 from lum.format.llir import LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
-__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "o_combine_grouped", "fuse_o_combines", "CombineLeaves", "combine_leaves", "MAX_CHUNKS",
-           "MAX_RANKS", "MAX_BLOCK_INPUTS", "heads_a_block"]
+__all__ = ["ENV_O_COMBINE", "o_combine_enabled", "o_combine_grouped", "fuse_o_combines", "CombineLeaves",
+           "combine_leaves", "MAX_CHUNKS", "MAX_RANKS", "MAX_BLOCK_INPUTS", "heads_a_block"]
 
 ENV_O_COMBINE = "LUM_O_COMBINE"
 ROUND = 16              # chunks a thread loads before it uses any (gemv_combine.cu ROUND)
@@ -257,8 +257,8 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     body = render(load_template("gemv_combine.cu"), {
         "KERNEL": ENTRY_PLACEHOLDER, "THREADS": threads, "MIN_BLOCKS": ", 3" if 3 * threads <= 2048 else "",
         "IDX_T": "@IDX_T@", "PARAMS": ", ".join(pp.ctype for pp in params), "DYN_LOADS": "@DYN_LOADS_NOWAIT@",
-        "D": d, "COLS": COLS, "ROUND": ROUND, "VEC": vec, "LPC": lpc, "NV": nv, "CPS": cps, "HPB": hpb, "RANKS": ranks,
-        "GROUPS": groups,
+        "D": d, "COLS": COLS, "ROUND": ROUND, "VEC": vec, "LPC": lpc, "NV": nv, "CPS": cps, "HPB": hpb,
+        "RANKS": ranks, "GROUPS": groups,
         "W_T": STORAGE_C[w_dt], "W_PTR": w_p, "W_LOAD": load_conv(w_dt, "lum_wv[e]"),
         "R_ROUND": load_conv(r_dt, store_conv("f", "lum_y", r_dt)), "OUT": out_p,
         "OUT_STORE": store_conv("f", "lum_v0", p_dt),
@@ -275,8 +275,8 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     name = f"lum_reduce_sum_o_{digest}"
     body = body.replace(ENTRY_PLACEHOLDER, name)
     smem = COLS * db * w_dt.itemsize
-    tuning = {"threads": threads, "cols": COLS, "round": ROUND, "heads_a_block": hpb, "o_combine": [combine.id, o.id],
-              "index_bits": 32 if idx_t == "int" else 64}
+    tuning = {"threads": threads, "cols": COLS, "round": ROUND, "heads_a_block": hpb,
+              "o_combine": [combine.id, o.id], "index_bits": 32 if idx_t == "int" else 64}
     grid = (as_expr(ranks * groups), as_expr(1), as_expr(1))
     return KernelSource(name=name, kind=combine.kind, op=combine.op, source=common_header() + "\n" + body,
                         body=body, launches=(Launch(name, grid, (threads, 1, 1), smem, ranks),),

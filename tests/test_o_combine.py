@@ -117,7 +117,8 @@ def test_llama_groups_four_heads_a_block(monkeypatch):
 
 def test_heads_a_block_is_the_fewest_that_fit_a_cluster():
     """Heads a block: 1 up to a cluster's 8 blocks, then the fewest dividing the heads into at most 8 (12 → 2,
-    32 → 4, 40 → 5, a prime 11 → all 11 in one block); none where a block's inputs would pass 512 (its threads)."""
+    32 → 4, 40 → 5, a prime 11 → all 11 in one block); none where a block's inputs would pass 512 (its
+    threads)."""
     assert [heads_a_block(h, 64) for h in (1, 6, 8, 12, 32, 40)] == [1, 1, 1, 2, 4, 5]
     assert heads_a_block(8, 256) == 1 and heads_a_block(16, 256) == 2
     assert heads_a_block(11, 16) == 11
