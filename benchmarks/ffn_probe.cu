@@ -182,6 +182,30 @@ __device__ __forceinline__ void fs_gate_up(const float* x, const unsigned short*
   }
 }
 
+// One partial of output j: a float atomic, or with FIXED a 64-bit fixed-point one (integer sums: any order).
+template <bool FIXED>
+__device__ __forceinline__ void fs_add(float* out, unsigned long long* fix, int j, float t) {
+  if (FIXED) atomicAdd(fix + j, (unsigned long long)__float2ll_rn(t * FS_SCALE));
+  else atomicAdd(out + j, t);
+}
+
+// FIXED's end: the last block to count itself done converts the sums into out and zeroes them again.
+__device__ __forceinline__ void fs_convert_if_last(float* out, unsigned long long* fix, unsigned* ctr) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ctr, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    for (int j = (int)threadIdx.x; j < FP_N2; j += FS_T)
+      out[j] = (float)(long long)atomicExch(fix + j, 0ull) * (1.0f / FS_SCALE);
+    if (threadIdx.x == 0) *ctr = 0u;
+  }
+}
+
 template <bool FIXED>
 __device__ __forceinline__ void fp_sliced_body(const float* x, const unsigned short* Wg, const unsigned short* Wu,
     const unsigned short* WdT, float* out, unsigned long long* fix, unsigned* ctr) {
@@ -234,27 +258,9 @@ __device__ __forceinline__ void fp_sliced_body(const float* x, const unsigned sh
   __syncthreads();
   if (half == 0) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float t = acc[e] + part[v * 8 + e];
-      if (FIXED) atomicAdd(fix + v * 8 + e, (unsigned long long)__float2ll_rn(t * FS_SCALE));
-      else atomicAdd(out + v * 8 + e, t);
-    }
+    for (int e = 0; e < 8; ++e) fs_add<FIXED>(out, fix, v * 8 + e, acc[e] + part[v * 8 + e]);
   }
-  if (FIXED) {   // the last block to count itself done converts the sums to floats and zeroes them again
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      last = atomicAdd(ctr, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last) {
-      __threadfence();
-      for (int j = (int)threadIdx.x; j < FP_N2; j += FS_T)
-        out[j] = (float)(long long)atomicExch(fix + j, 0ull) * (1.0f / FS_SCALE);
-      if (threadIdx.x == 0) *ctr = 0u;
-    }
-  }
+  if (FIXED) fs_convert_if_last(out, fix, ctr);
 }
 
 extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced(const float* x, const unsigned short* Wg,
@@ -271,10 +277,12 @@ extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_fixed(const floa
 
 // fp_sliced_rm: fp_sliced over down's weight as stored ([N2, H] row-major, as lum's decode GEMV reads it): 128
 // blocks of 80 h rows, so each output's part of a block is one 160-byte run (10 vectors) of its row; a thread
-// takes two outputs at a time, their 20 vectors in flight, and adds its dots into out (float atomics).
+// takes two outputs at a time, their 20 vectors in flight, and adds its dots into out (float atomics, or with
+// FIXED as fp_sliced_fixed does: the form lum would build if the stored layout streams as fast).
 constexpr int FS_RM_R = 80;
-extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_rm(const float* x, const unsigned short* Wg,
-    const unsigned short* Wu, const unsigned short* Wd, float* out) {
+template <bool FIXED>
+__device__ __forceinline__ void fp_sliced_rm_body(const float* x, const unsigned short* Wg, const unsigned short* Wu,
+    const unsigned short* Wd, float* out, unsigned long long* fix, unsigned* ctr) {
   __shared__ __align__(16) float xs[FP_K1];
   __shared__ __align__(16) float hs[FS_RM_R];
   lum_pdl_trigger();
@@ -304,7 +312,18 @@ extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_rm(const float* 
       float acc = 0.0f;
 #pragma unroll
       for (int i = 0; i < V; ++i) acc = probe_dot8(acc, raw[t][i], hs + 8 * i);
-      if (j < FP_N2) atomicAdd(out + j, acc);
+      if (j < FP_N2) fs_add<FIXED>(out, fix, j, acc);
     }
   }
+  if (FIXED) fs_convert_if_last(out, fix, ctr);
+}
+
+extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_rm(const float* x, const unsigned short* Wg,
+    const unsigned short* Wu, const unsigned short* Wd, float* out) {
+  fp_sliced_rm_body<false>(x, Wg, Wu, Wd, out, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(FS_T, 1) fp_sliced_rm_fixed(const float* x, const unsigned short* Wg,
+    const unsigned short* Wu, const unsigned short* Wd, float* out, unsigned long long* fix, unsigned* ctr) {
+  fp_sliced_rm_body<true>(x, Wg, Wu, Wd, out, fix, ctr);
 }

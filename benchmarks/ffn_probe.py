@@ -25,8 +25,9 @@ one before's output) in one CUDA graph, the weights alternating between two copi
   the residual kernel writes, which this chain has no kernel for), checked against float64 of lum's formula
   with h rounded to bf16 (tolerance 1e-3: a product that rounds to the other side of a bf16 step moves one h);
   the baseline the sliced modes must beat to be worth building;
-* ``sliced-rm``: ``sliced`` over down's weight as stored ([N2, H] row-major, as lum's GEMVs read it), 128 blocks
-  of 80 rows: each output's part of a block a 160-byte run of its row.
+* ``sliced-rm`` / ``sliced-rm-fixed``: ``sliced`` / ``sliced-fixed`` over down's weight as stored ([N2, H]
+  row-major, as lum's GEMVs read it), 128 blocks of 80 rows: each output's part of a block a 160-byte run of its
+  row (``sliced-rm-fixed`` is what lum would build if the stored layout streams as fast: no weight transposed).
 
 Why: lum's gate-up and down each stream at ≈ 3.9 TB/s (26.4 and 14.0 µs isolated, 27.0 and 13.6 in the
 step), where the LM head, the same GEMV code over 1.3 GB, streams at 4.5 TB/s. The sweep's two gate-up
@@ -59,7 +60,7 @@ set_log_tag("ffn-probe")
 THREADS, ROWS_AN_ITEM = 128, 4
 K1, H, N2 = 2560, 10240, 2560                 # ffn_probe.cu FP_K1, FP_H, FP_N2
 MODES = ("two", "two-plain", "fused1", "fused2", "fused4", "sliced", "sliced128", "sliced-fixed", "sliced-rm",
-         "lum")
+         "sliced-rm-fixed", "lum")
 LUM_TOLERANCE = 1e-3
 SLICED_THREADS = 640                          # ffn_probe.cu FS_T
 COPIES = 2
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     err_buf = dev.buffer(4)
     f_gu, f_dn = dev.module.function("fp_gateup"), dev.module.function("fp_down")
     f_sl, f_sf = dev.module.function("fp_sliced"), dev.module.function("fp_sliced_fixed")
-    f_rm = dev.module.function("fp_sliced_rm")
+    f_rm, f_rmf = dev.module.function("fp_sliced_rm"), dev.module.function("fp_sliced_rm_fixed")
     fix_buf = dev.buffer(N2 * 8)                # sliced-fixed's sums (zeroed once; the kernel re-zeroes them)
     f_lgu, f_ldn = dev.module.function(lum_gu.name), dev.module.function(lum_dn.name)
     x_bits = bf16_bits(x0)
@@ -176,9 +177,9 @@ def main(argv=None) -> int:
                   for g, t in (((f_sl, SLICED_THREADS),) if sliced else ((f, THREADS),) if fused
                                else ((f_gu, THREADS), (f_dn, THREADS)))]
         grid = sms * per_sm[0] if fused else (int(mode[6:]) if mode[6:].isdigit() else sms) if sliced else 0
-        if mode == "sliced-rm":
+        if mode.startswith("sliced-rm"):
             grid = H // 80                          # ffn_probe.cu FS_RM_R rows a block
-        fixed = mode == "sliced-fixed"
+        fixed = mode.endswith("-fixed")
         if fixed:
             cu.memset(fix_buf.ptr, 0, N2 * 8, dev.stream)
         pdl = mode != "two-plain"
@@ -199,6 +200,11 @@ def main(argv=None) -> int:
             for s in range(n):
                 x = x_buf.ptr if s == 0 else out_bufs[s - 1].ptr
                 wg, wu, wd = (b.ptr for b in bufs[order[s]])
+                if mode == "sliced-rm-fixed":
+                    cu.launch_kernel(f_rmf, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
+                                     dev.pack([x, wg, wu, wd, out_bufs[s].ptr, fix_buf.ptr, ctr.ptr]),
+                                     programmatic=s > 0)
+                    continue
                 if fixed:
                     cu.launch_kernel(f_sf, (grid, 1, 1), (SLICED_THREADS, 1, 1), 0, st,
                                      dev.pack([x, wg, wu, wdt_bufs[order[s]].ptr, out_bufs[s].ptr, fix_buf.ptr,
