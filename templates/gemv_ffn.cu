@@ -7,8 +7,8 @@
 //!  * after its wait it stages A in shared memory, computes its h rows (a warp a row: a lane's vectors of each
 //!    product column loaded before any is used, a warp-shuffle sum, the epilogue rounding h to its dtype) into
 //!    shared memory;
-//!  * then its partial of every output over its rows: a thread two output columns at a time, each one run of
-//!    (r1 − r0) weights of its row, loaded before the barrier that waits for h (they do not depend on it);
+//!  * then its partial of every output over its rows: a thread an output column at a time, one run of (r1 − r0)
+//!    weights of its row (10 vectors at a time at most), the first loaded before the barrier that waits for h;
 //!  * the partials are added as 64-bit fixed point (SCALE a unit) into a module-global sum: integer additions,
 //!    so the result is the same in any order of the blocks. A partial that is not finite, or past the range the
 //!    sum holds, marks its column, which comes out NaN. The last block to count itself done converts the sums
@@ -39,7 +39,9 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}, 1) {{KERNEL}}({{PARAMS
   constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
   constexpr int VW = 16 / (int)sizeof(w_t), VD = 16 / (int)sizeof(d_t);
   constexpr int NV1 = (K1 / VW + 31) / 32;      // vectors a lane of a gate-up row
+  constexpr int NB = NV1 < 10 ? NV1 : 10;       // ... loaded at once (registers: 4 a vector)
   constexpr int SLICES = {{SLICES}}, MAX_RV = {{MAX_RV}};
+  constexpr int DB = MAX_RV < 10 ? MAX_RV : 10;   // down vectors a thread loads at once
   constexpr float SCALE = {{SCALE}};
   constexpr float LIMIT = 2147483648.0f;        // a partial's bound: 133 of them · LIMIT · SCALE < 2^63
   static_assert(K1 % VW == 0 && H % VD == 0 && THREADS % 32 == 0, "whole 16-byte vectors, whole warps");
@@ -64,63 +66,64 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}, 1) {{KERNEL}}({{PARAMS
     for (int lum_i = lum_warp; lum_i < lum_nv * VD; lum_i += WARPS) {
       const idx_t lum_j = lum_r0 + lum_i;
       float lum_acc[NACC];
-#pragma unroll
-      for (int t = 0; t < NACC; ++t) {
+#pragma unroll 1
+      for (int t = 0; t < NACC; ++t) {          // one product column's loads in flight at a time: registers
         const w_t* lum_wp = {{W_PTR}} + ({{OFFW}} + (lum_j + ACC_COLS[t]) * {{LDW}});
-        w_t lum_raw[NV1][VW];
-#pragma unroll
-        for (int u = 0; u < NV1; ++u) {
-          const int q = (lum_lane + 32 * u) * VW;
-          if (q < K1) lum_load_stream<VW>(lum_wp + q, lum_raw[u]);
-        }
         float lum_s = 0.0f;
+        for (int u0 = 0; u0 < NV1; u0 += NB) {
+          unsigned lum_raw[NB][4];                // 16-byte vectors as four words: four registers each
 #pragma unroll
-        for (int u = 0; u < NV1; ++u) {
-          const int q = (lum_lane + 32 * u) * VW;
-          if (q < K1) {
+          for (int u = 0; u < NB; ++u) {
+            const int q = (lum_lane + 32 * (u0 + u)) * VW;
+            if (u0 + u < NV1 && q < K1) lum_load_stream<4>(reinterpret_cast<const unsigned*>(lum_wp + q), lum_raw[u]);
+          }
 #pragma unroll
-            for (int e = 0; e < VW; ++e) lum_s += lum_xs[q + e] * lum_cw(lum_raw[u][e]);
+          for (int u = 0; u < NB; ++u) {
+            const int q = (lum_lane + 32 * (u0 + u)) * VW;
+            if (u0 + u < NV1 && q < K1) {
+#pragma unroll
+              for (int e = 0; e < VW; ++e) lum_s += lum_xs[q + e] * lum_cw(reinterpret_cast<const w_t*>(lum_raw[u])[e]);
+            }
           }
         }
-        lum_acc[t] = lum_warp_reduce<LumSum, 32>(lum_s);
+        lum_s = lum_warp_reduce<LumSum, 32>(lum_s);
+#pragma unroll
+        for (int q = 0; q < NACC; ++q) {          // lum_acc[t] with static indexes: registers, not local memory
+          if (q == t) lum_acc[q] = lum_s;
+        }
       }
       if (lum_lane == 0) {
   {{EPILOGUE}}
       }
     }
-    // down: two output columns a thread at a time, each its row's run over the block's h rows
-    d_t lum_draw[2][MAX_RV][VD];
-    auto lum_dload = [&](int lum_c0) {
+    // down: an output column a thread at a time, its row's run over the slice's h rows in batches of DB vectors;
+    // the first column's first batch is loaded before the barrier that waits for h (it does not depend on it)
+    unsigned lum_draw[DB][4];
+    auto lum_dload = [&](int lum_c, int lum_u0) {
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int lum_c = lum_c0 + t * THREADS;
-#pragma unroll
-        for (int u = 0; u < MAX_RV; ++u) {
-          if (lum_c < N2 && u < lum_nv)
-            lum_load_stream<VD>({{D_PTR}} + ({{OFFD}} + (idx_t)lum_c * {{LDD}} + lum_r0 + u * VD), lum_draw[t][u]);
-        }
+      for (int u = 0; u < DB; ++u) {
+        if (lum_c < N2 && lum_u0 + u < lum_nv)
+          lum_load_stream<4>(reinterpret_cast<const unsigned*>(
+              {{D_PTR}} + ({{OFFD}} + (idx_t)lum_c * {{LDD}} + lum_r0 + (lum_u0 + u) * VD)), lum_draw[u]);
       }
     };
-    lum_dload(lum_tx);
-    __syncthreads();                                // the block's h rows are in lum_hs
-    for (int lum_c0 = lum_tx; lum_c0 < N2; lum_c0 += 2 * THREADS) {
-      if (lum_c0 != lum_tx) lum_dload(lum_c0);
+    lum_dload(lum_tx, 0);
+    __syncthreads();                              // the slice's h rows are in lum_hs
+    for (int lum_c = lum_tx; lum_c < N2; lum_c += THREADS) {
+      float lum_s = 0.0f;
+      for (int lum_u0 = 0; lum_u0 < lum_nv; lum_u0 += DB) {
+        if (lum_c != lum_tx || lum_u0 != 0) lum_dload(lum_c, lum_u0);
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int lum_c = lum_c0 + t * THREADS;
-        float lum_s = 0.0f;
+        for (int u = 0; u < DB; ++u) {
+          if (lum_u0 + u < lum_nv) {
 #pragma unroll
-        for (int u = 0; u < MAX_RV; ++u) {
-          if (u < lum_nv) {
-#pragma unroll
-            for (int e = 0; e < VD; ++e) lum_s += lum_ch(lum_hs[u * VD + e]) * lum_cd(lum_draw[t][u][e]);
+            for (int e = 0; e < VD; ++e)
+              lum_s += lum_ch(lum_hs[(lum_u0 + u) * VD + e]) * lum_cd(reinterpret_cast<const d_t*>(lum_draw[u])[e]);
           }
         }
-        if (lum_c < N2) {
-          if (fabsf(lum_s) < LIMIT) atomicAdd(&{{KERNEL}}_sum[lum_c], (unsigned long long)__float2ll_rn(lum_s * SCALE));
-          else atomicOr(&{{KERNEL}}_bad[lum_c], 1u);   // NaN, inf or past the range: the column comes out NaN
-        }
       }
+      if (fabsf(lum_s) < LIMIT) atomicAdd(&{{KERNEL}}_sum[lum_c], (unsigned long long)__float2ll_rn(lum_s * SCALE));
+      else atomicOr(&{{KERNEL}}_bad[lum_c], 1u);   // NaN, inf or past the range: the column comes out NaN
     }
   }
   // the last block to count itself done converts the sums into out and zeroes them for the next launch

@@ -45,7 +45,7 @@ def test_gemma_ffn_is_one_kernel_of_a_block_an_sm(monkeypatch):
     body = fused.body
     for name in ("_sum[2560]", "_bad[2560]", "_done;"):
         assert f"__device__ unsigned {'long long ' if 'sum' in name else ''}{fused.name}{name}" in body
-    assert body.index("lum_pdl_wait();") < body.index("lum_load_stream<VW>")
+    assert body.index("lum_pdl_wait();") < body.index("lum_load_stream<4>")
     table = launch_table(prog, ks, arch="sm_90", dyn_vars=dv, max_dyn=default_max_dyn(dv, 512))
     (entry,) = [e for e in table["ops"] if e["name"] == fused.name]
     assert entry["tail"] == [down] and table["programmatic"]

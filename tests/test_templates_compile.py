@@ -223,7 +223,7 @@ def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
 
 
 @pytest.mark.parametrize("probe,entries", [("pdl_probe.cu", 2), ("phase_probe.cu", 2), ("stream_probe.cu", 3),
-                                           ("ring_probe.cu", 10), ("ffn_probe.cu", 5), ("layer_probe.cu", 8),
+                                           ("ring_probe.cu", 10), ("ffn_probe.cu", 9), ("layer_probe.cu", 8),
                                            ("o_combine_probe.cu", 3)])
 def test_benchmark_probe_kernels_compile(cache_dir, probe, entries):
     """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py, stream_probe.py, ring_probe.py,
