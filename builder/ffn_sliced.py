@@ -15,7 +15,6 @@ the shapes static. ``benchmarks/ffn_probe.py`` (modes ``sliced-rm-fixed`` agains
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -23,7 +22,7 @@ from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import SMS, gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
-                                     load_conv, load_template, render, store_conv)
+                                     finish_fused_body, load_conv, load_template, render, store_conv)
 from lum.builder.rewrite import readers
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
@@ -158,12 +157,7 @@ def _fused(program: Program, pair: _Pair, ks_g: KernelSource, ks_d: KernelSource
         "OUT": "t0_out", "OUT_STORE": store_conv("f", "lum_v", down.dtype)})
     reach = max(pg["offset_b"] + (pair.h + max(int(c) for c in gu.params["acc_cols"])) * pg["ldb"],
                 pd["offset_b"] + pair.n2 * pd["ldb"])           # past the last weight either reads
-    idx_t = "int" if ctx.fits_i32(reach) else "long long"
-    nowait, slots = ctx.dyn_loads(wait=False)
-    body = body.replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
-    digest = hashlib.sha256(f"ffn_sliced\n{body}".encode()).hexdigest()[:16]
-    name = f"lum_gemm_ffn_{digest}"
-    body = body.replace(ENTRY_PLACEHOLDER, name)
+    body, name, idx_t, slots = finish_fused_body(body, ctx, "ffn_sliced", "lum_gemm_ffn_", reach)
     tuning = {"threads": THREADS, "blocks": blocks, "ffn_sliced": [gu.id, down.id],
               "index_bits": 32 if idx_t == "int" else 64}
     grid = (as_expr(blocks), as_expr(1), as_expr(1))

@@ -10,6 +10,7 @@ import these without importing each other; :mod:`lum.builder.codegen` re-exports
 
 from __future__ import annotations
 
+import hashlib
 import re
 import struct
 from dataclasses import dataclass, field
@@ -302,6 +303,20 @@ def view_access(ctx: KernelContext, view: ShapeTracker, idx: Sequence[Expr], ext
             return ctx.c(phys), "false"   # never valid
         conds.append(f"({ctx.c(a)} {rel} {ctx.c(b)})")
     return ctx.c(phys), (" && ".join(conds) if conds else None)
+
+
+def finish_fused_body(body: str, ctx: KernelContext, tag: str, prefix: str,
+                      reach: int) -> tuple[str, str, str, dict[str, int]]:
+    """A fused kernel's rendered template (builder/o_combine.py, ffn_sliced.py) finished: its ``@IDX_T@`` (int
+    where ``reach`` and the context's expressions fit 32 bits), its ``@DYN_LOADS_NOWAIT@`` (the template waits
+    itself) and its entry named ``prefix`` + a digest of ``tag`` and the body. Returns (body, name, index type,
+    dyn slots)."""
+    idx_t = "int" if ctx.fits_i32(reach) else "long long"
+    nowait, slots = ctx.dyn_loads(wait=False)
+    body = body.replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
+    digest = hashlib.sha256(f"{tag}\n{body}".encode()).hexdigest()[:16]
+    name = f"{prefix}{digest}"
+    return body.replace(ENTRY_PLACEHOLDER, name), name, idx_t, slots
 
 
 def unravel_index(ctx: KernelContext, flat: str, shape: Sequence[Expr], indent: str, last_vec: int = 1) -> str:

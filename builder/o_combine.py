@@ -23,7 +23,6 @@ dependent round of loads and every column group re-reading every head's partials
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -31,7 +30,7 @@ from lum.builder.env_switches import CodegenError, env_choice
 from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
-                                     load_conv, load_template, render, store_conv, unravel_index)
+                                     finish_fused_body, load_conv, load_template, render, store_conv, unravel_index)
 from lum.builder.rewrite import readers
 from lum.builder.row_codegen import online_softmax_sum
 from lum.format.dtypes import DType
@@ -268,12 +267,7 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
         "L_LOAD": load_conv(dts[leaves.l], f"in{leaves.l}[lum_q]"),
         "A_LOAD": load_conv(dts[leaves.a], f"in{leaves.a}[lum_q]"),
         "B_AT": ctx.c(b_at), "OUT_AT": ctx.c(out_at)})
-    idx_t = "int" if ctx.fits_i32(COLS) else "long long"
-    nowait, slots = ctx.dyn_loads(wait=False)
-    body = body.replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
-    digest = hashlib.sha256(f"o_combine\n{body}".encode()).hexdigest()[:16]
-    name = f"lum_reduce_sum_o_{digest}"
-    body = body.replace(ENTRY_PLACEHOLDER, name)
+    body, name, idx_t, slots = finish_fused_body(body, ctx, "o_combine", "lum_reduce_sum_o_", COLS)
     smem = COLS * db * w_dt.itemsize
     tuning = {"threads": threads, "cols": COLS, "round": ROUND, "heads_a_block": hpb,
               "o_combine": [combine.id, o.id], "index_bits": 32 if idx_t == "int" else 64}
