@@ -10,7 +10,7 @@ launch table names the gate-up the kernel and down its tail (h is never stored).
 
 Fused where a GEMV with an epilogue (m = 1, no prologue, A a contiguous row) has one reader, a plain decode GEMV
 (m = 1, no prologue or epilogue) reading all of its output as its A, both weights inputs in whole 16-byte vectors,
-the shapes static. ``benchmarks/ffn_probe.py`` (modes ``sliced-rm-fixed`` against ``lum``) measures the form.
+the shapes static, A's floats within a prologue's shared memory (``PROLOGUE_SMEM_BYTES``). ``benchmarks/ffn_probe.py`` (modes ``sliced-rm-fixed`` against ``lum``) measures the form.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.fused import joined_params
-from lum.builder.gemv_policy import SMS, gemv_rows
+from lum.builder.gemv_policy import PROLOGUE_SMEM_BYTES, SMS, gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
                                      finish_fused_body, load_conv, load_template, render, store_conv)
 from lum.builder.rewrite import readers
@@ -90,7 +90,7 @@ def _pair(program: Program, down: LOp, users: Mapping[int, list[LOp]]) -> _Pair 
         return None
     pd, pg = _params(down), _params(gu)
     h, n2, k1 = _static(gu.params["n_out"]), pd["n"], pg["k"]
-    if None in (h, n2, k1) or pd["k"] != h or pd["batch"] != 1 or pg["batch"] != 1 or pd["offset_a"] != 0 \
+    if None in (h, n2, k1) or k1 * 4 > PROLOGUE_SMEM_BYTES or pd["k"] != h or pd["batch"] != 1 or pg["batch"] != 1 or pd["offset_a"] != 0 \
             or pg["offset_a"] != 0 or not _plain_row(down.args[0].view, h) or not _plain_row(gu.args[0].view, k1):
         return None
     jb, _ = gemm_parts(gu)
