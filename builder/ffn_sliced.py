@@ -10,7 +10,8 @@ launch table names the gate-up the kernel and down its tail (h is never stored).
 
 Fused where a GEMV with an epilogue (m = 1, no prologue, A a contiguous row) has one reader, a plain decode GEMV
 (m = 1, no prologue or epilogue) reading all of its output as its A, both weights inputs in whole 16-byte vectors,
-the shapes static, A's floats within a prologue's shared memory (``PROLOGUE_SMEM_BYTES``). ``benchmarks/ffn_probe.py`` (modes ``sliced-rm-fixed`` against ``lum``) measures the form.
+the shapes static, A's floats within a prologue's shared memory (``PROLOGUE_SMEM_BYTES``).
+``benchmarks/ffn_probe.py`` (modes ``sliced-rm-fixed`` against ``lum``) measures the form.
 """
 
 from __future__ import annotations
