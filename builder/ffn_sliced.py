@@ -91,8 +91,10 @@ def _pair(program: Program, down: LOp, users: Mapping[int, list[LOp]]) -> _Pair 
         return None
     pd, pg = _params(down), _params(gu)
     h, n2, k1 = _static(gu.params["n_out"]), pd["n"], pg["k"]
-    if None in (h, n2, k1) or k1 * 4 > PROLOGUE_SMEM_BYTES or pd["k"] != h or pd["batch"] != 1 or pg["batch"] != 1 or pd["offset_a"] != 0 \
-            or pg["offset_a"] != 0 or not _plain_row(down.args[0].view, h) or not _plain_row(gu.args[0].view, k1):
+    if None in (h, n2, k1) or k1 * 4 > PROLOGUE_SMEM_BYTES or pd["k"] != h or pd["batch"] != 1 or pg["batch"] != 1:
+        return None
+    if pd["offset_a"] != 0 or pg["offset_a"] != 0 or not _plain_row(down.args[0].view, h) \
+            or not _plain_row(gu.args[0].view, k1):
         return None
     jb, _ = gemm_parts(gu)
     if jb != 1 or not _weight_ok(program, gu, 1, pg["ldb"], pg["offset_b"], k1) \
