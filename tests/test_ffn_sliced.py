@@ -78,3 +78,67 @@ def test_what_does_not_fuse(monkeypatch):
     ops = list(prog.ops)
     ops[gu.id] = replace(gu, params={k: v for k, v in gu.params.items() if k != "epilogue"})
     assert _pair(replace(prog, ops=tuple(ops)), down, users) is None
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    """The ``ffn.sliced`` kernel case's fused kernel (f32) compiled for the host emulation, and a runner of it on
+    numpy buffers: (run(x, w_gu, consts, w_down) -> out, the case's arrays)."""
+    import ctypes
+
+    import numpy as np
+
+    from lum.builder.kernels import program_dyn_vars
+    from lum.format.dtypes import DType
+    from tests import cuda_emulation as emu
+    from tests.kernel_cases import template_cases
+
+    if emu.CXX is None:
+        pytest.skip("no host C++ compiler for the CUDA emulation")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUM_FFN_SLICED", "1")
+        prog, arrays, _ = template_cases(DType.f32)
+        dv = program_dyn_vars([prog])
+        (k,) = [x for x in group_kernel_sources(prog, dv, default_max_dyn(dv, 16)).values()
+                if x is not None and "ffn_sliced" in x.tuning]
+    lib = ctypes.CDLL(str(emu.kernel_library([k], tmp_path_factory.mktemp("ffn"))))
+    fn = getattr(lib, f"run_{k.name}")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    (launch,) = k.launches
+
+    def run(x, wgu, cs, wd, grid=launch.grid[0].value):
+        h, out = np.full(1120, np.nan, np.float32), np.full(1030, np.nan, np.float32)
+        bufs = {"out": h, "in0": x, "in1": wgu, "in2": cs, "in3": cs, "dyn": np.zeros(1, np.int64), "t0_out": out,
+                "t0_in0": h, "t0_in1": wd}
+        ptrs = [ctypes.c_void_p(bufs[p.name].ctypes.data) for p in k.params]
+        fn((ctypes.c_void_p * len(ptrs))(*[ctypes.cast(ctypes.pointer(q), ctypes.c_void_p) for q in ptrs]), grid,
+           launch.block[0])
+        return out
+
+    return run, {n.split(".")[-1]: a.astype(np.float32) for n, a in arrays.items() if n.startswith("ffn.sliced.")}
+
+
+def test_sliced_ffn_is_exact_deterministic_and_keeps_nan(host_kernel):
+    """The fused kernel on the host emulation, on the ``ffn.sliced`` case (f32): out as float64's to 1e-5 at 132
+    blocks and at 5 (blocks walking slices); the same bits on every run (the fixed-point sums, zeroed by each
+    run's last block); a NaN in x makes every output NaN, a NaN in one of down's rows only that output, and an
+    infinite weight its output NaN too (a partial past the sums' range is not added as a wrong finite value)."""
+    import numpy as np
+
+    run, a = host_kernel
+    x, wgu, cs, wd = a["x0"], a["x1"], a["x2"], a["x3"]
+    c = wgu.astype(np.float64).reshape(2240, 72) @ x.astype(np.float64)
+    h = c[:1120] / (1.0 + 2.0 ** (c[:1120] * float(cs[1]))) * c[1120:]
+    want = wd.astype(np.float64).reshape(1030, 1120) @ h
+    first = run(x, wgu, cs, wd)
+    assert np.max(np.abs(first - want)) <= 1e-5 * np.max(np.abs(want))
+    assert np.array_equal(run(x, wgu, cs, wd), first) and np.array_equal(run(x, wgu, cs, wd, grid=5), first)
+    bad_x = x.copy()
+    bad_x[3] = np.nan
+    assert np.isnan(run(bad_x, wgu, cs, wd)).all()
+    for poison in (np.nan, np.inf):
+        bad_w = wd.copy()
+        bad_w[7 * 1120 + 500] = poison
+        got = run(x, wgu, cs, bad_w)
+        assert np.isnan(got[7]) and np.isfinite(np.delete(got, 7)).all()
+        assert np.array_equal(np.delete(got, 7), np.delete(first, 7))
