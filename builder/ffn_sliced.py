@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from lum.builder.env_switches import CodegenError, env_switch
-from lum.builder.fused import joined_params
+from lum.builder.fused import fuse_head_and_tail, joined_params, static_int, static_params
 from lum.builder.gemv_policy import PROLOGUE_SMEM_BYTES, SMS, gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
                                      finish_fused_body, load_conv, load_template, render, store_conv)
-from lum.builder.rewrite import readers
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, gemm_parts
@@ -52,13 +51,6 @@ class _Pair:
     n2: int                # down's outputs
 
 
-def _static(e) -> int | None:
-    if e is None:
-        return None
-    e = as_expr(e)
-    return e.value if e.is_const else None
-
-
 def _plain_row(view: ShapeTracker, n: int) -> bool:
     """``view`` reads ``n`` elements contiguously from its buffer's start."""
     return view.mask is None and numel(tuple(view.shape)) == as_expr(n) \
@@ -66,15 +58,13 @@ def _plain_row(view: ShapeTracker, n: int) -> bool:
 
 
 def _params(op: LOp) -> dict[str, int | None]:
-    return {k: _static(op.params.get(k, v)) for k, v in (("batch", 1), ("m", 1), ("n", None), ("k", None),
-                                                          ("lda", None), ("ldb", None), ("offset_a", 0),
-                                                          ("offset_b", 0))}
+    return static_params(op, {"batch": 1, "n": None, "k": None, "ldb": None, "offset_a": 0, "offset_b": 0})
 
 
-def _weight_ok(program: Program, op: LOp, jb: int, ldb: int | None, off: int | None, k: int) -> bool:
-    """``op``'s B an input in whole 16-byte vectors along k."""
-    src = program.ops[op.args[jb].src]
-    if src.kind != "input" or src.dtype not in _DTYPES or op.args[jb].view.mask is not None:
+def _weight_ok(program: Program, op: LOp, ldb: int | None, off: int | None, k: int) -> bool:
+    """``op``'s B (its second argument) an input in whole 16-byte vectors along k."""
+    src = program.ops[op.args[1].src]
+    if src.kind != "input" or src.dtype not in _DTYPES or op.args[1].view.mask is not None:
         return False
     vec = 16 // src.dtype.itemsize
     return None not in (ldb, off) and ldb % vec == 0 and off % vec == 0 and k % vec == 0
@@ -90,15 +80,15 @@ def _pair(program: Program, down: LOp, users: Mapping[int, list[LOp]]) -> _Pair 
             or gu.params.get("layout") != "RmCm" or [u.id for u in users.get(gu.id, [])] != [down.id]:
         return None
     pd, pg = _params(down), _params(gu)
-    h, n2, k1 = _static(gu.params["n_out"]), pd["n"], pg["k"]
+    h, n2, k1 = static_int(gu.params["n_out"]), pd["n"], pg["k"]
     if None in (h, n2, k1) or k1 * 4 > PROLOGUE_SMEM_BYTES or pd["k"] != h or pd["batch"] != 1 or pg["batch"] != 1:
         return None
     if pd["offset_a"] != 0 or pg["offset_a"] != 0 or not _plain_row(down.args[0].view, h) \
             or not _plain_row(gu.args[0].view, k1):
         return None
     jb, _ = gemm_parts(gu)
-    if jb != 1 or not _weight_ok(program, gu, 1, pg["ldb"], pg["offset_b"], k1) \
-            or not _weight_ok(program, down, 1, pd["ldb"], pd["offset_b"], h):
+    if jb != 1 or not _weight_ok(program, gu, pg["ldb"], pg["offset_b"], k1) \
+            or not _weight_ok(program, down, pd["ldb"], pd["offset_b"], h):
         return None
     if gu.dtype not in _DTYPES or down.dtype not in _DTYPES or program.ops[gu.args[0].src].dtype not in _DTYPES:
         return None
@@ -109,19 +99,13 @@ def fuse_ffn_sliced(program: Program, sources: Mapping[int, KernelSource | None]
                     max_dyn: Mapping[str, int] | None = None) -> dict[int, KernelSource | None]:
     """``sources`` with each gate-up GEMV and the down GEMV reading it as one kernel under the gate-up, down's
     entry dropped (:attr:`KernelSource.tails` names it)."""
-    out = dict(sources)
-    users = readers(program)
-    for down in program.ops:
+
+    def match(down: LOp, users: Mapping[int, list[LOp]]) -> tuple[LOp, _Pair] | None:
         pair = _pair(program, down, users)
-        if pair is None or any(sources.get(i) is None or sources[i].tails for i in (pair.gate_up.id, down.id)):
-            continue
-        try:
-            out[pair.gate_up.id] = _fused(program, pair, sources[pair.gate_up.id], sources[down.id], dyn_vars,
-                                          max_dyn)
-        except CodegenError:
-            continue
-        out.pop(down.id, None)
-    return out
+        return None if pair is None else (pair.gate_up, pair)
+
+    return fuse_head_and_tail(program, sources, match,
+                              lambda pair, ks_g, ks_d: _fused(program, pair, ks_g, ks_d, dyn_vars, max_dyn))
 
 
 def _fused(program: Program, pair: _Pair, ks_g: KernelSource, ks_d: KernelSource, dyn_vars: Sequence[str],
