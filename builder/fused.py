@@ -1,5 +1,5 @@
 """What the kernels that run several ops' bodies in one launch share (builder/siblings.py,
-builder/attention_stage.py, builder/o_combine.py, builder/ffn_sliced.py): the kernel entry they find in a body,
+builder/attention_stage.py, builder/o_combine.py): the kernel entry they find in a body,
 the joined launch's parameters, which ops do no device work, and for a head op fused with the one op after it
 that reads it, the pass over the program and the static values of the ops' parameters.
 

@@ -142,11 +142,10 @@ class GemvKernels:
         per_sm = -(-blocks.value // SMS)
         return f", {per_sm}" if 1 < per_sm <= 2048 // self.threads else ""
 
-    def _gemv_epilogue(self, m: int, jb: int, n_out: Expr, sink: str = "out[lum_f]") -> str:
+    def _gemv_epilogue(self, m: int, jb: int, n_out: Expr) -> str:
         """The code (templates/gemv.cu's EPILOGUE) that stores output column ``lum_j`` of each of the ``m``
         rows: the epilogue tree at that element, ``["acc", t]`` being ``lum_acc[t * M + i]`` rounded to
-        ``acc_dtype``, ``["arg", k]`` a load of ``in{jb + 1 + k}`` through its view; stored to ``sink`` (the
-        element ``lum_f`` of out; templates/gemv_ffn.cu keeps it in shared memory)."""
+        ``acc_dtype``, ``["arg", k]`` a load of ``in{jb + 1 + k}`` through its view."""
         op, ctx = self.op, self.ctx
         shape = self.out_shape()
         acc_dt = DType.parse(op.params["acc_dtype"])
@@ -171,7 +170,7 @@ class GemvKernels:
             return names[key]
 
         x, kd = self._tree(op.params["epilogue"], {}, lines, ind, False, leaf)
-        lines += [f"{ind}{sink} = {store_conv(kd, x, op.dtype)};", f"{ind[:-2]}}}"]
+        lines += [f"{ind}out[lum_f] = {store_conv(kd, x, op.dtype)};", f"{ind[:-2]}}}"]
         ctx.exprs.append(as_expr(m) * n_out * as_expr(op.params.get("batch", 1)))
         return "\n".join(ln for ln in lines if ln)
 

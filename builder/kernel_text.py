@@ -307,7 +307,7 @@ def view_access(ctx: KernelContext, view: ShapeTracker, idx: Sequence[Expr], ext
 
 def finish_fused_body(body: str, ctx: KernelContext, tag: str, prefix: str,
                       reach: int) -> tuple[str, str, str, dict[str, int]]:
-    """A fused kernel's rendered template (builder/o_combine.py, ffn_sliced.py) finished: its ``@IDX_T@`` (int
+    """A fused kernel's rendered template (builder/o_combine.py) finished: its ``@IDX_T@`` (int
     where ``reach`` and the context's expressions fit 32 bits), its ``@DYN_LOADS_NOWAIT@`` (the template waits
     itself) and its entry named ``prefix`` + a digest of ``tag`` and the body. Returns (body, name, index type,
     dyn slots)."""

@@ -149,11 +149,9 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
     would spill: :func:`_loads_ahead_without_spills`; prologue and preloading GEMVs in one wave by their
     registers: :func:`_grids_in_one_wave`), with ``$LUM_ATTENTION_STAGE`` each decode attention computing its q
     rows and kv-cache writes (:mod:`lum.builder.attention_stage`), with ``$LUM_O_COMBINE`` each combine and the
-    o split by head after it as one (:mod:`lum.builder.o_combine`), with ``$LUM_FFN_SLICED`` each decode FFN's two
-    GEMVs as one kernel sliced over h (:mod:`lum.builder.ffn_sliced`), with ``$LUM_SIBLING_KERNELS`` independent
+    o split by head after it as one (:mod:`lum.builder.o_combine`), with ``$LUM_SIBLING_KERNELS`` independent
     small kernels in a row as one (:mod:`lum.builder.siblings`)."""
     from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages
-    from lum.builder.ffn_sliced import ffn_sliced_enabled, fuse_ffn_sliced
     from lum.builder.o_combine import fuse_o_combines, o_combine_enabled
     from lum.builder.siblings import fuse_siblings, sibling_kernels_enabled
 
@@ -162,8 +160,6 @@ def group_kernel_sources(program: Program, dyn_vars: Sequence[str], max_dyn: Map
         gen = fuse_attention_stages(program, gen, dyn_vars, max_dyn, tuning)
     if o_combine_enabled():
         gen = fuse_o_combines(program, gen, dyn_vars, max_dyn, arch)
-    if ffn_sliced_enabled():
-        gen = fuse_ffn_sliced(program, gen, dyn_vars, max_dyn)
     if sibling_kernels_enabled():
         gen = fuse_siblings(program, gen, dyn_vars, max_dyn, tuning)
     return {i: ks for i, ks in gen.items() if ks is not None}

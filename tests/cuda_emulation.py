@@ -92,14 +92,6 @@ static void __syncwarp(unsigned mask = 0xffffffffu) { if (mask == 0xffffffffu) l
 static void __threadfence() {}   // one OS thread runs every block: every store is already visible
 static unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 static unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
-static unsigned atomicOr(unsigned* p, unsigned v) { const unsigned old = *p; *p = old | v; return old; }
-static unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-  const unsigned long long old = *p; *p = old + v; return old;
-}
-static unsigned long long atomicExch(unsigned long long* p, unsigned long long v) {
-  const unsigned long long old = *p; *p = v; return old;
-}
-static long long __float2ll_rn(float x) { return std::llrint(x); }   // the default rounding: to nearest even
 template <typename T> static T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
   uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));

@@ -319,29 +319,6 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
                                     (w, ShapeTracker.contiguous((ncol * heads_n * hd,)))],
              (1, 1, ncol), f32, {k: as_expr(v) if not isinstance(v, str) else v for k, v in params.items()},
              output=f"{case}.y", case_kind="row", tol=tol if dt == f32 else 2e-2)
-    # a decode FFN (builder/ffn_sliced.py): a gate-up GEMV with its gated epilogue (as gemv.epilogue.gated) read only
-    # by a down GEMV. By default two kernels; with LUM_FFN_SLICED=1 one kernel of 132 blocks, each 2 or 3 vectors
-    # of h's 1,120 rows in f32 (1 or 2 in bf16), down's 1,030 outputs more than two a thread
-    case, k1, hn, n2 = "ffn.sliced", 72, 1120, 1030
-    xs, wgu = inp(case, 0, k1, dt), inp(case, 1, 2 * hn * k1, dt)
-    cs = inp(case, 2, 2, f32, data=np.array([1.0, -1.4426950408889634], np.float32))
-    wd = inp(case, 3, n2 * hn, dt)
-    for w in (wgu, wd):
-        b.arrays[w] = (b.arrays[w].astype(np.float32) / 8).astype(dt.np)     # keep 2^(−gate) finite
-    row = (as_expr(1), as_expr(hn))
-    sig = ["Recip", "f32", ["Add", "f32", ["arg", 0], ["Exp2", "f32", ["Mul", "f32", ["acc", 0], ["arg", 1]]]]]
-    gp = {"layout": "RmCm", "m": 1, "n": 2 * hn, "k": k1, "lda": k1, "ldb": k1, "ldc": 2 * hn, "batch": 1,
-          "acc_dtype": "f32", "n_out": hn, "acc_cols": [0, hn], "epilogue_leaves": 2,
-          "epilogue": ["Cast", dt.value, ["Mul", "f32", ["Mul", "f32", ["acc", 0], sig], ["acc", 1]]]}
-    b.op(f"{case}.h", "gemm", "Gemm", [(xs, ShapeTracker.contiguous((as_expr(k1),))),
-                                       (wgu, ShapeTracker.contiguous((as_expr(2 * hn * k1),)))]
-         + [(cs, ShapeTracker(row, (as_expr(0), as_expr(0)), as_expr(j), None)) for j in (0, 1)],
-         row, dt, {k: as_expr(v) if isinstance(v, int) and k != "epilogue_leaves" else v for k, v in gp.items()})
-    dp = {"layout": "RmCm", "m": 1, "n": n2, "k": hn, "lda": hn, "ldb": hn, "ldc": n2, "batch": 1}
-    b.op(case, "gemm", "Gemm", [(f"{case}.h", ShapeTracker.contiguous(row)),
-                                (wd, ShapeTracker.contiguous((as_expr(n2 * hn),)))],
-         (1, 1, n2), f32, {k: as_expr(v) if isinstance(v, int) else v for k, v in dp.items()},
-         output=f"{case}.y", case_kind="gemm", tol=tol if dt == f32 else 2e-2)
     # iota in the dtype and in i64
     for odt in (dt, DType.i64):
         case = f"iota.{odt.value}"

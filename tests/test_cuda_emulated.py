@@ -43,8 +43,7 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
          "two-kernels": {"LUM_O_COMBINE": "0"},
-         "o-grouped": {"LUM_O_COMBINE": "grouped"},
-         "ffn-sliced": {"LUM_FFN_SLICED": "1", "LUM_GEMV_PROLOGUE_MAX_COLS": "0"}}
+         "o-grouped": {"LUM_O_COMBINE": "grouped"}}
 
 
 @pytest.fixture(scope="module")
@@ -368,10 +367,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``two-kernels``
     (``LUM_O_COMBINE=0``: decode attention's combine and o as two kernels, where by default they are one, o split
     by head in a thread block cluster: builder/o_combine.py) or ``o-grouped`` (``LUM_O_COMBINE=grouped``: that kernel
-    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block) or
-    ``ffn-sliced`` (``LUM_FFN_SLICED=1``: a decode FFN's gate-up and down as one kernel sliced over h, the
-    ``ffn.sliced`` case's and tiny-gemma3's, whose gate-up then computes no input norm: ``LUM_GEMV_PROLOGUE_MAX_COLS=0``
-    as gemma3-4b's wide gate-up; builder/ffn_sliced.py). Every
+    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block).
+    Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
     res = run(env, r'''
@@ -379,7 +376,7 @@ import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
 out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "shared_preloads": 0,
-       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}, "ffns": {}}
+       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}}
 def tuned(pkg, key="preload_shared"):    # the package's kernels whose tuning sets ``key``
     return sum(bool(op.tuning.get(key)) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
@@ -388,7 +385,6 @@ for dt in (DType.f32, DType.bf16):
     out["shared_preloads"] += tuned(pkg)
     out["shared_preloads_default"] += tuned(L.open(PKGS[f"template_cases.{dt.value}"]))
     out["o_combines"][dt.value] = tuned(pkg, "o_combine")
-    out["ffns"][dt.value] = tuned(pkg, "ffn_sliced")
     out["fused"][dt.value] = [[op.kind, len(op.tail)] for g in pkg.manifest.groups if g.table is not None
                               for op in g.table.ops if op.tail]
     prog, arrays, b = template_cases(dt)
@@ -414,7 +410,6 @@ for name in MODELS:
     out["shared_preloads_default"] += tuned(L.open(PKGS[name]))
     out["prologues"][name] = [tuned(pkg, "prologue"), tuned(L.open(PKGS[name]), "prologue")]
     out["o_combines"][name] = tuned(pkg, "o_combine")
-    out["ffns"][name] = tuned(pkg, "ffn_sliced")
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     with pkg.session(backend="cuda") as sess:
@@ -428,10 +423,6 @@ print(json.dumps(out))
         assert len(fused) >= 5 and len({k for k, _ in fused}) >= 3, fused
     # the combine and o as one kernel (the o.combine case's, one a decode layer's) but in the two-kernels variant
     assert all((n > 0) == (variant != "two-kernels") for n in res["o_combines"].values()), res["o_combines"]
-    # the sliced FFN only in its variant: the ffn.sliced case's and tiny-gemma3's decode layers' (the variant builds
-    # its gate-ups without prologues; llama's and qwen3's down adds the residual in an epilogue)
-    want_ffns = {"f32", "bf16", "tiny-gemma3"} if variant == "ffn-sliced" else set()
-    assert {k for k, n in res["ffns"].items() if n} == want_ffns, res["ffns"]
     if variant == "o-grouped":         # the o.combine.grouped case fuses too: two such kernels a dtype
         assert res["o_combines"]["f32"] == res["o_combines"]["bf16"] == 2, res["o_combines"]
     # the default preloads some GEMVs into shared memory (those behind small kernels); ``all`` every one
