@@ -34,6 +34,10 @@ step), where the LM head, the same GEMV code over 1.3 GB, streams at 4.5 TB/s. T
 sizes say each launch pays ≈ 3.2 µs beside a 4.5 TB/s stream (NOTES.md). If ``fused2`` beats ``two`` by
 about one such launch (≈ 3 µs a stretch), a fused FFN kernel is the lever for gemma3-4b's 80%.
 
+Measured (H100, 01ad678, ``ffn-probe-2026-12-06-01ad678-h100.json``): ``lum`` 56.0 µs a stretch, ``fused2`` 55.1,
+every sliced mode 80.8–105.6 (1.42–1.85× ``two``); lum's build of ``sliced-rm-fixed`` decoded gemma3-4b 14% slower
+and was removed (NOTES.md, "The sliced FFN measured").
+
 Printed and saved (``<out>/ffn-probe-<date>.json``): µs a stretch, the rate over the weight bytes, each mode
 against ``two``, each mode's error against float64 (each stretch from the GPU's previous output; < 1e-4;
 outputs poisoned with NaN before every mode, so an unwritten output cannot pass) and whether a down item's
