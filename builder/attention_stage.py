@@ -31,7 +31,6 @@ gemma3-4b bf16 357.6 tok/s against 353.7 without (+1.1%), llama3-1b bf16 1,059.6
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -42,7 +41,7 @@ from lum.builder.attention_policy import attention_row_dims
 from lum.builder.codegen import AttentionStage, CodegenError, StageRow, generate, stage_row
 from lum.builder.env_switches import env_switch
 from lum.builder.gemv_policy import split_gemv_tuning
-from lum.builder.kernel_text import ENTRY_PLACEHOLDER, KernelSource, common_header
+from lum.builder.kernel_text import ENTRY_PLACEHOLDER, KernelSource, common_header, entry_named
 from lum.builder.rewrite import readers
 from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
@@ -219,9 +218,8 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])
     head = run[0]
-    digest = hashlib.sha256(f"stage/{head.kind}/{head.op}\n{body}".encode()).hexdigest()[:16]
-    name = f"lum_{head.kind}_{(head.op or head.kind).lower()}_stage_{digest}"
-    body = body.replace(ENTRY_PLACEHOLDER, name)
+    body, name = entry_named(body, f"stage/{head.kind}/{head.op}",
+                             f"lum_{head.kind}_{(head.op or head.kind).lower()}_stage_")
     slots = dict(ks.dyn_slots)
     for row in rows.values():
         slots.update(row.dyn_slots)

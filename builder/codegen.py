@@ -101,7 +101,7 @@ from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOA
 from lum.builder.intmath import pow2_floor
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, ZERO_C, AccessPlan, KernelContext,
                                      KernelSource, Launch, Param, access_plan, coalesce, common_header, compute_node,
-                                     convert_kind, index_vars, load_conv, load_template, mask_trivial, render,
+                                     convert_kind, entry_named, index_vars, load_conv, load_template, mask_trivial, render,
                                      store_conv, unravel_index, validity_terms, value_kind, view_access)
 from lum.builder.row_codegen import RowKernels
 from lum.format.dtypes import DType
@@ -225,9 +225,8 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
     tuning = {**tuning, "index_bits": index_bits}
-    digest = hashlib.sha256(f"{op.kind}/{op.op}\n{body}".encode()).hexdigest()[:16]
-    name = f"lum_{op.kind}_{op.op.lower() or op.kind}_{digest}" if op.op else f"lum_{op.kind}_{digest}"
-    body = body.replace(ENTRY_PLACEHOLDER, name)
+    body, name = entry_named(body, f"{op.kind}/{op.op}",
+                             f"lum_{op.kind}_{op.op.lower() or op.kind}_" if op.op else f"lum_{op.kind}_")
     launches = tuple(Launch(name + suffix, grid, block, *smem) for suffix, grid, block, *smem in launches_raw)
     params = gen.params()
     return KernelSource(name=name, kind=op.kind, op=op.op, source=common_header() + "\n" + body, body=body,

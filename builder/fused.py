@@ -1,7 +1,6 @@
 """What the kernels that run several ops' bodies in one launch share (builder/siblings.py,
-builder/attention_stage.py, builder/o_combine.py): the kernel entry they find in a body,
-the joined launch's parameters, which ops do no device work, and for a head op fused with the one op after it
-that reads it, the pass over the program and the static values of the ops' parameters.
+builder/attention_stage.py, builder/o_combine.py): the kernel entry they find in a body, the joined launch's
+parameters, and which ops do no device work.
 
 Such a kernel keeps the LLIR unchanged: its launch table entry names the first op the kernel and the others
 its tails (table version 2, :mod:`lum.format.manifest`), their parameters ``t<j>_out, t<j>_in…`` after the
@@ -10,15 +9,11 @@ first op's ``out, in…, dyn``."""
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Sequence
 
-from lum.builder.codegen import KernelSource, Param
-from lum.builder.env_switches import CodegenError
-from lum.builder.rewrite import readers
-from lum.format.expr import as_expr
-from lum.format.llir import LOp, Program
+from lum.builder.codegen import Param
 
-__all__ = ["NO_WORK", "ENTRY_RE", "joined_params", "static_int", "static_params", "fuse_head_and_tail"]
+__all__ = ["NO_WORK", "ENTRY_RE", "joined_params"]
 
 NO_WORK = ("input", "constant", "output")      # op kinds with no device work
 ENTRY_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+(?:, \d+)?\) (\w+)\(')
@@ -39,45 +34,6 @@ def joined_params(params_of: Sequence[Sequence[Param]]) -> tuple[list[Param], li
             names.append(name)
         calls.append(", ".join(names))
     return params, calls
-
-
-def static_int(e: Any) -> int | None:
-    """``e`` (an expression, an int or None) as an int where it is a constant, else None."""
-    if e is None:
-        return None
-    e = as_expr(e)
-    return e.value if e.is_const else None
-
-
-def static_params(op: LOp, defaults: Mapping[str, Any]) -> dict[str, int | None]:
-    """The static value (:func:`static_int`) of each of ``op``'s parameters named in ``defaults``, the default
-    where ``op`` does not set it."""
-    return {k: static_int(op.params.get(k, v)) for k, v in defaults.items()}
-
-
-def fuse_head_and_tail(program: Program, sources: Mapping[int, KernelSource | None],
-                       match: Callable[[LOp, Mapping[int, list[LOp]]], tuple[LOp, Any] | None],
-                       build: Callable[[Any, KernelSource, KernelSource], KernelSource]
-                       ) -> dict[int, KernelSource | None]:
-    """``sources`` with each pair that ``match(tail, readers)`` finds for an op, as (its head op, what ``build``
-    takes), one kernel under the head that ``build(found, head's source, tail's source)`` writes, the tail's
-    entry dropped (:attr:`KernelSource.tails` names it). A pair whose sources are missing or already fused, or
-    that ``build`` refuses (CodegenError), keeps its two kernels."""
-    out = dict(sources)
-    users = readers(program)
-    for tail in program.ops:
-        found = match(tail, users)
-        if found is None:
-            continue
-        head, what = found
-        if any(sources.get(i) is None or sources[i].tails for i in (head.id, tail.id)):
-            continue
-        try:
-            out[head.id] = build(what, sources[head.id], sources[tail.id])
-        except CodegenError:
-            continue
-        out.pop(tail.id, None)
-    return out
 
 
 def _renamed(p: Param, name: str) -> Param:

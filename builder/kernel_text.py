@@ -305,18 +305,11 @@ def view_access(ctx: KernelContext, view: ShapeTracker, idx: Sequence[Expr], ext
     return ctx.c(phys), (" && ".join(conds) if conds else None)
 
 
-def finish_fused_body(body: str, ctx: KernelContext, tag: str, prefix: str,
-                      reach: int) -> tuple[str, str, str, dict[str, int]]:
-    """A fused kernel's rendered template (builder/o_combine.py) finished: its ``@IDX_T@`` (int
-    where ``reach`` and the context's expressions fit 32 bits), its ``@DYN_LOADS_NOWAIT@`` (the template waits
-    itself) and its entry named ``prefix`` + a digest of ``tag`` and the body. Returns (body, name, index type,
-    dyn slots)."""
-    idx_t = "int" if ctx.fits_i32(reach) else "long long"
-    nowait, slots = ctx.dyn_loads(wait=False)
-    body = body.replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
-    digest = hashlib.sha256(f"{tag}\n{body}".encode()).hexdigest()[:16]
-    name = f"{prefix}{digest}"
-    return body.replace(ENTRY_PLACEHOLDER, name), name, idx_t, slots
+def entry_named(body: str, tag: str, prefix: str) -> tuple[str, str]:
+    """``body`` with its entry (``ENTRY_PLACEHOLDER``) named ``prefix`` + 16 hex digits of the SHA-256 of ``tag``
+    and the body, and that name: the same text always gets the same name, different text a different one."""
+    name = prefix + hashlib.sha256(f"{tag}\n{body}".encode()).hexdigest()[:16]
+    return body.replace(ENTRY_PLACEHOLDER, name), name
 
 
 def unravel_index(ctx: KernelContext, flat: str, shape: Sequence[Expr], indent: str, last_vec: int = 1) -> str:

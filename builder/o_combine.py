@@ -24,13 +24,14 @@ dependent round of loads and every column group re-reading every head's partials
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from lum.builder.env_switches import CodegenError, env_choice
-from lum.builder.fused import fuse_head_and_tail, joined_params, static_int, static_params
+from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
-                                     finish_fused_body, load_conv, load_template, render, store_conv, unravel_index)
+                                     entry_named, load_conv, load_template, render, store_conv, unravel_index)
+from lum.builder.rewrite import readers
 from lum.builder.row_codegen import online_softmax_sum
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, Var, as_expr
@@ -123,13 +124,18 @@ def heads_a_block(heads: int, d: int) -> int | None:
     return None
 
 
+def _static(e: Any) -> int | None:
+    e = as_expr(e)
+    return e.value if e.is_const else None
+
+
 def _max_chunks(program: Program, combine: LOp, max_dyn: Mapping[str, int] | None) -> int | None:
     """The most chunks ``combine`` can reduce: the attention feeding it has its kv cache's rows over its chunk;
     otherwise the chunk axis's bound under ``max_dyn``; None where neither bounds it."""
     att = program.ops[combine.args[0].src]
     if att.kind == "attention" and "chunk" in att.params:
         view = att.args[1].view
-        step, cache = static_int(view.strides[-2]), static_int(numel(program.ops[att.args[1].src].shape))
+        step, cache = _static(view.strides[-2]), _static(numel(program.ops[att.args[1].src].shape))
         if step and cache is not None:
             return -(-(cache // step) // int(att.params["chunk"]))
     ns = as_expr(combine.args[0].view.shape[-1])
@@ -148,8 +154,9 @@ def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]],
     leaves = combine_leaves(combine)
     if leaves is None or [u.id for u in users.get(combine.id, [])] != [o.id]:
         return None
-    d, total = static_int(combine.shape[-1]), static_int(numel(combine.shape))
-    p = static_params(o, {"batch": 1, "k": None, "n": None, "offset_a": 0, "offset_b": 0, "ldb": None, "m": 1})
+    d, total = _static(combine.shape[-1]), _static(numel(combine.shape))
+    p = {k: _static(o.params.get(k, v)) for k, v in (("batch", 1), ("k", None), ("n", None), ("offset_a", 0),
+                                                     ("offset_b", 0), ("ldb", None), ("m", 1))}
     if None in (d, total, *p.values()) or p["batch"] != 1 or p["m"] != 1 or p["offset_a"] != 0 or p["k"] != total:
         return None
     if o.args[0].view != ShapeTracker.contiguous((total,)) or total // d < 2:
@@ -176,15 +183,20 @@ def fuse_o_combines(program: Program, sources: Mapping[int, KernelSource | None]
                     max_dyn: Mapping[str, int] | None = None, arch: str = "sm_90") -> dict[int, KernelSource | None]:
     """``sources`` with each combine and the o that reads it as one kernel under the combine, o's entry dropped
     (:attr:`KernelSource.tails` names it); unchanged for an ``arch`` before sm_90 (no thread block clusters)."""
+    out = dict(sources)
     if int(arch.removeprefix("sm_")) < 90:
-        return dict(sources)
-
-    def match(o: LOp, users: Mapping[int, list[LOp]]) -> tuple[LOp, _Split] | None:
+        return out
+    users = readers(program)
+    for o in program.ops:
         s = _split(program, o, users, max_dyn)
-        return None if s is None else (s.combine, s)
-
-    return fuse_head_and_tail(program, sources, match,
-                              lambda s, ks_c, ks_o: _fused(program, s, ks_c, ks_o, dyn_vars, max_dyn))
+        if s is None or any(sources.get(i) is None or sources[i].tails for i in (s.combine.id, o.id)):
+            continue
+        try:
+            out[s.combine.id] = _fused(program, s, sources[s.combine.id], sources[o.id], dyn_vars, max_dyn)
+        except CodegenError:
+            continue
+        out.pop(o.id, None)
+    return out
 
 
 def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSource,
@@ -255,7 +267,10 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
         "L_LOAD": load_conv(dts[leaves.l], f"in{leaves.l}[lum_q]"),
         "A_LOAD": load_conv(dts[leaves.a], f"in{leaves.a}[lum_q]"),
         "B_AT": ctx.c(b_at), "OUT_AT": ctx.c(out_at)})
-    body, name, idx_t, slots = finish_fused_body(body, ctx, "o_combine", "lum_reduce_sum_o_", COLS)
+    idx_t = "int" if ctx.fits_i32(COLS) else "long long"
+    nowait, slots = ctx.dyn_loads(wait=False)
+    body, name = entry_named(body.replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait), "o_combine",
+                             "lum_reduce_sum_o_")
     smem = COLS * db * w_dt.itemsize
     tuning = {"threads": threads, "cols": COLS, "round": ROUND, "heads_a_block": hpb,
               "o_combine": [combine.id, o.id], "index_bits": 32 if idx_t == "int" else 64}
