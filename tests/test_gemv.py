@@ -739,3 +739,56 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     pre = preloads()
     assert pre[3] == (2560, 0, 1280) and pre[1] == (2560, 0, 320), pre     # down and o: no preload, grids whole
     assert pre[0][1] == 2 and pre[2][1] >= 1, pre
+
+
+def test_a_bounded_preload_keeps_the_grid_in_one_wave(nvrtc, monkeypatch):
+    """``$LUM_GEMV_PRELOAD_BOUND=1``: gemma3-4b's down GEMV (1,280 blocks of 128 threads after gate-up) would lose
+    its preload, whose registers (56 at one vector a lane) let the SMs hold 1,188 of its blocks; bounded by
+    ``__launch_bounds__(128, 10)`` it keeps one vector a lane at 48 registers without spills, ten blocks an SM,
+    its grid whole. Its text is the unbounded preload's but for the bound; every other GEMV is unchanged."""
+    import re
+
+    from lum.builder import kernels
+    from lum.builder.codegen import generate
+    from tests.test_attention_stage import _layer
+
+    layer, dv = _layer("gemma3-4b", BF16)
+    plain = _layer_gemvs(layer, dv)
+    monkeypatch.setenv("LUM_GEMV_PRELOAD_BOUND", "1")
+    bound = _layer_gemvs(layer, dv)
+    assert [ks.name for ks in bound[:3]] == [ks.name for ks in plain[:3]]
+    down, was = bound[3], plain[3]
+    assert not was.tuning["preload"] and "__launch_bounds__(128)" in was.body
+    assert down.tuning["preload"] == 1 and down.tuning["preload_bound"] and down.grid == was.grid
+    assert (down.grid[0].value, down.block[0]) == (1280, 128) and "__launch_bounds__(128, 10)" in down.body
+    log = nvrtc.compile_cuda(down.source, ptx=False, extra_options=["--ptxas-options=-v"]).log
+    regs = nvrtc.ptxas_registers(log)[down.name]
+    assert nvrtc.ptxas_spills(log) == {} and kernels.resident_blocks(128, regs) >= 10, (regs, log)
+    monkeypatch.delenv("LUM_GEMV_PRELOAD_BOUND")
+    op = next(o for o in layer.ops if o.id == max(o.id for o in layer.ops if o.kind == "gemm"))
+    free = generate(op, dv, arg_dtypes=[layer.ops[a.src].dtype for a in op.args], preload=1)   # no weights, as above
+
+    def text(ks) -> str:
+        return re.sub(r"__launch_bounds__\([^)]*\)", "", ks.body.replace(ks.name, "K"))
+    assert free.tuning["preload"] == 1 and text(free) == text(down)
+
+
+def test_the_gemv_cases_bound_a_preload_where_the_grid_is_past_the_sms():
+    """The gemv cases built with ``kernel_tuning={"preload": 1, "preload_bound": True}`` (as
+    test_gpu.py's test_gemv_bounded_preload_matches_reference runs them) bound the wide static case's GEMVs, and
+    only kernels whose static grid is more blocks than the SMs."""
+    import lum.loader
+
+    from tests.kernel_cases import gemv_cases, write_case_package
+
+    import tempfile
+    from pathlib import Path
+
+    prog, _, b = gemv_cases(BF16)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_case_package(Path(tmp) / "cases.lumpkg", prog, b,
+                                  kernel_tuning={"preload": 1, "preload_bound": True})
+        with lum.loader.open(path) as pkg:
+            ops = [op for g in pkg.manifest.groups if g.table is not None for op in g.table.ops]
+    bounded = [op for op in ops if op.tuning.get("preload_bound")]
+    assert len(bounded) == 2 and all(op.tuning["preload"] == 1 for op in bounded), [op.tuning for op in bounded]
