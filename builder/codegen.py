@@ -73,9 +73,7 @@ block's first tile into registers before the kernel waits for its predecessor, t
 :data:`~lum.builder.gemv_policy.GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also
 :func:`gemv_after_small`), ``preload_shared`` (gemv: the preload goes to shared memory, up to
 :data:`~lum.builder.gemv_policy.GEMV_SHARED_PRELOAD_VECTORS`, so it may hold every vector of a lane's first
-column; see :func:`~lum.builder.gemv_policy.gemv_preload_shared`), ``preload_bound`` (gemv: a register
-preload's registers bounded by ``__launch_bounds__`` so that a static grid stays one wave;
-:func:`~lum.builder.gemv_policy.gemv_preload_bound`), ``tile_keys`` (flash attention: keys a
+column; see :func:`~lum.builder.gemv_policy.gemv_preload_shared`), ``tile_keys`` (flash attention: keys a
 tile, one of :data:`~lum.builder.attention_policy.FLASH_TILE_KEYS`; 64 on tensor cores, 32 with
 FMAs; its query rows a block are 16 a warp of ``threads``, default 128), ``max_blocks`` (grid cap),
 ``index_bits``, ``acc``, ``math``, ``row_regs`` (row kernels keep a static row in registers; False: they
@@ -172,7 +170,7 @@ def _default_threads(op: LOp) -> int:
 def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DType | str] | None = None,
              threads: int | None = None, ept: int | None = None, vec: int | None = None, group: int | None = None,
              unroll: int | None = None, inflight: int | None = None, preload: int | None = None,
-             preload_shared: bool = False, preload_bound: bool = False, max_blocks: int = 65536,
+             preload_shared: bool = False, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
              stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
@@ -213,7 +211,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     gen = _Gen(op, dts, ctx, threads=threads, ept=ept, vec=vec, group=group, unroll=unroll,
                inflight=gemv_inflight_default() if inflight is None else inflight,
                preload=gemv_preload_default() if preload is None else preload, preload_shared=preload_shared,
-               preload_bound=preload_bound, max_blocks=max_blocks,
+               max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
                weight_args=frozenset(weight_args), stage=stage, tile_keys=tile_keys)
     if stage is not None and op.kind != "attention":
@@ -412,8 +410,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
 
     def __init__(self, op: LOp, dts: list[DType], ctx: KernelContext, *, threads: int, ept: int | None, vec: int | None,
                  group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
-                 preload: int = 0, preload_shared: bool = False, preload_bound: bool = False,
-                 threads_given: bool = True,
+                 preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
                  stage: AttentionStage | None = None, tile_keys: int | None = None):
         self.op, self.dts, self.ctx = op, dts, ctx
@@ -423,7 +420,6 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
         self.inflight = inflight
         self.preload = preload
         self.preload_shared = preload_shared       # gemv: the preload into shared memory
-        self.preload_bound = preload_bound         # gemv: a register preload's registers bounded to one wave
         self.weight_args = weight_args             # the op's arguments that are weights (generate_program)
         self.early: tuple[str, ...] = ()           # parameters read before the wait (KernelSource.early)
         self.max_blocks, self.acc, self.math = max_blocks, acc, math

@@ -110,10 +110,7 @@ class GemvKernels:
         # loads ahead: registers capped so that a static grid runs in one wave; a preload keeps the registers
         # ptxas gives it (capped, gemma3-4b's o and down spilled 224-488 bytes a thread at 4-8 vectors) and
         # its grid is capped at one wave by them instead (builder/kernels.py _grids_in_one_wave)
-        bound = preload if self.preload_bound and not shared else 0    # $LUM_GEMV_PRELOAD_BOUND (kernels.py)
-        min_blocks = self._gemv_min_blocks(inflight or bound, grid[0])
-        if bound and min_blocks:
-            tuning["preload_bound"] = True      # the registers bounded so that the grid stays one wave
+        min_blocks = self._gemv_min_blocks(inflight, grid[0]) if inflight else ""
         # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks

@@ -23,7 +23,6 @@ __all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "
            "ENV_GEMV_INFLIGHT", "GEMV_PRELOAD_VECTORS", "GEMV_SHARED_PRELOAD_VECTORS", "GEMV_SHARED_PRELOAD_BYTES",
            "ENV_GEMV_PRELOAD_SHARED", "ENV_GEMV_PROLOGUE_NARROW_A", "ENV_GEMV_PROLOGUE_THREADS",
            "ENV_GEMV_PROLOGUE_PAIRS", "ENV_GEMV_PRELOAD", "ENV_GEMV_PRELOAD_AFTER_GEMV", "ENV_GEMV_TUNING",
-           "ENV_GEMV_PRELOAD_BOUND", "gemv_preload_bound",
            "GEMV_OVERRIDE_KEYS", "ENV_GEMV_EVICT_FIRST", "ENV_GEMV_BALANCE", "SMS", "GEMV_LARGE", "gemv_rows",
            "gemv_prologue_fits", "gemv_prologue_pairs", "gemv_prologue_threads", "gemv_balance", "blocks_unbalanced",
            "gemv_preload_default", "gemv_evict_first", "gemv_prologue_narrow_a", "gemv_inflight_default",
@@ -46,7 +45,6 @@ ENV_GEMV_PROLOGUE_PAIRS = "LUM_GEMV_PROLOGUE_PAIRS"
 ENV_GEMV_PRELOAD = "LUM_GEMV_PRELOAD"
 ENV_GEMV_PRELOAD_AFTER_GEMV = "LUM_GEMV_PRELOAD_AFTER_GEMV"
 ENV_GEMV_TUNING = "LUM_GEMV_TUNING"
-ENV_GEMV_PRELOAD_BOUND = "LUM_GEMV_PRELOAD_BOUND"
 GEMV_OVERRIDE_KEYS = ("threads", "group", "unroll", "inflight", "preload", "max_blocks")
 ENV_GEMV_EVICT_FIRST = "LUM_GEMV_EVICT_FIRST"
 ENV_GEMV_BALANCE = "LUM_GEMV_BALANCE"           # 0: large GEMVs keep 512 threads however their blocks fall
@@ -214,16 +212,6 @@ def gemv_preload_after_gemv() -> int:
     In gemma3-4b only its down GEMV follows a GEMV, and its preload is dropped (builder/kernels.py
     ``_waves_unbalanced``; kept, it cost the step 7.4% at e827744), so gemma's kernels are unchanged."""
     return env_count(ENV_GEMV_PRELOAD_AFTER_GEMV, GEMV_PRELOAD_VECTORS, GEMV_PRELOAD_AFTER_GEMV)
-
-
-def gemv_preload_bound() -> bool:
-    """``$LUM_GEMV_PRELOAD_BOUND`` (1; off by default, not yet measured): a GEMV whose register preload would
-    leave the SMs too few blocks for its grid (builder/kernels.py ``_waves_unbalanced``) keeps the preload with its
-    registers bounded (``__launch_bounds__`` with the blocks an SM its grid needs in one wave), where ptxas then
-    does not spill, rather than losing it. gemma3-4b's down (1,280 blocks of 128 threads after gate-up) takes 56
-    registers at a preload of one vector a lane (9 blocks an SM: 1,188 resident) and so drops it; bounded to 10
-    blocks an SM it takes 48, without spills, and its blocks issue their first loads as gate-up drains."""
-    return env_switch(ENV_GEMV_PRELOAD_BOUND, default=False)
 
 
 def gemv_preload_shared() -> str | None:

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lum.builder.codegen import KernelSource, generate_program, module_source
 from lum.builder.env_switches import env_switch
-from lum.builder.gemv_policy import SMS, blocks_unbalanced, gemv_kernel_ops, gemv_preload_bound, gemv_tile_a_block
+from lum.builder.gemv_policy import SMS, blocks_unbalanced, gemv_kernel_ops, gemv_tile_a_block
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program
 from lum.format.manifest import CLUSTER_TABLE_VERSION, KERNEL_TABLE_VERSION, TAIL_TABLE_VERSION
@@ -191,9 +191,7 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
     registers leave an SM fewer than :data:`PRELOAD_MIN_THREADS` resident threads: the preload covers the
     first tiles, the occupancy it costs slows every tile (gemma3-4b's gate-up at 4 vectors a lane took 128
     registers, 512 threads an SM, and the step measured 11% slower); and where those registers leave the
-    SMs too few blocks for the GEMV's grid to run as evenly as codegen sized it (:func:`_waves_unbalanced`);
-    with ``$LUM_GEMV_PRELOAD_BOUND`` such a register preload first has its registers bounded to one wave
-    (``gemv<i>.preload_bound``), and is halved only if it then spills.
+    SMs too few blocks for the GEMV's grid to run as evenly as codegen sized it (:func:`_waves_unbalanced`).
     Unchanged without NVRTC."""
     from lum.builder import nvrtc
 
@@ -217,12 +215,6 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
                    and ((resident[name] * by_name[name].block[0] < PRELOAD_MIN_THREADS and name not in whole)
                         or _waves_unbalanced(by_name[name], SMS * resident[name])
                         or _shared_preload_past_one_wave(by_name[name], SMS * resident[name]))]
-        bounded = {f"gemv{ahead[name][0]}.preload_bound": True for name in crowded if gemv_preload_bound()
-                   and not by_name[name].tuning.get("preload_shared") and f"gemv{ahead[name][0]}.preload_bound"
-                   not in tuning and _waves_unbalanced(by_name[name], SMS * resident[name])}
-        if bounded:              # $LUM_GEMV_PRELOAD_BOUND: registers bounded to one wave before any halving
-            tuning = {**tuning, **bounded}
-            continue
         spilled = [ahead[name] for name in {*nvrtc.ptxas_spills(log), *crowded} if name in ahead]
         if not spilled:
             return tuning, gen

@@ -392,8 +392,6 @@ def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray]
         to = "" if out == dt else f".to_{out.value}"
         for m in (1, 3):
             _gemm_case(b, rng, f"gemv.RmCm.m{m}.static{to}", "RmCm", (dt, dt, out), m, 300, 264, 1)
-        # a grid of more blocks than the SMs (2,560 columns): what a bounded preload applies to (preload_bound)
-        _gemm_case(b, rng, f"gemv.RmCm.m1.static.wide{to}", "RmCm", (dt, dt, out), 1, 2560, 264, 1)
         _gemv_prologue_case(b, rng, f"gemv.prologue.rmsnorm.m1.k256.static{to}", "rmsnorm", dt, out, 1, 300, 256)
         # 600 columns: 3 warps a block under $LUM_GEMV_PROLOGUE_THREADS=fit (two columns a warp, 132 SMs)
         _gemv_prologue_case(b, rng, f"gemv.prologue.rmsnorm.m1.k256.n600.static{to}", "rmsnorm", dt, out, 1, 600, 256)
