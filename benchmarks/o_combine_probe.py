@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
     combine, o, dyn_vars = lum_kernels(max_seq=CHUNK * max(counts))
     dev = ProbeDevice("o_combine_probe.cu", extra=combine.body + "\n" + o.body)
-    cu, stream, info = dev.cu, dev.stream, dev.info
+    cu, info = dev.cu, dev.info
     f_att, f_norm = dev.module.function("probe_attention_standin"), dev.module.function("probe_consumer")
     f_fused = dev.module.function("probe_o_combine")
     f_comb, f_o = dev.module.function(combine.name), dev.module.function(o.name)
