@@ -154,15 +154,26 @@ class ProbeDevice:
 
 
 # ====================================================================== environment
-def _commit() -> str:
+def git(*args: str) -> str | None:
+    """``git <args>``'s output in this tree; None where git or the repository is missing (a device's copy of the
+    tree)."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=HERE).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True,
-                               cwd=HERE).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        done = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True)
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_dirty(untracked: bool = True) -> bool | None:
+    """Whether the tree differs from its commit (``untracked``: counting untracked files); None where that
+    cannot be known (no repository), so that a record never claims a clean tree it did not see."""
+    status = git("status", "--porcelain", *(() if untracked else ("--untracked-files=no",)))
+    return None if status is None else bool(status)
+
+
+def _commit() -> str:
+    sha, dirty = git("rev-parse", "HEAD"), git_dirty()
+    return "unknown" if sha is None or dirty is None else sha + ("-dirty" if dirty else "")
 
 
 def _driver() -> str:

@@ -16,29 +16,17 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import git, git_dirty  # noqa: E402
+
 TARGET_SECONDS = 30.0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _dirty() -> bool:
-    try:
-        out = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent).stdout
-        return bool(out.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return False
 
 
 def _machine() -> dict:
@@ -110,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = time.perf_counter() - t
 
     date = _dt.datetime.now(_dt.timezone.utc)
-    result = {"benchmark": "compile_time", "commit": _commit(), "dirty": _dirty(), "date": date.isoformat(),
+    result = {"benchmark": "compile_time", "commit": git("rev-parse", "HEAD") or "unknown", "dirty": git_dirty(),
+              "date": date.isoformat(),
               "machine": _machine(), "seconds_setup": round(setup, 4), "models": []}
     ok = True
     print(f"setup (parse rules, base e-graph): {setup:.3f} s")

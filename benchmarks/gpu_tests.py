@@ -29,21 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def _git(*args: str) -> str | None:
-    """``git <args>``'s output here; None where git or the repository is missing (a device's copy of the tree)."""
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _dirty() -> bool | None:
-    """Whether tracked files differ from the commit; None where that cannot be known (no repository)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else bool(status)
+from _common import git, git_dirty  # noqa: E402
 
 
 def _gpu() -> tuple[str, str]:
@@ -164,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu, driver = _gpu()
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped", "not run")}
     now = dt.datetime.now(dt.timezone.utc)
-    record = {"benchmark": "gpu-tests", "commit": args.commit or _git("rev-parse", "HEAD"),
-              "dirty": _dirty(), "gpu": gpu, "driver": driver,
+    record = {"benchmark": "gpu-tests", "commit": args.commit or git("rev-parse", "HEAD"),
+              "dirty": git_dirty(untracked=False), "gpu": gpu, "driver": driver,
               "date": now.isoformat(timespec="seconds"), "command": " ; ".join(" ".join(c[1:]) for c in cmds),
               "exit_code": code,
               **({"stopped": stopped} if stopped else {}),
