@@ -5,6 +5,8 @@ which attention ops run flash attention is policy, in :mod:`lum.builder.attentio
 
 from __future__ import annotations
 
+from typing import Any
+
 from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_SMEM, FLASH_MAX_D, FLASH_TILE_KEYS,
                                           attention_group_rows, attention_row_dims, flash_attention,
                                           flash_features_fit)
@@ -116,6 +118,9 @@ class AttentionKernels:
         mphys, mvalid = view_access(ctx, vm, tuple(idx) + (lum_t,))
         mval = load_conv(DType.bool, f"in3[{mphys}]")
         mval = "false" if mvalid == "false" else f"(({mvalid}) && {mval})" if mvalid else mval
+        early = self._attention_kv_early(vk, vv, dpl, vpl, unroll, m_size, setup, mval, stage)
+        if early:
+            load_kv, mval = early.pop("LOAD_KV"), early.pop("MASK")
         p_dt = DType.parse(op.params["p_dtype"])
         rnd = "lum_e" if p_dt == DType.f32 else load_conv(p_dt, store_conv("f", "lum_e", p_dt))
         scale = float(op.params["scale"])
@@ -127,19 +132,86 @@ class AttentionKernels:
         # the warps' partials of all M query rows merged after one barrier pair where they and the stage's rows
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
         # (a row at a time, two barriers each, measured even: benchmarks/NOTES.md)
-        other = 4 * 32 * m_size * dpl if self.stage is not None else 0
+        other = 4 * 32 * m_size * dpl + early.pop("SMEM", 0) if self.stage is not None else 0
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits else 1
         src = render(load_template("attention.cu"), {**stage,
             "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
-            "MERGE_ROWS": merge_rows,
+            "DYN_LOADS": "@DYN_LOADS_NOWAIT@" if early else "@DYN_LOADS@", "KV_EARLY": "", "KV_LANDED": "",
+            **early, "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll, "MERGE_ROWS": merge_rows,
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
             "KEY": "\n".join(key), "KEYS_BEFORE": keys_before, "KEYS_AFTER": keys_after, "STORE": ctx.c(out_idx)})
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
-                  "merge_rows": merge_rows}
+                  "merge_rows": merge_rows, **({"kv_early": True} if early else {})}
         return [src], [("", self.grid(heads_n * ns, 1), (self.threads, 1, 1))], tuning, self.max_blocks
+
+    def _attention_kv_early(self, vk: ShapeTracker, vv: ShapeTracker, dpl: int, vpl: int, unroll: int, m_size: int,
+                            setup: list[str], mval: str, stage: dict[str, str]) -> dict[str, Any]:
+        """The stage's early keys (:attr:`~lum.builder.codegen.AttentionStage.kv_early`; attention.cu KV_EARLY,
+        KV_LANDED), or {} where the stage has none or the rows cannot be copied so (features not contiguous or
+        not in 4, 8 or 16n bytes a lane, or more shared memory than a block has). Also: LOAD_KV and the mask
+        (MASK) of the key loop, which read that step from them, and their shared memory (SMEM, bytes).
+
+        Before its wait a block copies the K / V rows of its first work item's first step into shared memory:
+        those rows were written by earlier steps, all but the one its stage writes now, which it reads from the
+        cache as before (the k / v row functions set ``lum_sdk`` / ``lum_sdv`` to it). After the wait it reads
+        that step's mask, so the key loop's first step waits for no memory round trip of its own."""
+        st = self.stage
+        if st is None or not st.kv_early:
+            return {}
+        warps = self.threads // 32
+        parts = []
+        for k, view, per_lane in ((1, vk, dpl), (2, vv, vpl)):
+            dt, nbytes = self.dts[k], per_lane * self.dts[k].itemsize
+            rows = (view.offset, *view.strides[:-1])
+            if view.strides[-1] != as_expr(1) or not (nbytes in (4, 8) or nbytes % 16 == 0) \
+                    or any(e % per_lane != as_expr(0) for e in rows):
+                return {}
+            parts.append((k, view, per_lane, dt, nbytes))
+        smem = warps * unroll * 32 * sum(p[2] * p[3].itemsize for p in parts)
+        if 4 * 32 * m_size * dpl + smem + 4 * warps * (vpl * 32 + 2) > ATTENTION_MERGE_SMEM:
+            return {}
+        ctx, ind, ind4 = self.ctx, " " * 4, " " * 8
+        copies, loads = [], []
+        for (k, view, per_lane, dt, nbytes), (arr, base, dest, hit) in zip(
+                parts, (("lum_ek", "lum_kb", "lum_k", "lum_sdk"), ("lum_ev", "lum_vb", "lum_v", "lum_sdv"))):
+            src = f"in{k} + {base} + lum_t * ({ctx.c(view.strides[-2])}) + lum_lane * {per_lane}"
+            slot = f"{arr}[lum_warp * UNROLL + u][lum_lane * {per_lane}]"
+            cvt = f"[](const {STORAGE_C[dt]} x) {{ return {load_conv(dt, 'x')}; }}"
+            copies.append(f"{ind4}lum_copy_async<{nbytes}>(&{slot}, {src});")
+            loads += [f"{ind4}if (lum_in && lum_early && lum_tb == lum_t0 && lum_t != (idx_t){hit}) "
+                      f"lum_load_f32<{per_lane}>(&{slot}, {dest}[u], {cvt});",
+                      f"{ind4}else if (lum_in) lum_load_f32<{per_lane}>({src}, {dest}[u], {cvt});",
+                      f"{ind4}else {{", f"{ind4}#pragma unroll",
+                      f"{ind4}  for (int i = 0; i < {per_lane}; ++i) {dest}[u][i] = 0.0f;", f"{ind4}}}"]
+        decl = [f"  alignas(16) __shared__ {STORAGE_C[p[3]]} {arr}[WARPS * UNROLL][{p[2]} * 32];"
+                for p, arr in zip(parts, ("lum_ek", "lum_ev"))]
+        stage["STAGE_DECL"] += "\n" + "\n".join(decl)
+        kv_early = "\n".join([
+            "",
+            "  bool lum_em[UNROLL][M];   // the mask of the first work item's first step",
+            "  {   // that step's K / V rows into shared memory before the wait (attention_codegen: earlier steps' rows)",
+            "    const idx_t lum_w = (idx_t)blockIdx.x;",
+            "    const bool lum_has = lum_w < lum_work;",
+            "    const idx_t lum_h = lum_has ? lum_w / lum_ns : 0;",
+            "    const idx_t lum_j = lum_has ? lum_w - lum_h * lum_ns : 0;",
+            *[x for x in setup if x],
+            "    const idx_t lum_t0 = lum_j * CHUNK;",
+            "    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);",
+            "#pragma unroll", "    for (int u = 0; u < UNROLL; ++u) {",
+            "      const idx_t lum_t = lum_t0 + (idx_t)(lum_warp * UNROLL + u);",
+            "      if (lum_has && lum_t < lum_t1) {", *copies, "      }", "    }",
+            "    lum_pdl_wait();",
+            "#pragma unroll", "    for (int u = 0; u < UNROLL; ++u) {",
+            "      const idx_t lum_t = lum_t0 + (idx_t)(lum_warp * UNROLL + u);",
+            "      const bool lum_in = lum_has && lum_t < lum_t1;",
+            "#pragma unroll", f"      for (int lum_m = 0; lum_m < M; ++lum_m) lum_em[u][lum_m] = lum_in && {mval};",
+            "    }", "  }"])
+        landed = "\n".join(["", f"{ind}const bool lum_early = lum_w == (idx_t)blockIdx.x;   // its keys copied early",
+                             f"{ind}if (lum_early) lum_copy_wait_all();"])
+        return {"KV_EARLY": kv_early, "KV_LANDED": landed, "LOAD_KV": loads, "SMEM": smem,
+                "MASK": f"((lum_early && lum_tb == lum_t0) ? lum_em[u][lum_m] : {mval})"}
 
     def _flash_attention(self):
         """templates/flash_attention.cu: a block per (tile of 16 * warps query rows, kv row, chunk), key tiles
@@ -300,11 +372,13 @@ class AttentionKernels:
             """Row function call ``fn(…, live, …)``, only in the warps whose task it is."""
             return f"{ind}if ({live}) {fn.format(live='true')}"
 
+        hk, hv = (", &lum_sdk", ", &lum_sdv") if st.kv_early else ("", "")
+
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
             return [call(ind, k_live, f"lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {{live}}, "
-                                      f"{window});"),
+                                      f"{window}{hk});"),
                     call(ind, v_live, f"lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {{live}}, "
-                                      f"{window});")]
+                                      f"{window}{hv});")]
 
         ind, ind3 = " " * 4, " " * 8
         stage = [f"{ind}{{   // the stage (builder/attention_stage.py): kv row lum_h's query rows, its k / v rows",
@@ -333,5 +407,7 @@ class AttentionKernels:
         decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
+        if st.kv_early:
+            decl += "\n  __shared__ long long lum_sdk, lum_sdv;   // the k / v rows the stage wrote (-1: none)"
         return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}
