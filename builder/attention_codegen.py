@@ -91,7 +91,7 @@ class AttentionKernels:
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
-        stage = self._attention_stage(m_size, D, qd, heads_n)
+        stage = self._attention_stage(m_size, D, DV, qd, heads_n)
         if self.stage is not None:             # the query rows the stage computed into shared memory
             load_q = [*load_q[:2], *load_q[3:6], f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? lum_qs[lum_m][lum_d] : 0.0f;",
                       *load_q[-2:]]
@@ -154,9 +154,9 @@ class AttentionKernels:
         (MASK) of the key loop, which read that step from them, and their shared memory (SMEM, bytes).
 
         Before its wait a block copies the K / V rows of its first work item's first step into shared memory:
-        those rows were written by earlier steps, all but the one its stage writes now, which it reads from the
-        cache as before (the k / v row functions set ``lum_sdk`` / ``lum_sdv`` to it). After the wait it reads
-        that step's mask, so the key loop's first step waits for no memory round trip of its own."""
+        those rows were written by earlier steps, all but the one its stage writes now, which the k / v row
+        functions also put in shared memory (``lum_ks`` / ``lum_vs``, the row ``lum_sdk`` / ``lum_sdv``). After
+        the wait it reads that step's mask, so the key loop's first step waits for no memory round trip."""
         st = self.stage
         if st is None or not st.kv_early:
             return {}
@@ -174,13 +174,16 @@ class AttentionKernels:
             return {}
         ctx, ind, ind4 = self.ctx, " " * 4, " " * 8
         copies, loads = [], []
-        for (k, view, per_lane, dt, nbytes), (arr, base, dest, hit) in zip(
-                parts, (("lum_ek", "lum_kb", "lum_k", "lum_sdk"), ("lum_ev", "lum_vb", "lum_v", "lum_sdv"))):
+        names = (("lum_ek", "lum_kb", "lum_k", "lum_sdk", "lum_ks"), ("lum_ev", "lum_vb", "lum_v", "lum_sdv", "lum_vs"))
+        for (k, view, per_lane, dt, nbytes), (arr, base, dest, hit, row) in zip(parts, names):
             src = f"in{k} + {base} + lum_t * ({ctx.c(view.strides[-2])}) + lum_lane * {per_lane}"
             slot = f"{arr}[lum_warp * UNROLL + u][lum_lane * {per_lane}]"
             cvt = f"[](const {STORAGE_C[dt]} x) {{ return {load_conv(dt, 'x')}; }}"
             copies.append(f"{ind4}lum_copy_async<{nbytes}>(&{slot}, {src});")
-            loads += [f"{ind4}if (lum_in && lum_early && lum_tb == lum_t0 && lum_t != (idx_t){hit}) "
+            loads += [f"{ind4}if (lum_in && lum_early && lum_tb == lum_t0 && lum_t == (idx_t){hit}) {{",
+                      f"{ind4}#pragma unroll",
+                      f"{ind4}  for (int i = 0; i < {per_lane}; ++i) {dest}[u][i] = {row}[lum_lane * {per_lane} + i];",
+                      f"{ind4}}} else if (lum_in && lum_early && lum_tb == lum_t0) "
                       f"lum_load_f32<{per_lane}>(&{slot}, {dest}[u], {cvt});",
                       f"{ind4}else if (lum_in) lum_load_f32<{per_lane}>({src}, {dest}[u], {cvt});",
                       f"{ind4}else {{", f"{ind4}#pragma unroll",
@@ -350,7 +353,7 @@ class AttentionKernels:
             *self._attention_term(i6 + "    ", i6, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", rnd), f"{i6}  }}", f"{i6}}}"])
         return key, before, after
 
-    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
+    def _attention_stage(self, m_size: int, d: int, dv: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`~lum.builder.codegen.AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row
         ``t`` (t < M), the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a
@@ -372,7 +375,7 @@ class AttentionKernels:
             """Row function call ``fn(…, live, …)``, only in the warps whose task it is."""
             return f"{ind}if ({live}) {fn.format(live='true')}"
 
-        hk, hv = (", &lum_sdk", ", &lum_sdv") if st.kv_early else ("", "")
+        hk, hv = (", &lum_sdk, lum_ks", ", &lum_sdv, lum_vs") if st.kv_early else ("", "")
 
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
             return [call(ind, k_live, f"lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {{live}}, "
@@ -407,7 +410,8 @@ class AttentionKernels:
         decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
-        if st.kv_early:
-            decl += "\n  __shared__ long long lum_sdk, lum_sdv;   // the k / v rows the stage wrote (-1: none)"
+        if st.kv_early:   # the k / v rows the stage wrote (-1: none), and their values
+            decl += ("\n  __shared__ long long lum_sdk, lum_sdv;"
+                     f"\n  __shared__ float lum_ks[{d}], lum_vs[{dv}];")
         return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}

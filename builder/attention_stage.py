@@ -219,7 +219,7 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     q, k, v = (args[o.id] for o in ops)
     window, wargs = "long long w0, long long w1, long long wT, bool wf", "w0, w1, wT, wf"
     if early:                                   # the row it wrote, for the block's early keys
-        window, wargs = window + ", long long* hit", wargs + ", hit"
+        window, wargs = window + ", long long* hit, float* also", wargs + ", hit, also"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) '
         f'{ENTRY_PLACEHOLDER}({", ".join(p.ctype for p in params)}) {{',

@@ -248,7 +248,7 @@ class AttentionStage:
     k: tuple[int, int]
     v: tuple[int, int]
     kv_early: bool = False  # the first step's K / V rows copied into shared memory before the wait, its mask
-                            # read before the stage; the k / v functions then take ``long long* lum_hit``
+                            # read before the stage; the k / v functions then take ``lum_hit, lum_also``
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,8 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     """``op`` (an elementwise Fused tree or a scatter_nocopy, with or without a fused prologue, over rows of a
     static length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
     such an op or its rows' stores are not at static places. ``hit``: a scatter's function also takes ``long
-    long* lum_hit``, which a live row sets to its dest row where it writes it, else to -1
-    (:attr:`AttentionStage.kv_early`)."""
+    long* lum_hit``, which a live row sets to its dest row where it writes it, else to -1, and ``float*
+    lum_also``, where a row it writes also goes, by column (:attr:`AttentionStage.kv_early`)."""
     scatter = op.kind == "scatter_nocopy"
     if scatter and "expr" not in op.params and len(op.args) == 3:     # a plain copy: the identity prologue
         op = LOp(op.id, op.kind, op.op, op.args, op.shape, op.dtype, {**op.params, "expr": ["arg", 0]}, op.alias)
@@ -292,7 +292,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     hit = hit and scatter
     rp = gen._row_parts(sink=None if scatter else "lum_sink",
                         writer="(lum_dr >= lum_w0 && lum_dr < lum_w1) || (lum_wfirst && lum_dr >= lum_wT)"
-                        if scatter else None, hit="lum_hit" if hit else None)
+                        if scatter else None, hit="lum_hit" if hit else None, also="lum_also" if hit else None)
     if rp.group != 32 or not (rp.rows.is_const and rp.n.is_const) or rp.write_col is None \
             or not rp.write_col.is_const or (scatter and not (rp.write_step is not None and rp.write_step.is_const)):
         raise CodegenError("a stage row needs warp-sized rows of a static count and length, stored at static strides")
@@ -306,7 +306,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     dyn, slots = ctx.dyn_loads(wait=False)
     dyn = "\n".join(x for x in dyn.splitlines() if "lum_pdl_" not in x)   # the kernel it runs in waits itself
     extra = ("long long lum_w0, long long lum_w1, long long lum_wT, bool lum_wfirst" if scatter
-             else "LumSink lum_sink") + (", long long* lum_hit" if hit else "")
+             else "LumSink lum_sink") + (", long long* lum_hit, float* lum_also" if hit else "")
     params = gen.params()
     fn = "\n".join([
         f"__device__ __forceinline__ void {name}(long long lum_row_, bool lum_live, {extra}, "

@@ -25,7 +25,8 @@
 //!   default text), or the stage's early keys (AttentionStage.kv_early): before its wait each block copies its
 //!   first work item's first step of K / V rows into shared memory (each lane its own slices, which it alone
 //!   reads back: no barrier), then waits and reads that step's mask; KV_LANDED completes the copies, and
-//!   LOAD_KV takes those rows from shared memory, all but the one the stage wrote (lum_sdk / lum_sdv).
+//!   LOAD_KV takes those rows from shared memory, the one the stage wrote (lum_sdk / lum_sdv) from the stage's
+//!   own copy of it (lum_ks / lum_vs).
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   constexpr int THREADS = {{THREADS}};

@@ -171,7 +171,7 @@ def test_early_keys(nvrtc, tmp_path, monkeypatch, model, nbytes):
     """``LUM_ATTENTION_KV_EARLY=1``: the fused attention copies its first step's K / V rows into shared memory
     (``nbytes`` a lane and row: gemma3-4b's 8 bf16 features, llama3-1b's 2) before its wait, reads that step's
     mask after the wait and before the stage, completes the copies before its key loop, and takes the row its
-    stage wrote from the cache (its k / v row functions report it); no parameter stays ``__restrict__``; the
+    stage wrote from the stage's shared copy of it (its k / v row functions report and copy it); no parameter stays ``__restrict__``; the
     table stays programmatic; NVRTC compiles it. Off by default: the kernel then is the default's, by name."""
     from lum.builder.kernels import compile_group_kernels
 
@@ -185,11 +185,14 @@ def test_early_keys(nvrtc, tmp_path, monkeypatch, model, nbytes):
     body = ks.body.split("_attn(LumQ")[1]
     order = [f"lum_copy_async<{nbytes}>(&lum_ek", f"lum_copy_async<{nbytes}>(&lum_ev", "lum_pdl_wait();",
              "lum_em[u][lum_m] = lum_in &&", "__syncthreads();   // the query", "lum_copy_wait_all();",
-             "lum_t != (idx_t)lum_sdk) lum_load_f32", "lum_t != (idx_t)lum_sdv) lum_load_f32",
+             "lum_t == (idx_t)lum_sdk) {", "lum_k[u][i] = lum_ks[", "lum_t == (idx_t)lum_sdv) {",
+             "lum_v[u][i] = lum_vs[",
              "? lum_em[u][lum_m] :"]
     assert [body.index(x) for x in order] == sorted(body.index(x) for x in order)
     assert body.count("lum_pdl_wait();") == 1 and "__restrict__" not in ks.body
-    assert ks.body.count("*lum_hit = (") == 2 and ks.body.count(", &lum_sdk)") == 2   # k and v; stage and no-chunk
+    # k and v report the row they write and copy it; called in the stage and where no chunk reads the cache
+    assert ks.body.count("*lum_hit = (") == ks.body.count("lum_also[lum_c] = ") == 2
+    assert ks.body.count(", &lum_sdk, lum_ks);") == ks.body.count(", &lum_sdv, lum_vs);") == 2
     assert _waits(ks)
     table = launch_table(prog, after, arch="sm_90", dyn_vars=dv, max_dyn=md)
     assert table["programmatic"]
