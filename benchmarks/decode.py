@@ -43,9 +43,7 @@ What it does, in one run on one GPU:
      not once with a running maximum: builder/row_codegen.py online_softmax_sum), ``lum-two-kernels`` with
      ``LUM_O_COMBINE=0`` (decode attention's combine and o as two kernels, not one split by head:
      builder/o_combine.py), ``lum-o-grouped`` with ``LUM_O_COMBINE=grouped`` (that kernel also for more heads
-     than a cluster's blocks, consecutive heads a block: llama3-1b), ``lum-kv-early`` with
-     ``LUM_ATTENTION_KV_EARLY=1`` (decode attention copies its first keys into shared memory before its wait and
-     reads their mask before its stage: builder/attention_codegen.py),
+     than a cluster's blocks, consecutive heads a block: llama3-1b),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
@@ -133,7 +131,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-row-phases": {"LUM_ROW_ONLINE": "0"}, "lum-two-kernels": {"LUM_O_COMBINE": "0"},
-                 "lum-o-grouped": {"LUM_O_COMBINE": "grouped"}, "lum-kv-early": {"LUM_ATTENTION_KV_EARLY": "1"},
+                 "lum-o-grouped": {"LUM_O_COMBINE": "grouped"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},

@@ -47,26 +47,16 @@ from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
-__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_KV_EARLY", "attention_stage_enabled", "attention_kv_early",
-           "stage_ops", "fuse_attention_stages"]
+__all__ = ["ENV_ATTENTION_STAGE", "attention_stage_enabled", "stage_ops",
+           "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
-ENV_ATTENTION_KV_EARLY = "LUM_ATTENTION_KV_EARLY"
 
 
 def attention_stage_enabled() -> bool:
     """``$LUM_ATTENTION_STAGE``: ``1`` (the default) has decode attention compute its q rows and kv-cache writes,
     ``0`` keeps them kernels of their own."""
     return env_switch(ENV_ATTENTION_STAGE, default=True)
-
-
-def attention_kv_early() -> bool:
-    """``$LUM_ATTENTION_KV_EARLY``: ``1`` has each block copy its first step of K / V rows into shared memory
-    before its wait, and read that step's mask before its stage (:attr:`AttentionStage.kv_early`); ``0`` (the
-    default) reads both after the stage. Off until measured: the rows it copies early were written by earlier
-    decode steps, which a step chain's programmatic launches order only through the kernels between (the
-    launch table does not name them ``early``, so the loader cannot check it)."""
-    return env_switch(ENV_ATTENTION_KV_EARLY)
 
 
 def stage_ops(program: Program, att: LOp) -> tuple[LOp, LOp, LOp] | None:
@@ -200,11 +190,10 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     and those copies shared the bus with the stage's reads (gemma3-4b's stage 2.72 → 1.76 µs; llama3-1b +0.6%
     in three same-run pairs, gemma3-4b ±0: 2d7e1fb, 67ad255)."""
     md = dict(max_dyn or {}) or None
-    early = attention_kv_early()
-    rows = {role: stage_row(op, dyn_vars, f"{ENTRY_PLACEHOLDER}_{role}", arg_dtypes=_dts(program, op), max_dyn=md,
-                            hit=early) for role, op in zip("qkv", ops)}
+    rows = {role: stage_row(op, dyn_vars, f"{ENTRY_PLACEHOLDER}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
+            for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), kv_early=early), **common)
+                  stage=_stage(att, rows), **common)
     body = ks.body.replace(ks.name, f"{ENTRY_PLACEHOLDER}_attn")
     if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -218,8 +207,6 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     args = {op.id: call for op, call in zip(run, calls)}
     q, k, v = (args[o.id] for o in ops)
     window, wargs = "long long w0, long long w1, long long wT, bool wf", "w0, w1, wT, wf"
-    if early:                                   # the row it wrote, for the block's early keys
-        window, wargs = window + ", long long* hit, float* also", wargs + ", hit, also"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) '
         f'{ENTRY_PLACEHOLDER}({", ".join(p.ctype for p in params)}) {{',
@@ -230,8 +217,6 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
         f"      {args[att.id]});",
         "}"])
     body = "\n".join([rows["q"].function, rows["k"].function, rows["v"].function, body, entry])
-    if early:     # it copies before its wait: no load may be read-only (ld.global.nc), which ptxas moves above it
-        body = body.replace("__restrict__ ", "")
     head = run[0]
     body, name = entry_named(body, f"stage/{head.kind}/{head.op}",
                              f"lum_{head.kind}_{(head.op or head.kind).lower()}_stage_")

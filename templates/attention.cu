@@ -12,21 +12,16 @@
 //! where they fit), and stored as [acc[0..DV), c, l]. Every warp runs the same
 //! number of steps, so every thread reaches each warp shuffle and __syncthreads.
 //!
-//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS (with the wait, or without where KV_EARLY waits); M DPL
-//!   VPL DV UNROLL CHUNK MERGE_ROWS; T (keys), NS (chunks), HEADS (kv rows), SETUP (unravel lum_h, bases of
-//!   k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1),
-//!   KEY (the softmax update of every query row for key lum_t of slot u; or, batched, only its logits, with
-//!   KEYS_BEFORE declaring them and KEYS_AFTER updating each query row once for the step's UNROLL keys: one
-//!   maximum, one rescale), STORE (the out offset of query row lum_m's chunk lum_j). STAGE_DECL, STAGE_PRE,
-//!   STAGE: empty, or an attention stage (builder/attention_stage.py): the shared query rows, the kv-cache
-//!   writes when there is no chunk, and per work item the stage itself (kv row lum_h's query rows computed
-//!   into shared memory, which LOAD_Q then reads, and its k / v rows written into the cache by the block whose
-//!   chunk holds the new row; a __syncthreads after). KV_EARLY, KV_LANDED: empty (no line of their own in the
-//!   default text), or the stage's early keys (AttentionStage.kv_early): before its wait each block copies its
-//!   first work item's first step of K / V rows into shared memory (each lane its own slices, which it alone
-//!   reads back: no barrier), then waits and reads that step's mask; KV_LANDED completes the copies, and
-//!   LOAD_KV takes those rows from shared memory, the one the stage wrote (lum_sdk / lum_sdv) from the stage's
-//!   own copy of it (lum_ks / lum_vs).
+//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS; T (keys), NS
+//!   (chunks), HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
+//!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
+//!   row for key lum_t of slot u; or, batched, only its logits, with KEYS_BEFORE declaring them and
+//!   KEYS_AFTER updating each query row once for the step's UNROLL keys: one maximum, one rescale), STORE
+//!   (the out offset of query row lum_m's chunk lum_j). STAGE_DECL, STAGE_PRE, STAGE: empty, or an attention
+//!   stage (builder/attention_stage.py):
+//!   the shared query rows, the kv-cache writes when there is no chunk, and per work item the stage itself
+//!   (kv row lum_h's query rows computed into shared memory, which LOAD_Q then reads, and its k / v rows
+//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after).
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   constexpr int THREADS = {{THREADS}};
@@ -46,7 +41,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   const idx_t lum_ns = {{NS}};
   const idx_t lum_work = (idx_t)({{HEADS}}) * lum_ns;
   const int lum_lane = (int)threadIdx.x & 31;
-  const int lum_warp = (int)threadIdx.x >> 5;{{KV_EARLY}}
+  const int lum_warp = (int)threadIdx.x >> 5;
 {{STAGE_PRE}}
   for (idx_t lum_w = (idx_t)blockIdx.x; lum_w < lum_work; lum_w += (idx_t)gridDim.x) {
     const idx_t lum_h = lum_w / lum_ns;
@@ -65,7 +60,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
       for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] = 0.0f;
     }
     const idx_t lum_t0 = lum_j * CHUNK;
-    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);{{KV_LANDED}}
+    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);
     for (idx_t lum_tb = lum_t0; lum_tb < lum_t1; lum_tb += (idx_t)(WARPS * UNROLL)) {
       float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];
 #pragma unroll
