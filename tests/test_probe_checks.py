@@ -227,3 +227,65 @@ def test_o_combine_probe_kernels_compile_with_lums_own(o_combine):
     src = "".join((BENCHMARKS.parent / f).read_text() for f in ("templates/common.cuh", "benchmarks/probe.cuh",
                                                                 "benchmarks/o_combine_probe.cu"))
     assert nvrtc.compile_cuda(src + combine.body + "\n" + o.body, 90, name="o_combine_probe.cu").cubin
+
+
+@pytest.fixture
+def resnorm(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import resnorm_probe
+    yield resnorm_probe
+    for name in ("resnorm_probe", "ffn_probe", "ring_probe", "_common"):
+        sys.modules.pop(name, None)
+
+
+def test_resnorm_probe_sums_give_the_residuals_norm(resnorm):
+    """The identity ``sums`` rests on: with r_o known, Σ h² of h = x + o ⊙ wp · r_o is Σ x² + 2 r_o Σ x · o ⊙ wp +
+    r_o² Σ (o ⊙ wp)², sums that o's blocks can add up slice by slice; it holds to float64 rounding for random
+    data, and for a residual that nearly cancels o (the form's weak case) to a relative 1e-9 of Σ x²."""
+    rp = resnorm
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        x, o, wp = rng.standard_normal(rp.N), rng.standard_normal(rp.N), rng.uniform(0.5, 1.5, rp.N)
+        ro = 1.0 / np.sqrt(np.mean(o * o) + rp.EPS)
+        h = x + o * wp * ro
+        assert abs(rp.sum_of_h_squares(x, o, wp) - float(np.sum(h * h))) < 1e-10 * float(np.sum(h * h))
+    x = -o * wp * ro + 1e-3 * rng.standard_normal(rp.N)
+    h = x + o * wp * ro
+    assert abs(rp.sum_of_h_squares(x, o, wp) - float(np.sum(h * h))) < 1e-9 * float(np.sum(x * x))
+
+
+def test_resnorm_probe_check_passes_float32_and_fails_a_wrong_or_nan_output(resnorm):
+    """resnorm_probe's float64 check at small shapes: a chain computed in float32 from its own x passes; a wrong
+    gate-up output, a wrong next x or a NaN fails."""
+    rp = resnorm
+    rng = np.random.default_rng(2)
+    n, k, hid = 64, 64, 96
+    dense = [tuple(rng.uniform(-1, 1, shape) * np.sqrt(3.0 / shape[1]) for shape in ((n, k), (hid, n), (hid, n)))
+             for _ in range(2)]
+    order = [0, 1, 0]
+    a, x0 = rng.standard_normal(k), rng.standard_normal(n).astype(np.float32)
+    norms = tuple(rng.uniform(0.5, 1.5, n) for _ in range(2))
+    acts, xs, x = [], [], x0.astype(np.float64)
+    for i in order:
+        act, h = rp.stretch(x, a, *norms, *dense[i])
+        acts.append(act.astype(np.float32).astype(np.float64))
+        x = h.astype(np.float32).astype(np.float64)
+        xs.append(x)
+    err, finite = rp.check(acts, xs, x0, a, norms, dense, order)
+    assert finite and err < rp.TOLERANCE
+    for target, j in ((acts, 1), (xs, 0)):
+        bad = [v.copy() for v in target]
+        bad[j][3] += 0.05 * np.max(np.abs(bad[j]))
+        args = (bad, xs) if target is acts else (acts, bad)
+        assert rp.check(*args, x0, a, norms, dense, order)[0] > rp.TOLERANCE
+    bad = [v.copy() for v in acts]
+    bad[2][0] = np.nan
+    assert not rp.check(bad, xs, x0, a, norms, dense, order)[1]
+
+
+def test_resnorm_probe_kernels_compile(resnorm):
+    """The probe's module (ffn_probe.cu's kernels, then its own) compiles for sm_90 with NVRTC, no GPU needed."""
+    from lum.builder import nvrtc
+    src = "".join((BENCHMARKS.parent / f).read_text() for f in ("templates/common.cuh", "benchmarks/probe.cuh",
+                                                                "benchmarks/ffn_probe.cu", "benchmarks/resnorm_probe.cu"))
+    assert nvrtc.compile_cuda(src, 90, name="resnorm_probe.cu").cubin
