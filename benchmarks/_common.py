@@ -528,6 +528,16 @@ def add_record_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD here)")
 
 
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """A GPU probe's options: its record's (``--out``, ``--commit``), ``--stretches`` (the chain of them one CUDA
+    graph holds; 34, gemma3-4b's layers) and ``--reps`` (timed replays of it); the probe adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_record_args(ap)
+    ap.add_argument("--stretches", type=int, default=34)
+    ap.add_argument("--reps", type=int, default=15)
+    return ap
+
+
 def unused_path(path: Path) -> Path:
     """``path``, or ``<stem>-2.json``, ``-3`` … when a record already has that name: records are named by day,
     and a second run of the same benchmark that day must not overwrite the first's."""

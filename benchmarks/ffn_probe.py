@@ -46,7 +46,6 @@ wait ever gave up (a bug if so).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -56,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
 from ring_probe import bf16_bits  # noqa: E402
 
 set_log_tag("ffn-probe")
@@ -132,10 +131,7 @@ def lum_reference(x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_record_args(ap)
-    ap.add_argument("--stretches", type=int, default=34)
-    ap.add_argument("--reps", type=int, default=15)
+    ap = probe_parser(__doc__)
     args = ap.parse_args(argv)
     if args.stretches < 2:
         ap.error("--stretches must be >= 2")

@@ -20,7 +20,6 @@ and whether the outputs equal ``launches``' bit for bit (they must).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("phase-probe")
 
@@ -39,11 +38,8 @@ SMS = 132
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_record_args(ap)
-    ap.add_argument("--stretches", type=int, default=34)
+    ap = probe_parser(__doc__)
     ap.add_argument("--phases", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
     if args.stretches < 1 or not 2 <= args.phases <= 16:
         ap.error("--stretches must be >= 1 and --phases in [2, 16]")

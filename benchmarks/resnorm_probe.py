@@ -27,7 +27,6 @@ poisoned with NaN before every mode, so an unwritten output cannot pass).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
 from ffn_probe import ROWS_AN_ITEM, THREADS, dense_sets, unit_weights  # noqa: E402
 
 set_log_tag("resnorm-probe")
@@ -82,10 +81,7 @@ def check(acts: list[np.ndarray], xs: list[np.ndarray], x0: np.ndarray, a: np.nd
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_record_args(ap)
-    ap.add_argument("--stretches", type=int, default=34)
-    ap.add_argument("--reps", type=int, default=15)
+    ap = probe_parser(__doc__)
     args = ap.parse_args(argv)
     if args.stretches < 2:
         ap.error("--stretches must be >= 2")

@@ -24,7 +24,6 @@ per GEMV before anything is built on it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("ring-probe")
 
@@ -118,10 +117,7 @@ def run_shape(dev, name: str, stretches: int, reps: int, rng) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_record_args(ap)
-    ap.add_argument("--stretches", type=int, default=34)
-    ap.add_argument("--reps", type=int, default=15)
+    ap = probe_parser(__doc__)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = ap.parse_args(argv)
     names = [s for s in args.shapes.split(",") if s]

@@ -24,7 +24,6 @@ passes: outputs are poisoned before every mode).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("stream-probe")
 
@@ -64,12 +63,9 @@ def reference_chain(x0: np.ndarray, w: np.ndarray, weight_bits: list[np.ndarray]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_record_args(ap)
-    ap.add_argument("--stretches", type=int, default=34)
+    ap = probe_parser(__doc__)
     ap.add_argument("--n", type=int, default=4096, help="the GEMV's output columns, a multiple of 32 "
                     "(at most 132 × 32: one fused block an SM)")
-    ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
     n, s_count = args.n, args.stretches
     if s_count < 1 or n < K or n % COLS or n // COLS > 132:
