@@ -538,6 +538,15 @@ def probe_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def stretch_result(seconds: float, stretches: int, weight_bytes: int, err: float, finite: bool,
+                   tolerance: float) -> dict:
+    """A probe mode's figures from :meth:`ProbeDevice.chain`: µs a stretch, the rate over the weight bytes, the
+    check's error and finiteness, and whether it passed (finite, error under ``tolerance``)."""
+    us = seconds / stretches * 1e6
+    return {"stretch_us": round(us, 3), "weight_TBps": round(weight_bytes / (us * 1e-6) / 1e12, 3),
+            "rel_err": err, "finite": finite, "ok": finite and err < tolerance}
+
+
 def unused_path(path: Path) -> Path:
     """``path``, or ``<stem>-2.json``, ``-3`` … when a record already has that name: records are named by day,
     and a second run of the same benchmark that day must not overwrite the first's."""

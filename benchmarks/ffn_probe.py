@@ -55,7 +55,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
+from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
+                     write_record)
 from ring_probe import bf16_bits  # noqa: E402
 
 set_log_tag("ffn-probe")
@@ -238,11 +239,9 @@ def main(argv=None) -> int:
                                        check=lambda got: check(got, x0, dense, order))
         dev.stream.synchronize()
         gave_up = bool(dev.read(err_buf, 1, "uint32")[0])
-        us = t / n * 1e6
-        results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(wbytes / (us * 1e-6) / 1e12, 3),
-                         "grid": grid or None, "blocks_an_sm": per_sm, "rel_err": err, "finite": finite,
-                         "wait_gave_up": gave_up,
-                         "ok": finite and err < (LUM_TOLERANCE if mode == "lum" else TOLERANCE) and not gave_up}
+        r = stretch_result(t, n, wbytes, err, finite, LUM_TOLERANCE if mode == "lum" else TOLERANCE)
+        results[mode] = {**r, "grid": grid or None, "blocks_an_sm": per_sm, "wait_gave_up": gave_up,
+                         "ok": r["ok"] and not gave_up}
     base = results["two"]["stretch_us"]
     for mode, r in results.items():
         r["vs_two"] = round(r["stretch_us"] / base, 4)

@@ -36,7 +36,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
+from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
+                     write_record)
 from ffn_probe import ROWS_AN_ITEM, THREADS, dense_sets, unit_weights  # noqa: E402
 
 set_log_tag("resnorm-probe")
@@ -134,9 +135,7 @@ def main(argv=None) -> int:
 
         t, err, finite = dev.chain(rec, ((act_bufs, H * 4), (x_bufs[1:], N * 4)), act_bufs, H, None, args.reps,
                                    check=checked)
-        us = t / n * 1e6
-        results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(wbytes / (us * 1e-6) / 1e12, 3),
-                         "rel_err": err, "finite": finite, "ok": finite and err < TOLERANCE}
+        results[mode] = stretch_result(t, n, wbytes, err, finite, TOLERANCE)
     base = results["three"]["stretch_us"]
     for mode, r in results.items():
         r["vs_three"] = round(r["stretch_us"] / base, 4)

@@ -33,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
+from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
+                     write_record)
 
 set_log_tag("ring-probe")
 
@@ -104,9 +105,7 @@ def run_shape(dev, name: str, stretches: int, reps: int, rng) -> dict:
     results = {}
     for mode in MODES:
         t, err, finite = dev.chain(capture(mode), ((y_bufs, k * 4), (out_bufs, n * 4)), out_bufs, n, want, reps)
-        us = t / stretches * 1e6
-        results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(wbytes / (us * 1e-6) / 1e12, 3),
-                         "rel_err": err, "finite": finite, "ok": finite and err < TOLERANCE}
+        results[mode] = stretch_result(t, stretches, wbytes, err, finite, TOLERANCE)
     base = results["reg-pdl"]["stretch_us"]
     for mode, r in results.items():
         r["vs_reg_pdl"] = round(r["stretch_us"] / base, 4)

@@ -33,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
+from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
+                     write_record)
 
 set_log_tag("stream-probe")
 
@@ -108,9 +109,7 @@ def main(argv=None) -> int:
     results = {}
     for mode in MODES:
         t, err, finite = dev.chain(capture(mode), ((y_bufs, K * 4), (out_bufs, n * 4)), out_bufs, n, want, args.reps)
-        us = t / s_count * 1e6
-        results[mode] = {"stretch_us": round(us, 3), "weight_TBps": round(weight_bytes / (us * 1e-6) / 1e12, 3),
-                         "rel_err": err, "finite": finite, "ok": finite and err < TOLERANCE}
+        results[mode] = stretch_result(t, s_count, weight_bytes, err, finite, TOLERANCE)
     base = results["launches"]["stretch_us"]
     for mode, r in results.items():
         r["vs_launches"] = round(r["stretch_us"] / base, 4)
