@@ -15,6 +15,10 @@ is in L2. Modes:
   and write A = x ⊙ wf, B = o ⊙ wp ⊙ wf; gate-up's blocks take r_o from Σ o² and
   Σ h² = Σ x² + 2 r_o Σ x · o ⊙ wp + r_o² Σ (o ⊙ wp)², form u = (A + B r_o) r_h themselves and read one more
   vector than in ``three``. No kernel between o and gate-up.
+* ``sums-bf16``: the same with A and B stored in bf16, as lum would store them (the model's dtype): what each
+  gate-up block reads for them halves;
+* ``raw``: o's blocks add only the four sums; gate-up's blocks form u = (x + o ⊙ wp · r_o) ⊙ wf · r_h from x, o
+  (float) and the norms' bf16 weights: no vector is written for gate-up, and each of its blocks reads four.
 
 The question (benchmarks/NOTES.md, "A candidate for the next session"): is ``sums`` shorter a stretch by
 about the residual kernel's link, or does gate-up's prologue, paid in each of its waves, take it back (as the
@@ -39,14 +43,16 @@ if str(HERE) not in sys.path:
 from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
                      write_record)
 from ffn_probe import ROWS_AN_ITEM, THREADS, dense_sets, unit_weights  # noqa: E402
+from ring_probe import bf16_bits  # noqa: E402
 
 set_log_tag("resnorm-probe")
 
 N, K, H = 2560, 2560, 10240                  # resnorm_probe.cu RN_N, RN_K; ffn_probe.cu FP_H
 EPS = 1e-6
-MODES = ("three", "sums")
+MODES = ("three", "sums", "sums-bf16", "raw")
 COPIES = 2
 TOLERANCE = 1e-4
+BF16_TOLERANCE = 2e-2             # sums-bf16: gate-up's input from A and B rounded to bf16 (2^-8 each)
 
 
 def stretch(x: np.ndarray, a: np.ndarray, wp: np.ndarray, wf: np.ndarray, wo: np.ndarray, wg: np.ndarray,
@@ -57,6 +63,11 @@ def stretch(x: np.ndarray, a: np.ndarray, wp: np.ndarray, wf: np.ndarray, wo: np
     u = h * wf / np.sqrt(np.mean(h * h) + EPS)
     g, v = wg @ u, wu @ u
     return 2.0 * g / (1.0 + np.exp(-np.clip(v, -80.0, 80.0))), h
+
+
+def bf16_exact(v: np.ndarray) -> np.ndarray:
+    """``v`` as float32 values bf16 holds exactly, so that the f32 and bf16 copies of a weight agree."""
+    return (bf16_bits(v).astype(np.uint32) << 16).view(np.float32)
 
 
 def sum_of_h_squares(x: np.ndarray, o: np.ndarray, wp: np.ndarray) -> float:
@@ -94,22 +105,24 @@ def main(argv=None) -> int:
     dense = dense_sets(sets)
     a = rng.standard_normal(K).astype(np.float32)
     x0 = rng.standard_normal(N).astype(np.float32)
-    norms = tuple(rng.uniform(0.5, 1.5, N).astype(np.float32) for _ in range(2))     # (1 + w) of both norms
+    norms = tuple(bf16_exact(rng.uniform(0.5, 1.5, N)) for _ in range(2))    # (1 + w) of both norms, bf16 values
     bufs = [tuple(dev.upload(w) for w in s) for s in sets]
     a_buf, wp_buf, wf_buf = dev.upload(a), dev.upload(norms[0]), dev.upload(norms[1])
+    wpb_buf, wfb_buf = (dev.upload(bf16_bits(v)) for v in norms)                   # the same values in bf16 (raw)
     x_bufs = [dev.upload(x0)] + [dev.buffer(N * 4) for _ in range(n)]       # x of each stretch, then the last h
     act_bufs = [dev.buffer(H * 4) for _ in range(n)]
     o_buf, u_buf, A_buf, B_buf, C_buf = (dev.buffer(N * 4) for _ in range(5))
     sums = dev.buffer(n * 32)                    # four 64-bit sums a stretch, zeroed at the graph's start
     f = {name: dev.module.function(name) for name in ("rn_o", "rn_resnorm", "fp_gateup", "rn_o_sums",
-                                                      "rn_gateup_sums")}
+                                                      "rn_gateup_sums", "rn_o_sums_bf16", "rn_gateup_sums_bf16",
+                                                      "rn_o_raw", "rn_gateup_raw")}
     blocks = ((N // ROWS_AN_ITEM, 1, 1), (THREADS, 1, 1))
     items = ((H // ROWS_AN_ITEM, 1, 1), (THREADS, 1, 1))
     wbytes = (N * K + 2 * H * N) * 2
     results = {}
     for mode in MODES:
         def rec(st, mode=mode) -> None:
-            if mode == "sums":
+            if mode != "three":
                 cu.memset(sums.ptr, 0, n * 32, st)
             for s in range(n):
                 wo, wg, wu = (b.ptr for b in bufs[order[s]])
@@ -120,12 +133,19 @@ def main(argv=None) -> int:
                                      dev.pack([x, o_buf.ptr, wp_buf.ptr, wf_buf.ptr, h, u_buf.ptr]), programmatic=True)
                     cu.launch_kernel(f["fp_gateup"], *items, 0, st, dev.pack([u_buf.ptr, wg, wu, act_bufs[s].ptr]),
                                      programmatic=True)
-                else:
+                elif mode == "raw":
                     sm = sums.ptr + 32 * s
-                    cu.launch_kernel(f["rn_o_sums"], *blocks, 0, st,
+                    cu.launch_kernel(f["rn_o_raw"], *blocks, 0, st,
+                                     dev.pack([a_buf.ptr, wo, x, wp_buf.ptr, o_buf.ptr, sm]), programmatic=s > 0)
+                    cu.launch_kernel(f["rn_gateup_raw"], *items, 0, st,
+                                     dev.pack([sm, x, o_buf.ptr, wpb_buf.ptr, wfb_buf.ptr, wg, wu, act_bufs[s].ptr,
+                                               h]), programmatic=True)
+                else:
+                    sm, suffix = sums.ptr + 32 * s, "_bf16" if mode == "sums-bf16" else ""
+                    cu.launch_kernel(f["rn_o_sums" + suffix], *blocks, 0, st,
                                      dev.pack([a_buf.ptr, wo, x, wp_buf.ptr, wf_buf.ptr, A_buf.ptr, B_buf.ptr,
                                                C_buf.ptr, sm]), programmatic=s > 0)
-                    cu.launch_kernel(f["rn_gateup_sums"], *items, 0, st,
+                    cu.launch_kernel(f["rn_gateup_sums" + suffix], *items, 0, st,
                                      dev.pack([sm, A_buf.ptr, B_buf.ptr, x, C_buf.ptr, wg, wu, act_bufs[s].ptr, h]),
                                      programmatic=True)
 
@@ -135,12 +155,13 @@ def main(argv=None) -> int:
 
         t, err, finite = dev.chain(rec, ((act_bufs, H * 4), (x_bufs[1:], N * 4)), act_bufs, H, None, args.reps,
                                    check=checked)
-        results[mode] = stretch_result(t, n, wbytes, err, finite, TOLERANCE)
+        tolerance = BF16_TOLERANCE if mode == "sums-bf16" else TOLERANCE
+        results[mode] = stretch_result(t, n, wbytes, err, finite, tolerance)
     base = results["three"]["stretch_us"]
     for mode, r in results.items():
         r["vs_three"] = round(r["stretch_us"] / base, 4)
         r["saved_us"] = round(base - r["stretch_us"], 3)
-        log(f"{mode:6s} {r['stretch_us']:8.2f} us a stretch ({r['weight_TBps']:.2f} TB/s of weights, "
+        log(f"{mode:9s} {r['stretch_us']:8.2f} us a stretch ({r['weight_TBps']:.2f} TB/s of weights, "
             f"{r['vs_three']:.3f}x, {r['saved_us']:+.2f} us saved)  rel err {r['rel_err']:.2e}  ok={r['ok']}")
     record = {**record_head("resnorm-probe", args.commit, dev.info.name), "stretches": n, "weight_bytes": wbytes,
               "modes": results}

@@ -254,6 +254,17 @@ def test_resnorm_probe_sums_give_the_residuals_norm(resnorm):
     assert abs(rp.sum_of_h_squares(x, o, wp) - float(np.sum(h * h))) < 1e-9 * float(np.sum(x * x))
 
 
+def test_resnorm_probe_norm_weights_are_bf16_values(resnorm):
+    """``raw`` reads the norms' weights in bf16 and the other modes in float32: bf16_exact gives values both hold
+    alike (bf16's bits widen back to the same float32), near the values it was given."""
+    rp = resnorm
+    v = np.random.default_rng(3).uniform(0.5, 1.5, 1000)
+    exact = rp.bf16_exact(v)
+    assert exact.dtype == np.float32
+    assert np.array_equal((rp.bf16_bits(exact).astype(np.uint32) << 16).view(np.float32), exact)
+    assert np.max(np.abs(exact - v) / v) <= 2.0 ** -8 and not np.array_equal(exact, v.astype(np.float32))
+
+
 def test_resnorm_probe_check_passes_float32_and_fails_a_wrong_or_nan_output(resnorm):
     """resnorm_probe's float64 check at small shapes: a chain computed in float32 from its own x passes; a wrong
     gate-up output, a wrong next x or a NaN fails."""
