@@ -74,7 +74,7 @@ __device__ __forceinline__ void rn_o_sums_body(const float* a, const unsigned sh
   lum_pdl_trigger();
   lum_pdl_wait();
   const int warp = (int)threadIdx.x / 32, r = (int)blockIdx.x * FP_W + warp;
-  const float xr = x[r], wpr = wp[r], wfr = wf[r];           // issued before the dot, used after it
+  const float xr = x[r], wpr = wp[r], wfr = FORM == RN_RAW ? 0.0f : wf[r];   // issued before the dot
   fp_stage(as, a, RN_K);
   const float v = fp_dot<RN_K / 256>(Wo + (size_t)r * RN_K, as);
   if (threadIdx.x % 32 == 0) {
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(FP_T) rn_o_sums_bf16(const float* a
 
 extern "C" __global__ void __launch_bounds__(FP_T) rn_o_raw(const float* a, const unsigned short* Wo, const float* x,
                                                            const float* wp, float* o, unsigned long long* sums) {
-  rn_o_sums_body<RN_RAW, float>(a, Wo, x, wp, wp, nullptr, nullptr, o, sums);
+  rn_o_sums_body<RN_RAW, float>(a, Wo, x, wp, nullptr, nullptr, nullptr, o, sums);   // no wf: nothing for gate-up
 }
 
 // r_o and r_h from the four sums (written by every block of the o kernel before this kernel's wait returns).
