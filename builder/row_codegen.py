@@ -289,8 +289,15 @@ class RowKernels:
             return self._tree(t, names, lines, ind3, round_root, leaf)
 
         def accumulate(j: int, red: str, t: list) -> list[str]:
-            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane."""
-            lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *loop]
+            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane. The Sum of one
+            leaf whose row is zeros outside a static window (builder/resnorm.py's slot sums, 320 of gate-up's 2,560
+            features) loops over the window only."""
+            window = splits[first + t[1]][1].mask if t[0] == "arg" and red == "Sum" and not regs else None
+            lo, hi = (as_expr(window[0][0]), as_expr(window[0][1])) if window else (None, None)
+            span = [f"{ind}#pragma unroll 4",
+                    f"{ind}  for (idx_t lum_c = {lo.value} + lum_lane; lum_c < {hi.value}; lum_c += GROUP) {{"] \
+                if window and lo.is_const and hi.is_const and n.is_const and 0 <= lo.value <= hi.value <= n.value else loop
+            lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *span]
             x, _ = emit(t, lines, True)
             lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", *close,
                       f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);"]
