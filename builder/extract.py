@@ -554,8 +554,8 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
     program = Program(name or g.name, ops)
     if row_reads.row_reads_enabled():
         program = row_reads.inline_row_reads(program)
-    if resnorm.resnorm_sums_enabled():
-        program = resnorm.resnorm_by_sums(program)
+    if resnorm.resnorm_sums_form():
+        program = resnorm.resnorm_by_sums(program, resnorm.resnorm_sums_form())
     if prologue.gemv_prologues_enabled():
         program = prologue.fuse_gemv_prologues(program)
     if epilogue.gemv_epilogues_enabled():

@@ -214,22 +214,30 @@ def fuse_o_combines(program: Program, sources: Mapping[int, KernelSource | None]
 
 
 def _slot_tails(program: Program, split: _Split) -> list[LOp]:
-    """The reduces after o over its columns grouped by owner (:func:`owner_slots`' slots), which its kernel can run
-    as tails: a Sum over the last axis of a [groups, ranks, COLS / ranks] domain without row reductions, reading o
-    only as slot (g, r)'s i-th column (g·COLS + i·ranks + r) and otherwise only what is written before the combine
-    runs (inputs, constants, earlier ops)."""
+    """The ops after o that its kernel can run as tails, reading o only at the columns its owner blocks hold and
+    otherwise only what is written before the combine runs (inputs, constants, earlier ops): a reduce over o's
+    columns grouped by owner (:func:`owner_slots`' slots: a Sum over the last axis of a [groups, ranks, COLS / ranks]
+    domain, element (g, r, i) column g·COLS + i·ranks + r, without row reductions), or an elementwise tree over
+    o's row (one [1, n] row, without row reductions)."""
     o, ranks = split.o, split.heads // split.hpb
     groups, own = split.n // COLS, COLS // ranks
     if split.n % COLS or COLS % ranks:
         return []
-    dom = (as_expr(groups), as_expr(ranks), as_expr(own))
-    o_view = ShapeTracker(dom, (as_expr(COLS), as_expr(1), as_expr(ranks)), as_expr(0), None)
+    slot_dom = (as_expr(groups), as_expr(ranks), as_expr(own))
+    row_dom = (as_expr(1), as_expr(split.n))
+    o_views = {slot_dom: ShapeTracker(slot_dom, (as_expr(COLS), as_expr(1), as_expr(ranks)), as_expr(0), None),
+               row_dom: ShapeTracker(row_dom, (as_expr(0), as_expr(1)), as_expr(0), None)}
     out = []
     for t in program.ops[o.id + 1:]:
-        if t.kind != "reduce" or t.op != "Sum" or "expr" not in t.params or has_row_ops(t.params["expr"]) \
-                or int(t.params["axis"]) != 2 or tuple(t.shape) != dom[:2] or not t.dtype.is_float:
+        if "expr" not in t.params or has_row_ops(t.params["expr"]) or not t.dtype.is_float or t.alias is not None:
             continue
-        if all(a.view == o_view if a.src == o.id else
+        if t.kind == "reduce" and t.op == "Sum" and int(t.params["axis"]) == 2 and tuple(t.shape) == slot_dom[:2]:
+            dom = slot_dom
+        elif t.kind == "elementwise" and t.op == "Fused" and tuple(t.shape) == row_dom:
+            dom = row_dom
+        else:
+            continue
+        if all(a.view == o_views[dom] if a.src == o.id else
                (a.src < split.combine.id or program.ops[a.src].kind in ("input", "constant"))
                and tuple(a.view.shape) == dom for a in t.args):
             out.append(t)
@@ -238,19 +246,21 @@ def _slot_tails(program: Program, split: _Split) -> list[LOp]:
 
 def _tail_code(program: Program, ctx: KernelContext, o: LOp, tails: Sequence[LOp], names: Sequence[str],
                ranks: int) -> tuple[str, str]:
-    """gemv_combine.cu's TAIL_ADD and TAIL_STORE for ``tails`` (tail j's parameters ``t<j+1>_…``, after o's):
-    each one's prologue tree at slot (lum_tg, lum_tq), slot column lum_ti, o's leaves the column's value lum_o."""
-    vars_ = ("lum_tg", "lum_tq", "lum_ti")
-    idx = tuple(Var(v) for v in vars_)
-    for v, d in zip(vars_, tails[0].args[0].view.shape if tails else ()):
+    """gemv_combine.cu's TAIL_ADD and TAIL_STORE for ``tails`` (tail j's parameters ``t<j+1>_…``, after o's), at
+    slot (lum_tg, lum_tq), slot column lum_ti, o's leaves the column's value lum_o: a slot reduce's tree added to
+    lum_t[j] (stored by TAIL_STORE), an elementwise tree stored at the column."""
+    slot = (Var("lum_tg"), Var("lum_tq"), Var("lum_ti"))
+    for v, d in zip(("lum_tg", "lum_tq", "lum_ti"), (program.ops[o.id].shape[-1] // COLS, ranks, COLS // ranks)):
         ctx.bound_var(v, as_expr(d))
+    column = slot[0] * COLS + slot[2] * ranks + slot[1]
     add, store = [], []
     for j, t in enumerate(tails):
         pre = f"t{j + 1}_"
         if f"{pre}out" not in names:
             raise CodegenError("a tail's kernel parameters are not (out, in…)")
+        idx = slot if t.kind == "reduce" else (as_expr(0), column)
 
-        def leaf(node: list, key: str, t: LOp = t, pre: str = pre) -> tuple[str, str] | None:
+        def leaf(node: list, key: str, t: LOp = t, pre: str = pre, idx: tuple = idx) -> tuple[str, str] | None:
             if node[0] != "arg":
                 return None
             a = t.args[int(node[1])]
@@ -263,8 +273,13 @@ def _tail_code(program: Program, ctx: KernelContext, o: LOp, tails: Sequence[LOp
 
         lines: list[str] = []
         val, kind = tree_c(t.params["expr"], {}, lines, " " * 6, True, leaf, "f32")
-        add.append("    {\n" + "".join(f"{ln}\n" for ln in lines) + f"      lum_t[{j}] += {convert_kind(kind, 'f', val)};\n    }}")
-        store.append(f"    {pre}out[lum_tg * {ranks} + lum_tq] = {store_conv('f', f'lum_t[{j}]', t.dtype)};")
+        if t.kind == "reduce":
+            done = f"      lum_t[{j}] += {convert_kind(kind, 'f', val)};"
+            store.append(f"    {pre}out[lum_tg * {ranks} + lum_tq] = {store_conv('f', f'lum_t[{j}]', t.dtype)};")
+        else:
+            ctx.exprs.append(column)
+            done = f"      {pre}out[{ctx.c(column)}] = {store_conv(kind, val, t.dtype)};"
+        add.append("    {\n" + "".join(f"{ln}\n" for ln in lines) + done + "\n    }")
     return "\n".join(add), "\n".join(store)
 
 

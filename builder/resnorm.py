@@ -1,5 +1,5 @@
 """The residual link by linearity: gemma's norm after the residual add takes its sums from o's column groups
-(off unless ``$LUM_RESNORM_SUMS`` is ``1``, until measured in lum; benchmarks/NOTES.md "The residual link by
+(off unless ``$LUM_RESNORM_SUMS`` is ``1`` or ``raw``, until measured in lum; benchmarks/NOTES.md "The residual link by
 linearity").
 
 Gemma's decode layer forms gate-up's input in a one-block kernel after o:
@@ -11,22 +11,26 @@ chain with no weight bytes (2.3 µs of a layer). By linearity Σ h² = Σ x² + 
 so four sums of products of x, o and w_p give both norms, and each of o's column groups can add its share as it
 finishes: here four reduce ops P (Σ o², Σ x², Σ x·o·w_p, Σ (o·w_p)²) over o's columns grouped as o's cluster kernel
 owns them (:func:`~lum.builder.o_combine.owner_slots`: column g·COLS + i·R + r in slot (g, r)), and u's row sums
-replaced by row sums over those slots (a view of P padded with zeros to u's row). u then has no reduction over a
-full row, so gate-up computes it as a light prologue keeping its grid (:func:`~lum.builder.gemv_policy.light_prologue`),
-and P runs as tails of o's kernel (``templates/gemv_combine.cu``): the link is gone from the chain.
+replaced by row sums over those slots (a view of P padded with zeros to u's row). In the form ``ab`` (the switch's
+``1``) u is also rewritten as (A + B·r(o))·r(h) over two bf16 vectors A = x·w_f and B = o·w_p·w_f, so that gate-up
+reads 10 KB of them rather than x and o in f32 and both weights (``raw``, 30 KB a block). u then has no
+reduction over a full row, so gate-up computes it as a light prologue keeping its grid
+(:func:`~lum.builder.gemv_policy.light_prologue`), and P (with A and B) runs as tails of o's kernel
+(``templates/gemv_combine.cu``): the link is gone from the chain. Measured as a probe first
+(benchmarks/resnorm_probe.py: 2.1 µs a layer shorter on an H100 with A and B in f32).
 
 Not exact against the reference: Σ h² is the same sum in another order and grouping (float64 there, f32 slots
-here), so u differs where the f32 rounding of Σ h² does; where the attention's output nearly cancels the residual
-(‖h‖ ≪ ‖x‖) the three terms cancel and lose digits. The rewrite fires only on that tree, with x and o plain
+here), so u differs where the f32 rounding of Σ h² does, and in the form ``ab`` by A's and B's rounding to bf16;
+where the attention's output nearly cancels the residual (‖h‖ ≪ ‖x‖) the three terms cancel and lose digits. The rewrite fires only on that tree, with x and o plain
 f32 leaves of one row and o split by head in one cluster kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
-from lum.builder.env_switches import env_switch
+from lum.builder.env_switches import env_choice
 from lum.builder.o_combine import owner_slots
 from lum.builder.rewrite import rewritten
 from lum.format.dtypes import DType
@@ -34,15 +38,17 @@ from lum.format.expr import as_expr
 from lum.format.llir import Arg, LOp, Program
 from lum.format.shapetracker import ShapeTracker
 
-__all__ = ["ENV_RESNORM_SUMS", "resnorm_sums_enabled", "resnorm_by_sums", "ResidualNorm", "residual_norm"]
+__all__ = ["ENV_RESNORM_SUMS", "FORMS", "resnorm_sums_form", "resnorm_by_sums", "ResidualNorm", "residual_norm"]
 
 ENV_RESNORM_SUMS = "LUM_RESNORM_SUMS"
+FORMS = ("ab", "raw")
 _F32 = DType.f32.name
 
 
-def resnorm_sums_enabled() -> bool:
-    """``$LUM_RESNORM_SUMS``: ``1`` rewrites gemma's norm after the residual (the module docstring); off by default."""
-    return env_switch(ENV_RESNORM_SUMS)
+def resnorm_sums_form() -> str | None:
+    """``$LUM_RESNORM_SUMS``: ``1`` rewrites gemma's norm after the residual (the module docstring) in the form
+    ``ab``, ``raw`` in the form ``raw`` (:func:`resnorm_by_sums`); ``0``, the default, not at all."""
+    return env_choice(ENV_RESNORM_SUMS, {"0": None, "1": "ab", "raw": "raw"}, "0")
 
 
 def _is(t: Any, op: str, arity: int) -> bool:
@@ -77,7 +83,7 @@ def _leaf(t: Any) -> int | None:
 @dataclass(frozen=True)
 class ResidualNorm:
     """The parts of ``Cast(·, Mul(Mul(h, r(h)), w_f))`` with ``h = Add(x, Mul(Mul(o, r(o)), w_p))``: the leaves
-    x and o (arg indices), the subtrees r(o), o·w_p's node, and the two RowSum nodes."""
+    x and o (arg indices), the subtrees r(o), o·w_p's node, the two RowSum nodes, r(h) and w_f."""
 
     x: int
     o: int
@@ -85,6 +91,8 @@ class ResidualNorm:
     ow: list
     sum_o: list
     sum_h: list
+    r_h: list
+    wf: list
 
 
 def residual_norm(op: LOp) -> ResidualNorm | None:
@@ -102,7 +110,7 @@ def residual_norm(op: LOp) -> ResidualNorm | None:
     if inner is None or _leaf(x) is None or _leaf(inner[0]) is None:
         return None
     ow = ["Mul", _F32, inner[0], inner[3]]
-    return ResidualNorm(_leaf(x), _leaf(inner[0]), inner[1], ow, inner[2], outer[2])
+    return ResidualNorm(_leaf(x), _leaf(inner[0]), inner[1], ow, inner[2], outer[2], outer[1], outer[3])
 
 
 def _replaced(t: Any, old: list, new: list) -> Any:
@@ -141,9 +149,19 @@ def _slot_row(slots: int, n: int) -> ShapeTracker:
                         ((as_expr(0), as_expr(1)), (as_expr(0), as_expr(slots))))
 
 
-def resnorm_by_sums(program: Program) -> Program:
+def _compact(tree: list, args: Sequence[Arg]) -> tuple[list, tuple[Arg, ...]]:
+    """``tree`` over only the args it reads, renumbered in order."""
+    used = sorted(set(_leaves(tree)))
+    return _renamed(tree, {k: j for j, k in enumerate(used)}), tuple(args[k] for k in used)
+
+
+def resnorm_by_sums(program: Program, form: str = "ab") -> Program:
     """``program`` with each residual norm over an o split by head (the module docstring) taking its row sums from
-    four reduces over o's column slots, placed right before it; ``program`` itself where none fires."""
+    four reduces over o's column slots; in ``form`` ``ab`` it reads x·w_f and o·w_p·w_f (A and B, two bf16 vectors
+    o's kernel writes too) instead of x, o and the weights (``raw``). The new ops go right before the norm;
+    ``program`` itself where none fires."""
+    if form not in FORMS:
+        raise ValueError(f"resnorm form must be one of {FORMS}, got {form!r}")
     replace: dict[int, LOp] = {}
     insert: dict[int, list[LOp]] = {}
     fresh = len(program.ops)
@@ -166,26 +184,37 @@ def resnorm_by_sums(program: Program) -> Program:
         sums = [rn.sum_o[2], ["Mul", _F32, x, x], ["Mul", _F32, x, ow], ["Mul", _F32, ow, ow]]
         new_ops: list[LOp] = []
         for tree in sums:
-            used = sorted(set(_leaves(tree)))
-            index = {k: j for j, k in enumerate(used)}
-            args = tuple(Arg(op.args[k].src, _grouped(op.args[k].view, groups, ranks, cols)) for k in used)
+            tree, args = _compact(tree, op.args)
+            args = tuple(Arg(a.src, _grouped(a.view, groups, ranks, cols)) for a in args)
             new_ops.append(LOp(fresh, "reduce", "Sum", args, (as_expr(groups), as_expr(ranks)), DType.f32,
-                               {"axis": 2, "expr": _renamed(tree, index)}))
+                               {"axis": 2, "expr": tree}))
             fresh += 1
-        two = LOp(fresh, "constant", "Constant", (), (), DType.f32, {"value": 2.0})
+        new_ops.append(LOp(fresh, "constant", "Constant", (), (), DType.f32, {"value": 2.0}))
         fresh += 1
+        pool = list(op.args) + [Arg(p.id, _slot_row(groups * ranks, n.value)) for p in new_ops[:4]] + [
+            Arg(new_ops[4].id, ShapeTracker((as_expr(1), n), (as_expr(0), as_expr(0)), as_expr(0)))]
         base = len(op.args)
-        row = _slot_row(groups * ranks, n.value)
-        args = op.args + tuple(Arg(p.id, row) for p in new_ops) + (
-            Arg(two.id, ShapeTracker((as_expr(1), n), (as_expr(0), as_expr(0)), as_expr(0))),)
         slot_sum = [["RowSum", _F32, ["arg", base + q]] for q in range(4)]
         r_o = _replaced(rn.r_o, rn.sum_o, slot_sum[0])
         sum_h = ["Add", _F32,
                  ["Add", _F32, slot_sum[1], ["Mul", _F32, ["Mul", _F32, r_o, ["arg", base + 4]], slot_sum[2]]],
                  ["Mul", _F32, ["Mul", _F32, r_o, r_o], slot_sum[3]]]
-        tree = _replaced(_replaced(op.params["expr"], rn.sum_h, sum_h), rn.sum_o, slot_sum[0])
+        if form == "raw":
+            tree = _replaced(_replaced(op.params["expr"], rn.sum_h, sum_h), rn.sum_o, slot_sum[0])
+        else:                             # u = (A + B r(o)) r(h), A = x w_f and B = o w_p w_f rounded to bf16
+            for q, t in enumerate((["Mul", _F32, x, rn.wf], ["Mul", _F32, ow, rn.wf])):
+                t, args = _compact(["Cast", DType.bf16.name, t], op.args)
+                new_ops.append(LOp(fresh, "elementwise", "Fused", args, op.shape, DType.bf16, {"expr": t}))
+                pool.append(Arg(fresh, ShapeTracker.contiguous(op.shape)))
+                fresh += 1
+            a, b = (["Cast", _F32, ["arg", len(pool) - 2]], ["Cast", _F32, ["arg", len(pool) - 1]])
+            r_h = _replaced(rn.r_h, rn.sum_h, sum_h)
+            tree = ["Mul", _F32, ["Add", _F32, a, ["Mul", _F32, b, r_o]], r_h]
+            root = op.params["expr"]
+            tree = [root[0], root[1], tree] if root[0] == "Cast" else tree
+        tree, args = _compact(tree, pool)
         replace[op.id] = LOp(op.id, op.kind, op.op, args, op.shape, op.dtype, {**op.params, "expr": tree})
-        insert[op.id] = [*new_ops, two]
+        insert[op.id] = new_ops
     if not replace:
         return program
     return rewritten(program, set(), replace, insert)

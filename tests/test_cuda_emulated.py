@@ -44,7 +44,8 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
          "two-kernels": {"LUM_O_COMBINE": "0"},
          "o-grouped": {"LUM_O_COMBINE": "grouped"},
-         "resnorm-sums": {"LUM_RESNORM_SUMS": "1"}}
+         "resnorm-sums": {"LUM_RESNORM_SUMS": "1"},
+         "resnorm-raw": {"LUM_RESNORM_SUMS": "raw"}}
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +371,8 @@ def test_fused_kernel_variants_match_reference(env, variant):
     by head in a thread block cluster: builder/o_combine.py) or ``o-grouped`` (``LUM_O_COMBINE=grouped``: that kernel
     also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block) or
     ``resnorm-sums`` (``LUM_RESNORM_SUMS=1``: gemma's norm after the residual add from four slot sums that o's
-    cluster kernel adds, computed in gate-up as a light prologue: builder/resnorm.py).
+    cluster kernel adds, with A = x·w_f and B = o·w_p·w_f it writes, computed in gate-up as a light prologue:
+    builder/resnorm.py) or ``resnorm-raw`` (the same from x, o and the weights, no A and B).
     Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
@@ -435,8 +437,9 @@ print(json.dumps(out))
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":
         assert res["shared_preloads"] > res["shared_preloads_default"], res
-    if variant == "resnorm-sums":      # gemma's residual norm by o's slot sums: four tails of o, a light gate-up
-        assert res["o_tails"] == {"tiny-llama": [1], "tiny-qwen3": [1], "tiny-gemma3": [5]}, res["o_tails"]
+    if variant.startswith("resnorm"):  # gemma's residual norm by o's slot sums: four tails of o (and A, B), a light
+        tails = 7 if variant == "resnorm-sums" else 5      # gate-up
+        assert res["o_tails"] == {"tiny-llama": [1], "tiny-qwen3": [1], "tiny-gemma3": [tails]}, res["o_tails"]
         assert res["light"]["tiny-gemma3"] > 0 == res["light"]["tiny-llama"] == res["light"]["tiny-qwen3"], res["light"]
     if variant == "norms-ahead":       # the qkv's input norm gone from llama's and qwen3's decode, as from gemma's
         assert {n: v < d for n, (v, d) in res["prologues"].items()} == {

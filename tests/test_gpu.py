@@ -417,7 +417,9 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                   "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
                   "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine"))),
                   "resnorm-sums": ({"LUM_RESNORM_SUMS": "1"}, None,
-                                   _any_op(lambda op: op.tuning.get("o_combine") and len(op.tail) == 5))}
+                                   _any_op(lambda op: op.tuning.get("o_combine") and len(op.tail) == 7)),
+                  "resnorm-raw": ({"LUM_RESNORM_SUMS": "raw"}, None,
+                                  _any_op(lambda op: op.tuning.get("o_combine") and len(op.tail) == 5))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -433,7 +435,8 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart), or o split by head with the combine inside
     it (the default, builder/o_combine.py: a thread block cluster a column group; against ``LUM_O_COMBINE=0``,
     the heads summed in another order), or gemma's norm after the residual add from four slot sums o's kernel adds
-    (``LUM_RESNORM_SUMS=1``, builder/resnorm.py: tiny-gemma3 only; Σ h² in another order); none changes a token. Decode logits of the
+    (``LUM_RESNORM_SUMS=1`` or ``raw``, builder/resnorm.py: tiny-gemma3 only; Σ h² in another order, and A and B
+    rounded to bf16); none changes a token. Decode logits of the
     fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
     attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
@@ -441,7 +444,7 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
 
     name, _, default = tiny_model
     fused_env, plain_env, is_fused = FUSED_VARIANTS[variant]
-    if variant == "resnorm-sums" and name != "tiny-gemma3":
+    if variant.startswith("resnorm") and name != "tiny-gemma3":
         pytest.skip("the residual norm by slot sums is gemma's (a norm of o inside the FFN's input norm)")
 
     def package(env):
