@@ -194,7 +194,7 @@ class GemvKernels:
         tree = LOp(0, "elementwise", "Fused", op.args[:jb], dom, a_dt, {"expr": expr})
         sub = type(self)(tree, self.dts[:jb], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
                          unroll=None, inflight=0, max_blocks=1, acc=self.acc, math=self.math)
-        rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32)
+        rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32, light=light_gemv_prologue(op))
         return render(load_template("gemv_prologue.cuh"), {
             "ACC_T": KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "A_FLOAT": int(dta == DType.f32),
             "A_NARROW": int(dta != DType.f32), "A_T": STORAGE_C[dta], "A_BYTES": m * p["k"].value * dta.itemsize,
