@@ -97,13 +97,12 @@ from lum.builder.gemv_codegen import GemvKernels
 from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOAD_VECTORS, blocks_unbalanced,
                                      gemv_balance, gemv_inflight_default, gemv_kernel_ops, gemv_preload_after_gemv,
                                      gemv_preload_default, gemv_preload_shared, gemv_prologue_threads, gemv_rows,
-                                     gemv_tuning_override, light_gemv_prologue, prologue_walks_tiles,
-                                     split_gemv_tuning)
+                                     gemv_tuning_override, prologue_walks_tiles, split_gemv_tuning)
 from lum.builder.intmath import pow2_floor
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, ZERO_C, AccessPlan, KernelContext,
                                      KernelSource, Launch, Param, access_plan, coalesce, common_header, compute_node,
-                                     entry_named, index_vars, load_conv, load_template, mask_trivial, render,
-                                     store_conv, tree_c, unravel_index, validity_terms, value_kind, view_access)
+                                     convert_kind, entry_named, index_vars, load_conv, load_template, mask_trivial, render,
+                                     store_conv, unravel_index, validity_terms, value_kind, view_access)
 from lum.builder.row_codegen import RowKernels
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, Var, as_expr, cdiv, smax, smin
@@ -153,8 +152,8 @@ def _default_threads(op: LOp) -> int:
     (:func:`~lum.builder.gemv_policy.blocks_unbalanced`)."""
     if op.kind == "attention":       # 4 warps x 4 keys in flight per block (extract.ATTENTION_CHUNK = 16)
         return 128
-    if op.kind == "gemm" and "expr" in op.params and not light_gemv_prologue(op):   # a prologue per block wants
-        return gemv_prologue_threads()    # few, large blocks (gemv_sweep.py --mode prologue: 1,024 or 512 threads)
+    if op.kind == "gemm" and "expr" in op.params:   # a prologue per block wants few, large blocks (gemv_sweep.py
+        return gemv_prologue_threads()                # --mode prologue: 1,024 or 512 threads, warp groups, best)
     if op.kind == "gemm" and gemv_rows(op) is not None and op.params["layout"][2:] == "Cm":
         cols = as_expr(op.params.get("batch", 1)) * as_expr(op.params["n"])
         if cols.is_const and cols.value >= 8192:
@@ -602,8 +601,28 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
 
     def _tree(self, t: list, names: dict[str, tuple[str, str]], lines: list[str], ind: str, round_root: bool,
               leaf: Callable[[list, str], tuple[str, str] | None]) -> tuple[str, str]:
-        """:func:`~lum.builder.kernel_text.tree_c` in this kernel's math."""
-        return tree_c(t, names, lines, ind, round_root, leaf, self.math)
+        """(C expression, kind) of a Fused tree: ``leaf(node, key)`` gives the value of a node it knows (the
+        args; a row kernel's loaded leaves and row values), every other inner node becomes a local
+        ``lum_u<k>`` rounded through its storage type (a repeated subtree is computed once), the root too
+        with ``round_root``. ``names`` holds the locals so far (``leaf`` may add its own to it)."""
+        def node(t: list, root: bool = False) -> tuple[str, str]:
+            key = repr(t)
+            known = leaf(t, key)
+            if known is not None:
+                return known
+            if key in names:
+                return names[key]
+            expr, kind = compute_node(t[0], [node(k) for k in t[2:]], self.math)
+            if root and not round_root:
+                return expr, kind
+            dt = DType.parse(t[1])
+            names[key] = (f"lum_u{len(names)}", value_kind(dt))
+            val = convert_kind(kind, value_kind(dt), expr) if dt in (DType.i64, DType.bool) else \
+                load_conv(dt, store_conv(kind, expr, dt))           # round through the storage type
+            lines.append(f"{ind}const {KIND_C[value_kind(dt)]} {names[key][0]} = {val};")
+            return names[key]
+
+        return node(t, True)
 
     def _pick_vec(self, shape: tuple[Expr, ...], views: list[ShapeTracker], dts: list[DType]) -> int:
         if self.vec is not None and self.vec not in (1, 2, 4, 8):

@@ -33,7 +33,7 @@ import random
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
-from lum.builder import costmodel, epilogue, prologue, resnorm, row_reads
+from lum.builder import costmodel, epilogue, prologue, row_reads
 from lum.builder.env_switches import env_choice
 from lum.builder.egraph import FUSING_CONSUMERS, INLINE_OPS, ENode, SaturatedGroup, attention_views, fused_args
 from lum.builder.rewrite import outputs_last
@@ -554,8 +554,6 @@ def lower(sat: SaturatedGroup, choice: Mapping[int, int] | None = None, name: st
     program = Program(name or g.name, ops)
     if row_reads.row_reads_enabled():
         program = row_reads.inline_row_reads(program)
-    if resnorm.resnorm_sums_form():
-        program = resnorm.resnorm_by_sums(program, resnorm.resnorm_sums_form())
     if prologue.gemv_prologues_enabled():
         program = prologue.fuse_gemv_prologues(program)
     if epilogue.gemv_epilogues_enabled():

@@ -8,8 +8,7 @@ from __future__ import annotations
 from lum.builder.env_switches import CodegenError
 from lum.builder.gemv_policy import (GEMV_MAX_ACC, GEMV_MAX_INFLIGHT, GEMV_PRELOAD_VECTORS, GEMV_SHARED_PRELOAD_BYTES,
                                      GEMV_SHARED_PRELOAD_VECTORS, SMS, gemv_evict_first, gemv_prologue_fits,
-                                     gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_rows,
-                                     light_gemv_prologue)
+                                     gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_rows)
 from lum.builder.intmath import pow2ceil
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, index_vars, load_conv, load_template, render,
                                      store_conv, unravel_index, value_kind)
@@ -31,7 +30,6 @@ class GemvKernels:
         m = gemv_rows(op)
         assert m is not None                     # generate() sends only these here
         prologue, epilogue = "expr" in op.params, "epilogue" in op.params
-        light = light_gemv_prologue(op)            # slot sums only: the grid and group of a plain GEMV
         jb, _ = gemm_parts(op)                  # B's arg index: (A | prologue leaves…, B, epilogue leaves…)
         if jb != 1 and not prologue:
             raise CodegenError("gemm takes (A, B)")
@@ -105,12 +103,10 @@ class GemvKernels:
         if narrow:
             tuning["narrow_a"] = True
         grid = self.grid(items, per_block)
-        if prologue and not light:    # each block computes all of A: about one resident wave, walking the columns
+        if prologue:    # each block computes all of A: about one resident wave of blocks, walking the columns
             cap = max(1, min(self.max_blocks, _GEMV_FILL_THREADS // self.threads))
             grid = (smax(1, smin(cdiv(items, per_block), cap)), as_expr(1), as_expr(1))
             tuning["prologue"] = True
-        elif prologue:
-            tuning["light_prologue"] = True
         # loads ahead: registers capped so that a static grid runs in one wave; a preload keeps the registers
         # ptxas gives it (capped, gemma3-4b's o and down spilled 224-488 bytes a thread at 4-8 vectors) and
         # its grid is capped at one wave by them instead (builder/kernels.py _grids_in_one_wave)
@@ -194,7 +190,7 @@ class GemvKernels:
         tree = LOp(0, "elementwise", "Fused", op.args[:jb], dom, a_dt, {"expr": expr})
         sub = type(self)(tree, self.dts[:jb], self.ctx, threads=self.threads, ept=None, vec=None, group=self.threads,
                          unroll=None, inflight=0, max_blocks=1, acc=self.acc, math=self.math)
-        rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32, light=light_gemv_prologue(op))
+        rp = sub._row_parts(sink="lum_as", sink_stored=dta != DType.f32)
         return render(load_template("gemv_prologue.cuh"), {
             "ACC_T": KIND_C[rp.acc_kind], "A_ELEMS": m * p["k"].value, "A_FLOAT": int(dta == DType.f32),
             "A_NARROW": int(dta != DType.f32), "A_T": STORAGE_C[dta], "A_BYTES": m * p["k"].value * dta.itemsize,
@@ -268,7 +264,7 @@ class GemvKernels:
             return self.group
         n, k, batch = p["n"], p["k"], p["batch"]
         sized = n.is_const and batch.is_const
-        if "expr" in self.op.params and not light_gemv_prologue(self.op):   # a prologue gemv: one warp per column (split-K across warps measured
+        if "expr" in self.op.params:         # a prologue gemv: one warp per column (split-K across warps measured
             return min(32, t)                # 1.1-1.7x slower there: each column tile then waits on shared memory)
         if b_kc:
             if not k.is_const:

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from lum.builder.env_switches import CodegenError, env_choice, env_count, env_switch
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, as_expr
-from lum.format.llir import GEMM_LAYOUTS, ROW_OPS, LOp, Program, gemm_parts, has_row_ops
-from lum.format.shapetracker import ShapeTracker, numel
+from lum.format.llir import GEMM_LAYOUTS, LOp, Program
+from lum.format.shapetracker import numel
 
 if TYPE_CHECKING:     # annotations only: codegen imports this module, never the other way
     from lum.builder.codegen import KernelSource
 
-__all__ = ["LIGHT_ROW_VALUES", "light_prologue", "light_gemv_prologue", "GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "GEMV_MAX_INFLIGHT",
+__all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "GEMV_MAX_INFLIGHT",
            "ENV_GEMV_INFLIGHT", "GEMV_PRELOAD_VECTORS", "GEMV_SHARED_PRELOAD_VECTORS", "GEMV_SHARED_PRELOAD_BYTES",
            "ENV_GEMV_PRELOAD_SHARED", "ENV_GEMV_PROLOGUE_NARROW_A", "ENV_GEMV_PROLOGUE_THREADS",
            "ENV_GEMV_PROLOGUE_PAIRS", "ENV_GEMV_PRELOAD", "ENV_GEMV_PRELOAD_AFTER_GEMV", "ENV_GEMV_TUNING",
@@ -91,43 +91,6 @@ def gemv_prologue_fits(m: int, p: Mapping[str, Any], layout: str, dom: Sequence[
     if m * k.value * 4 > PROLOGUE_SMEM_BYTES:
         return f"A of {m} x {k.value} floats exceeds {PROLOGUE_SMEM_BYTES} bytes of shared memory"
     return None
-
-
-LIGHT_ROW_VALUES = 1024      # a light prologue's row reductions read at most this many values of a leaf's row
-
-
-def light_prologue(expr: Any, views: Sequence[ShapeTracker]) -> bool:
-    """Whether a prologue tree's row reductions read only leaves whose rows hold at most :data:`LIGHT_ROW_VALUES`
-    values, zeros past them (a view masked on its last axis), or one value broadcast (stride 0): slot sums, such as
-    builder/resnorm.py's, not a full row. Such a prologue costs a block little more than reading its input, so the
-    GEMV keeps the grid and group of one without a prologue (a heavy one takes few, large blocks that walk the
-    columns, and is left to narrower GEMVs: :data:`~lum.builder.prologue.PROLOGUE_MAX_COLS`)."""
-    def light_leaf(k: int) -> bool:
-        v = views[k]
-        if as_expr(v.strides[-1]) == as_expr(0):
-            return True
-        if v.mask is None:
-            return False
-        span = as_expr(v.mask[-1][1]) - as_expr(v.mask[-1][0])
-        return span.is_const and span.value <= LIGHT_ROW_VALUES
-
-    def walk(t: Any, inside: bool) -> bool:
-        if not isinstance(t, list) or not t or t[0] == "acc":
-            return True
-        if t[0] == "arg":
-            return not inside or light_leaf(int(t[1]))
-        inside = inside or t[0] in ROW_OPS
-        return all(walk(k, inside) for k in t[2:])
-
-    return has_row_ops(expr) and walk(expr, False)
-
-
-def light_gemv_prologue(op: LOp) -> bool:
-    """Whether a gemm computes its A as a light prologue (:func:`light_prologue`)."""
-    if op.kind != "gemm" or "expr" not in op.params:
-        return False
-    jb, _ = gemm_parts(op)
-    return light_prologue(op.params["expr"], [a.view for a in op.args[:jb]])
 
 
 def gemv_prologue_pairs() -> str | None:

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from lum.builder.env_switches import CodegenError
 from lum.builder.intmath import is_one
@@ -440,32 +440,6 @@ def compute_node(op: str, args: Sequence[tuple[str, str]], math: str) -> tuple[s
 
 
 # ============================================================================ literals
-def tree_c(t: list, names: dict[str, tuple[str, str]], lines: list[str], ind: str, round_root: bool,
-           leaf: Callable[[list, str], tuple[str, str] | None], math: str) -> tuple[str, str]:
-    """(C expression, kind) of a Fused tree: ``leaf(node, key)`` gives the value of a node it knows (the
-    args; a row kernel's loaded leaves and row values), every other inner node becomes a local
-    ``lum_u<k>`` rounded through its storage type (a repeated subtree is computed once), the root too
-    with ``round_root``. ``names`` holds the locals so far (``leaf`` may add its own to it)."""
-    def node(t: list, root: bool = False) -> tuple[str, str]:
-        key = repr(t)
-        known = leaf(t, key)
-        if known is not None:
-            return known
-        if key in names:
-            return names[key]
-        expr, kind = compute_node(t[0], [node(k) for k in t[2:]], math)
-        if root and not round_root:
-            return expr, kind
-        dt = DType.parse(t[1])
-        names[key] = (f"lum_u{len(names)}", value_kind(dt))
-        val = convert_kind(kind, value_kind(dt), expr) if dt in (DType.i64, DType.bool) else \
-            load_conv(dt, store_conv(kind, expr, dt))           # round through the storage type
-        lines.append(f"{ind}const {KIND_C[value_kind(dt)]} {names[key][0]} = {val};")
-        return names[key]
-
-    return node(t, True)
-
-
 def f32_literal(x: float) -> str:
     """``x`` rounded to f32 as an exact C++ hex-float literal (what an f32 constant buffer would hold)."""
     return struct.unpack("<f", struct.pack("<f", x))[0].hex() + "f"

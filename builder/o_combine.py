@@ -30,17 +30,16 @@ from lum.builder.env_switches import CodegenError, env_choice
 from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import gemv_rows
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, KernelContext, KernelSource, Launch, common_header,
-                                     convert_kind, entry_named, load_conv, load_template, render, store_conv, tree_c,
-                                     unravel_index, value_kind)
+                                     entry_named, load_conv, load_template, render, store_conv, unravel_index)
 from lum.builder.rewrite import readers
 from lum.builder.row_codegen import online_softmax_sum
 from lum.format.dtypes import DType
 from lum.format.expr import Expr, Var, as_expr
-from lum.format.llir import LOp, Program, has_row_ops
+from lum.format.llir import LOp, Program
 from lum.format.shapetracker import ShapeTracker, numel
 
 __all__ = ["ENV_O_COMBINE", "o_combine_enabled", "o_combine_grouped", "fuse_o_combines", "CombineLeaves",
-           "combine_leaves", "owner_slots", "MAX_CHUNKS", "MAX_RANKS", "MAX_BLOCK_INPUTS", "heads_a_block"]
+           "combine_leaves", "MAX_CHUNKS", "MAX_RANKS", "MAX_BLOCK_INPUTS", "heads_a_block"]
 
 ENV_O_COMBINE = "LUM_O_COMBINE"
 ROUND = 16              # chunks a thread loads before it uses any (gemv_combine.cu ROUND)
@@ -180,16 +179,6 @@ def _split(program: Program, o: LOp, users: Mapping[int, list[LOp]],
     return _Split(combine, o, leaves, total // d, hpb, d, p["n"])
 
 
-def owner_slots(program: Program, o: LOp) -> tuple[int, int, int] | None:
-    """(column groups, ranks, columns a group) of the cluster kernel ``o`` runs in (column g·COLS + i·ranks + r
-    is summed by the block of rank r), where the switch splits it and the ranks divide a group evenly; else None.
-    The dyn bounds are not known here: a combine bounded only by them does not count."""
-    s = _split(program, o, readers(program)) if o_combine_enabled() else None
-    if s is None or not s.n % COLS == 0 or COLS % (s.heads // s.hpb):
-        return None
-    return s.n // COLS, s.heads // s.hpb, COLS
-
-
 def fuse_o_combines(program: Program, sources: Mapping[int, KernelSource | None], dyn_vars: Sequence[str],
                     max_dyn: Mapping[str, int] | None = None, arch: str = "sm_90") -> dict[int, KernelSource | None]:
     """``sources`` with each combine and the o that reads it as one kernel under the combine, o's entry dropped
@@ -202,93 +191,18 @@ def fuse_o_combines(program: Program, sources: Mapping[int, KernelSource | None]
         s = _split(program, o, users, max_dyn)
         if s is None or any(sources.get(i) is None or sources[i].tails for i in (s.combine.id, o.id)):
             continue
-        tails = [t for t in _slot_tails(program, s) if sources.get(t.id) is not None and not sources[t.id].tails]
         try:
-            out[s.combine.id] = _fused(program, s, sources[s.combine.id], sources[o.id], dyn_vars, max_dyn,
-                                       [(t, sources[t.id]) for t in tails])
+            out[s.combine.id] = _fused(program, s, sources[s.combine.id], sources[o.id], dyn_vars, max_dyn)
         except CodegenError:
             continue
-        for i in (o.id, *(t.id for t in tails)):
-            out.pop(i, None)
+        out.pop(o.id, None)
     return out
-
-
-def _slot_tails(program: Program, split: _Split) -> list[LOp]:
-    """The ops after o that its kernel can run as tails, reading o only at the columns its owner blocks hold and
-    otherwise only what is written before the combine runs (inputs, constants, earlier ops): a reduce over o's
-    columns grouped by owner (:func:`owner_slots`' slots: a Sum over the last axis of a [groups, ranks, COLS / ranks]
-    domain, element (g, r, i) column g·COLS + i·ranks + r, without row reductions), or an elementwise tree over
-    o's row (one [1, n] row, without row reductions)."""
-    o, ranks = split.o, split.heads // split.hpb
-    groups, own = split.n // COLS, COLS // ranks
-    if split.n % COLS or COLS % ranks:
-        return []
-    slot_dom = (as_expr(groups), as_expr(ranks), as_expr(own))
-    row_dom = (as_expr(1), as_expr(split.n))
-    o_views = {slot_dom: ShapeTracker(slot_dom, (as_expr(COLS), as_expr(1), as_expr(ranks)), as_expr(0), None),
-               row_dom: ShapeTracker(row_dom, (as_expr(0), as_expr(1)), as_expr(0), None)}
-    out = []
-    for t in program.ops[o.id + 1:]:
-        if "expr" not in t.params or has_row_ops(t.params["expr"]) or not t.dtype.is_float or t.alias is not None:
-            continue
-        if t.kind == "reduce" and t.op == "Sum" and int(t.params["axis"]) == 2 and tuple(t.shape) == slot_dom[:2]:
-            dom = slot_dom
-        elif t.kind == "elementwise" and t.op == "Fused" and tuple(t.shape) == row_dom:
-            dom = row_dom
-        else:
-            continue
-        if all(a.view == o_views[dom] if a.src == o.id else
-               (a.src < split.combine.id or program.ops[a.src].kind in ("input", "constant"))
-               and tuple(a.view.shape) == dom for a in t.args):
-            out.append(t)
-    return out
-
-
-def _tail_code(program: Program, ctx: KernelContext, o: LOp, tails: Sequence[LOp], names: Sequence[str],
-               ranks: int) -> tuple[str, str]:
-    """gemv_combine.cu's TAIL_ADD and TAIL_STORE for ``tails`` (tail j's parameters ``t<j+1>_…``, after o's), at
-    slot (lum_tg, lum_tq), slot column lum_ti, o's leaves the column's value lum_o: a slot reduce's tree added to
-    lum_t[j] (stored by TAIL_STORE), an elementwise tree stored at the column."""
-    slot = (Var("lum_tg"), Var("lum_tq"), Var("lum_ti"))
-    for v, d in zip(("lum_tg", "lum_tq", "lum_ti"), (program.ops[o.id].shape[-1] // COLS, ranks, COLS // ranks)):
-        ctx.bound_var(v, as_expr(d))
-    column = slot[0] * COLS + slot[2] * ranks + slot[1]
-    add, store = [], []
-    for j, t in enumerate(tails):
-        pre = f"t{j + 1}_"
-        if f"{pre}out" not in names:
-            raise CodegenError("a tail's kernel parameters are not (out, in…)")
-        idx = slot if t.kind == "reduce" else (as_expr(0), column)
-
-        def leaf(node: list, key: str, t: LOp = t, pre: str = pre, idx: tuple = idx) -> tuple[str, str] | None:
-            if node[0] != "arg":
-                return None
-            a = t.args[int(node[1])]
-            if a.src == o.id:
-                return "lum_o", "f"
-            e = a.view.physical_index(idx)
-            ctx.exprs.append(e)
-            dt = program.ops[a.src].dtype
-            return load_conv(dt, f"{pre}in{int(node[1])}[{ctx.c(e)}]"), value_kind(dt)
-
-        lines: list[str] = []
-        val, kind = tree_c(t.params["expr"], {}, lines, " " * 6, True, leaf, "f32")
-        if t.kind == "reduce":
-            done = f"      lum_t[{j}] += {convert_kind(kind, 'f', val)};"
-            store.append(f"    {pre}out[lum_tg * {ranks} + lum_tq] = {store_conv('f', f'lum_t[{j}]', t.dtype)};")
-        else:
-            ctx.exprs.append(column)
-            done = f"      {pre}out[{ctx.c(column)}] = {store_conv(kind, val, t.dtype)};"
-        add.append("    {\n" + "".join(f"{ln}\n" for ln in lines) + done + "\n    }")
-    return "\n".join(add), "\n".join(store)
 
 
 def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSource,
-           dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None,
-           tails: Sequence[tuple[LOp, KernelSource]] = ()) -> KernelSource:
-    """The kernel of a combine and the o split by head after it (templates/gemv_combine.cu), with ``tails``
-    (:func:`_slot_tails`' reduces and their kernels) summed by o's owner blocks; ``split`` is :func:`_split`'s,
-    which checked the weights' placement."""
+           dyn_vars: Sequence[str], max_dyn: Mapping[str, int] | None) -> KernelSource:
+    """The kernel of a combine and the o split by head after it (templates/gemv_combine.cu); ``split`` is
+    :func:`_split`'s, which checked the weights' placement."""
     combine, o, leaves, d, heads, n = split.combine, split.o, split.leaves, split.d, split.heads, as_expr(split.n)
     hpb = split.hpb
     ranks, db = heads // hpb, hpb * d
@@ -304,7 +218,7 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     cps = COLS // (warps * segs)
     if cps & (cps - 1):
         raise CodegenError("a segment's columns must be a power of two")
-    params, _ = joined_params([ks_c.params, ks_o.params, *(ks.params for _, ks in tails)])
+    params, _ = joined_params([ks_c.params, ks_o.params])
     names = [p.name for p in params]
     out_p, w_p = "t0_out", "t0_in1"
     if out_p not in names or w_p not in names:
@@ -339,7 +253,6 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
     out_at = lum_c
     ctx.exprs += [b_at, out_at]
     groups = -(-n.value // COLS)
-    tail_add, tail_store = _tail_code(program, ctx, o, [t for t, _ in tails], names, ranks)
     body = render(load_template("gemv_combine.cu"), {
         "KERNEL": ENTRY_PLACEHOLDER, "THREADS": threads, "MIN_BLOCKS": ", 3" if 3 * threads <= 2048 else "",
         "IDX_T": "@IDX_T@", "PARAMS": ", ".join(pp.ctype for pp in params), "DYN_LOADS": "@DYN_LOADS_NOWAIT@",
@@ -353,17 +266,16 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
         "X_LOAD": load_conv(dts[leaves.x], f"in{leaves.x}[lum_q]"),
         "L_LOAD": load_conv(dts[leaves.l], f"in{leaves.l}[lum_q]"),
         "A_LOAD": load_conv(dts[leaves.a], f"in{leaves.a}[lum_q]"),
-        "B_AT": ctx.c(b_at), "OUT_AT": ctx.c(out_at), "TAILS": len(tails), "TAIL_ADD": tail_add,
-        "TAIL_STORE": tail_store, "OUT_VALUE": load_conv(p_dt, store_conv("f", "lum_v0", p_dt))})
+        "B_AT": ctx.c(b_at), "OUT_AT": ctx.c(out_at)})
     idx_t = "int" if ctx.fits_i32(COLS) else "long long"
     nowait, slots = ctx.dyn_loads(wait=False)
     body, name = entry_named(body.replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait), "o_combine",
                              "lum_reduce_sum_o_")
     smem = COLS * db * w_dt.itemsize
     tuning = {"threads": threads, "cols": COLS, "round": ROUND, "heads_a_block": hpb,
-              "o_combine": [combine.id, o.id, *(t.id for t, _ in tails)], "index_bits": 32 if idx_t == "int" else 64}
+              "o_combine": [combine.id, o.id], "index_bits": 32 if idx_t == "int" else 64}
     grid = (as_expr(ranks * groups), as_expr(1), as_expr(1))
     return KernelSource(name=name, kind=combine.kind, op=combine.op, source=common_header() + "\n" + body,
                         body=body, launches=(Launch(name, grid, (threads, 1, 1), smem, ranks),),
                         params=tuple(params), dyn_vars=tuple(dyn_vars), dyn_slots=slots, tuning=tuning,
-                        tails=(o.id, *(t.id for t, _ in tails)), early=(w_p,))
+                        tails=(o.id,), early=(w_p,))

@@ -17,8 +17,7 @@ at most :data:`PROLOGUE_MAX_COLS` columns (``$LUM_GEMV_PROLOGUE_MAX_COLS`` to me
 
 :func:`fuse_gemv_prologues` rewrites a lowered program: such an elementwise op whose every reader is
 a GEMV of lum's kernel reading it as A becomes those GEMVs' ``params["expr"]`` (LLIR version 3, see
-:mod:`lum.format.llir`) and is dropped. A light prologue (:func:`~lum.builder.gemv_policy.light_prologue`: its row
-reductions over a few slot sums, builder/resnorm.py's) fuses into GEMVs of any width, keeping their grid. Prefill GEMMs (a dynamic m, cuBLASLt) and A operands the kernel
+:mod:`lum.format.llir`) and is dropped. Prefill GEMMs (a dynamic m, cuBLASLt) and A operands the kernel
 cannot compute (:func:`~lum.builder.gemv_policy.gemv_prologue_fits`) are left alone. ``LUM_GEMV_PROLOGUE=0``
 turns it off (to measure what it gives).
 """
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from lum.builder.gemv_policy import gemv_prologue_fits, gemv_rows, light_prologue
+from lum.builder.gemv_policy import gemv_prologue_fits, gemv_rows
 from lum.builder.rewrite import readers, rewritten
 from lum.format.expr import as_expr
 from lum.format.llir import GEMM_DEFAULTS, LOp, Program, has_row_ops
@@ -73,9 +72,7 @@ def _takes(gemm: LOp, producer: LOp) -> bool:
         return False
     m = gemv_rows(gemm)
     cols = as_expr(gemm.params.get("batch", 1)) * as_expr(gemm.params["n"])
-    if m is None or not cols.is_const:
-        return False
-    if cols.value > prologue_max_cols() and not light_prologue(producer.params["expr"], [a.view for a in producer.args]):
+    if m is None or not cols.is_const or cols.value > prologue_max_cols():
         return False
     p = {k: gemm.params.get(k, GEMM_DEFAULTS.get(k)) for k in ("k", "lda", "batch", "offset_a")}
     return gemv_prologue_fits(m, p, gemm.params["layout"], tuple(as_expr(d) for d in producer.shape)) is None

@@ -19,19 +19,11 @@ def readers(program: Program) -> dict[int, list[LOp]]:
     return out
 
 
-def rewritten(program: Program, drop: set[int], replace: dict[int, LOp],
-              insert: dict[int, list[LOp]] | None = None) -> Program:
-    """``program`` without the ops in ``drop``, with ``replace[id]`` in place of op ``id`` and the new ops
-    ``insert[id]`` just before it (args naming old ids or the new ops' own ids, which must not be old ones), every
-    op renumbered in order; the replaced and inserted ops' bytes and flops are recomputed."""
-    insert = insert or {}
-    ordered = []
-    for o in program.ops:
-        ordered += [(n.id, n) for n in insert.get(o.id, [])]
-        if o.id not in drop:
-            ordered.append((o.id, replace.get(o.id, o)))
-    out, new_id = _renumbered(program.name, ordered)
-    for old in [*replace, *(n.id for new in insert.values() for n in new)]:
+def rewritten(program: Program, drop: set[int], replace: dict[int, LOp]) -> Program:
+    """``program`` without the ops in ``drop`` and with ``replace[id]`` in place of op ``id`` (its args
+    naming old ids), every op renumbered in order; the replaced ops' bytes and flops are recomputed."""
+    out, new_id = _renumbered(program.name, [(o.id, replace.get(o.id, o)) for o in program.ops if o.id not in drop])
+    for old in replace:
         o = out.ops[new_id[old]]
         o.bytes, o.flops = costmodel.op_bytes(o, out), costmodel.op_flops(o)
     return out

@@ -156,15 +156,12 @@ class RowKernels:
                   "math": self.math, "scheme": "row", "regs": rp.regs, **({"online": True} if rp.online else {})}
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
-    def _row_parts(self, sink: str | None = None, writer: str | None = None, sink_stored: bool = False,
-                   light: bool = False) -> _RowParts:
+    def _row_parts(self, sink: str | None = None, writer: str | None = None, sink_stored: bool = False) -> _RowParts:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
         stores each element, as a float of the op's dtype (``sink_stored``: as the dtype's storage), into that
         C array (a gemm prologue's shared memory) at the element's physical index in ``out``, instead of into
         ``out``. ``writer``: a C condition on the scatter's dest row ``lum_dr`` a row must also meet to be
-        written (an attention stage writes a kv row from the one block that reads it). ``light``: a GEMV's light
-        prologue (builder/gemv_policy.py light_prologue, lum_lane the thread's index): each warp sums a windowed
-        row itself (no block barrier) and the row loop is unrolled whole, so that a block's loads issue at once."""
+        written (an attention stage writes a kv row from the one block that reads it)."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -261,9 +258,7 @@ class RowKernels:
                           f"{ind}  const idx_t lum_c = lum_lane + (idx_t)lum_kk * GROUP;",
                           f"{ind}  lum_a{k}[lum_kk] = (lum_live && lum_c < lum_n) ? {val} : {ZERO_C[kd]};", f"{ind}}}"]
         else:
-            unroll = -(-n.value // group) if light and n.is_const and 0 < -(-n.value // group) <= 32 else 4
-            loop = [f"{ind}#pragma unroll {unroll}",
-                    f"{ind}  for (idx_t lum_c = lum_lane; lum_c < lum_n; lum_c += GROUP) {{"]
+            loop = [f"{ind}#pragma unroll 4", f"{ind}  for (idx_t lum_c = lum_lane; lum_c < lum_n; lum_c += GROUP) {{"]
             close = [f"{ind}  }}", f"{ind}}}"]
         rownames: dict[str, tuple[str, str]] = {}
 
@@ -294,22 +289,11 @@ class RowKernels:
             return self._tree(t, names, lines, ind3, round_root, leaf)
 
         def accumulate(j: int, red: str, t: list) -> list[str]:
-            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane. The Sum of one
-            leaf whose row is zeros outside a static window (builder/resnorm.py's slot sums, 320 of gate-up's 2,560
-            features) loops over the window only."""
-            window = splits[first + t[1]][1].mask if t[0] == "arg" and red == "Sum" and not regs else None
-            lo, hi = (as_expr(window[0][0]), as_expr(window[0][1])) if window else (None, None)
-            windowed = window and lo.is_const and hi.is_const and n.is_const and 0 <= lo.value <= hi.value <= n.value
-            step = 32 if windowed and light else "GROUP"     # a light prologue's warps each sum the window
-            span = [f"{ind}#pragma unroll {-(-(hi.value - lo.value) // 32) if step == 32 else 4}",
-                    f"{ind}  for (idx_t lum_c = {lo.value} + lum_lane % {step}; lum_c < {hi.value}; "
-                    f"lum_c += {step}) {{"] if windowed else loop
-            reduce = f"lum_warp_reduce<Lum{red}, 32>(lum_r{j})" if step == 32 else \
-                f"lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem)"
-            lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *span]
+            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane."""
+            lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *loop]
             x, _ = emit(t, lines, True)
             lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", *close,
-                      f"{ind}lum_r{j} = {reduce};"]
+                      f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);"]
             return lines
 
         order: list[list] = []

@@ -27,13 +27,7 @@
 //!   lum_i*); X_AT, L_AT (physical index of X, L at head lum_h, chunk lum_j), A_AT (of A at chunk lum_j, feature
 //!   lum_d), K_VAL (the float K of head lum_h), X_LOAD L_LOAD A_LOAD (float value of the leaf at index lum_q),
 //!   B_AT (physical index of B's vector at head group lum_r, column lum_c, inputs lum_k ..), OUT_AT (out's index
-//!   of column lum_c); TAILS (reduces over o's column slots run here, 0 or more), TAIL_ADD (adds each one's term
-//!   of the column in slot (lum_tg, lum_tq), slot column lum_ti, o = lum_o, to lum_t[j]), TAIL_STORE (stores
-//!   lum_t[j] as tail j's slot (lum_tg, lum_tq)), OUT_VALUE (o's stored value, a float, of lum_v0).
-//!
-//! Tails: a reduce over o's columns grouped as their owners hold them (slot (g, r): columns g COLS + i RANKS + r)
-//! is one value a block. Each owner thread adds its column's term, and warp 0 (the OWN <= 32 owner threads) sums
-//! them by halving shuffles (builder/resnorm.py's four sums).
+//!   of column lum_c).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   typedef {{W_T}} w_t;
@@ -93,15 +87,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   auto lum_k_of = [&](idx_t lum_h) -> float {
 {{SETUP}}
     return {{K_VAL}};
-  };
-  // the tails' sums over the columns a block owns (builder/o_combine.py: a reduce over o's column slots):
-  // lum_tail adds column (group lum_tg, rank lum_tq, slot column lum_ti) whose o is lum_o to lum_t[TAILS]
-  constexpr int TAILS = {{TAILS}};
-  auto lum_tail = [&](idx_t lum_tg, idx_t lum_tq, idx_t lum_ti, float lum_o, float* lum_t) {
-{{TAIL_ADD}}
-  };
-  auto lum_tail_store = [&](idx_t lum_tg, idx_t lum_tq, const float* lum_t) {
-{{TAIL_STORE}}
   };
   if ((idx_t)blockIdx.x < RANKS * lum_groups) lum_w_copy((idx_t)blockIdx.x);
   lum_pdl_wait();   // common.cuh: the partials are written and visible from here
@@ -215,7 +200,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       }
     }
     lum_cluster_sync();                  // every group's columns are in their owners' lum_push
-    float lum_t[TAILS > 0 ? TAILS : 1] = {};
     for (int lum_i = lum_tx; lum_i < OWN; lum_i += THREADS) {
       const idx_t lum_c = lum_c0 + lum_i * RANKS + (int)lum_r;
       if (lum_i * RANKS + (int)lum_r < COLS && lum_c < lum_n) {
@@ -223,15 +207,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 #pragma unroll
         for (int r = 0; r < RANKS; ++r) lum_v0 += lum_push[r][lum_i];
         {{OUT}}[{{OUT_AT}}] = {{OUT_STORE}};
-        lum_tail(lum_c0 / COLS, lum_r, lum_i, {{OUT_VALUE}}, lum_t);
       }
-    }
-    if (TAILS > 0 && lum_warp == 0) {   // OWN <= 32 columns: warp 0's lanes hold them, summed in a fixed order
-#pragma unroll
-      for (int q = 0; q < (TAILS > 0 ? TAILS : 1); ++q)
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) lum_t[q] += __shfl_xor_sync(0xffffffffu, lum_t[q], o);
-      if (lum_lane == 0) lum_tail_store(lum_c0 / COLS, lum_r, lum_t);
     }
     if (lum_w + (idx_t)gridDim.x < RANKS * lum_groups) lum_cluster_sync();   // the owners have read lum_push
 #elif defined(__CUDA_ARCH__)
@@ -253,19 +229,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
           for (int r = 0; r < RANKS; ++r) lum_v0 += lum_host_push[lum_g][r][lum_col];
           {{OUT}}[{{OUT_AT}}] = {{OUT_STORE}};
         }
-      }
-      for (int lum_q = 0; lum_q < RANKS; ++lum_q) {   // each rank's slot of the tails, over its columns in order
-        float lum_t[TAILS > 0 ? TAILS : 1] = {};
-        for (int lum_i = 0; lum_i < OWN; ++lum_i) {
-          const int lum_col = lum_i * RANKS + lum_q;
-          const idx_t lum_c = lum_c0 + lum_col;
-          if (lum_col < COLS && lum_c < lum_n) {
-            float lum_v0 = 0.0f;
-            for (int r = 0; r < RANKS; ++r) lum_v0 += lum_host_push[lum_g][r][lum_col];
-            lum_tail(lum_g, lum_q, lum_i, {{OUT_VALUE}}, lum_t);
-          }
-        }
-        if (TAILS > 0) lum_tail_store(lum_g, lum_q, lum_t);
       }
     }
 #endif

@@ -43,9 +43,7 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
          "two-kernels": {"LUM_O_COMBINE": "0"},
-         "o-grouped": {"LUM_O_COMBINE": "grouped"},
-         "resnorm-sums": {"LUM_RESNORM_SUMS": "1"},
-         "resnorm-raw": {"LUM_RESNORM_SUMS": "raw"}}
+         "o-grouped": {"LUM_O_COMBINE": "grouped"}}
 
 
 @pytest.fixture(scope="module")
@@ -369,10 +367,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
     rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``two-kernels``
     (``LUM_O_COMBINE=0``: decode attention's combine and o as two kernels, where by default they are one, o split
     by head in a thread block cluster: builder/o_combine.py) or ``o-grouped`` (``LUM_O_COMBINE=grouped``: that kernel
-    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block) or
-    ``resnorm-sums`` (``LUM_RESNORM_SUMS=1``: gemma's norm after the residual add from four slot sums that o's
-    cluster kernel adds, with A = x·w_f and B = o·w_p·w_f it writes, computed in gate-up as a light prologue:
-    builder/resnorm.py) or ``resnorm-raw`` (the same from x, o and the weights, no A and B).
+    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block).
     Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
@@ -381,7 +376,7 @@ import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
 out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "shared_preloads": 0,
-       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}, "o_tails": {}, "light": {}}
+       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}}
 def tuned(pkg, key="preload_shared"):    # the package's kernels whose tuning sets ``key``
     return sum(bool(op.tuning.get(key)) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
@@ -415,9 +410,6 @@ for name in MODELS:
     out["shared_preloads_default"] += tuned(L.open(PKGS[name]))
     out["prologues"][name] = [tuned(pkg, "prologue"), tuned(L.open(PKGS[name]), "prologue")]
     out["o_combines"][name] = tuned(pkg, "o_combine")
-    out["o_tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
-                                   for op in g.table.ops if op.tuning.get("o_combine")})
-    out["light"][name] = tuned(pkg, "light_prologue")
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     with pkg.session(backend="cuda") as sess:
@@ -437,10 +429,6 @@ print(json.dumps(out))
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":
         assert res["shared_preloads"] > res["shared_preloads_default"], res
-    if variant.startswith("resnorm"):  # gemma's residual norm by o's slot sums: four tails of o (and A, B), a light
-        tails = 7 if variant == "resnorm-sums" else 5      # gate-up
-        assert res["o_tails"] == {"tiny-llama": [1], "tiny-qwen3": [1], "tiny-gemma3": [tails]}, res["o_tails"]
-        assert res["light"]["tiny-gemma3"] > 0 == res["light"]["tiny-llama"] == res["light"]["tiny-qwen3"], res["light"]
     if variant == "norms-ahead":       # the qkv's input norm gone from llama's and qwen3's decode, as from gemma's
         assert {n: v < d for n, (v, d) in res["prologues"].items()} == {
             "tiny-llama": True, "tiny-qwen3": True, "tiny-gemma3": False}, res["prologues"]
