@@ -43,7 +43,7 @@ if str(HERE) not in sys.path:
 from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
                      write_record)
 from ffn_probe import ROWS_AN_ITEM, THREADS, dense_sets, unit_weights  # noqa: E402
-from ring_probe import bf16_bits  # noqa: E402
+from o_combine_probe import bf16_bits, bf16_round  # noqa: E402
 
 set_log_tag("resnorm-probe")
 
@@ -63,11 +63,6 @@ def stretch(x: np.ndarray, a: np.ndarray, wp: np.ndarray, wf: np.ndarray, wo: np
     u = h * wf / np.sqrt(np.mean(h * h) + EPS)
     g, v = wg @ u, wu @ u
     return 2.0 * g / (1.0 + np.exp(-np.clip(v, -80.0, 80.0))), h
-
-
-def bf16_exact(v: np.ndarray) -> np.ndarray:
-    """``v`` as float32 values bf16 holds exactly, so that the f32 and bf16 copies of a weight agree."""
-    return (bf16_bits(v).astype(np.uint32) << 16).view(np.float32)
 
 
 def sum_of_h_squares(x: np.ndarray, o: np.ndarray, wp: np.ndarray) -> float:
@@ -105,7 +100,7 @@ def main(argv=None) -> int:
     dense = dense_sets(sets)
     a = rng.standard_normal(K).astype(np.float32)
     x0 = rng.standard_normal(N).astype(np.float32)
-    norms = tuple(bf16_exact(rng.uniform(0.5, 1.5, N)) for _ in range(2))    # (1 + w) of both norms, bf16 values
+    norms = tuple(bf16_round(rng.uniform(0.5, 1.5, N)) for _ in range(2))    # (1 + w) of both norms, bf16 values
     bufs = [tuple(dev.upload(w) for w in s) for s in sets]
     a_buf, wp_buf, wf_buf = dev.upload(a), dev.upload(norms[0]), dev.upload(norms[1])
     wpb_buf, wfb_buf = (dev.upload(bf16_bits(v)) for v in norms)                   # the same values in bf16 (raw)

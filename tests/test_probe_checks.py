@@ -255,11 +255,11 @@ def test_resnorm_probe_sums_give_the_residuals_norm(resnorm):
 
 
 def test_resnorm_probe_norm_weights_are_bf16_values(resnorm):
-    """``raw`` reads the norms' weights in bf16 and the other modes in float32: bf16_exact gives values both hold
+    """``raw`` reads the norms' weights in bf16 and the other modes in float32: bf16_round gives values both hold
     alike (bf16's bits widen back to the same float32), near the values it was given."""
     rp = resnorm
     v = np.random.default_rng(3).uniform(0.5, 1.5, 1000)
-    exact = rp.bf16_exact(v)
+    exact = rp.bf16_round(v)
     assert exact.dtype == np.float32
     assert np.array_equal((rp.bf16_bits(exact).astype(np.uint32) << 16).view(np.float32), exact)
     assert np.max(np.abs(exact - v) / v) <= 2.0 ** -8 and not np.array_equal(exact, v.astype(np.float32))
