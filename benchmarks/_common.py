@@ -20,6 +20,9 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+import ml_dtypes
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 _TAG = ["bench"]
@@ -575,3 +578,18 @@ def new_record(benchmark: str, args: argparse.Namespace, config: dict, **extra) 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=f"lum-{benchmark}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     return result, out_path, workdir
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` as bfloat16 bits (uint16), rounded to nearest, ties to even: the probes' weights as uploaded."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def bf16_float(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as the float32 values they hold, exactly."""
+    return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` rounded to bfloat16 (to nearest, ties to even), as float32."""
+    return bf16_float(bf16_bits(x))

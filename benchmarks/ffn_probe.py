@@ -55,9 +55,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
-                     write_record)
-from ring_probe import bf16_bits  # noqa: E402
+from _common import (ProbeDevice, bf16_bits, bf16_float, bf16_round, log, probe_parser, record_head,  # noqa: E402
+                     set_log_tag, stretch_result, write_record)
 
 set_log_tag("ffn-probe")
 
@@ -78,7 +77,7 @@ def unit_weights(rng, n: int, k: int) -> np.ndarray:
 
 def dense_sets(sets) -> list[tuple[np.ndarray, ...]]:
     """The weights as float64 from their bfloat16 bits."""
-    return [tuple((w.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for w in s) for s in sets]
+    return [tuple(bf16_float(w).astype(np.float64) for w in s) for s in sets]
 
 
 def stretch(x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np.ndarray:
@@ -125,9 +124,8 @@ def gelu_tanh(g: np.ndarray) -> np.ndarray:
 
 def lum_reference(x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np.ndarray:
     """lum's FFN stretch in float64: h = gelu_tanh(Wg · x) · (Wu · x) rounded to bf16, out = Wd · h."""
-    from ring_probe import bf16_bits as bits
     h = (gelu_tanh(wg @ x) * (wu @ x)).astype(np.float32)
-    h = (bits(h).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    h = bf16_round(h).astype(np.float64)
     return wd @ h
 
 
@@ -160,7 +158,7 @@ def main(argv=None) -> int:
     gu_bufs = [dev.upload(np.concatenate([s[0], s[1]])) for s in sets]      # gate and up stacked, as lum stores them
     const_bufs = [dev.upload(np.array([v], np.float32)) for v in lum_consts]
     dyn_buf = dev.upload(np.array([24], np.int64))                           # p: no kernel of the two reads it
-    x64 = (x_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    x64 = bf16_float(x_bits).astype(np.float64)
     lum_wants = [lum_reference(x64, *d) for d in dense]
     (gu_launch,), (dn_launch,) = lum_gu.launches, lum_dn.launches
     gu_geo, dn_geo = gu_launch.evaluate({"p": 24}), dn_launch.evaluate({"p": 24})

@@ -51,9 +51,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import (ProbeDevice, add_record_args, bf16_bits, bf16_float, log, record_head, set_log_tag,  # noqa: E402
+                     write_record)
 from ffn_probe import unit_weights  # noqa: E402
-from ring_probe import bf16_bits  # noqa: E402
 
 set_log_tag("layer-probe")
 
@@ -111,7 +111,7 @@ def weight_set(rng, m: Dims, keys: int) -> dict[str, np.ndarray]:
 
 def dense(s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A weight set as float64 from its bfloat16 bits."""
-    return {k: (v.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for k, v in s.items()}
+    return {k: bf16_float(v).astype(np.float64) for k, v in s.items()}
 
 
 def rms(v: np.ndarray) -> np.ndarray:

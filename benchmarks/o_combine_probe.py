@@ -46,7 +46,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
+from _common import (ProbeDevice, add_record_args, bf16_bits, bf16_round, log, record_head, set_log_tag,  # noqa: E402
+                     write_record)
 
 set_log_tag("o-combine-probe")
 
@@ -59,17 +60,6 @@ MODES = ("kernels", "fused", "fused-push", "fused-atomic", "o-alone", "o-alone-c
          "fused-no-sum")
 FUSED_VARIANT = {"fused": 0, "fused-no-partials": 1, "fused-no-sum": 2, "fused-atomic": 3, "fused-push": 4}
 TIMING_ONLY = ("fused-no-partials", "fused-no-sum")     # their outputs are wrong
-
-
-def bf16_round(x: np.ndarray) -> np.ndarray:
-    """float32 ``x`` rounded to bfloat16 (to nearest, ties to even), as float32."""
-    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-    return b.astype(np.uint32).view(np.float32)
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16)
 
 
 def partials(rng: np.random.Generator, ns: int) -> np.ndarray:

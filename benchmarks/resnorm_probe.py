@@ -40,10 +40,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
-                     write_record)
+from _common import (ProbeDevice, bf16_bits, bf16_round, log, probe_parser, record_head, set_log_tag,  # noqa: E402
+                     stretch_result, write_record)
 from ffn_probe import ROWS_AN_ITEM, THREADS, dense_sets, unit_weights  # noqa: E402
-from o_combine_probe import bf16_bits, bf16_round  # noqa: E402
 
 set_log_tag("resnorm-probe")
 

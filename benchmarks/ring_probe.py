@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
+from _common import (ProbeDevice, bf16_bits, bf16_float, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
                      write_record)
 
 set_log_tag("ring-probe")
@@ -46,17 +46,11 @@ L2_BYTES = 60 << 20
 TOLERANCE = 1e-4
 
 
-def bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 → bfloat16 bits, rounded to nearest even."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def reference_chain(x0, norm_w, weights, order) -> list[np.ndarray]:
     """Each stretch's GEMV output in float64: y[k] = x[k % len(x)] · rsqrt(mean(...²) + 1e-6) · w[k],
     out = W · y (W from its bfloat16 bits), and the next stretch's x is out."""
     outs, x, w = [], x0.astype(np.float64), norm_w.astype(np.float64)
-    dense = [(b.astype(np.uint32) << 16).view(np.float32) for b in weights]
+    dense = [bf16_float(b) for b in weights]
     k = len(norm_w)
     for i in order:
         xk = x[np.arange(k) % len(x)]

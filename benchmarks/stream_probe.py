@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (ProbeDevice, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
+from _common import (ProbeDevice, bf16_bits, bf16_float, log, probe_parser, record_head, set_log_tag, stretch_result,  # noqa: E402
                      write_record)
 
 set_log_tag("stream-probe")
@@ -45,19 +45,13 @@ MODES = ("launches", "fused", "fused-late")
 TOLERANCE = 1e-4
 
 
-def bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 → bfloat16 bits, rounded to nearest even."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def reference_chain(x0: np.ndarray, w: np.ndarray, weight_bits: list[np.ndarray]) -> list[np.ndarray]:
     """Each stretch's GEMV output in float64: y = x · rsqrt(mean(x²) + 1e-6) · w, out = W · y (W from its
     bfloat16 bits), and the next stretch's x is out[:K]."""
     outs, x, w = [], x0.astype(np.float64), w.astype(np.float64)
     for bits in weight_bits:
         y = x / np.sqrt(np.mean(x * x) + 1e-6) * w
-        out = (bits.astype(np.uint32) << 16).view(np.float32) @ y
+        out = bf16_float(bits) @ y
         outs.append(out)
         x = out[:K]
     return outs

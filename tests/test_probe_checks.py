@@ -300,3 +300,18 @@ def test_resnorm_probe_kernels_compile(resnorm):
     src = "".join((BENCHMARKS.parent / f).read_text() for f in ("templates/common.cuh", "benchmarks/probe.cuh",
                                                                 "benchmarks/ffn_probe.cu", "benchmarks/resnorm_probe.cu"))
     assert nvrtc.compile_cuda(src, 90, name="resnorm_probe.cu").cubin
+
+
+def test_probe_bf16_helpers_round_to_nearest_even_and_widen_exactly(probes):
+    """_common's bf16 helpers (every probe's weights and references) against the integer rounding they replaced:
+    add 0x7FFF and the kept bit's parity, drop 16 bits; ties (exactly half a step) go to the even bits."""
+    import _common as c
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(4000).astype(np.float32),
+                        np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 0.0], np.float32)])
+    u = x.view(np.uint32).astype(np.uint64)
+    want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    assert np.array_equal(c.bf16_bits(x), want)
+    assert c.bf16_bits(x)[-4:].tolist() == [0x3F80, 0x3F82, 0xBF80, 0]    # ties: down to even, up to even
+    assert np.array_equal(c.bf16_float(want), (want.astype(np.uint32) << 16).view(np.float32))
+    assert np.array_equal(c.bf16_round(x), c.bf16_float(want))
