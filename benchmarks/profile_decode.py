@@ -34,7 +34,9 @@ returned (templates/common.cuh "stamps"; 32 evenly spaced blocks a kernel, each 
 step, so a decoder layer's kernels come from its last layer): :func:`stamp_timeline` orders them into
 ``…-stamps.json``. Under programmatic launch it says what CUPTI cannot: how long before its wait returned a
 kernel's blocks were resident (what a preload had to stream in), and how long after the wait of one kernel
-the next one's wait returned (its work after the wait plus the dependency's round trip).
+the next one's wait returned (its work after the wait plus the dependency's round trip). ``--stamp-steps N``
+stamps N steps in a row: the record adds each step's links and, for the kernels with marks of their own (decode
+attention), each sampled block's phases over the steps and which blocks trail (:func:`stamp_blocks`).
 
 ``--ncu`` marks one step, after the warm-up, for Nsight Compute's hardware counters and writes no record:
 ``ncu --profile-from-start off -k regex:^lum_ -c N [--section …] -o REP python benchmarks/profile_decode.py
@@ -173,6 +175,47 @@ def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dic
     return rows
 
 
+def stamp_blocks(steps: list[list[np.ndarray]], names: dict[int, str]) -> dict[str, list[dict]]:
+    """Kernel name -> its sampled blocks over several stamped steps, for the kernels with marks of their own
+    (LUM_STAMP_AT: decode attention's stage, keys and stores). ``steps``: each step's records, as
+    :func:`stamp_timeline` takes them (one array a module: a module's records are its kernel's last launch in
+    it, so each module gives one layer). A row a (module, block): its SM each step, the medians over steps of
+    its wait's return and of each mark, in µs after the earliest wait among the module's blocks that step
+    (``waited_us``, ``marks_us``), how far its last mark trails the module's first block to finish
+    (``behind_us``), and in how many steps it finished last (``last``). Which blocks trail, and whether it is
+    the same ones every step (the block that writes the new kv row, those beside another kernel's copies), is
+    what the one-step timeline cannot say."""
+    per: dict[tuple[int, int, int], list[tuple[int, int, np.ndarray]]] = defaultdict(list)
+    for s, records in enumerate(steps):
+        for m, arr in enumerate(records):
+            for rec in np.asarray(arr, np.uint64).reshape(-1, STAMP_FIELDS):
+                if rec[0] and rec[3] and rec[4] and any(rec[5:]):
+                    per[(int(rec[0]), m, s)].append((int(rec[1]), int(rec[2]), rec[4:].astype(np.int64)))
+    rows: dict[tuple[int, int, int], dict] = {}
+    for (tag, m, s), recs in sorted(per.items()):
+        w0 = min(int(t[0]) for _, _, t in recs)
+        ends = {b: max(int(x) for x in t if x) for b, _, t in recs}
+        first_end = min(ends.values())
+        last_block = max(ends, key=ends.get)
+        for b, sm, t in recs:
+            row = rows.setdefault((tag, m, b), {"module": m, "block": b, "sms": [], "_w": [], "_m": [], "_b": [],
+                                                "last": 0})
+            row["sms"].append(sm)
+            row["_w"].append((int(t[0]) - w0) / 1e3)
+            row["_m"].append([(int(x) - w0) / 1e3 if x else np.nan for x in t[1:]])
+            row["_b"].append((ends[b] - first_end) / 1e3)
+            row["last"] += b == last_block
+    out: dict[str, list[dict]] = defaultdict(list)
+    for (tag, _, _), row in sorted(rows.items()):
+        marks = np.asarray(row.pop("_m"), float)
+        row["waited_us"] = round(float(np.median(row.pop("_w"))), 3)
+        row["marks_us"] = [round(float(np.median(col[~np.isnan(col)])), 3) if (~np.isnan(col)).any() else None
+                           for col in marks.T]
+        row["behind_us"] = round(float(np.median(row.pop("_b"))), 3)
+        out[names.get(tag, f"tag {tag:x}")].append(row)
+    return dict(out)
+
+
 def _read_stamps(sess, zero: bool = False) -> list[np.ndarray]:
     """Every loaded module's ``lum_stamps`` array (zeroed instead when ``zero``); none in a package built
     without ``LUM_STAMPS=1``."""
@@ -223,6 +266,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stamps", action="store_true",
                     help="build with LUM_STAMPS=1 and record when each kernel's blocks start and finish waiting "
                          "in one step (…-stamps.json)")
+    ap.add_argument("--stamp-steps", type=int, default=1,
+                    help="with --stamps: stamp this many steps, one after another; the timeline is the first's, "
+                         "the record adds each step's links and, for kernels with marks of their own, every "
+                         "sampled block's phases over the steps (stamp_blocks)")
     ap.add_argument("--entry", default="decode", choices=("decode", "prefill"),
                     help="what --steps runs: decode steps after the prompt, or prefills of the prompt")
     args = ap.parse_args(argv)
@@ -310,15 +357,25 @@ def _profile(args) -> int:
     if args.stamps:                                   # one step's kernels, block by block
         if not _read_stamps(sess):
             raise SystemExit(f"error: {pkg_path} was not built with LUM_STAMPS=1 (no lum_stamps in its modules)")
-        _read_stamps(sess, zero=True)
-        steps(1)
         names = {stamp_tag(name): name for name in kernel_ops(pkg, args.entry, {"p": pos})}
-        timeline = stamp_timeline(_read_stamps(sess), names)
-        ops = kernel_ops(pkg, args.entry, {"p": pos - 1})
+        stamped, first_p = [], pos
+        for _ in range(max(1, args.stamp_steps)):
+            _read_stamps(sess, zero=True)
+            steps(1)
+            stamped.append(_read_stamps(sess))
+        timeline = stamp_timeline(stamped[0], names)
+        ops = kernel_ops(pkg, args.entry, {"p": first_p})
         for r in timeline:
             info = ops.get(r["kernel"], {})
             r.update({"kind": info.get("kind"), "op": info.get("op"), "shape": info.get("shape")})
-        result.update({"p": pos - 1, "programmatic_launch": bool(sess.runner.programmatic), "timeline": timeline})
+        result.update({"p": first_p, "programmatic_launch": bool(sess.runner.programmatic), "timeline": timeline})
+        if len(stamped) > 1:
+            links: dict[str, list] = defaultdict(list)
+            for records in stamped:
+                for r in stamp_timeline(records, names):
+                    links[r["kernel"]].append(r["link_us"])
+            result.update({"stamp_steps": len(stamped), "links_us_by_step": dict(links),
+                           "blocks": stamp_blocks(stamped, names)})
         Path(args.out).mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1))
         print(f"  {'start µs (min / median / max)':>30}  {'waited µs (min / median / max)':>30}  link µs  blocks  "
@@ -332,6 +389,13 @@ def _profile(args) -> int:
             for e, m in enumerate(r.get("marks_us") or ()):      # the template's own marks (LUM_STAMP_AT)
                 if m:
                     print(f"  {'mark ' + str(e + 2) + ': ' + '/'.join(f'{x:.2f}' for x in m):>30}")
+        for kernel, rows in result.get("blocks", {}).items():         # the blocks that trail, over the steps
+            print(f"  {kernel}: the {min(6, len(rows))} blocks furthest behind (median of {len(stamped)} steps; "
+                  "µs after the module's first wait: waited / marks; behind the first to finish)")
+            for r in sorted(rows, key=lambda r: -r["behind_us"])[:6]:
+                marks = "/".join("-" if x is None else f"{x:.2f}" for x in r["marks_us"])
+                print(f"    module {r['module']} block {r['block']:3d} SMs {sorted(set(r['sms']))}: waited "
+                      f"{r['waited_us']:.2f}, marks {marks}, behind {r['behind_us']:.2f}, last in {r['last']}")
         log(f"wrote {out_path}")
         sess.close()
         pkg.close()

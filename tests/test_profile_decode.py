@@ -131,3 +131,44 @@ def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tm
     rows = stamp_timeline([b, a, c], names)
     assert [(r["kernel"], r["link_us"]) for r in rows] == [("lum_a", None), ("lum_c", None), ("lum_b", 2.5)]
     assert stamp_timeline([np.zeros(STAMP_FIELDS, np.uint64)], names) == []
+
+
+def test_stamp_blocks_says_which_blocks_trail_over_the_steps():
+    """:func:`stamp_blocks` (``--stamp-steps``): a row a (module, block) of the kernels with marks, its phases
+    as medians over the steps from the module's first wait, how far it trails the first block to finish, and in
+    how many steps it finished last; kernels without marks, and blocks that never waited, have no row."""
+    import numpy as np
+
+    from profile_decode import stamp_blocks
+
+    from lum.builder.codegen import STAMP_FIELDS, stamp_tag
+
+    att, gemv = stamp_tag("lum_att"), stamp_tag("lum_gemv")
+    names = {att: "lum_att", gemv: "lum_gemv"}
+
+    def module(recs):
+        arr = np.zeros(len(recs) * STAMP_FIELDS, np.uint64)
+        for i, r in enumerate(recs):
+            arr[i * STAMP_FIELDS:(i + 1) * STAMP_FIELDS] = r
+        return arr
+
+    us = 1_000
+    steps = []
+    for s, slow in enumerate((3, 4, 3)):           # block 2 trails by 2, 3 and 2 µs; block 0 waits 0.5 µs late
+        t = 10_000_000 * (s + 1)
+        steps.append([module([
+            [att, 0, 10, t, t + 1_500, t + 2_500, t + 3_500, t + 4 * us],
+            [att, 2, 11, t, t + 1_000, t + 2 * us, t + 3 * us, t + (4 + slow - 2) * us],
+            [att, 5, 12 + s, t, t + 1_000, t + 2 * us, t + 3 * us, t + 4 * us],
+            [gemv, 0, 1, t, t + 9 * us, 0, 0, 0],          # no marks: no row
+            [att, 7, 13, t, 0, 0, 0, 0]]),                  # never waited: no row
+            module([[att, 1, 20, t, t + 2 * us, t + 3 * us, 0, 0]])])   # a second module: its own layer
+    rows = stamp_blocks(steps, names)
+    assert list(rows) == ["lum_att"]
+    by = {(r["module"], r["block"]): r for r in rows["lum_att"]}
+    assert sorted(by) == [(0, 0), (0, 2), (0, 5), (1, 1)]
+    assert by[(0, 2)]["behind_us"] == 1.0 and by[(0, 2)]["last"] == 3          # 1, 2, 1 µs: median 1
+    assert by[(0, 0)]["behind_us"] == 0.0 and by[(0, 0)]["waited_us"] == 0.5
+    assert by[(0, 0)]["marks_us"] == [1.5, 2.5, 3.0]
+    assert by[(0, 5)]["sms"] == [12, 13, 14] and by[(0, 5)]["last"] == 0
+    assert by[(1, 1)]["marks_us"] == [1.0, None, None] and by[(1, 1)]["behind_us"] == 0.0
