@@ -6,10 +6,10 @@ which attention ops run flash attention is policy, in :mod:`lum.builder.attentio
 from __future__ import annotations
 
 from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_SMEM, FLASH_MAX_D, FLASH_TILE_KEYS,
-                                          attention_group_rows, attention_row_dims, flash_attention,
-                                          flash_features_fit)
+                                          attention_group_rows, attention_row_dims, attention_smem_vectors,
+                                          flash_attention, flash_features_fit)
 from lum.builder.env_switches import CodegenError
-from lum.builder.intmath import is_one
+from lum.builder.intmath import is_one, is_pow2
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, STORAGE_C, f32_literal, load_conv, load_template, render,
                                      store_conv, unravel_index, view_access)
 from lum.format.dtypes import DType
@@ -90,7 +90,11 @@ class AttentionKernels:
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
         stage = self._attention_stage(m_size, D, qd, heads_n)
-        if self.stage is not None:             # the query rows the stage computed into shared memory
+        vectors = attention_smem_vectors()        # lane slices to / from shared memory as 16-byte vectors
+        if self.stage is not None and vectors and is_pow2(dpl) and D == 32 * dpl:
+            load_q = [*load_q[:2], f"{ind}  lum_load_raw<DPL>(&lum_qs[lum_m][lum_lane * DPL], lum_q[lum_m]);",
+                      load_q[-1]]
+        elif self.stage is not None:           # the query rows the stage computed into shared memory
             load_q = [*load_q[:2], *load_q[3:6], f"{ind}    lum_q[lum_m][i] = lum_d < {D} ? lum_qs[lum_m][lum_d] : 0.0f;",
                       *load_q[-2:]]
 
@@ -128,17 +132,19 @@ class AttentionKernels:
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
         # (a row at a time, two barriers each, measured even: benchmarks/NOTES.md)
         other = 4 * 32 * m_size * dpl if self.stage is not None else 0
-        fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + 2) <= ATTENTION_MERGE_SMEM
+        part_vectors = vectors and is_pow2(vpl)
+        fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + (4 if part_vectors else 2)) \
+            <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits else 1
         src = render(load_template("attention.cu"), {**stage,
             "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
             "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
-            "MERGE_ROWS": merge_rows,
+            "MERGE_ROWS": merge_rows, "SMEM_VECTORS": "true" if part_vectors else "false",
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
             "KEY": "\n".join(key), "KEYS_BEFORE": keys_before, "KEYS_AFTER": keys_after, "STORE": ctx.c(out_idx)})
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
-                  "merge_rows": merge_rows}
+                  "merge_rows": merge_rows, **({"smem_vectors": True} if part_vectors else {})}
         return [src], [("", self.grid(heads_n * ns, 1), (self.threads, 1, 1))], tuning, self.max_blocks
 
     def _flash_attention(self):
@@ -330,7 +336,8 @@ class AttentionKernels:
                "        const int lum_task = lum_r * WARPS + lum_warp;",
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
-        decl = f"  __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
+        align = "alignas(16) " if attention_smem_vectors() else ""     # LOAD_Q's vectors
+        decl = f"  {align}__shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
         return {"STAGE_DECL": decl,

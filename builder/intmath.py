@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from lum.format.expr import Expr
 
-__all__ = ["is_one", "pow2_floor", "pow2ceil"]
+__all__ = ["is_one", "is_pow2", "pow2_floor", "pow2ceil"]
 
 
 def is_one(e: Expr) -> bool:
     return e.is_const and e.value == 1
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
 
 
 def pow2_floor(x: int) -> int:

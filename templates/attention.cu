@@ -12,7 +12,9 @@
 //! where they fit), and stored as [acc[0..DV), c, l]. Every warp runs the same
 //! number of steps, so every thread reaches each warp shuffle and __syncthreads.
 //!
-//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS; T (keys), NS
+//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS SMEM_VECTORS (true:
+//!   lanes move their slices of the partials, and LOAD_Q its query rows, to / from shared memory as 16-byte
+//!   vectors: builder/attention_policy.py attention_smem_vectors); T (keys), NS
 //!   (chunks), HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
 //!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
 //!   row for key lum_t of slot u; or, batched, only its logits, with KEYS_BEFORE declaring them and
@@ -34,7 +36,11 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   constexpr int CHUNK = {{CHUNK}};
   static_assert(THREADS % 32 == 0 && M >= 1, "THREADS must be a multiple of 32");
   constexpr int MR = {{MERGE_ROWS}};     // query rows whose warps' partials are merged at once (M, or 1)
-  __shared__ float lum_part[MR][WARPS][VPL * 32 + 2];
+  // a warp's partials of a query row: VPL * 32 values, c and l; with SMEM_VECTORS (VPL a power of two) each lane
+  // stores its VPL values as 16-byte vectors (2-way bank conflicts, not VPL-way), so rows start 16-byte aligned
+  constexpr bool SMEM_VECTORS = {{SMEM_VECTORS}};
+  constexpr int PART = SMEM_VECTORS ? VPL * 32 + 4 : VPL * 32 + 2;
+  alignas(SMEM_VECTORS ? 16 : 4) __shared__ float lum_part[MR][WARPS][PART];
 {{STAGE_DECL}}
 {{DYN_LOADS}}
   const idx_t lum_T = {{T}};
@@ -86,8 +92,12 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
       __syncthreads();
 #pragma unroll
       for (int r = 0; r < MR && lum_m0 + r < M; ++r) {
+        if constexpr (SMEM_VECTORS) {
+          lum_store_raw<VPL>(&lum_part[r][lum_warp][lum_lane * VPL], lum_acc[lum_m0 + r]);
+        } else {
 #pragma unroll
-        for (int i = 0; i < VPL; ++i) lum_part[r][lum_warp][lum_lane * VPL + i] = lum_acc[lum_m0 + r][i];
+          for (int i = 0; i < VPL; ++i) lum_part[r][lum_warp][lum_lane * VPL + i] = lum_acc[lum_m0 + r][i];
+        }
         if (lum_lane == 0) {
           lum_part[r][lum_warp][VPL * 32] = lum_c[lum_m0 + r];
           lum_part[r][lum_warp][VPL * 32 + 1] = lum_l[lum_m0 + r];

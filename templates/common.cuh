@@ -225,6 +225,21 @@ LUM_D void lum_load_raw(const T* p, T (&out)[N]) {
   }
 }
 
+// Store N consecutive elements of T at p from in, in accesses of at most 16 bytes (lum_load_raw's mirror; p
+// aligned as there).
+template <int N, typename T>
+LUM_D void lum_store_raw(T* p, const T (&in)[N]) {
+  constexpr int P = (int)(16 / sizeof(T)) < N ? (int)(16 / sizeof(T)) : N;
+  static_assert(N % P == 0, "N must be a multiple of the access width");
+#pragma unroll
+  for (int q = 0; q < N / P; ++q) {
+    lum_vec<T, P> v;
+#pragma unroll
+    for (int e = 0; e < P; ++e) v.v[e] = in[q * P + e];
+    *reinterpret_cast<lum_vec<T, P>*>(p + q * P) = v;
+  }
+}
+
 #if defined(__CUDA_ARCH__)
 // An L2 evict-first cache policy (for the cache_hint of a load or copy of data read once: a GEMV's weights).
 LUM_D unsigned long long lum_evict_first_policy() {

@@ -12,10 +12,11 @@ import pytest
 from lum.builder.attention_policy import attention_stage_block
 from lum.builder.attention_stage import attention_stage_enabled, fuse_attention_stages, stage_ops
 from lum.builder.codegen import AttentionStage, generate_program
+from lum.builder.intmath import is_pow2
 from lum.builder.kernels import _waits, default_max_dyn, group_kernel_sources, launch_table, program_dyn_vars
 from lum.format.dtypes import DType
 from lum.format.expr import as_expr
-from lum.format.llir import Arg, LOp, Program
+from lum.format.llir import Arg, LOp, Program, attention_dims
 from lum.format.shapetracker import ShapeTracker
 
 MAX_SEQ = 64
@@ -64,7 +65,11 @@ def test_decode_attention_runs_its_stage(monkeypatch, model, group):
     assert f"out@{att.id}" in entry["params"] and entry["params"][-1] == f"in3@{att.id}"
     body = ks.body
     assert body.count('extern "C" __global__') == 1 and body.count("lum_pdl_wait();") == 1
-    assert "lum_qs[lum_m][lum_d]" in body and "__restrict__" not in body.split("_attn(")[-2].rsplit("\n", 2)[-1]
+    d = attention_dims(att)[2].value               # the query rows come back from shared memory as vectors
+    vectorq = d % 32 == 0 and is_pow2(d // 32)      # where each lane's slice is a whole power of two of floats
+    assert ("lum_load_raw<DPL>(&lum_qs[lum_m][lum_lane * DPL], lum_q[lum_m]);" in body) == vectorq
+    assert ("lum_qs[lum_m][lum_d]" in body) != vectorq
+    assert "__restrict__" not in body.split("_attn(")[-2].rsplit("\n", 2)[-1]
     monkeypatch.setenv("LUM_ATTENTION_STAGE", "0")
     off = group_kernel_sources(prog, dv, max_dyn)
     assert att.id in off and not off[att.id].tails and off[run[0]].tails == tuple(run[1:])    # the siblings
@@ -129,6 +134,34 @@ def test_stage_kernels_compile(nvrtc, tmp_path, arch):
         gk = compile_group_kernels(prog, arch=arch, dyn_vars=dv, max_dyn=default_max_dyn(dv, MAX_SEQ), ptx=False,
                                    cache_dir=tmp_path)
         assert gk.cubin and any("_stage_" in k["name"] for k in gk.table["ops"])
+
+
+def test_lane_slices_move_through_shared_memory_as_vectors(nvrtc, tmp_path, monkeypatch):
+    """By default (``$LUM_ATTENTION_SMEM_VECTORS``) gemma3-4b's decode attention reads its stage's query rows
+    and stores its warps' partials in 16-byte shared-memory accesses (a lane's 8 floats: two, not eight,
+    so 2-way rather than 8-way bank conflicts), the partial rows padded to whole vectors; ``0`` gives the
+    float-at-a-time kernel. Both compile, and the PTX says which accesses are vectors."""
+    from lum.builder.nvrtc import compile_cuda
+
+    prog, dv = _layer("gemma3-4b", DType.bf16)
+    att = _attention(prog)
+
+    def kernel():
+        (k,) = [k for k in group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ)).values()
+                if k is not None and att.id in k.tails]
+        return k, compile_cuda(k.source, "sm_90", name="att.cu", ptx=True, cache_dir=tmp_path).ptx
+
+    on, on_ptx = kernel()
+    monkeypatch.setenv("LUM_ATTENTION_SMEM_VECTORS", "0")
+    off, off_ptx = kernel()
+    assert on.name != off.name and on.grid == off.grid and on.block == off.block
+    assert "constexpr bool SMEM_VECTORS = true;" in on.body and "constexpr bool SMEM_VECTORS = false;" in off.body
+    assert "lum_load_raw<DPL>(&lum_qs" in on.body and "lum_qs[lum_m][lum_d]" in off.body
+    assert on_ptx.count("ld.shared.v4.f32") == 4 and on_ptx.count("st.shared.v4.f32") == 4   # 2 rows x 2 vectors
+    assert "ld.shared.v4" not in off_ptx and "st.shared.v4" not in off_ptx
+    monkeypatch.setenv("LUM_ATTENTION_SMEM_VECTORS", "2")
+    with pytest.raises(ValueError, match="LUM_ATTENTION_SMEM_VECTORS"):
+        kernel()
 
 
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])
