@@ -6,7 +6,7 @@ which attention ops run flash attention is policy, in :mod:`lum.builder.attentio
 from __future__ import annotations
 
 from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_SMEM, FLASH_MAX_D, FLASH_TILE_KEYS,
-                                          attention_group_rows, attention_row_dims, attention_smem_vectors,
+                                          attention_group_rows, attention_row_dims, smem_vectors,
                                           flash_attention, flash_features_fit)
 from lum.builder.env_switches import CodegenError
 from lum.builder.intmath import is_one, is_pow2
@@ -90,7 +90,7 @@ class AttentionKernels:
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
         stage = self._attention_stage(m_size, D, qd, heads_n)
-        vectors = attention_smem_vectors()        # lane slices to / from shared memory as 16-byte vectors
+        vectors = smem_vectors()        # lane slices to / from shared memory as 16-byte vectors
         if self.stage is not None and vectors and is_pow2(dpl) and D == 32 * dpl:
             load_q = [*load_q[:2], f"{ind}  lum_load_raw<DPL>(&lum_qs[lum_m][lum_lane * DPL], lum_q[lum_m]);",
                       load_q[-1]]
@@ -336,7 +336,7 @@ class AttentionKernels:
                "        const int lum_task = lum_r * WARPS + lum_warp;",
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
-        align = "alignas(16) " if attention_smem_vectors() else ""     # LOAD_Q's vectors
+        align = "alignas(16) " if smem_vectors() else ""     # LOAD_Q's vectors
         decl = f"  {align}__shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"

@@ -13,16 +13,15 @@ from lum.format.shapetracker import numel
 
 __all__ = ["ATTENTION_MAX_GROUP", "ATTENTION_MERGE_SMEM", "FLASH_MAX_D", "FLASH_TILE_KEYS", "ENV_FLASH_ATTENTION",
            "attention_row_dims", "attention_group_rows", "attention_stage_block", "flash_attention",
-           "flash_attention_enabled", "flash_features_fit", "ENV_ATTENTION_SMEM_VECTORS",
-           "attention_smem_vectors"]
+           "flash_attention_enabled", "flash_features_fit", "ENV_SMEM_VECTORS",
+           "smem_vectors"]
 
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
-ENV_ATTENTION_SMEM_VECTORS = "LUM_ATTENTION_SMEM_VECTORS"   # 0: decode attention's lane slices in shared memory
-                                                           # one float an access (8-way bank conflicts)
+ENV_SMEM_VECTORS = "LUM_SMEM_VECTORS"           # 0: lanes' slices through shared memory a float at a time
 
 
 def attention_row_dims(op: LOp) -> tuple[list[int], list[int]]:
@@ -76,12 +75,13 @@ def flash_features_fit(d: Expr, dv: Expr) -> bool:
     return all(x.is_const and x.value % 16 == 0 and 16 <= x.value <= FLASH_MAX_D for x in (d, dv))
 
 
-def attention_smem_vectors() -> bool:
-    """``$LUM_ATTENTION_SMEM_VECTORS`` (on by default): decode attention moves each lane's slice of its
-    stage's query rows (LOAD_Q) and of its warps' partials (the merge) between registers and shared memory
-    in 16-byte accesses, not a float at a time. A lane's slice is DPL (VPL) consecutive floats, so float
-    accesses by the 32 lanes of a warp fall DPL floats apart: with gemma3-4b's DPL = VPL = 8 each is an
-    8-way bank conflict, 128 shared-memory cycles a warp for the query rows and 128 for the partials, which
-    three blocks on one SM (the SMs the qkv GEMV leaves free take three each) pay one after the other.
-    Vectors make it 2-way: a quarter of that. 0: float accesses (the kernel before 2026-12-07)."""
-    return env_switch(ENV_ATTENTION_SMEM_VECTORS, default=True)
+def smem_vectors() -> bool:
+    """``$LUM_SMEM_VECTORS`` (on by default): the latency-bound kernels between a decode layer's qkv and its FFN
+    move each lane's slice of a row between registers and shared memory in 16-byte accesses, not a float at a
+    time: decode attention its stage's query rows (LOAD_Q) and its warps' partials (the merge), the combine
+    inside o (templates/gemv_combine.cu) its combined inputs and weights in the dot. A lane's slice is 8
+    consecutive floats there (gemma3-4b), so float accesses by a warp's 32 lanes fall 8 floats apart: 8-way
+    bank conflicts, e.g. 128 shared-memory cycles a warp for the attention's query rows and 128 for its
+    partials, which blocks sharing an SM (the attention's take three each on the SMs the qkv GEMV leaves free)
+    pay one after another. Vectors make them 2-way. 0: float accesses (the kernels before 2026-12-07)."""
+    return env_switch(ENV_SMEM_VECTORS, default=True)

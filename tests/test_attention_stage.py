@@ -137,7 +137,7 @@ def test_stage_kernels_compile(nvrtc, tmp_path, arch):
 
 
 def test_lane_slices_move_through_shared_memory_as_vectors(nvrtc, tmp_path, monkeypatch):
-    """By default (``$LUM_ATTENTION_SMEM_VECTORS``) gemma3-4b's decode attention reads its stage's query rows
+    """By default (``$LUM_SMEM_VECTORS``) gemma3-4b's decode attention reads its stage's query rows
     and stores its warps' partials in 16-byte shared-memory accesses (a lane's 8 floats: two, not eight,
     so 2-way rather than 8-way bank conflicts), the partial rows padded to whole vectors; ``0`` gives the
     float-at-a-time kernel. Both compile, and the PTX says which accesses are vectors."""
@@ -152,15 +152,15 @@ def test_lane_slices_move_through_shared_memory_as_vectors(nvrtc, tmp_path, monk
         return k, compile_cuda(k.source, "sm_90", name="att.cu", ptx=True, cache_dir=tmp_path).ptx
 
     on, on_ptx = kernel()
-    monkeypatch.setenv("LUM_ATTENTION_SMEM_VECTORS", "0")
+    monkeypatch.setenv("LUM_SMEM_VECTORS", "0")
     off, off_ptx = kernel()
     assert on.name != off.name and on.grid == off.grid and on.block == off.block
     assert "constexpr bool SMEM_VECTORS = true;" in on.body and "constexpr bool SMEM_VECTORS = false;" in off.body
     assert "lum_load_raw<DPL>(&lum_qs" in on.body and "lum_qs[lum_m][lum_d]" in off.body
     assert on_ptx.count("ld.shared.v4.f32") == 4 and on_ptx.count("st.shared.v4.f32") == 4   # 2 rows x 2 vectors
     assert "ld.shared.v4" not in off_ptx and "st.shared.v4" not in off_ptx
-    monkeypatch.setenv("LUM_ATTENTION_SMEM_VECTORS", "2")
-    with pytest.raises(ValueError, match="LUM_ATTENTION_SMEM_VECTORS"):
+    monkeypatch.setenv("LUM_SMEM_VECTORS", "2")
+    with pytest.raises(ValueError, match="LUM_SMEM_VECTORS"):
         kernel()
 
 

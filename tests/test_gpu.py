@@ -416,8 +416,8 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                   "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer),
                   "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
                   "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine"))),
-                  "attention-smem-vectors": (None, {"LUM_ATTENTION_SMEM_VECTORS": "0"},
-                                             _any_op(lambda op: op.tuning.get("smem_vectors")))}
+                  "smem-vectors": (None, {"LUM_SMEM_VECTORS": "0"},
+                               _any_op(lambda op: op.tuning.get("smem_vectors")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -432,9 +432,9 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     attention's combine visiting its chunks once with a running maximum (the default; against
     ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart), or o split by head with the combine inside
     it (the default, builder/o_combine.py: a thread block cluster a column group; against ``LUM_O_COMBINE=0``,
-    the heads summed in another order), or decode attention moving its lanes' slices through shared memory as
-    16-byte vectors (the default; against ``LUM_ATTENTION_SMEM_VECTORS=0``, a float at a time: the same
-    values); none changes a token. Decode logits of the
+    the heads summed in another order), or decode attention and the combine inside o moving their lanes' slices
+    through shared memory as 16-byte vectors (the default; against ``LUM_SMEM_VECTORS=0``, a float at a time:
+    the same values); none changes a token. Decode logits of the
     fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
     attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
