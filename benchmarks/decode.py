@@ -78,10 +78,10 @@ What it does, in one run on one GPU:
      with ``LUM_GEMV_TUNING=0.group=32`` (on gemma3-4b only its LM head changes, the first GEMV of its group, to
      32 threads a column: four columns a block, where its qkv already has 32), ``lum-smem-scalar`` with
      ``LUM_SMEM_VECTORS=0`` (decode attention's query rows and partials, and the dot of the combine inside o,
-     through shared memory a float at a time: 8-way bank conflicts on gemma3-4b, as before 2026-12-07); ``lum-tuned`` built
-     by the measured search with ``--tuned-budget`` candidates a decode group (``lum build --tune decode``,
-     lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU; prefill
-     keeps the cost model's choice).
+     through shared memory a float at a time: 8-way bank conflicts on gemma3-4b, as before 2026-12-07);
+     ``lum-tuned`` built by the measured search with ``--tuned-budget`` candidates a decode group (``lum build
+     --tune decode``, lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU;
+     prefill keeps the cost model's choice).
    * ``hf-eager``: ``AutoModelForCausalLM.from_pretrained`` (sdpa attention), dynamic cache, a manual greedy loop.
    * ``hf-compile``: the same model with a static cache and ``torch.compile(model.forward,
      mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); prefill eager, decode compiled, explicit

@@ -21,9 +21,9 @@
 //! columns' RANKS values in group order: o's output, the same sum on every run.
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS IDX_T PARAMS DYN_LOADS (trigger and dyn reads, no wait); D COLS ROUND
-//!   VEC LPC NV CPS HPB RANKS GROUPS (column groups) SMEM_VECTORS (builder/attention_policy.py smem_vectors); W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of
-//!   lum_wv[e]) R_ROUND (the float lum_y rounded to R's dtype) OUT (o's output parameter) OUT_STORE (its storage
-//!   of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel head lum_h into R's head dims:
+//!   VEC LPC NV CPS HPB RANKS GROUPS (column groups) SMEM_VECTORS (builder/attention_policy.py smem_vectors);
+//!   W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of lum_wv[e]) R_ROUND (the float lum_y rounded to
+//!   R's dtype) OUT (o's output parameter) OUT_STORE (its storage of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel head lum_h into R's head dims:
 //!   lum_i*); X_AT, L_AT (physical index of X, L at head lum_h, chunk lum_j), A_AT (of A at chunk lum_j, feature
 //!   lum_d), K_VAL (the float K of head lum_h), X_LOAD L_LOAD A_LOAD (float value of the leaf at index lum_q),
 //!   B_AT (physical index of B's vector at head group lum_r, column lum_c, inputs lum_k ..), OUT_AT (out's index
