@@ -363,7 +363,8 @@ def _profile(args) -> int:
             _read_stamps(sess, zero=True)
             steps(1)
             stamped.append(_read_stamps(sess))
-        timeline = stamp_timeline(stamped[0], names)
+        timelines = [stamp_timeline(records, names) for records in stamped]
+        timeline = timelines[0]
         ops = kernel_ops(pkg, args.entry, {"p": first_p})
         for r in timeline:
             info = ops.get(r["kernel"], {})
@@ -371,8 +372,8 @@ def _profile(args) -> int:
         result.update({"p": first_p, "programmatic_launch": bool(sess.runner.programmatic), "timeline": timeline})
         if len(stamped) > 1:
             links: dict[str, list] = defaultdict(list)
-            for records in stamped:
-                for r in stamp_timeline(records, names):
+            for rows in timelines:
+                for r in rows:
                     links[r["kernel"]].append(r["link_us"])
             result.update({"stamp_steps": len(stamped), "links_us_by_step": dict(links),
                            "blocks": stamp_blocks(stamped, names)})

@@ -89,8 +89,8 @@ class AttentionKernels:
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
-        stage = self._attention_stage(m_size, D, qd, heads_n)
         vectors = smem_vectors()        # lane slices to / from shared memory as 16-byte vectors
+        stage = self._attention_stage(m_size, D, qd, heads_n, vectors)
         if self.stage is not None and vectors and is_pow2(dpl) and D == 32 * dpl:
             load_q = [*load_q[:2], f"{ind}  lum_load_raw<DPL>(&lum_qs[lum_m][lum_lane * DPL], lum_q[lum_m]);",
                       load_q[-1]]
@@ -284,7 +284,7 @@ class AttentionKernels:
             *self._attention_term(i6 + "    ", i6, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", rnd), f"{i6}  }}", f"{i6}}}"])
         return key, before, after
 
-    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
+    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, vectors: bool) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`~lum.builder.codegen.AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row
         ``t`` (t < M), the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a
@@ -336,7 +336,7 @@ class AttentionKernels:
                "        const int lum_task = lum_r * WARPS + lum_warp;",
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
-        align = "alignas(16) " if smem_vectors() else ""     # LOAD_Q's vectors
+        align = "alignas(16) " if vectors else ""     # LOAD_Q's vectors (``vectors``: smem_vectors())
         decl = f"  {align}__shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
