@@ -43,9 +43,7 @@ What it does, in one run on one GPU:
      not once with a running maximum: builder/row_codegen.py online_softmax_sum), ``lum-two-kernels`` with
      ``LUM_O_COMBINE=0`` (decode attention's combine and o as two kernels, not one split by head:
      builder/o_combine.py), ``lum-o-grouped`` with ``LUM_O_COMBINE=grouped`` (that kernel also for more heads
-     than a cluster's blocks, consecutive heads a block: llama3-1b), ``lum-kv-copy`` with
-     ``LUM_ATTENTION_KV_COPY=1`` (decode attention copies its first keys into shared memory and reads their mask
-     right after its wait, so they land while its stage runs: builder/attention_codegen.py),
+     than a cluster's blocks, consecutive heads a block: llama3-1b),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
      ``lum-attention-plain`` the default package with only decode attention launched plainly
@@ -138,7 +136,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-twowaves": {"LUM_GEMV_PROLOGUE_ONE_WAVE": "0"},
                  "lum-noevict": {"LUM_GEMV_EVICT_FIRST": "0"}, "lum-nobalance": {"LUM_GEMV_BALANCE": "0"},
                  "lum-row-phases": {"LUM_ROW_ONLINE": "0"}, "lum-two-kernels": {"LUM_O_COMBINE": "0"},
-                 "lum-o-grouped": {"LUM_O_COMBINE": "grouped"}, "lum-kv-copy": {"LUM_ATTENTION_KV_COPY": "1"},
+                 "lum-o-grouped": {"LUM_O_COMBINE": "grouped"},
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},

@@ -5,8 +5,6 @@ which attention ops run flash attention is policy, in :mod:`lum.builder.attentio
 
 from __future__ import annotations
 
-from typing import Any
-
 from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_SMEM, FLASH_MAX_D, FLASH_TILE_KEYS,
                                           attention_group_rows, attention_row_dims, smem_vectors,
                                           flash_attention, flash_features_fit)
@@ -92,7 +90,7 @@ class AttentionKernels:
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
         vectors = smem_vectors()        # lane slices to / from shared memory as 16-byte vectors
-        stage = self._attention_stage(m_size, D, DV, qd, heads_n, vectors)
+        stage = self._attention_stage(m_size, D, qd, heads_n, vectors)
         if self.stage is not None and vectors and is_pow2(dpl) and D == 32 * dpl:
             load_q = [*load_q[:2], f"{ind}  lum_load_raw<DPL>(&lum_qs[lum_m][lum_lane * DPL], lum_q[lum_m]);",
                       load_q[-1]]
@@ -122,9 +120,6 @@ class AttentionKernels:
         mphys, mvalid = view_access(ctx, vm, tuple(idx) + (lum_t,))
         mval = load_conv(DType.bool, f"in3[{mphys}]")
         mval = "false" if mvalid == "false" else f"(({mvalid}) && {mval})" if mvalid else mval
-        early = self._attention_kv_copy(vk, vv, dpl, vpl, unroll, m_size, setup, mval, stage)
-        if early:
-            load_kv, mval = early.pop("LOAD_KV"), early.pop("MASK")
         p_dt = DType.parse(op.params["p_dtype"])
         rnd = "lum_e" if p_dt == DType.f32 else load_conv(p_dt, store_conv("f", "lum_e", p_dt))
         scale = float(op.params["scale"])
@@ -136,93 +131,21 @@ class AttentionKernels:
         # the warps' partials of all M query rows merged after one barrier pair where they and the stage's rows
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
         # (a row at a time, two barriers each, measured even: benchmarks/NOTES.md)
-        other = 4 * 32 * m_size * dpl + early.pop("SMEM", 0) if self.stage is not None else 0
+        other = 4 * 32 * m_size * dpl if self.stage is not None else 0
         part_vectors = vectors and is_pow2(vpl)
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + (4 if part_vectors else 2)) \
             <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits else 1
         src = render(load_template("attention.cu"), {**stage,
             "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "IDX_T": "@IDX_T@", "PARAMS": self.params_c(),
-            "DYN_LOADS": "@DYN_LOADS@", "KV_COPY": "", "KV_LANDED": "", **early, "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
+            "DYN_LOADS": "@DYN_LOADS@", "M": m_size, "DPL": dpl, "VPL": vpl, "DV": DV, "UNROLL": unroll,
             "MERGE_ROWS": merge_rows, "SMEM_VECTORS": "true" if part_vectors else "false",
             "CHUNK": chunk, "T": ctx.c(t), "NS": ctx.c(ns), "HEADS": ctx.c(heads_n),
             "SETUP": "\n".join(x for x in setup if x), "LOAD_Q": "\n".join(load_q), "LOAD_KV": "\n".join(load_kv),
             "KEY": "\n".join(key), "KEYS_BEFORE": keys_before, "KEYS_AFTER": keys_after, "STORE": ctx.c(out_idx)})
         tuning = {"threads": self.threads, "unroll": unroll, "max_blocks": self.max_blocks, "group_rows": m_size,
-                  "merge_rows": merge_rows, **({"smem_vectors": True} if part_vectors else {}),
-                  **({"kv_copy": True} if early else {})}
+                  "merge_rows": merge_rows, **({"smem_vectors": True} if part_vectors else {})}
         return [src], [("", self.grid(heads_n * ns, 1), (self.threads, 1, 1))], tuning, self.max_blocks
-
-    def _attention_kv_copy(self, vk: ShapeTracker, vv: ShapeTracker, dpl: int, vpl: int, unroll: int, m_size: int,
-                            setup: list[str], mval: str, stage: dict[str, str]) -> dict[str, Any]:
-        """The stage's key copies (:attr:`~lum.builder.codegen.AttentionStage.kv_copy`; attention.cu KV_COPY,
-        KV_LANDED), or {} where the stage has none or the rows cannot be copied so (features not contiguous or
-        not in 4, 8 or 16n bytes a lane, or more shared memory than a block has). Also: LOAD_KV and the mask
-        (MASK) of the key loop, which read that step from them, and their shared memory (SMEM, bytes).
-
-        Right after its wait a block copies the K / V rows of its first work item's first step into shared
-        memory and reads that step's mask, then runs its stage: the copies land during the stage, so the key
-        loop's first step waits for no memory round trip of its own. Those rows were written by earlier steps,
-        all but the one the block's stage writes now, which the k / v row functions also put in shared memory
-        (``lum_ks`` / ``lum_vs``, the row ``lum_sdk`` / ``lum_sdv``). Issued before the wait (2026-12-06,
-        a1d1339) the copies queued behind the qkv GEMV's weights and lost 0.9%: benchmarks/NOTES.md."""
-        st = self.stage
-        if st is None or not st.kv_copy:
-            return {}
-        warps = self.threads // 32
-        parts = []
-        for k, view, per_lane in ((1, vk, dpl), (2, vv, vpl)):
-            dt, nbytes = self.dts[k], per_lane * self.dts[k].itemsize
-            rows = (view.offset, *view.strides[:-1])
-            if view.strides[-1] != as_expr(1) or not (nbytes in (4, 8) or nbytes % 16 == 0) \
-                    or any(e % per_lane != as_expr(0) for e in rows):
-                return {}
-            parts.append((k, view, per_lane, dt, nbytes))
-        smem = warps * unroll * 32 * sum(p[2] * p[3].itemsize for p in parts)
-        if 4 * 32 * m_size * dpl + smem + 4 * warps * (vpl * 32 + 4) > ATTENTION_MERGE_SMEM:
-            return {}
-        ctx, ind, ind4 = self.ctx, " " * 4, " " * 8
-        copies, loads = [], []
-        names = (("lum_ek", "lum_kb", "lum_k", "lum_sdk", "lum_ks"), ("lum_ev", "lum_vb", "lum_v", "lum_sdv", "lum_vs"))
-        for (k, view, per_lane, dt, nbytes), (arr, base, dest, hit, row) in zip(parts, names):
-            src = f"in{k} + {base} + lum_t * ({ctx.c(view.strides[-2])}) + lum_lane * {per_lane}"
-            slot = f"{arr}[lum_warp * UNROLL + u][lum_lane * {per_lane}]"
-            cvt = f"[](const {STORAGE_C[dt]} x) {{ return {load_conv(dt, 'x')}; }}"
-            copies.append(f"{ind4}lum_copy_async<{nbytes}>(&{slot}, {src});")
-            loads += [f"{ind4}if (lum_in && lum_early && lum_tb == lum_t0 && lum_t == (idx_t){hit}) {{",
-                      f"{ind4}#pragma unroll",
-                      f"{ind4}  for (int i = 0; i < {per_lane}; ++i) {dest}[u][i] = {row}[lum_lane * {per_lane} + i];",
-                      f"{ind4}}} else if (lum_in && lum_early && lum_tb == lum_t0) "
-                      f"lum_load_f32<{per_lane}>(&{slot}, {dest}[u], {cvt});",
-                      f"{ind4}else if (lum_in) lum_load_f32<{per_lane}>({src}, {dest}[u], {cvt});",
-                      f"{ind4}else {{", f"{ind4}#pragma unroll",
-                      f"{ind4}  for (int i = 0; i < {per_lane}; ++i) {dest}[u][i] = 0.0f;", f"{ind4}}}"]
-        decl = [f"  alignas(16) __shared__ {STORAGE_C[p[3]]} {arr}[WARPS * UNROLL][{p[2]} * 32];"
-                for p, arr in zip(parts, ("lum_ek", "lum_ev"))]
-        stage["STAGE_DECL"] += "\n" + "\n".join(decl)
-        kv_copy = "\n".join([
-            "",
-            "  bool lum_em[UNROLL][M];   // the mask of the first work item's first step",
-            "  {   // that step's K / V rows into shared memory, landing during the stage (attention_codegen)",
-            "    const idx_t lum_w = (idx_t)blockIdx.x;",
-            "    const bool lum_has = lum_w < lum_work;",
-            "    const idx_t lum_h = lum_has ? lum_w / lum_ns : 0;",
-            "    const idx_t lum_j = lum_has ? lum_w - lum_h * lum_ns : 0;",
-            *[x for x in setup if x],
-            "    const idx_t lum_t0 = lum_j * CHUNK;",
-            "    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);",
-            "#pragma unroll", "    for (int u = 0; u < UNROLL; ++u) {",
-            "      const idx_t lum_t = lum_t0 + (idx_t)(lum_warp * UNROLL + u);",
-            "      if (lum_has && lum_t < lum_t1) {", *copies, "      }", "    }",
-            "#pragma unroll", "    for (int u = 0; u < UNROLL; ++u) {",
-            "      const idx_t lum_t = lum_t0 + (idx_t)(lum_warp * UNROLL + u);",
-            "      const bool lum_in = lum_has && lum_t < lum_t1;",
-            "#pragma unroll", f"      for (int lum_m = 0; lum_m < M; ++lum_m) lum_em[u][lum_m] = lum_in && {mval};",
-            "    }", "  }"])
-        landed = "\n".join(["", f"{ind}const bool lum_early = lum_w == (idx_t)blockIdx.x;   // its first keys copied",
-                             f"{ind}if (lum_early) lum_copy_wait_all();"])
-        return {"KV_COPY": kv_copy, "KV_LANDED": landed, "LOAD_KV": loads, "SMEM": smem,
-                "MASK": f"((lum_early && lum_tb == lum_t0) ? lum_em[u][lum_m] : {mval})"}
 
     def _flash_attention(self):
         """templates/flash_attention.cu: a block per (tile of 16 * warps query rows, kv row, chunk), key tiles
@@ -361,7 +284,7 @@ class AttentionKernels:
             *self._attention_term(i6 + "    ", i6, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", rnd), f"{i6}  }}", f"{i6}}}"])
         return key, before, after
 
-    def _attention_stage(self, m_size: int, d: int, dv: int, qd: Expr, heads_n: Expr, vectors: bool) -> dict[str, str]:
+    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, vectors: bool) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`~lum.builder.codegen.AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row
         ``t`` (t < M), the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a
@@ -383,13 +306,11 @@ class AttentionKernels:
             """Row function call ``fn(…, live, …)``, only in the warps whose task it is."""
             return f"{ind}if ({live}) {fn.format(live='true')}"
 
-        hk, hv = (", &lum_sdk, lum_ks", ", &lum_sdv, lum_vs") if st.kv_copy else ("", "")
-
         def kv(ind: str, k_live: str, v_live: str, window: str) -> list[str]:
             return [call(ind, k_live, f"lum_krow((long long)({st.k[0]} + {st.k[1]} * (long long)lum_h), {{live}}, "
-                                      f"{window}{hk});"),
+                                      f"{window});"),
                     call(ind, v_live, f"lum_vrow((long long)({st.v[0]} + {st.v[1]} * (long long)lum_h), {{live}}, "
-                                      f"{window}{hv});")]
+                                      f"{window});")]
 
         ind, ind3 = " " * 4, " " * 8
         stage = [f"{ind}{{   // the stage (builder/attention_stage.py): kv row lum_h's query rows, its k / v rows",
@@ -419,8 +340,5 @@ class AttentionKernels:
         decl = f"  {align}__shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
-        if st.kv_copy:   # the k / v rows the stage wrote (-1: none), and their values
-            decl += ("\n  __shared__ long long lum_sdk, lum_sdv;"
-                     f"\n  __shared__ float lum_ks[{d}], lum_vs[{dv}];")
         return {"STAGE_DECL": decl,
                 "STAGE_PRE": "\n".join(pre), "STAGE": "\n".join(stage)}

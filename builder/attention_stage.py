@@ -47,24 +47,16 @@ from lum.builder.fused import ENTRY_RE, NO_WORK, joined_params
 from lum.format.expr import as_expr
 from lum.format.llir import LOp, Program, attention_dims
 
-__all__ = ["ENV_ATTENTION_STAGE", "ENV_ATTENTION_KV_COPY", "attention_stage_enabled", "attention_kv_copy",
-           "stage_ops", "fuse_attention_stages"]
+__all__ = ["ENV_ATTENTION_STAGE", "attention_stage_enabled", "stage_ops",
+           "fuse_attention_stages"]
 
 ENV_ATTENTION_STAGE = "LUM_ATTENTION_STAGE"
-ENV_ATTENTION_KV_COPY = "LUM_ATTENTION_KV_COPY"
 
 
 def attention_stage_enabled() -> bool:
     """``$LUM_ATTENTION_STAGE``: ``1`` (the default) has decode attention compute its q rows and kv-cache writes,
     ``0`` keeps them kernels of their own."""
     return env_switch(ENV_ATTENTION_STAGE, default=True)
-
-
-def attention_kv_copy() -> bool:
-    """``$LUM_ATTENTION_KV_COPY``: ``1`` has each block copy its first step of K / V rows into shared memory right
-    after its wait, and read that step's mask, before its stage (:attr:`AttentionStage.kv_copy`), so the copies
-    land while the stage runs; ``0`` (the default) reads both after the stage. Off until measured."""
-    return env_switch(ENV_ATTENTION_KV_COPY)
 
 
 def stage_ops(program: Program, att: LOp) -> tuple[LOp, LOp, LOp] | None:
@@ -198,11 +190,10 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     and those copies shared the bus with the stage's reads (gemma3-4b's stage 2.72 → 1.76 µs; llama3-1b +0.6%
     in three same-run pairs, gemma3-4b ±0: 2d7e1fb, 67ad255)."""
     md = dict(max_dyn or {}) or None
-    early = attention_kv_copy()
-    rows = {role: stage_row(op, dyn_vars, f"{ENTRY_PLACEHOLDER}_{role}", arg_dtypes=_dts(program, op), max_dyn=md,
-                            hit=early) for role, op in zip("qkv", ops)}
+    rows = {role: stage_row(op, dyn_vars, f"{ENTRY_PLACEHOLDER}_{role}", arg_dtypes=_dts(program, op), max_dyn=md)
+            for role, op in zip("qkv", ops)}
     ks = generate(att, dyn_vars, arg_dtypes=_dts(program, att), max_dyn=md,
-                  stage=replace(_stage(att, rows), kv_copy=early), **common)
+                  stage=_stage(att, rows), **common)
     body = ks.body.replace(ks.name, f"{ENTRY_PLACEHOLDER}_attn")
     if len(ENTRY_RE.findall(body)) != 1:
         raise CodegenError("an attention stage needs an attention body of exactly one kernel")   # pragma: no cover
@@ -216,8 +207,6 @@ def _fuse(program: Program, att: LOp, ops: tuple[LOp, LOp, LOp], dyn_vars: Seque
     args = {op.id: call for op, call in zip(run, calls)}
     q, k, v = (args[o.id] for o in ops)
     window, wargs = "long long w0, long long w1, long long wT, bool wf", "w0, w1, wT, wf"
-    if early:                                   # the row it wrote, for the block's copied keys
-        window, wargs = window + ", long long* hit, float* also", wargs + ", hit, also"
     entry = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({ks.block[0]}) '
         f'{ENTRY_PLACEHOLDER}({", ".join(p.ctype for p in params)}) {{',

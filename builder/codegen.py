@@ -246,8 +246,6 @@ class AttentionStage:
     qb: tuple[int, int, int]
     k: tuple[int, int]
     v: tuple[int, int]
-    kv_copy: bool = False   # the first step's K / V rows copied into shared memory and its mask read right after
-                            # the wait, before the stage; the k / v functions then take ``lum_hit, lum_also``
 
 
 @dataclass(frozen=True)
@@ -273,12 +271,10 @@ class StageRow:
 
 
 def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequence[DType | str] | None = None,
-              threads: int = 128, max_dyn: Mapping[str, int] | None = None, hit: bool = False) -> StageRow:
+              threads: int = 128, max_dyn: Mapping[str, int] | None = None) -> StageRow:
     """``op`` (an elementwise Fused tree or a scatter_nocopy, with or without a fused prologue, over rows of a
     static length) as :class:`StageRow` function ``name`` for blocks of ``threads``; CodegenError where it is not
-    such an op or its rows' stores are not at static places. ``hit``: a scatter's function also takes ``long
-    long* lum_hit``, which a live row sets to its dest row where it writes it, else to -1, and ``float*
-    lum_also``, where a row it writes also goes, by column (:attr:`AttentionStage.kv_copy`)."""
+    such an op or its rows' stores are not at static places."""
     scatter = op.kind == "scatter_nocopy"
     if scatter and "expr" not in op.params and len(op.args) == 3:     # a plain copy: the identity prologue
         op = LOp(op.id, op.kind, op.op, op.args, op.shape, op.dtype, {**op.params, "expr": ["arg", 0]}, op.alias)
@@ -288,10 +284,9 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     ctx = KernelContext(tuple(dyn_vars), max_dyn=max_dyn)
     gen = _Gen(op, _arg_dtypes(op, arg_dtypes), ctx, threads=threads, ept=None, vec=None, group=32, unroll=None,
                inflight=0, max_blocks=1, acc="f32", math="f32")
-    hit = hit and scatter
     rp = gen._row_parts(sink=None if scatter else "lum_sink",
                         writer="(lum_dr >= lum_w0 && lum_dr < lum_w1) || (lum_wfirst && lum_dr >= lum_wT)"
-                        if scatter else None, hit="lum_hit" if hit else None, also="lum_also" if hit else None)
+                        if scatter else None)
     if rp.group != 32 or not (rp.rows.is_const and rp.n.is_const) or rp.write_col is None \
             or not rp.write_col.is_const or (scatter and not (rp.write_step is not None and rp.write_step.is_const)):
         raise CodegenError("a stage row needs warp-sized rows of a static count and length, stored at static strides")
@@ -305,7 +300,7 @@ def stage_row(op: LOp, dyn_vars: Sequence[str], name: str, *, arg_dtypes: Sequen
     dyn, slots = ctx.dyn_loads(wait=False)
     dyn = "\n".join(x for x in dyn.splitlines() if "lum_pdl_" not in x)   # the kernel it runs in waits itself
     extra = ("long long lum_w0, long long lum_w1, long long lum_wT, bool lum_wfirst" if scatter
-             else "LumSink lum_sink") + (", long long* lum_hit, float* lum_also" if hit else "")
+             else "LumSink lum_sink")
     params = gen.params()
     fn = "\n".join([
         f"__device__ __forceinline__ void {name}(long long lum_row_, bool lum_live, {extra}, "

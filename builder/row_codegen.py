@@ -156,16 +156,12 @@ class RowKernels:
                   "math": self.math, "scheme": "row", "regs": rp.regs, **({"online": True} if rp.online else {})}
         return src, self.grid(rp.rows, per_block), rp.threads, self.max_blocks * per_block, tuning
 
-    def _row_parts(self, sink: str | None = None, writer: str | None = None, sink_stored: bool = False,
-                   hit: str | None = None, also: str | None = None) -> _RowParts:
+    def _row_parts(self, sink: str | None = None, writer: str | None = None, sink_stored: bool = False) -> _RowParts:
         """The row loop's pieces (templates/row.cu's placeholders) for this op. ``sink``: an elementwise op
         stores each element, as a float of the op's dtype (``sink_stored``: as the dtype's storage), into that
         C array (a gemm prologue's shared memory) at the element's physical index in ``out``, instead of into
         ``out``. ``writer``: a C condition on the scatter's dest row ``lum_dr`` a row must also meet to be
-        written (an attention stage writes a kv row from the one block that reads it). ``hit``: a C pointer a
-        live scatter row sets to its dest row where it writes it, else to -1, and ``also``: a float array a
-        written scatter row also goes to, by column, as stored (an attention stage's block then takes that row
-        from its shared copy, not from the rows it copied early, where it is stale)."""
+        written (an attention stage writes a kv row from the one block that reads it)."""
         op = self.op
         expr = op.params["expr"]
         kind = "scatter" if op.kind in ("scatter", "scatter_nocopy") else op.kind
@@ -351,8 +347,6 @@ class RowKernels:
                 cond = f"lum_dr >= 0 && lum_dr < (long long)({ctx.c(shape[0])})"
                 if writer is not None:
                     cond = f"{cond} && ({writer})"
-                if hit is not None:
-                    final.append(f"{ind}if (lum_live) *{hit} = ({cond}) ? lum_dr : -1LL;")
                 dest = f"({wbase}) + (idx_t)lum_dr * ({ctx.c(write.strides[0])}) + lum_c * ({ctx.c(wcol.strides[0])})"
                 ctx.exprs.append(Var("lum_row") * write.strides[0] + cviews[0].physical_index(idx)
                                  + col * wcol.strides[0])
@@ -360,8 +354,6 @@ class RowKernels:
             x, kd = emit(expr, final, kind == "scatter")
             if sink is None:
                 final.append(f"{ind3}out[{dest}] = {store_conv(kd, x, op.dtype)};")
-                if also is not None:
-                    final.append(f"{ind3}{also}[lum_c] = {load_conv(op.dtype, store_conv(kd, x, op.dtype))};")
             else:
                 stored = store_conv(kd, x, op.dtype)
                 final.append(f"{ind3}{sink}[{dest}] = {stored if sink_stored else load_conv(op.dtype, stored)};")

@@ -23,13 +23,7 @@
 //!   stage (builder/attention_stage.py):
 //!   the shared query rows, the kv-cache writes when there is no chunk, and per work item the stage itself
 //!   (kv row lum_h's query rows computed into shared memory, which LOAD_Q then reads, and its k / v rows
-//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after). KV_COPY,
-//!   KV_LANDED: empty (no line of their own in the default text), or the stage's key copies
-//!   (AttentionStage.kv_copy): right after its wait each block copies its first work item's first step of K / V
-//!   rows into shared memory (each lane its own slices, which it alone reads back: no barrier) and reads that
-//!   step's mask, so the copies land while its stage runs; KV_LANDED completes them, and LOAD_KV takes those
-//!   rows from shared memory, the one the stage wrote (lum_sdk / lum_sdv) from the stage's own copy of it
-//!   (lum_ks / lum_vs).
+//!   written into the cache by the block whose chunk holds the new row; a __syncthreads after).
 extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}}) {
   typedef {{IDX_T}} idx_t;
   constexpr int THREADS = {{THREADS}};
@@ -53,7 +47,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
   const idx_t lum_ns = {{NS}};
   const idx_t lum_work = (idx_t)({{HEADS}}) * lum_ns;
   const int lum_lane = (int)threadIdx.x & 31;
-  const int lum_warp = (int)threadIdx.x >> 5;{{KV_COPY}}
+  const int lum_warp = (int)threadIdx.x >> 5;
 {{STAGE_PRE}}
   for (idx_t lum_w = (idx_t)blockIdx.x; lum_w < lum_work; lum_w += (idx_t)gridDim.x) {
     const idx_t lum_h = lum_w / lum_ns;
@@ -72,7 +66,7 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}) {{KERNEL}}({{PARAMS}})
       for (int i = 0; i < VPL; ++i) lum_acc[lum_m][i] = 0.0f;
     }
     const idx_t lum_t0 = lum_j * CHUNK;
-    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);{{KV_LANDED}}
+    const idx_t lum_t1 = lum_min(lum_T, lum_t0 + (idx_t)CHUNK);
     for (idx_t lum_tb = lum_t0; lum_tb < lum_t1; lum_tb += (idx_t)(WARPS * UNROLL)) {
       float lum_k[UNROLL][DPL], lum_v[UNROLL][VPL];
 #pragma unroll

@@ -300,31 +300,7 @@ LUM_D void lum_copy16_async(void* s, const void* g) {
   std::memcpy(s, g, 16);
 #endif
 }
-// N bytes (4, 8 or a multiple of 16; both addresses N-aligned, or 16 for the multiples) from global memory at g
-// to shared memory at s, asynchronously and with L2's default policy: for data the next step reads again (decode
-// attention's KV cache, templates/attention.cu KV_COPY), unlike lum_copy16_async's weights. The issuing thread
-// completes it with lum_copy_wait_all. Host emulation: a memcpy.
-template <int N>
-LUM_D void lum_copy_async(void* s, const void* g) {
-  static_assert(N == 4 || N == 8 || N % 16 == 0, "cp.async copies 4, 8 or 16 bytes");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (N % 16 == 0) {
-#pragma unroll
-    for (int q = 0; q < N / 16; ++q)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                   :: "r"(lum_shared_addr(static_cast<char*>(s) + 16 * q)), "l"(static_cast<const char*>(g) + 16 * q)
-                   : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(lum_shared_addr(s)), "l"(g), "n"(N) : "memory");
-  }
-#elif defined(__CUDA_ARCH__)
-#pragma unroll
-  for (int q = 0; q < N / 4; ++q) static_cast<unsigned*>(s)[q] = static_cast<const unsigned*>(g)[q];
-#else
-  std::memcpy(s, g, N);
-#endif
-}
-// Every lum_copy16_async / lum_copy_async this thread issued has landed and is visible to it.
+// Every lum_copy16_async this thread issued has landed and is visible to it.
 LUM_D void lum_copy_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");

@@ -199,40 +199,6 @@ def test_trigger_after_stage():
     assert _waits(after[fused[0]])
 
 
-@pytest.mark.parametrize("model,nbytes", [("gemma3-4b", 16), ("llama3-1b", 4)])
-def test_copied_keys(nvrtc, tmp_path, monkeypatch, model, nbytes):
-    """``LUM_ATTENTION_KV_COPY=1``: right after its wait the fused attention copies its first step's K / V rows
-    into shared memory (``nbytes`` a lane and row: gemma3-4b's 8 bf16 features, llama3-1b's 2) and reads that
-    step's mask, then runs its stage, completes the copies before its key loop, and takes the row its stage
-    wrote from the stage's shared copy of it (its k / v row functions report and copy it); the table stays
-    programmatic; NVRTC compiles it. Off by default: the kernel then is the default's, by name."""
-    from lum.builder.kernels import compile_group_kernels
-
-    prog, dv = _layer(model, DType.bf16)
-    md = default_max_dyn(dv, MAX_SEQ)
-    plain = {k.name for k in group_kernel_sources(prog, dv, md).values() if k is not None}
-    monkeypatch.setenv("LUM_ATTENTION_KV_COPY", "1")
-    after = group_kernel_sources(prog, dv, md)
-    (ks,) = [k for k in after.values() if k is not None and k.tuning.get("kv_copy")]
-    assert {k.name for k in after.values() if k is not None} - plain == {ks.name}
-    body = ks.body.split("_attn(LumQ")[1]
-    order = ["lum_pdl_wait();", f"lum_copy_async<{nbytes}>(&lum_ek", f"lum_copy_async<{nbytes}>(&lum_ev",
-             "lum_em[u][lum_m] = lum_in &&", "__syncthreads();   // the query", "lum_copy_wait_all();",
-             "lum_t == (idx_t)lum_sdk) {", "lum_k[u][i] = lum_ks[", "lum_t == (idx_t)lum_sdv) {",
-             "lum_v[u][i] = lum_vs[",
-             "? lum_em[u][lum_m] :"]
-    assert [body.index(x) for x in order] == sorted(body.index(x) for x in order)
-    assert body.count("lum_pdl_wait();") == 1
-    # k and v report the row they write and copy it; called in the stage and where no chunk reads the cache
-    assert ks.body.count("*lum_hit = (") == ks.body.count("lum_also[lum_c] = ") == 2
-    assert ks.body.count(", &lum_sdk, lum_ks);") == ks.body.count(", &lum_sdv, lum_vs);") == 2
-    assert _waits(ks)
-    table = launch_table(prog, after, arch="sm_90", dyn_vars=dv, max_dyn=md)
-    assert table["programmatic"]
-    gk = compile_group_kernels(prog, arch="sm_90", dyn_vars=dv, max_dyn=md, ptx=False, cache_dir=tmp_path)
-    assert gk.cubin and any(op["tuning"].get("kv_copy") for op in gk.table["ops"])
-
-
 def test_a_kernel_that_does_not_wait_warns_at_the_table():
     """A launch table is programmatic only if every kernel waits first (``_waits``). gemma3-4b's decode layer is;
     with the fused attention's wait removed (as the first build of a since removed stage prefetch did, by

@@ -43,8 +43,7 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
          "two-kernels": {"LUM_O_COMBINE": "0"},
-         "o-grouped": {"LUM_O_COMBINE": "grouped"},
-         "kv-copy": {"LUM_ATTENTION_KV_COPY": "1"}}
+         "o-grouped": {"LUM_O_COMBINE": "grouped"}}
 
 
 @pytest.fixture(scope="module")
@@ -368,10 +367,7 @@ def test_fused_kernel_variants_match_reference(env, variant):
     rows once per row reduction, not once with a running maximum: builder/row_codegen.py) or ``two-kernels``
     (``LUM_O_COMBINE=0``: decode attention's combine and o as two kernels, where by default they are one, o split
     by head in a thread block cluster: builder/o_combine.py) or ``o-grouped`` (``LUM_O_COMBINE=grouped``: that kernel
-    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block)
-    or ``kv-copy`` (``LUM_ATTENTION_KV_COPY=1``: decode attention copies its first step's keys into shared memory
-    right after its wait, before its stage; the emulated copy lands at once, so the row its stage then writes is stale there unless the
-    kernel reads that one from the cache, as it must).
+    also where the heads are more than a cluster's blocks, the ``o.combine.grouped`` case's 12 heads two a block).
     Every
     kernel case matches the reference backend, run three times in one session, with and without graphs; the tiny
     models' greedy tokens are the reference backend's, and their decode layers hold such a kernel."""
@@ -380,7 +376,7 @@ import lum.loader as L
 from lum.format.dtypes import DType
 from tests.kernel_cases import BOUNDS, DYN, compare, template_cases
 out = {"errors": {}, "checked": 0, "fused": {}, "tails": {}, "shared_preloads": 0,
-       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}, "kv_copy": {}}
+       "shared_preloads_default": 0, "prologues": {}, "o_combines": {}}
 def tuned(pkg, key="preload_shared"):    # the package's kernels whose tuning sets ``key``
     return sum(bool(op.tuning.get(key)) for g in pkg.manifest.groups if g.table is not None
                for op in g.table.ops)
@@ -414,7 +410,6 @@ for name in MODELS:
     out["shared_preloads_default"] += tuned(L.open(PKGS[name]))
     out["prologues"][name] = [tuned(pkg, "prologue"), tuned(L.open(PKGS[name]), "prologue")]
     out["o_combines"][name] = tuned(pkg, "o_combine")
-    out["kv_copy"][name] = tuned(pkg, "kv_copy")
     out["tails"][name] = sorted({len(op.tail) for g in pkg.manifest.groups if g.table is not None
                                  for op in g.table.ops if op.kind == "scatter_nocopy" and op.tail})
     with pkg.session(backend="cuda") as sess:
@@ -430,8 +425,6 @@ print(json.dumps(out))
     assert all((n > 0) == (variant != "two-kernels") for n in res["o_combines"].values()), res["o_combines"]
     if variant == "o-grouped":         # the o.combine.grouped case fuses too: two such kernels a dtype
         assert res["o_combines"]["f32"] == res["o_combines"]["bf16"] == 2, res["o_combines"]
-    # decode attention's early keys in every tiny model's decode layer, and only in that variant
-    assert all((n > 0) == (variant == "kv-copy") for n in res["kv_copy"].values()), res["kv_copy"]
     # the default preloads some GEMVs into shared memory (those behind small kernels); ``all`` every one
     assert res["shared_preloads_default"] > 0, res
     if variant == "preload-shared":

@@ -326,11 +326,10 @@ def _same_results_both_ways(pkg, option: str, check, values=(True, False)) -> np
     return got[0][0]
 
 
-@pytest.mark.parametrize("variant", ["default", "preload", "kv-copy"])
+@pytest.mark.parametrize("variant", ["default", "preload"])
 def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
     """This GPU's SASS (``cuobjdump -sass``) of every kernel of llama3-1b's decode groups, as built by
-    default, with GEMV preloads (and, with them, every preloading gemv case) and with decode attention's
-    copied keys (``LUM_ATTENTION_KV_COPY=1``, whose copies follow its wait): no function has more
+    default and with GEMV preloads (and, with them, every preloading gemv case): no function has more
     global loads above its first ``ACQBULK`` (griddepcontrol.wait) than its PTX has above the wait, which
     tests/test_pdl_order.py holds to the dyn buffer and early weights. ptxas did move a GEMV prologue's
     ld.global.nc loads above the wait once a preload shared the top of the kernel (llama3-1b's qkv and
@@ -346,7 +345,7 @@ def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
     tool = shutil.which("cuobjdump")
     if tool is None:
         pytest.skip("no cuobjdump on this machine")
-    for k, v in {**VARIANTS, "kv-copy": {"LUM_ATTENTION_KV_COPY": "1"}}[variant].items():
+    for k, v in VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
     families = [decode_kernels("llama3-1b")]
     if variant == "preload":
@@ -362,7 +361,7 @@ def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
         assert names <= set(ptx_loads) and names <= set(sass_loads)
         moved = {n: sass_loads[n] for n in names if len(sass_loads[n]) > len(ptx_loads[n])}
         assert moved == {}, moved
-        assert variant != "preload" or any(sass_loads[k.name] for k in ks if k.early)
+        assert variant == "default" or any(sass_loads[k.name] for k in ks if k.early)
 
 
 def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublaslt, monkeypatch):
@@ -440,8 +439,7 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                   "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
                   "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine"))),
                   "smem-vectors": (None, {"LUM_SMEM_VECTORS": "0"},
-                               _any_op(lambda op: op.tuning.get("smem_vectors"))),
-                  "kv-copy": ({"LUM_ATTENTION_KV_COPY": "1"}, None, _any_op(lambda op: op.tuning.get("kv_copy")))}
+                               _any_op(lambda op: op.tuning.get("smem_vectors")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -458,8 +456,7 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     it (the default, builder/o_combine.py: a thread block cluster a column group; against ``LUM_O_COMBINE=0``,
     the heads summed in another order), or decode attention and the combine inside o moving their lanes' slices
     through shared memory as 16-byte vectors (the default; against ``LUM_SMEM_VECTORS=0``, a float at a time:
-    the same values), or decode attention copying its first keys into shared memory right after its wait
-    (``LUM_ATTENTION_KV_COPY=1``, against the default); none changes a token. Decode logits of the
+    the same values); none changes a token. Decode logits of the
     fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
     attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
