@@ -46,9 +46,6 @@ What it does, in one run on one GPU:
      than a cluster's blocks, consecutive heads a block: llama3-1b),
      ``lum-preload-plain`` the same package launched plainly, ``lum-plain`` the default package launched
      plainly (``programmatic_launch=False``), to measure what programmatic dependent launch gives;
-     ``lum-attention-plain`` the default package with only decode attention launched plainly
-     (``plain_kernels``: its blocks start after the qkv GEMV has ended, spread over the SMs, not three to each
-     SM that GEMV leaves free);
      ``lum-nosiblings`` with ``LUM_SIBLING_KERNELS=0`` (independent small
      kernels in a row, the k / v / q stage after qkv, as kernels of their own rather than one launch:
      builder/siblings.py), ``lum-nostage`` with ``LUM_ATTENTION_STAGE=0`` (that stage as a kernel of its own
@@ -157,7 +154,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
 TUNED_SYSTEMS = ("lum-tuned",)       # built by the measured search (--tuned-budget candidates a group)
 LUM_OPTIONS = {"lum": {}, "lum-serial": {"graph_branches": False},                  # their session options
                "lum-plain": {"programmatic_launch": False},
-               "lum-attention-plain": {"plain_kernels": ("scatternocopy_stage",)},
                "lum-graph-a-step": {"steps_per_graph": 1}, "lum-chain4": {"steps_per_graph": 4},
                "lum-chain16": {"steps_per_graph": 16},
                **{s: {} for s in (*LUM_BUILD_ENV, *TUNED_SYSTEMS)}, "lum-preload-plain": {"programmatic_launch": False}}

@@ -346,9 +346,7 @@ class Session:
     ``graph_branches`` (capture independent kernels on parallel streams, default True;
     ``LUM_CUDA_BRANCHES=0``), ``programmatic_launch`` (programmatic dependent launch on sm_90+, default
     True; ``LUM_CUDA_PDL=0``), ``steps_per_graph`` (greedy decode steps :meth:`generate` captures as one
-    CUDA graph, default 8; ``LUM_CUDA_STEPS_PER_GRAPH``; 1: a graph a step), ``plain_kernels`` (kernels, by a
-    part of their name, launched plainly under programmatic launch all the same; ``LUM_CUDA_PLAIN_KERNELS``,
-    comma-separated; an experiment's knob).
+    CUDA graph, default 8; ``LUM_CUDA_STEPS_PER_GRAPH``; 1: a graph a step).
     """
 
     def __init__(self, pkg: Package, dyn: dict[str, int], backend: str = "auto", **options: Any):

@@ -63,8 +63,7 @@ class StepChain:
                 inputs={in_name: self.log.ptr + 4 * i}, input_bytes={in_name: 4})
             self.plans.append(build_entry_plan(runner.pkg, entry, lay, runner._function, runner.bounds[entry],
                                                runner.gemm_algos, runner.programmatic,
-                                               feedback_to=self.log.ptr + 4 * (i + 1),
-                                               plain_kernels=runner.plain_kernels))
+                                               feedback_to=self.log.ptr + 4 * (i + 1)))
         self._stage = [runner._own(_Slot(self.dyn_bytes * self.count)) for _ in range(2)]
         self._turn = 0
         self._graphs: OrderedDict = OrderedDict()

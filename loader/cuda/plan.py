@@ -367,8 +367,7 @@ def _describe(entry: str, c: int, group: int, op: LOp) -> str:
 
 def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callable[[int, str], Any],
                      max_dyn: Mapping[str, int], gemm_algos: Mapping[tuple[int, int], bytes] | None = None,
-                     programmatic: bool = False, feedback_to: int | None = None,
-                     plain_kernels: tuple[str, ...] = ()) -> EntryPlan:
+                     programmatic: bool = False, feedback_to: int | None = None) -> EntryPlan:
     """Flatten ``entry_name`` of ``pkg`` (a :class:`lum.loader.model.Package`) into device steps.
 
     ``function(group, kernel_name)`` returns the loaded kernel handle. Raises
@@ -379,8 +378,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
     package's stored cuBLASLt algorithm, carried by the gemm's steps (the runner passes them only for the
     same cuBLASLt version).
     ``programmatic``: kernels of tables marked programmatic launch with programmatic stream serialization
-    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest), except
-    kernels whose name contains one of ``plain_kernels``.
+    where every buffer they read before their wait (``early``) is a weight (see lum.format.manifest).
     ``feedback_to``: where the :data:`FEEDBACK` output goes (a chained step's next step's input,
     lum.loader.cuda.chain), else its own input's slot."""
     e = pkg.entry(entry_name)
@@ -469,7 +467,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
                     plan.size_checks.extend(_gemm_kernel_checks(where, op, cap, dtypes))
                 head.add(op, ptr, cap, readonly)
                 if op.id == head.kop.tail[-1]:
-                    _kernel_steps(plan, head, function, call.group, max_dyn, pdl, plain_kernels)
+                    _kernel_steps(plan, head, function, call.group, max_dyn, pdl)
                     head = None
                 continue
             if kop is None:
@@ -486,7 +484,7 @@ def build_entry_plan(pkg: Any, entry_name: str, layout: Layout, function: Callab
             if kop.tail:
                 head = step                     # launched once its tails' buffers are known
             else:
-                _kernel_steps(plan, step, function, call.group, max_dyn, pdl, plain_kernels)
+                _kernel_steps(plan, step, function, call.group, max_dyn, pdl)
         plan.steps.extend(state_copies)
 
     for t in e.outputs:
@@ -551,20 +549,17 @@ class _Launch:
 
 
 def _kernel_steps(plan: EntryPlan, launch: _Launch, function: Callable[[int, str], Any], group: int,
-                  max_dyn: Mapping[str, int], pdl: bool, plain_kernels: tuple[str, ...] = ()) -> None:
+                  max_dyn: Mapping[str, int], pdl: bool) -> None:
     """The kernel steps of one launch-table op (with its tails' buffers, when it has tails); ``pdl``: its
-    table is programmatic and the session launches such tables so, but for kernels named in part by
-    ``plain_kernels``."""
+    table is programmatic and the session launches such tables so."""
     params = ParamPack(launch.values)
     early = {launch.values[launch.kop.params.index(p)] for p in launch.kop.early}
     programmatic = pdl and all(any(lo == v for lo, _ in launch.weights) for v in early)
     for lc in launch.kop.launches:
         grid = tuple(plan.grid(g, max_dyn) for g in lc.grid)
-        plain = any(k in lc.kernel for k in plain_kernels)
         plan.steps.append(KernelStep(f"{launch.where} kernel {lc.kernel}", function(group, lc.kernel), grid,
                                      lc.block, lc.shared_mem, params, tuple(launch.reads),  # type: ignore[arg-type]
-                                     tuple(launch.writes), programmatic=programmatic and not plain,
-                                     cluster=lc.cluster))
+                                     tuple(launch.writes), programmatic=programmatic, cluster=lc.cluster))
 
 
 def _dedupe_checks(checks: list[tuple[Expr, int, str]], max_dyn: Mapping[str, int]) -> list[tuple[Expr, int, str]]:

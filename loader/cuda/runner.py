@@ -26,10 +26,6 @@ step) launches the kernels of tables marked programmatic with programmatic strea
 scheduled while the kernel before it still runs and waits for it on the device, so its launch and ramp
 overlap that kernel's tail, and a GEMV built with preloads copies its first weights into shared memory
 meanwhile (templates/common.cuh, gemv.cu; lum.format.manifest says when it is safe).
-``plain_kernels`` (``LUM_CUDA_PLAIN_KERNELS``, comma-separated; default none) names kernels, by a part of their
-name, that launch plainly all the same, after the kernel before them has ended: a launch-order experiment
-(decode attention's blocks launched early share the SMs a GEMV leaves free, three to an SM; launched after it
-they spread).
 ``graphs=False`` launches
 everything eagerly, on one stream;
 ``debug_sync=True`` (or ``LUM_CUDA_DEBUG_SYNC=1``) also
@@ -129,7 +125,7 @@ class CudaRunner:
                  graph_cache: int = 1024, upload_method: str = "staged", allow_ptx: bool = True,
                  workspace_bytes: int = WORKSPACE_BYTES, debug_sync: bool | None = None,
                  graph_branches: bool | None = None, programmatic_launch: bool | None = None,
-                 steps_per_graph: int | None = None, plain_kernels: tuple[str, ...] | None = None):
+                 steps_per_graph: int | None = None):
         self.pkg = pkg
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -151,9 +147,6 @@ class CudaRunner:
         if programmatic_launch is None:
             programmatic_launch = os.environ.get("LUM_CUDA_PDL", "1") != "0"
         self.programmatic = bool(programmatic_launch) and self.device.cc >= (9, 0)
-        if plain_kernels is None:
-            plain_kernels = tuple(os.environ.get("LUM_CUDA_PLAIN_KERNELS", "").split(","))
-        self.plain_kernels = tuple(k for k in plain_kernels if k)
         if steps_per_graph is None:
             raw = os.environ.get("LUM_CUDA_STEPS_PER_GRAPH", str(STEPS_PER_GRAPH))
             if not raw.isdigit() or int(raw) < 1:
@@ -308,7 +301,7 @@ class CudaRunner:
                             self.const_ptrs, self.const_bytes, self.dyn_ptrs)
             self.layouts[e] = layout
             self.plans[e] = build_entry_plan(pkg, e, layout, self._function, self.bounds[e], self.gemm_algos,
-                                             self.programmatic, plain_kernels=self.plain_kernels)
+                                             self.programmatic)
         # pinned staging: two slots for dyn values + inputs, one for outputs
         stage = max((sum(_align(n) for _, n in io[e].values()) for e in io), default=0)
         self._dyn_stage = _align(8 * sum(max(len(o), 1) for o in orders))
