@@ -417,7 +417,7 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                   "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
                   "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine"))),
                   "smem-vectors": (None, {"LUM_SMEM_VECTORS": "0"},
-                               _any_op(lambda op: op.tuning.get("smem_vectors")))}
+                                   _any_op(lambda op: op.tuning.get("smem_vectors")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
