@@ -237,6 +237,20 @@ def test_benchmark_probe_kernels_compile(cache_dir, probe, entries):
         assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in res.ptx
 
 
+def test_cluster_occupancy_standin_compiles(cache_dir):
+    """benchmarks/cluster_occupancy.py's stand-in kernel (a qkv-sized block of 512 threads with dynamic shared memory)
+    compiles, and the script's shapes are the qkv's and half its shared memory, in clusters of 8 and 16."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "cluster_occupancy.py"
+    spec = importlib.util.spec_from_file_location("cluster_occupancy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = nvrtc.compile_cuda(mod.SOURCE, "sm_90", name="cluster_occupancy.cu", cache_dir=cache_dir)
+    assert res.cubin[:4] == b"\x7fELF" and res.ptx.count(".entry") == 1 and "lum_cluster_standin" in res.ptx
+    assert (512, 80, 16) in mod.SHAPES and {c for _, _, c in mod.SHAPES} == {8, 16}
+
+
 def test_single_kernel_source_compiles_alone(cache_dir):
     """KernelSource.source is a complete module by itself."""
     op, dts = elementwise_ops()[3]
