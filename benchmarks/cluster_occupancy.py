@@ -8,7 +8,8 @@ blocks of 16 columns exchanging their sums through distributed shared memory, so
 (non-portable: 8 is the portable limit). The qkv today is 256 blocks of 512 threads, each with 80 KB of weights
 preloaded into shared memory: 16 clusters of 16 must be resident at once, or the GEMV runs in two waves. The
 driver answers that from the block shape, the shared memory and the cluster size alone; a stand-in kernel with
-the same block and shared memory (few registers: the qkv's 54 a thread allow two such blocks an SM too) asks it.
+the same block and shared memory (benchmarks/cluster_occupancy.cu; few registers: the qkv's 54 a thread allow
+two such blocks an SM too) asks it.
 
 Printed and saved (``<out>/cluster-occupancy-<date>.json``): for 512- and 256-thread blocks, 80 and 40 KB of
 shared memory and clusters of 8 and 16, the clusters that fit at once and the blocks they hold.
@@ -28,12 +29,7 @@ if str(HERE) not in sys.path:
 from _common import add_record_args, log, record_head, set_log_tag, write_record  # noqa: E402
 
 set_log_tag("cluster-occupancy")
-SOURCE = r'''extern "C" __global__ void __launch_bounds__(512) lum_cluster_standin(float* p) {
-  extern __shared__ float s[];
-  s[threadIdx.x] = p[threadIdx.x];
-  __syncthreads();
-  p[threadIdx.x] = s[blockDim.x - 1 - threadIdx.x];
-}'''
+SOURCE = (HERE / "cluster_occupancy.cu").read_text()   # the stand-in kernel
 SHAPES = [(threads, kb, cluster) for threads in (512, 256) for kb in (80, 40) for cluster in (8, 16)]
 
 

@@ -238,7 +238,7 @@ def test_benchmark_probe_kernels_compile(cache_dir, probe, entries):
 
 
 def test_cluster_occupancy_standin_compiles(cache_dir):
-    """benchmarks/cluster_occupancy.py's stand-in kernel (a qkv-sized block of 512 threads with dynamic shared memory)
+    """benchmarks/cluster_occupancy.py's stand-in kernel (cluster_occupancy.cu: a qkv-sized block of 512 threads with dynamic shared memory)
     compiles, and the script's shapes are the qkv's and half its shared memory, in clusters of 8 and 16."""
     import importlib.util
 
