@@ -251,6 +251,30 @@ def test_cluster_occupancy_standin_compiles(cache_dir):
     assert (512, 80, 16) in mod.SHAPES and {c for _, _, c in mod.SHAPES} == {8, 16}
 
 
+def test_icache_probe_kernels_have_their_sizes(cache_dir):
+    """benchmarks/icache_probe.py's kernels compile to straight lines of the code sizes it reports (its .text reader),
+    and its float64 reference of a kernel's sums is the float32 FMA chain's to 1e-6."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("icache_probe", here / "benchmarks" / "icache_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    source = "".join((here / p).read_text() for p in ("templates/common.cuh", "benchmarks/probe.cuh",
+                                                     "benchmarks/icache_probe.cu"))
+    res = nvrtc.compile_cuda(source, "sm_90", name="icache_probe.cu", ptx=False, cache_dir=cache_dir)
+    sizes = mod.text_sizes(res.cubin)
+    for name, steps in mod.PROBES.items():
+        assert abs(sizes[f"icache_probe_{name}"] - steps * 8 * 16) < 2048, (name, sizes)
+    assert sizes["icache_evict_large"] > 160 * 1024 and sizes["icache_evict_small"] > 32 * 1024
+    x = (0.25 + 0.001 * (np.arange(32)[:, None] + 32 * np.arange(8)[None, :])).astype(np.float32)
+    for i in range(64):   # float32 FMAs: the product exact in float64, one rounding
+        x = (x.astype(np.float64) * np.float32(0.5 + ((i * 8 + np.arange(8)) % 4093) / 8192.0)
+             + 0.0009765625).astype(np.float32)
+    want = mod.expected_sums(64, 0, 32)
+    assert np.max(np.abs(x.astype(np.float64).sum(axis=1) - want) / np.abs(want)) < 1e-6
+
+
 def test_single_kernel_source_compiles_alone(cache_dir):
     """KernelSource.source is a complete module by itself."""
     op, dts = elementwise_ops()[3]
