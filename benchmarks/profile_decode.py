@@ -158,7 +158,7 @@ def stamp_timeline(records: list[np.ndarray], names: dict[int, str]) -> list[dic
     for tag, recs in by_kernel.items():
         start = sorted((int(r[3]) - t0) / 1e3 for r in recs)
         waited = sorted((int(r[4]) - t0) / 1e3 for r in recs if r[4])
-        marks = [sorted((int(r[5 + e]) - t0) / 1e3 for r in recs if r[5 + e]) for e in range(3)]
+        marks = [sorted((int(r[5 + e]) - t0) / 1e3 for r in recs if r[5 + e]) for e in range(STAMP_FIELDS - 5)]
         rows.append({"kernel": names.get(tag, f"tag {tag:x}"), "blocks_sampled": len(recs),
                      "sms": len({int(r[2]) for r in recs}),
                      "start_us": [round(start[0], 3), round(start[len(start) // 2], 3), round(start[-1], 3)],

@@ -316,6 +316,7 @@ class AttentionKernels:
         stage = [f"{ind}{{   // the stage (builder/attention_stage.py): kv row lum_h's query rows, its k / v rows",
                  f"{ind}  const idx_t lum_w0 = lum_j * (idx_t)CHUNK;",
                  f"{ind}  const idx_t lum_w1 = lum_min(lum_T, lum_w0 + (idx_t)CHUNK);",
+                 f"{ind}  LUM_STAMP_AT(5);   // stamps builds: the stage's start",
                  f"{ind}#pragma unroll 1",
                  f"{ind}  for (int lum_r = 0; lum_r < {-(-(m_size + 2) // warps)}; ++lum_r) {{",
                  f"{ind3}const int lum_task = lum_r * WARPS + lum_warp;",
@@ -324,7 +325,8 @@ class AttentionKernels:
                       f"{{live}}, LumSink{{{{&lum_qs[lum_mq][0], (long long)({b0} + {bh} * (long long)lum_h + {bm} * lum_mq)}}}});"),
                  *kv(ind3, "lum_task == M", "lum_task == M + 1",
                      "(long long)lum_w0, (long long)lum_w1, (long long)lum_T, lum_j == 0"),
-                 f"{ind}  }}", f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
+                 f"{ind}  }}", f"{ind}  LUM_STAMP_AT(6);   // ... thread 0's warp's rows done (query row 0)",
+                 f"{ind}  __syncthreads();   // the query rows are in lum_qs, the kv rows in the cache",
                  # the parenthesised name calls the function, not the stamps builds' macro (its start stamp)
                  f"{ind}  if (lum_untriggered) {{ lum_untriggered = false; (lum_pdl_trigger)(); }}",
                  f"{ind}}}"]

@@ -393,7 +393,7 @@ def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -
 
 ENV_STAMPS = "LUM_STAMPS"
 STAMP_BLOCKS = 32          # blocks sampled a kernel, evenly spaced over its grid
-STAMP_FIELDS = 8           # a sampled block's record: tag, block, SM, start ns, waited ns, 3 marks (LUM_STAMP_AT)
+STAMP_FIELDS = 10          # a sampled block's record: tag, block, SM, start ns, waited ns, 5 marks (LUM_STAMP_AT)
 
 
 def stamp_tag(name: str) -> int:

@@ -368,8 +368,8 @@ LUM_D void lum_stamp(int kernel, unsigned long long tag, int event) {
 #define lum_pdl_trigger() (lum_pdl_trigger(), lum_stamp(LUM_STAMP_KERNEL, LUM_STAMP_TAG, 0))
 #define lum_pdl_wait() (lum_pdl_wait(), lum_stamp(LUM_STAMP_KERNEL, LUM_STAMP_TAG, 1))
 #endif
-// A template's own marks inside a block's work (events 2, 3, 4: the record's spare fields; decode attention's
-// stage, keys and stores), the same clock; nothing without LUM_STAMPS.
+// A template's own marks inside a block's work (events 2 to 6: the record's spare fields; decode attention's
+// stage, keys and stores, and its stage's start and first query row), the same clock; nothing without LUM_STAMPS.
 #if defined(LUM_STAMPS) && defined(__CUDA_ARCH__)
 #define LUM_STAMP_AT(event) lum_stamp(LUM_STAMP_KERNEL, LUM_STAMP_TAG, (event))
 #else

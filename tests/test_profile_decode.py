@@ -77,7 +77,7 @@ def test_idle_gaps_sum_the_time_nothing_runs_by_the_pair_around_it():
 
 def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tmp_path, monkeypatch):
     """``$LUM_STAMPS=1`` (``profile_decode.py --stamps``): the package's modules define ``lum_stamps`` and stamp
-    each kernel's start and wait (two ``%globaltimer`` reads an entry, PTX; decode attention three marks more,
+    each kernel's start and wait (two ``%globaltimer`` reads an entry, PTX; decode attention five marks more,
     LUM_STAMP_AT), and nothing else changes: the launch tables (kernel names, grids, tuning) are the plain
     build's, and a module built without it has no stamp.
     :func:`stamp_timeline` maps the records back to kernel names, in start order, times from the earliest."""
@@ -115,19 +115,19 @@ def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tm
     # two modules' records: kernel B starts 1 µs after A, waits 3 µs in; A never stamped its wait
     names = {stamp_tag(n): n for n in ("lum_a", "lum_b")}
     a = np.zeros(2 * STAMP_BLOCKS * STAMP_FIELDS, np.uint64)
-    a[:STAMP_FIELDS] = [stamp_tag("lum_a"), 0, 5, 1_000_000, 0, 0, 0, 0]
-    a[STAMP_FIELDS:2 * STAMP_FIELDS] = [stamp_tag("lum_a"), 4, 6, 1_000_500, 0, 0, 0, 0]
+    a[:STAMP_FIELDS] = [stamp_tag("lum_a"), 0, 5, 1_000_000, 0, 0, 0, 0, 0, 0]
+    a[STAMP_FIELDS:2 * STAMP_FIELDS] = [stamp_tag("lum_a"), 4, 6, 1_000_500, 0, 0, 0, 0, 0, 0]
     b = np.zeros(STAMP_BLOCKS * STAMP_FIELDS, np.uint64)
-    b[:STAMP_FIELDS] = [stamp_tag("lum_b"), 0, 7, 1_001_000, 1_003_000, 0, 1_004_250, 0]   # B's own mark 3
+    b[:STAMP_FIELDS] = [stamp_tag("lum_b"), 0, 7, 1_001_000, 1_003_000, 0, 1_004_250, 0, 0, 0]   # B's own mark 3
     rows = stamp_timeline([b, a], names)
-    assert "marks_us" not in rows[0] and rows[1]["marks_us"] == [None, [4.25, 4.25, 4.25], None]
+    assert "marks_us" not in rows[0] and rows[1]["marks_us"] == [None, [4.25, 4.25, 4.25], None, None, None]
     assert [r["kernel"] for r in rows] == ["lum_a", "lum_b"]
     assert rows[0]["start_us"] == [0.0, 0.5, 0.5] and rows[0]["waited_us"] is None and rows[0]["sms"] == 2
     assert rows[1]["start_us"] == [1.0, 1.0, 1.0] and rows[1]["waited_us"] == [3.0, 3.0, 3.0]
     assert rows[0]["link_us"] is None and rows[1]["link_us"] is None       # no wait / the chain's last
     c = np.zeros(STAMP_BLOCKS * STAMP_FIELDS, np.uint64)                   # a kernel waiting 2.5 µs after B's wait
     names[stamp_tag("lum_c")] = "lum_c"
-    c[:STAMP_FIELDS] = [stamp_tag("lum_c"), 0, 8, 1_000_200, 1_005_500, 0, 0, 0]
+    c[:STAMP_FIELDS] = [stamp_tag("lum_c"), 0, 8, 1_000_200, 1_005_500, 0, 0, 0, 0, 0]
     rows = stamp_timeline([b, a, c], names)
     assert [(r["kernel"], r["link_us"]) for r in rows] == [("lum_a", None), ("lum_c", None), ("lum_b", 2.5)]
     assert stamp_timeline([np.zeros(STAMP_FIELDS, np.uint64)], names) == []
@@ -157,18 +157,18 @@ def test_stamp_blocks_says_which_blocks_trail_over_the_steps():
     for s, slow in enumerate((3, 4, 3)):           # block 2 trails by 2, 3 and 2 µs; block 0 waits 0.5 µs late
         t = 10_000_000 * (s + 1)
         steps.append([module([
-            [att, 0, 10, t, t + 1_500, t + 2_500, t + 3_500, t + 4 * us],
-            [att, 2, 11, t, t + 1_000, t + 2 * us, t + 3 * us, t + (4 + slow - 2) * us],
-            [att, 5, 12 + s, t, t + 1_000, t + 2 * us, t + 3 * us, t + 4 * us],
-            [gemv, 0, 1, t, t + 9 * us, 0, 0, 0],          # no marks: no row
-            [att, 7, 13, t, 0, 0, 0, 0]]),                  # never waited: no row
-            module([[att, 1, 20, t, t + 2 * us, t + 3 * us, 0, 0]])])   # a second module: its own layer
+            [att, 0, 10, t, t + 1_500, t + 2_500, t + 3_500, t + 4 * us, 0, 0],
+            [att, 2, 11, t, t + 1_000, t + 2 * us, t + 3 * us, t + (4 + slow - 2) * us, 0, 0],
+            [att, 5, 12 + s, t, t + 1_000, t + 2 * us, t + 3 * us, t + 4 * us, 0, 0],
+            [gemv, 0, 1, t, t + 9 * us, 0, 0, 0, 0, 0],          # no marks: no row
+            [att, 7, 13, t, 0, 0, 0, 0, 0, 0]]),                  # never waited: no row
+            module([[att, 1, 20, t, t + 2 * us, t + 3 * us, 0, 0, 0, 0]])])   # a second module: its own layer
     rows = stamp_blocks(steps, names)
     assert list(rows) == ["lum_att"]
     by = {(r["module"], r["block"]): r for r in rows["lum_att"]}
     assert sorted(by) == [(0, 0), (0, 2), (0, 5), (1, 1)]
     assert by[(0, 2)]["behind_us"] == 1.0 and by[(0, 2)]["last"] == 3          # 1, 2, 1 µs: median 1
     assert by[(0, 0)]["behind_us"] == 0.0 and by[(0, 0)]["waited_us"] == 0.5
-    assert by[(0, 0)]["marks_us"] == [1.5, 2.5, 3.0]
+    assert by[(0, 0)]["marks_us"] == [1.5, 2.5, 3.0, None, None]
     assert by[(0, 5)]["sms"] == [12, 13, 14] and by[(0, 5)]["last"] == 0
-    assert by[(1, 1)]["marks_us"] == [1.0, None, None] and by[(1, 1)]["behind_us"] == 0.0
+    assert by[(1, 1)]["marks_us"] == [1.0, None, None, None, None] and by[(1, 1)]["behind_us"] == 0.0
