@@ -6,7 +6,7 @@ which attention ops run flash attention is policy, in :mod:`lum.builder.attentio
 from __future__ import annotations
 
 from lum.builder.attention_policy import (ATTENTION_MAX_GROUP, ATTENTION_MERGE_SMEM, FLASH_MAX_D, FLASH_TILE_KEYS,
-                                          attention_group_rows, attention_row_dims, smem_vectors,
+                                          attention_group_rows, attention_row_dims,
                                           flash_attention, flash_features_fit)
 from lum.builder.env_switches import CodegenError
 from lum.builder.intmath import is_one, is_pow2
@@ -89,9 +89,10 @@ class AttentionKernels:
                   f"{ind}  }}", f"{ind}}}"]
         ctx.exprs.append(vq.physical_index(tuple(idx) + (lum_d,)))
         heads_n = numel(hshape)
-        vectors = smem_vectors()        # lane slices to / from shared memory as 16-byte vectors
-        stage = self._attention_stage(m_size, D, qd, heads_n, vectors)
-        if self.stage is not None and vectors and is_pow2(dpl) and D == 32 * dpl:
+        stage = self._attention_stage(m_size, D, qd, heads_n)
+        # lanes move their slices to / from shared memory as 16-byte vectors where a slice is a power of two of
+        # floats: float accesses 8 apart are 8-way bank conflicts (gemma3-4b; +0.8% measured, 1d5fc3e)
+        if self.stage is not None and is_pow2(dpl) and D == 32 * dpl:
             load_q = [*load_q[:2], f"{ind}  lum_load_raw<DPL>(&lum_qs[lum_m][lum_lane * DPL], lum_q[lum_m]);",
                       load_q[-1]]
         elif self.stage is not None:           # the query rows the stage computed into shared memory
@@ -132,7 +133,7 @@ class AttentionKernels:
         # fit in ATTENTION_MERGE_SMEM (of the 48 KB of static shared memory a block has), else a row at a time
         # (a row at a time, two barriers each, measured even: benchmarks/NOTES.md)
         other = 4 * 32 * m_size * dpl if self.stage is not None else 0
-        part_vectors = vectors and is_pow2(vpl)
+        part_vectors = is_pow2(vpl)
         fits = other + 4 * m_size * (self.threads // 32) * (vpl * 32 + (4 if part_vectors else 2)) \
             <= ATTENTION_MERGE_SMEM
         merge_rows = m_size if fits else 1
@@ -284,7 +285,7 @@ class AttentionKernels:
             *self._attention_term(i6 + "    ", i6, "lum_kp[u][lum_m]", "lum_xs[u][lum_m]", rnd), f"{i6}  }}", f"{i6}}}"])
         return key, before, after
 
-    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr, vectors: bool) -> dict[str, str]:
+    def _attention_stage(self, m_size: int, d: int, qd: Expr, heads_n: Expr) -> dict[str, str]:
         """attention.cu's STAGE placeholders: empty, or the calls of ``self.stage``'s rows (see
         :class:`~lum.builder.codegen.AttentionStage`): in each round, task ``t = round · WARPS + warp`` is query row
         ``t`` (t < M), the k row (t = M) or the v row (t = M + 1), and a warp calls only its task's row function (a
@@ -338,8 +339,7 @@ class AttentionKernels:
                "        const int lum_task = lum_r * WARPS + lum_warp;",
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
-        align = "alignas(16) " if vectors else ""     # LOAD_Q's vectors (``vectors``: smem_vectors())
-        decl = f"  {align}__shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d})"
+        decl = f"  alignas(16) __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d}), LOAD_Q's vectors"
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
         return {"STAGE_DECL": decl,

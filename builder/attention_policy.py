@@ -13,15 +13,14 @@ from lum.format.shapetracker import numel
 
 __all__ = ["ATTENTION_MAX_GROUP", "ATTENTION_MERGE_SMEM", "FLASH_MAX_D", "FLASH_TILE_KEYS", "ENV_FLASH_ATTENTION",
            "attention_row_dims", "attention_group_rows", "attention_stage_block", "flash_attention",
-           "flash_attention_enabled", "flash_features_fit", "ENV_SMEM_VECTORS",
-           "smem_vectors", "ENV_ATTENTION_WARPS", "attention_min_warps"]
+           "flash_attention_enabled", "flash_features_fit", "ENV_ATTENTION_WARPS",
+           "attention_min_warps"]
 
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
-ENV_SMEM_VECTORS = "LUM_SMEM_VECTORS"           # 0: lanes' slices through shared memory a float at a time
 ENV_ATTENTION_WARPS = "LUM_ATTENTION_WARPS"     # 8 / 16: a stage's decode attention takes at least that many warps
 
 
@@ -81,15 +80,3 @@ def flash_features_fit(d: Expr, dv: Expr) -> bool:
     """Whether flash attention takes q·k features ``d`` and v features ``dv``: static multiples of 16 (the mma
     tile's k and two n-tiles), at most :data:`FLASH_MAX_D`."""
     return all(x.is_const and x.value % 16 == 0 and 16 <= x.value <= FLASH_MAX_D for x in (d, dv))
-
-
-def smem_vectors() -> bool:
-    """``$LUM_SMEM_VECTORS`` (on by default): the latency-bound kernels between a decode layer's qkv and its FFN
-    move each lane's slice of a row between registers and shared memory in 16-byte accesses, not a float at a
-    time: decode attention its stage's query rows (LOAD_Q) and its warps' partials (the merge), the combine
-    inside o (templates/gemv_combine.cu) its combined inputs and weights in the dot. A lane's slice is 8
-    consecutive floats there (gemma3-4b), so float accesses by a warp's 32 lanes fall 8 floats apart: 8-way
-    bank conflicts, e.g. 128 shared-memory cycles a warp for the attention's query rows and 128 for its
-    partials, which blocks sharing an SM (the attention's take three each on the SMs the qkv GEMV leaves free)
-    pay one after another. Vectors make them 2-way. 0: float accesses (the kernels before 2026-12-07)."""
-    return env_switch(ENV_SMEM_VECTORS, default=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from lum.builder.attention_policy import smem_vectors
 from lum.builder.env_switches import CodegenError, env_choice
 from lum.builder.fused import joined_params
 from lum.builder.gemv_policy import gemv_rows
@@ -258,7 +257,7 @@ def _fused(program: Program, split: _Split, ks_c: KernelSource, ks_o: KernelSour
         "KERNEL": ENTRY_PLACEHOLDER, "THREADS": threads, "MIN_BLOCKS": ", 3" if 3 * threads <= 2048 else "",
         "IDX_T": "@IDX_T@", "PARAMS": ", ".join(pp.ctype for pp in params), "DYN_LOADS": "@DYN_LOADS_NOWAIT@",
         "D": d, "COLS": COLS, "ROUND": ROUND, "VEC": vec, "LPC": lpc, "NV": nv, "CPS": cps, "HPB": hpb,
-        "RANKS": ranks, "GROUPS": groups, "SMEM_VECTORS": "true" if smem_vectors() else "false",
+        "RANKS": ranks, "GROUPS": groups,
         "W_T": STORAGE_C[w_dt], "W_PTR": w_p, "W_LOAD": load_conv(w_dt, "lum_wv[e]"),
         "R_ROUND": load_conv(r_dt, store_conv("f", "lum_y", r_dt)), "OUT": out_p,
         "OUT_STORE": store_conv("f", "lum_v0", p_dt),

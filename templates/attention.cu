@@ -12,9 +12,9 @@
 //! where they fit), and stored as [acc[0..DV), c, l]. Every warp runs the same
 //! number of steps, so every thread reaches each warp shuffle and __syncthreads.
 //!
-//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS SMEM_VECTORS (true:
-//!   lanes move their slices of the partials, and LOAD_Q its query rows, to / from shared memory as 16-byte
-//!   vectors: builder/attention_policy.py smem_vectors); T (keys), NS
+//! Placeholders: KERNEL THREADS IDX_T PARAMS DYN_LOADS; M DPL VPL DV UNROLL CHUNK MERGE_ROWS SMEM_VECTORS (true where
+//!   VPL is a power of two: lanes move their slices of the partials to / from shared memory as 16-byte vectors,
+//!   2-way bank conflicts rather than VPL-way; builder/attention_codegen.py); T (keys), NS
 //!   (chunks), HEADS (kv rows), SETUP (unravel lum_h, bases of k / v / q / out), LOAD_Q (lum_q[m][i]), LOAD_KV
 //!   (lum_k[u][i], lum_v[u][i] of key lum_t, zeros past lum_t1), KEY (the softmax update of every query
 //!   row for key lum_t of slot u; or, batched, only its logits, with KEYS_BEFORE declaring them and

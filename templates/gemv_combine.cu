@@ -21,7 +21,7 @@
 //! columns' RANKS values in group order: o's output, the same sum on every run.
 //!
 //! Placeholders: KERNEL THREADS MIN_BLOCKS IDX_T PARAMS DYN_LOADS (trigger and dyn reads, no wait); D COLS ROUND
-//!   VEC LPC NV CPS HPB RANKS GROUPS (column groups) SMEM_VECTORS (builder/attention_policy.py smem_vectors);
+//!   VEC LPC NV CPS HPB RANKS GROUPS (column groups);
 //!   W_T (B's storage) W_PTR (B's parameter) W_LOAD (float of lum_wv[e]) R_ROUND (the float lum_y rounded to
 //!   R's dtype) OUT (o's output parameter) OUT_STORE (its storage of the float lum_v0); NS N (C expressions of the dyn vars); SETUP (unravel head lum_h into R's head dims:
 //!   lum_i*); X_AT, L_AT (physical index of X, L at head lum_h, chunk lum_j), A_AT (of A at chunk lum_j, feature
@@ -55,10 +55,9 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
 #endif
   constexpr int OWN = (COLS + RANKS - 1) / RANKS;   // columns a block owns: c % RANKS == its rank
   constexpr int GROUPS = {{GROUPS}};                  // column groups (host emulation's sums)
-  // SMEM_VECTORS: a lane reads its VEC inputs of lum_as and its weights as 16-byte vectors, once for all its
-  // columns (float reads, VEC apart across the lanes, are VEC-way bank conflicts)
-  constexpr bool SMEM_VECTORS = {{SMEM_VECTORS}};
-  alignas(SMEM_VECTORS ? 16 : 4) __shared__ float lum_as[DB];
+  // a lane reads its VEC inputs of lum_as and its weights as 16-byte vectors, once for all its columns (float
+  // reads, VEC apart across the lanes, were VEC-way bank conflicts: benchmarks/NOTES.md, 1d5fc3e)
+  alignas(16) __shared__ float lum_as[DB];
   __shared__ float lum_cl[2][HPB][ROUND];
   __shared__ float lum_push[RANKS][OWN];             // the head groups' sums of the columns this block owns
 {{DYN_LOADS}}
@@ -161,38 +160,22 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
     // the dot: segment s of a warp takes columns (warp · SEGS + s) · CPS + c, c < CPS
     const int lum_seg = lum_lane / LPC, lum_sl_lane = lum_lane % LPC;
     float lum_v[CPS];
-    if constexpr (SMEM_VECTORS) {
-      float lum_ar[NV][VEC];             // this lane's inputs, read once for all its columns
+    float lum_ar[NV][VEC];               // this lane's inputs, read once for all its columns
 #pragma unroll
-      for (int i = 0; i < NV; ++i) lum_load_raw<VEC>(&lum_as[(lum_sl_lane + i * LPC) * VEC], lum_ar[i]);
+    for (int i = 0; i < NV; ++i) lum_load_raw<VEC>(&lum_as[(lum_sl_lane + i * LPC) * VEC], lum_ar[i]);
 #pragma unroll
-      for (int c = 0; c < CPS; ++c) {
-        const int lum_col = (lum_warp * SEGS + lum_seg) * CPS + c;
-        float lum_acc = 0.0f;
+    for (int c = 0; c < CPS; ++c) {
+      const int lum_col = (lum_warp * SEGS + lum_seg) * CPS + c;
+      float lum_acc = 0.0f;
 #pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          w_t lum_wv[VEC];
-          lum_load_raw<VEC>(reinterpret_cast<const w_t*>(&lum_ws[lum_col * (DB / VEC) + lum_sl_lane + i * LPC]),
-                            lum_wv);
+      for (int i = 0; i < NV; ++i) {
+        w_t lum_wv[VEC];
+        lum_load_raw<VEC>(reinterpret_cast<const w_t*>(&lum_ws[lum_col * (DB / VEC) + lum_sl_lane + i * LPC]),
+                          lum_wv);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) lum_acc += lum_ar[i][e] * {{W_LOAD}};
-        }
-        lum_v[c] = lum_acc;
+        for (int e = 0; e < VEC; ++e) lum_acc += lum_ar[i][e] * {{W_LOAD}};
       }
-    } else {
-#pragma unroll
-      for (int c = 0; c < CPS; ++c) {
-        const int lum_col = (lum_warp * SEGS + lum_seg) * CPS + c;
-        float lum_acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NV; ++i) {
-          const int lum_vi = lum_sl_lane + i * LPC;
-          const w_t* lum_wv = reinterpret_cast<const w_t*>(&lum_ws[lum_col * (DB / VEC) + lum_vi]);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) lum_acc += lum_as[lum_vi * VEC + e] * {{W_LOAD}};
-        }
-        lum_v[c] = lum_acc;
-      }
+      lum_v[c] = lum_acc;
     }
     // halving: at offset o (LPC / 2 down to 1) a lane with bit o keeps the upper half of its k columns
     int lum_cb = 0;                      // this lane's first column, among the segment's CPS

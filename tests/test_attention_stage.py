@@ -136,32 +136,20 @@ def test_stage_kernels_compile(nvrtc, tmp_path, arch):
         assert gk.cubin and any("_stage_" in k["name"] for k in gk.table["ops"])
 
 
-def test_lane_slices_move_through_shared_memory_as_vectors(nvrtc, tmp_path, monkeypatch):
-    """By default (``$LUM_SMEM_VECTORS``) gemma3-4b's decode attention reads its stage's query rows
-    and stores its warps' partials in 16-byte shared-memory accesses (a lane's 8 floats: two, not eight,
-    so 2-way rather than 8-way bank conflicts), the partial rows padded to whole vectors; ``0`` gives the
-    float-at-a-time kernel. Both compile, and the PTX says which accesses are vectors."""
+def test_lane_slices_move_through_shared_memory_as_vectors(nvrtc, tmp_path):
+    """gemma3-4b's decode attention reads its stage's query rows and stores its warps' partials in 16-byte
+    shared-memory accesses (a lane's 8 floats: two, not eight, so 2-way rather than 8-way bank conflicts, as
+    before 1d5fc3e), the partial rows padded to whole vectors; the PTX says which accesses are vectors."""
     from lum.builder.nvrtc import compile_cuda
 
     prog, dv = _layer("gemma3-4b", DType.bf16)
     att = _attention(prog)
-
-    def kernel():
-        (k,) = [k for k in group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ)).values()
-                if k is not None and att.id in k.tails]
-        return k, compile_cuda(k.source, "sm_90", name="att.cu", ptx=True, cache_dir=tmp_path).ptx
-
-    on, on_ptx = kernel()
-    monkeypatch.setenv("LUM_SMEM_VECTORS", "0")
-    off, off_ptx = kernel()
-    assert on.name != off.name and on.grid == off.grid and on.block == off.block
-    assert "constexpr bool SMEM_VECTORS = true;" in on.body and "constexpr bool SMEM_VECTORS = false;" in off.body
-    assert "lum_load_raw<DPL>(&lum_qs" in on.body and "lum_qs[lum_m][lum_d]" in off.body
-    assert on_ptx.count("ld.shared.v4.f32") == 4 and on_ptx.count("st.shared.v4.f32") == 4   # 2 rows x 2 vectors
-    assert "ld.shared.v4" not in off_ptx and "st.shared.v4" not in off_ptx
-    monkeypatch.setenv("LUM_SMEM_VECTORS", "2")
-    with pytest.raises(ValueError, match="LUM_SMEM_VECTORS"):
-        kernel()
+    (k,) = [k for k in group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ)).values()
+            if k is not None and att.id in k.tails]
+    ptx = compile_cuda(k.source, "sm_90", name="att.cu", ptx=True, cache_dir=tmp_path).ptx
+    assert "constexpr bool SMEM_VECTORS = true;" in k.body and "lum_load_raw<DPL>(&lum_qs" in k.body
+    assert "lum_qs[lum_m][lum_d]" not in k.body
+    assert ptx.count("ld.shared.v4.f32") == 4 and ptx.count("st.shared.v4.f32") == 4   # 2 rows x 2 vectors
 
 
 @pytest.mark.parametrize("model,block", [("llama3-1b", (256, 2)), ("gemma3-4b", None), ("tiny-llama", None)])

@@ -99,22 +99,15 @@ def test_the_fused_kernel_replaces_the_combine_and_o(monkeypatch):
     assert [(o.kind, o.op, o.shape) for o in plain.ops] == [(o.kind, o.op, o.shape) for o in prog.ops]
 
 
-def test_the_dot_reads_shared_memory_in_vectors(monkeypatch):
-    """By default (``$LUM_SMEM_VECTORS``) gemma3-4b's combine inside o reads a lane's 8 combined inputs as two
-    16-byte vectors, once for its 8 columns, and each column's weights as one vector (PTX: no float or 2-byte
-    reloads of them, which were 8-way and 4-way bank conflicts); ``0`` gives the float-at-a-time dot."""
+def test_the_dot_reads_shared_memory_in_vectors():
+    """gemma3-4b's combine inside o reads a lane's 8 combined inputs as two 16-byte vectors, once for its 8
+    columns, and each column's weights as one vector (PTX: no float or 2-byte reloads of them, which were 8-way
+    and 4-way bank conflicts before 1d5fc3e)."""
     prog, dv = _layer("gemma3-4b", 512)
-
-    def ptx():
-        ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
-        (fused,) = [k for k in ks.values() if "o_combine" in k.tuning]
-        return nvrtc.compile_cuda(fused.source, "sm_90", name="o_combine.cu").ptx
-
-    on = ptx()
-    monkeypatch.setenv("LUM_SMEM_VECTORS", "0")
-    off = ptx()
-    assert on.count("ld.shared.v4.f32") == 2 and on.count("ld.shared.v4.u32") == 8 and "ld.shared.u16" not in on
-    assert "ld.shared.v4.f32" not in off and off.count("ld.shared.f32") == on.count("ld.shared.f32") + 8
+    ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
+    (fused,) = [k for k in ks.values() if "o_combine" in k.tuning]
+    ptx = nvrtc.compile_cuda(fused.source, "sm_90", name="o_combine.cu").ptx
+    assert ptx.count("ld.shared.v4.f32") == 2 and ptx.count("ld.shared.v4.u32") == 8 and "ld.shared.u16" not in ptx
 
 
 def test_llama_groups_four_heads_a_block(monkeypatch):
