@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,20 @@ class ProbeDevice:
         self.module.close()
         self.stream.close()
         self.ctx.close()
+
+
+def text_sizes(cubin: bytes) -> dict[str, int]:
+    """Bytes of each kernel's code: the sizes of the cubin's ``.text.<kernel>`` sections (ELF64)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = heads[names][4]
+    out = {}
+    for h in heads:
+        name = cubin[strtab + h[0]:cubin.index(b"\0", strtab + h[0])].decode()
+        if name.startswith(".text."):
+            out[name[len(".text."):]] = int(h[5])
+    return out
 
 
 # ====================================================================== environment

@@ -21,7 +21,6 @@ against float64 (finite, relative error under 1e-4), and each kernel's .text siz
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -31,27 +30,13 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, write_record  # noqa: E402
+from _common import ProbeDevice, log, probe_parser, record_head, set_log_tag, text_sizes, write_record  # noqa: E402
 
 set_log_tag("icache-probe")
 PROBES = {"8k": 64, "16k": 128, "32k": 256, "64k": 512}         # name -> STEPS (icache_probe.cu)
 EVICTORS = {"small": (256, 1009), "large": (1280, 2003)}       # name -> (STEPS, SALT): 33 and 225 KB of code
 STATES = ("warm", "cold-small", "cold-large")
 THREADS = 32
-
-
-def text_sizes(cubin: bytes) -> dict[str, int]:
-    """Bytes of each kernel's code: the sizes of the cubin's ``.text.<kernel>`` sections (ELF64)."""
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
-    strtab = heads[names][4]
-    out = {}
-    for h in heads:
-        name = cubin[strtab + h[0]:cubin.index(b"\0", strtab + h[0])].decode()
-        if name.startswith(".text."):
-            out[name[len(".text."):]] = int(h[5])
-    return out
 
 
 def expected_sums(steps: int, salt: int, threads: int) -> np.ndarray:

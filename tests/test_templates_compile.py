@@ -275,6 +275,29 @@ def test_icache_probe_kernels_have_their_sizes(cache_dir):
     assert np.max(np.abs(x.astype(np.float64).sum(axis=1) - want) / np.abs(want)) < 1e-6
 
 
+def test_kernel_sizes_reads_every_decode_kernels_code(tmp_path):
+    """benchmarks/kernel_sizes.py compiles every kernel of a model's decode groups and reports its SASS bytes (the
+    cubin's .text), registers and the fetch time of that code; its record lands in --out."""
+    import importlib.util
+    import json
+
+    here = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("kernel_sizes", here / "benchmarks" / "kernel_sizes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.kernel_sizes("tiny-llama", "f32", 64)
+    assert rows and {"gemm", "scatter_nocopy"} <= {r["kind"] for r in rows}
+    for r in rows:
+        assert r["sass_bytes"] > 0 and r["sass_bytes"] % 128 == 0 and r["registers"] > 0
+        assert r["fetch_us"] == round(r["sass_bytes"] / 1024 * mod.FETCH_NS_PER_KB / 1e3, 2)
+    assert mod.main(["--model", "tiny-llama", "--dtype", "f32", "--max-seq", "64", "--out", str(tmp_path),
+                     "--commit", "0" * 40]) == 0
+    (path,) = tmp_path.glob("kernel-sizes-tiny-llama-f32-*.json")
+    record = json.loads(path.read_text())
+    assert record["commit"] == "0" * 40 and len(record["rows"]) == len(rows)
+    assert sum(record["group_sass_bytes"].values()) == sum(r["sass_bytes"] for r in rows)
+
+
 def test_single_kernel_source_compiles_alone(cache_dir):
     """KernelSource.source is a complete module by itself."""
     op, dts = elementwise_ops()[3]

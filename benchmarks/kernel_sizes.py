@@ -1,0 +1,88 @@
+"""The code size of each decode kernel, and what fetching it costs a launch: a CPU measurement.
+
+    python benchmarks/kernel_sizes.py [--model gemma3-4b] [--dtype bf16] [--max-seq 512] [--out DIR] [--commit SHA]
+
+Why: an SM that has not run a kernel lately runs its straight-line code at the instruction-fetch rate, ≈ 77 ns a
+KB of SASS on the H200 against 32 cached, and its instruction cache holds between 32 and 64 KB
+(benchmarks/icache_probe.py, benchmarks/NOTES.md 2026-12-07). The latency-bound kernels between a decode layer's
+qkv and its FFN are unrolled straight lines run once a layer, so their code size is time on the chain. NVRTC
+compiles every kernel of the model's decode groups (the cost model's programs, as ``lum build`` starts from)
+for sm_90; the cubin's ``.text`` section gives the bytes, ptxas the registers and spills.
+
+Printed and saved (``<out>/kernel-sizes-<model>-<dtype>-<date>.json``): per kernel its op, grid and block, SASS
+KB, registers, spill bytes and the fetch time of all of its code at :data:`FETCH_NS_PER_KB` (an upper bound on
+what one launch pays: a warp runs only its own path); and per group the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import add_record_args, log, record_head, set_log_tag, text_sizes, write_record  # noqa: E402
+
+set_log_tag("kernel-sizes")
+FETCH_NS_PER_KB = 77.0     # straight-line code fetched, not cached (icache-probe-2026-12-07-2ea84da-h200.json)
+
+
+def kernel_sizes(model: str, dtype: str, max_seq: int, entry: str = "decode") -> list[dict]:
+    """A row per kernel of ``model``'s ``entry`` groups (group, op id, kind, op, grid, block, SASS bytes,
+    registers, spill bytes, fetch µs)."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+    from lum.builder.nvrtc import compile_cuda, ptxas_registers, ptxas_spills
+    from lum.format.dtypes import DType
+
+    groups = compile_graph(build_entry(named_config(model), entry, max_seq, DType.parse(dtype)))
+    dyn_vars = program_dyn_vars([g.program for g in groups])
+    rows = []
+    for gi, group in enumerate(groups):
+        sources = group_kernel_sources(group.program, dyn_vars, default_max_dyn(dyn_vars, max_seq))
+        for op_id, ks in sources.items():
+            if ks is None:
+                continue
+            res = compile_cuda(ks.source, "sm_90", name=f"{ks.name}.cu", ptx=False,
+                               extra_options=["--ptxas-options=-v"])
+            size = sum(text_sizes(res.cubin).values())
+            rows.append({"group": gi, "op": op_id, "kernel": ks.name, "kind": ks.kind,
+                         "what": ks.op + (f"+tail({len(ks.tails)})" if ks.tails else ""),
+                         "grid": str(ks.grid[0]), "block": ks.block[0], "sass_bytes": size,
+                         "registers": max(ptxas_registers(res.log).values(), default=0),
+                         "spill_bytes": max(ptxas_spills(res.log).values(), default=0),
+                         "fetch_us": round(size / 1024 * FETCH_NS_PER_KB / 1e3, 2)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma3-4b")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
+    ap.add_argument("--max-seq", type=int, default=512)
+    add_record_args(ap)
+    args = ap.parse_args(argv)
+    rows = kernel_sizes(args.model, args.dtype, args.max_seq)
+    totals: dict[int, int] = {}
+    print(f"{'group':>5} {'op':>4}  {'SASS KB':>7} {'regs':>4} {'spill':>5} {'fetch µs':>8}  kernel")
+    for r in rows:
+        totals[r["group"]] = totals.get(r["group"], 0) + r["sass_bytes"]
+        print(f"{r['group']:>5} {r['op']:>4}  {r['sass_bytes'] / 1024:7.1f} {r['registers']:>4} {r['spill_bytes']:>5} "
+              f"{r['fetch_us']:8.2f}  {r['kind']}/{r['what']} grid {r['grid']} × {r['block']}")
+    for g, total in totals.items():
+        print(f"group {g}: {total / 1024:.1f} KB of SASS, {total / 1024 * FETCH_NS_PER_KB / 1e3:.2f} µs to fetch once")
+    record = {**record_head("kernel-sizes", args.commit, None), "model": args.model, "dtype": args.dtype,
+              "max_seq": args.max_seq, "fetch_ns_per_KB": FETCH_NS_PER_KB, "rows": rows,
+              "group_sass_bytes": {str(g): t for g, t in totals.items()}}
+    log(f"wrote {write_record(record, args.out, f'kernel-sizes-{args.model}-{args.dtype}')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
