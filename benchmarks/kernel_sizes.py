@@ -17,7 +17,6 @@ what one launch pays: a warp runs only its own path); and per group the total.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
