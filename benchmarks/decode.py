@@ -79,9 +79,7 @@ What it does, in one run on one GPU:
      ``LUM_GEMV_TUNING=1.group=32`` (o in 160 blocks, a warp a column, all 8 vectors of a lane preloaded,
      64 KB, not 320 blocks of 32 KB: fewer blocks to make resident beside the attention's), ``lum-lmhead-group32``
      with ``LUM_GEMV_TUNING=0.group=32`` (on gemma3-4b only its LM head changes, the first GEMV of its group, to
-     32 threads a column: four columns a block, where its qkv already has 32), ``lum-att8`` / ``lum-att16``
-     with ``LUM_ATTENTION_WARPS=8`` / ``16`` (decode attention with its stage in blocks of at least 8 / 16
-     warps, each taking 2 / 1 of a chunk's 16 keys: gemma3-4b's takes 4 warps of 4);
+     32 threads a column: four columns a block, where its qkv already has 32);
      ``lum-tuned`` built by the measured search with ``--tuned-budget`` candidates a decode group (``lum build
      --tune decode``, lum.builder.tuning: each decode GEMV's block size, split, unroll, grid cap timed on the GPU;
      prefill keeps the cost model's choice).
@@ -149,7 +147,6 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-chunk32": {"LUM_ATTENTION_CHUNK": "32"}, "lum-chunk64": {"LUM_ATTENTION_CHUNK": "64"},
                  "lum-nosiblings": {"LUM_SIBLING_KERNELS": "0"},
                  "lum-nostage": {"LUM_ATTENTION_STAGE": "0"},
-                 "lum-att8": {"LUM_ATTENTION_WARPS": "8"}, "lum-att16": {"LUM_ATTENTION_WARPS": "16"},
                  "lum-nopreload-shared": {"LUM_GEMV_PRELOAD_SHARED": "0"},
                  "lum-narrow-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "1"}, "lum-wide-a": {"LUM_GEMV_PROLOGUE_NARROW_A": "0"},
                  "lum-prologue512": {"LUM_GEMV_PROLOGUE_THREADS": "512"},

@@ -5,7 +5,7 @@ a decode attention kernel that runs an attention stage."""
 
 from __future__ import annotations
 
-from lum.builder.env_switches import env_choice, env_switch
+from lum.builder.env_switches import env_switch
 from lum.builder.intmath import is_one, pow2ceil
 from lum.format.expr import Expr, as_expr
 from lum.format.llir import LOp, attention_dims
@@ -13,15 +13,13 @@ from lum.format.shapetracker import numel
 
 __all__ = ["ATTENTION_MAX_GROUP", "ATTENTION_MERGE_SMEM", "FLASH_MAX_D", "FLASH_TILE_KEYS", "ENV_FLASH_ATTENTION",
            "attention_row_dims", "attention_group_rows", "attention_stage_block", "flash_attention",
-           "flash_attention_enabled", "flash_features_fit", "ENV_ATTENTION_WARPS",
-           "attention_min_warps"]
+           "flash_attention_enabled", "flash_features_fit"]
 
 ATTENTION_MAX_GROUP = 8                          # query rows sharing a K / V row that one attention block holds
 ATTENTION_MERGE_SMEM = 40 * 1024                 # static shared memory for decode attention's merged partials
 FLASH_MAX_D = 256                                # flash attention (many rows a K / V row): features, at most
 FLASH_TILE_KEYS = (16, 32, 64, 128)              # the key tiles it takes (tile_keys)
 ENV_FLASH_ATTENTION = "LUM_FLASH_ATTENTION"     # 0: prefill attention as GEMMs, not flash attention
-ENV_ATTENTION_WARPS = "LUM_ATTENTION_WARPS"     # 8 / 16: a stage's decode attention takes at least that many warps
 
 
 def attention_row_dims(op: LOp) -> tuple[list[int], list[int]]:
@@ -39,24 +37,17 @@ def attention_group_rows(op: LOp) -> Expr:
     return numel(tuple(r[i] for i in attention_row_dims(op)[0]))
 
 
-def attention_min_warps() -> int:
-    """``$LUM_ATTENTION_WARPS`` (4, the default; 8 or 16): the fewest warps of a decode attention kernel that runs
-    its stage. More warps take fewer keys each (UNROLL = chunk / warps), so each warp's chain of loads, dots and
-    shuffles a step is shorter, and merge more partials."""
-    return env_choice(ENV_ATTENTION_WARPS, {"4": 4, "8": 8, "16": 16}, "4")
-
-
 def attention_stage_block(op: LOp) -> tuple[int, int] | None:
     """(threads, unroll) of a decode attention kernel that runs its stage: enough warps (a power of two, at least
-    4, or :func:`attention_min_warps`) for the stage's M query rows and its k and v rows to take one round, and
-    UNROLL keys a warp so that WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six
-    rows) ran in two rounds, warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips (one
-    round measured +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round
-    or where the chunk cannot be split so."""
-    rows, chunk, least = attention_group_rows(op), int(op.params["chunk"]), attention_min_warps()
-    if not rows.is_const or max(rows.value + 2, least) <= 4:
+    4) for the stage's M query rows and its k and v rows to take one round, and UNROLL keys a warp so that
+    WARPS · UNROLL is still the chunk. With 4 warps llama3-1b's stage (M = 4: six rows) ran in two rounds,
+    warps 0 and 1 a query row and then the k or v row: two dependent L2 round trips (one round measured
+    +1.2% on llama3-1b, 935f585). ``None`` (4 warps of 4 keys) where they already take one round or where the
+    chunk cannot be split so. (gemma3-4b's in 8 warps of 2 keys measured even on the H200, 2ea84da.)"""
+    rows, chunk = attention_group_rows(op), int(op.params["chunk"])
+    if not rows.is_const or rows.value + 2 <= 4:
         return None
-    warps = max(pow2ceil(rows.value + 2), least)
+    warps = pow2ceil(rows.value + 2)
     if warps > chunk or chunk % warps or warps > 32:
         return None
     return 32 * warps, chunk // warps

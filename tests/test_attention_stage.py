@@ -168,22 +168,6 @@ def test_one_round_stage_takes_warps_for_every_stage_row(model, block):
         assert "for (int lum_r = 0; lum_r < 1; ++lum_r)" in ks[0].body
 
 
-@pytest.mark.parametrize("warps,block", [("8", (256, 2)), ("16", (512, 1))])
-def test_attention_warps_sets_the_stage_blocks_least_warps(monkeypatch, warps, block):
-    """``$LUM_ATTENTION_WARPS`` gives gemma3-4b's decode attention (a stage of 2 query rows, 4 warps by default)
-    that many warps, each taking chunk / warps keys; other values are refused."""
-    monkeypatch.setenv("LUM_ATTENTION_WARPS", warps)
-    prog, dv = _layer("gemma3-4b", DType.bf16)
-    att = _attention(prog)
-    assert attention_stage_block(att) == block
-    ks = [k for k in group_kernel_sources(prog, dv, default_max_dyn(dv, MAX_SEQ)).values()
-          if k is not None and att.id in k.tails]
-    assert len(ks) == 1 and ks[0].block[0] == block[0] and ks[0].tuning["unroll"] == block[1]
-    monkeypatch.setenv("LUM_ATTENTION_WARPS", "6")
-    with pytest.raises(ValueError, match="LUM_ATTENTION_WARPS"):
-        attention_stage_block(att)
-
-
 def test_trigger_after_stage():
     """Of gemma3-4b's decode layer kernels only the fused attention lets the next kernel launch after its
     stage's barrier: no trigger in its preamble (a start stamp instead), one after the barrier, once a block;

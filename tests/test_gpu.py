@@ -415,9 +415,7 @@ FUSED_VARIANTS = {"attention-stage": (None, {"LUM_ATTENTION_STAGE": "0"}, _any_o
                                        _any_op(lambda op: op.tuning.get("stream"))),
                   "norms-ahead": ({"LUM_NORMS_AHEAD": "1"}, {"LUM_NORMS_AHEAD": "0"}, _plain_qkv_layer),
                   "row-online": (None, {"LUM_ROW_ONLINE": "0"}, _any_op(lambda op: op.tuning.get("online"))),
-                  "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine"))),
-                  "attention-warps16": ({"LUM_ATTENTION_WARPS": "16"}, None,
-                                        _any_op(lambda op: _stage_kernel(op) and op.tuning.get("threads") == 512))}
+                  "o-combine": (None, {"LUM_O_COMBINE": "0"}, _any_op(lambda op: op.tuning.get("o_combine")))}
 
 
 @pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
@@ -432,9 +430,7 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     attention's combine visiting its chunks once with a running maximum (the default; against
     ``LUM_ROW_ONLINE=0``, builder/row_codegen.py: a rounding apart), or o split by head with the combine inside
     it (the default, builder/o_combine.py: a thread block cluster a column group; against ``LUM_O_COMBINE=0``,
-    the heads summed in another order), or decode attention with its stage in blocks of 16 warps of one key a step
-    (``LUM_ATTENTION_WARPS=16``; against the default's 4 or 8, which tiny-qwen3 takes as llama3-1b does: the
-    partials merged over more warps, a rounding apart); none changes a token. Decode logits of the
+    the heads summed in another order); none changes a token. Decode logits of the
     fused package as the reference backend's (arena poisoned), and 40 greedy tokens (up to p = 47: three
     attention chunks) as the reference backend's and as the package without the fusion, graphs replayed."""
     from lum.builder.models import load_spec
