@@ -19,7 +19,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -92,9 +92,7 @@ class ProbeDevice:
         self.info = cu.device_info(0)
         self.ctx = cu.Context(0)
         self.stream = cu.Stream()
-        source = "".join(p.read_text() for p in (HERE.parent / "templates" / "common.cuh", HERE / "probe.cuh",
-                                                 HERE / cu_file)) + extra
-        self.cubin = nvrtc.compile_cuda(source, self.info.sm, name=cu_file).cubin
+        self.cubin = nvrtc.compile_cuda(probe_source(cu_file) + extra, self.info.sm, name=cu_file).cubin
         self.module = cu.Module(self.cubin, cu_file)
         self.timed = EventTimer(cu, self.stream)
         self._buffers: list = []
@@ -157,6 +155,34 @@ class ProbeDevice:
         self.module.close()
         self.stream.close()
         self.ctx.close()
+
+
+def probe_source(cu_file: str) -> str:
+    """A GPU probe's kernel text: templates/common.cuh, benchmarks/probe.cuh, then ``benchmarks/<cu_file>``."""
+    return "".join(p.read_text() for p in (HERE.parent / "templates" / "common.cuh", HERE / "probe.cuh", HERE / cu_file))
+
+
+def entry_kernel_sources(model: str, entry: str, max_seq: int, dtype: str = "bf16") -> tuple[list, list[str]]:
+    """([(program, op id -> KernelSource or None)] for each group of ``model``'s ``entry``, the dyn vars): the cost
+    model's programs and their kernels, as ``lum build`` starts from (the probes take lum's own kernels from here)."""
+    from lum.builder.compile import compile_graph
+    from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+    from lum.format.dtypes import DType
+
+    groups = compile_graph(build_entry(named_config(model), entry, max_seq, DType.parse(dtype)))
+    dyn_vars = program_dyn_vars([g.program for g in groups])
+    max_dyn = default_max_dyn(dyn_vars, max_seq)
+    return [(g.program, group_kernel_sources(g.program, dyn_vars, max_dyn)) for g in groups], dyn_vars
+
+
+def decode_layer_kernels(model: str, max_seq: int, dtype: str = "bf16") -> tuple[Any, dict, list[str]]:
+    """(program, op id -> KernelSource, dyn vars) of ``model``'s decode layer group: the one holding the most
+    kv-cache writes."""
+    groups, dyn_vars = entry_kernel_sources(model, "decode", max_seq, dtype)
+    program, sources = max(groups, key=lambda g: sum(o.kind == "scatter_nocopy" for o in g[0].ops))
+    return program, sources, dyn_vars
 
 
 def text_sizes(cubin: bytes) -> dict[str, int]:

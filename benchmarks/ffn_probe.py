@@ -55,8 +55,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (ProbeDevice, bf16_bits, bf16_float, bf16_round, log, probe_parser, record_head,  # noqa: E402
-                     set_log_tag, stretch_result, write_record)
+from _common import (ProbeDevice, bf16_bits, bf16_float, bf16_round, decode_layer_kernels, log,  # noqa: E402
+                     probe_parser, record_head, set_log_tag, stretch_result, write_record)
 
 set_log_tag("ffn-probe")
 
@@ -102,16 +102,7 @@ def check(outs: list[np.ndarray], x0: np.ndarray, dense, order) -> tuple[float, 
 def lum_kernels():
     """lum's gate-up (with its epilogue) and down kernels (KernelSource) of gemma3-4b's bf16 decode layer, and the
     gate-up op's constant operands' values, in argument order."""
-    from lum.builder.compile import compile_graph
-    from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
-    from lum.format.dtypes import DType
-
-    cgs = compile_graph(build_entry(named_config("gemma3-4b"), "decode", 512, DType.bf16))
-    dv = program_dyn_vars([cg.program for cg in cgs])
-    prog = max(cgs, key=lambda cg: sum(o.kind == "scatter_nocopy" for o in cg.program.ops)).program
-    ks = group_kernel_sources(prog, dv, default_max_dyn(dv, 512))
+    prog, ks, _ = decode_layer_kernels("gemma3-4b", 512)
     (gu,) = [o for o in prog.ops if o.kind == "gemm" and "epilogue" in o.params]
     (dn,) = [o for o in prog.ops if o.kind == "gemm" and o.args[0].src == gu.id]
     consts = [float(prog.ops[a.src].params["value"]) for a in gu.args[2:]]

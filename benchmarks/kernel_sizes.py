@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import add_record_args, log, record_head, set_log_tag, text_sizes, write_record  # noqa: E402
+from _common import (add_record_args, entry_kernel_sources, log, record_head, set_log_tag, text_sizes,  # noqa: E402
+                     write_record)
 
 set_log_tag("kernel-sizes")
 FETCH_NS_PER_KB = 77.0     # straight-line code fetched, not cached (icache-probe-2026-12-07-2ea84da-h200.json)
@@ -33,18 +34,10 @@ FETCH_NS_PER_KB = 77.0     # straight-line code fetched, not cached (icache-prob
 def kernel_sizes(model: str, dtype: str, max_seq: int, entry: str = "decode") -> list[dict]:
     """A row per kernel of ``model``'s ``entry`` groups (group, op id, kind, op, grid, block, SASS bytes,
     registers, spill bytes, fetch µs)."""
-    from lum.builder.compile import compile_graph
-    from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
     from lum.builder.nvrtc import compile_cuda, ptxas_registers, ptxas_spills
-    from lum.format.dtypes import DType
 
-    groups = compile_graph(build_entry(named_config(model), entry, max_seq, DType.parse(dtype)))
-    dyn_vars = program_dyn_vars([g.program for g in groups])
     rows = []
-    for gi, group in enumerate(groups):
-        sources = group_kernel_sources(group.program, dyn_vars, default_max_dyn(dyn_vars, max_seq))
+    for gi, (_, sources) in enumerate(entry_kernel_sources(model, entry, max_seq, dtype)[0]):
         for op_id, ks in sources.items():
             if ks is None:
                 continue

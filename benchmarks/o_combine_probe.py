@@ -46,8 +46,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _common import (ProbeDevice, add_record_args, bf16_bits, bf16_round, log, record_head, set_log_tag,  # noqa: E402
-                     write_record)
+from _common import (ProbeDevice, add_record_args, bf16_bits, bf16_round, decode_layer_kernels, log,  # noqa: E402
+                     record_head, set_log_tag, write_record)
 
 set_log_tag("o-combine-probe")
 
@@ -89,16 +89,7 @@ def check(outs: list[np.ndarray], wants: list[np.ndarray]) -> tuple[float, bool]
 
 def lum_kernels(max_seq: int):
     """lum's combine and o kernels (KernelSource) of gemma3-4b's bf16 decode layer, and the dyn vars."""
-    from lum.builder.compile import compile_graph
-    from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
-    from lum.format.dtypes import DType
-
-    cgs = compile_graph(build_entry(named_config("gemma3-4b"), "decode", max_seq, DType.bf16))
-    dv = program_dyn_vars([cg.program for cg in cgs])
-    prog = max(cgs, key=lambda cg: sum(o.kind == "scatter_nocopy" for o in cg.program.ops)).program
-    ks = group_kernel_sources(prog, dv, default_max_dyn(dv, max_seq))
+    prog, ks, dv = decode_layer_kernels("gemma3-4b", max_seq)
     (cid,) = [i for i, k in ks.items() if k is not None and k.kind == "reduce" and k.tuning.get("online")]
     (oid,) = [o.id for o in prog.ops if o.kind == "gemm" and o.args[0].src == cid]
     return ks[cid], ks[oid], dv

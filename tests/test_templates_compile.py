@@ -222,15 +222,23 @@ def test_gemv_preload_and_launch_order_compile(cache_dir, arch):
                        for entry in res.ptx.split(".entry")[1:] if "griddepcontrol.wait" in entry)
 
 
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py as a module (the scripts put benchmarks/ on sys.path for their _common)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("probe,entries", [("pdl_probe.cu", 2), ("phase_probe.cu", 2), ("stream_probe.cu", 3),
                                            ("ring_probe.cu", 10), ("ffn_probe.cu", 9), ("layer_probe.cu", 8),
                                            ("o_combine_probe.cu", 3)])
 def test_benchmark_probe_kernels_compile(cache_dir, probe, entries):
     """The GPU probes' kernels (benchmarks/pdl_probe.py, phase_probe.py, stream_probe.py, ring_probe.py,
     ffn_probe.py, layer_probe.py, o_combine_probe.py: common.cuh, probe.cuh, the probe)."""
-    root = Path(__file__).resolve().parent.parent
-    src = "".join(p.read_text() for p in (root / "templates" / "common.cuh", root / "benchmarks" / "probe.cuh",
-                                          root / "benchmarks" / probe))
+    src = _benchmark_module("_common").probe_source(probe)
     res = nvrtc.compile_cuda(src, "sm_90", name=probe, cache_dir=cache_dir)
     assert res.cubin[:4] == b"\x7fELF" and res.ptx.count(".entry") == entries
     if probe in ("stream_probe.cu", "ring_probe.cu", "layer_probe.cu"):   # rows streamed by the copy engine
@@ -240,12 +248,7 @@ def test_benchmark_probe_kernels_compile(cache_dir, probe, entries):
 def test_cluster_occupancy_standin_compiles(cache_dir):
     """benchmarks/cluster_occupancy.py's stand-in kernel (cluster_occupancy.cu: a qkv-sized block of 512 threads with dynamic shared memory)
     compiles, and the script's shapes are the qkv's and half its shared memory, in clusters of 8 and 16."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "cluster_occupancy.py"
-    spec = importlib.util.spec_from_file_location("cluster_occupancy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_module("cluster_occupancy")
     res = nvrtc.compile_cuda(mod.SOURCE, "sm_90", name="cluster_occupancy.cu", cache_dir=cache_dir)
     assert res.cubin[:4] == b"\x7fELF" and res.ptx.count(".entry") == 1 and "lum_cluster_standin" in res.ptx
     assert (512, 80, 16) in mod.SHAPES and {c for _, _, c in mod.SHAPES} == {8, 16}
@@ -254,15 +257,8 @@ def test_cluster_occupancy_standin_compiles(cache_dir):
 def test_icache_probe_kernels_have_their_sizes(cache_dir):
     """benchmarks/icache_probe.py's kernels compile to straight lines of the code sizes it reports (its .text reader),
     and its float64 reference of a kernel's sums is the float32 FMA chain's to 1e-6."""
-    import importlib.util
-
-    here = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("icache_probe", here / "benchmarks" / "icache_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    source = "".join((here / p).read_text() for p in ("templates/common.cuh", "benchmarks/probe.cuh",
-                                                     "benchmarks/icache_probe.cu"))
-    res = nvrtc.compile_cuda(source, "sm_90", name="icache_probe.cu", ptx=False, cache_dir=cache_dir)
+    mod = _benchmark_module("icache_probe")
+    res = nvrtc.compile_cuda(_benchmark_module("_common").probe_source("icache_probe.cu"), "sm_90", name="icache_probe.cu", ptx=False, cache_dir=cache_dir)
     sizes = mod.text_sizes(res.cubin)
     for name, steps in mod.PROBES.items():
         assert abs(sizes[f"icache_probe_{name}"] - steps * 8 * 16) < 2048, (name, sizes)
@@ -278,13 +274,9 @@ def test_icache_probe_kernels_have_their_sizes(cache_dir):
 def test_kernel_sizes_reads_every_decode_kernels_code(tmp_path):
     """benchmarks/kernel_sizes.py compiles every kernel of a model's decode groups and reports its SASS bytes (the
     cubin's .text), registers and the fetch time of that code; its record lands in --out."""
-    import importlib.util
     import json
 
-    here = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("kernel_sizes", here / "benchmarks" / "kernel_sizes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark_module("kernel_sizes")
     rows = mod.kernel_sizes("tiny-llama", "f32", 64)
     assert rows and {"gemm", "scatter_nocopy"} <= {r["kind"] for r in rows}
     for r in rows:
