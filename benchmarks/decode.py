@@ -64,9 +64,9 @@ What it does, in one run on one GPU:
      weights preload into shared memory, ``=shared``), ``lum-lmhead-prologue`` with
      ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
      gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
-     down projection, loads 4 weight vectors a lane ahead), ``lum-gateup-inflight2`` / ``-inflight4`` / ``-inflight5`` / ``-unroll8`` /
-     ``-threads256`` / ``-group32`` / ``-group128`` / ``-max_blocks1320`` / ``-max_blocks2640`` with
-     ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third GEMV,
+     down projection, loads 4 weight vectors a lane ahead), ``lum-gateup-inflight2`` / ``-inflight4`` /
+     ``-inflight5`` / ``-unroll8`` / ``-threads256`` / ``-group32`` / ``-group128`` / ``-max_blocks1320`` /
+     ``-max_blocks2640`` with ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third GEMV,
      gemma3-4b's gate-up, with that one parameter changed: it streams at 93% of the copy rate on the H200, 98% on
      the H100, benchmarks/NOTES.md 2026-12-07), ``lum-chunk32`` / ``lum-chunk64`` with
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
@@ -139,8 +139,8 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  **{f"lum-gateup-{k}{v}": {"LUM_GEMV_TUNING": f"2.{k}={v}"}
-                    for k, v in (("inflight", 2), ("inflight", 4), ("inflight", 5), ("unroll", 8), ("threads", 256), ("group", 32), ("group", 128),
-                                 ("max_blocks", 1320), ("max_blocks", 2640))},
+                    for k, v in (("inflight", 2), ("inflight", 4), ("inflight", 5), ("unroll", 8), ("threads", 256),
+                                 ("group", 32), ("group", 128), ("max_blocks", 1320), ("max_blocks", 2640))},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},
                  "lum-norms-ahead-noprologue": {"LUM_NORMS_AHEAD": "1", "LUM_GEMV_PROLOGUE": "0"},
                  "lum-qkv1024": {"LUM_GEMV_TUNING": "0.threads=1024"},
