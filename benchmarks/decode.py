@@ -64,11 +64,13 @@ What it does, in one run on one GPU:
      weights preload into shared memory, ``=shared``), ``lum-lmhead-prologue`` with
      ``LUM_GEMV_PROLOGUE_MAX_COLS=131072`` (the LM head computes the final norm itself; on gemma3-4b its
      gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
-     down projection, loads 4 weight vectors a lane ahead), ``lum-gateup-inflight2`` / ``-inflight4`` /
-     ``-inflight5`` / ``-unroll8`` / ``-threads256`` / ``-group32`` / ``-group128`` / ``-max_blocks1320`` /
-     ``-max_blocks2640`` with ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third GEMV,
-     gemma3-4b's gate-up, with that one parameter changed: it streams at 93% of the copy rate on the H200, 98% on
-     the H100, benchmarks/NOTES.md 2026-12-07), ``lum-chunk32`` / ``lum-chunk64`` with
+     down projection, loads 4 weight vectors a lane ahead), ``lum-gateup-inflight0`` / ``-inflight2`` /
+     ``-inflight4`` / ``-inflight5`` / ``-unroll8`` / ``-threads256`` / ``-group32`` / ``-group128`` /
+     ``-max_blocks1320`` / ``-max_blocks2640`` with ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third
+     GEMV, gemma3-4b's gate-up, with that one parameter changed: at 2ea84da it streamed at 93% of the copy rate on
+     the H200, 98% on the H100, benchmarks/NOTES.md 2026-12-07; ``-inflight0`` is the compiler's loop it had
+     before all five of a lane's vectors a column went ahead by default, gemv_policy.gemv_inflight_for),
+     ``lum-chunk32`` / ``lum-chunk64`` with
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
      ``lum-norms-ahead`` with ``LUM_NORMS_AHEAD=0`` / ``1`` (each decode layer's input norm as its qkv's
      prologue / at the end of the layer before: builder/models/transformer.py ``norms_ahead``; on by default for
@@ -108,6 +110,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 import traceback
@@ -139,8 +142,9 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  **{f"lum-gateup-{k}{v}": {"LUM_GEMV_TUNING": f"2.{k}={v}"}
-                    for k, v in (("inflight", 2), ("inflight", 4), ("inflight", 5), ("unroll", 8), ("threads", 256),
-                                 ("group", 32), ("group", 128), ("max_blocks", 1320), ("max_blocks", 2640))},
+                    for k, v in (("inflight", 0), ("inflight", 2), ("inflight", 4), ("inflight", 5), ("unroll", 8),
+                                 ("threads", 256), ("group", 32), ("group", 128), ("max_blocks", 1320),
+                                 ("max_blocks", 2640))},
                  "lum-norms-behind": {"LUM_NORMS_AHEAD": "0"}, "lum-norms-ahead": {"LUM_NORMS_AHEAD": "1"},
                  "lum-norms-ahead-noprologue": {"LUM_NORMS_AHEAD": "1", "LUM_GEMV_PROLOGUE": "0"},
                  "lum-qkv1024": {"LUM_GEMV_TUNING": "0.threads=1024"},
@@ -166,6 +170,7 @@ CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV and s not in TUNED_SYSTEMS)
 BUILD_CAP_S = 240.0
+DISK_MARGIN = 2 << 30       # bytes left free beside a package about to be built (the device's 64 GiB hold 7 of gemma3-4b)
 
 
 # ====================================================================== environment
@@ -577,10 +582,18 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
             budget = args.tuned_budget if s in TUNED_SYSTEMS else args.budget
             by_env.setdefault((tuple(sorted(LUM_BUILD_ENV.get(s, {}).items())), budget), []).append(s)
     pkgs = {}
+    pkg_bytes = weight_bytes or 0           # what one more package takes on the disk, about (the last one built)
     for (env_key, budget), names in by_env.items():
         lum_rows = [rows[s] for s in names]
         tag = "".join(f"-{k.lower()}{v}" for k, v in env_key) + (f"-budget{budget}" if budget != args.budget else "")
         pkg = Path(args.pkg) if args.pkg and not tag else workdir / f"{args.model}-{args.dtype}{tag}.lumpkg"
+        free = shutil.disk_usage(workdir).free
+        if not pkg.exists() and free < pkg_bytes + DISK_MARGIN:     # every package stays until the systems ran
+            for r in lum_rows:
+                r["error"] = (f"not built: {free / 1e9:.1f} GB free on the disk, a package takes about "
+                              f"{pkg_bytes / 1e9:.1f} GB (fewer lum systems a run)")
+            log(lum_rows[0]["error"])
+            continue
         if not pkg.exists():
             left = deadline - time.perf_counter()
             log(f"lum build{' with ' + ' '.join(f'{k}={v}' for k, v in env_key) if env_key else ''}"
@@ -597,9 +610,10 @@ def _run(args, torch, target, deadline, max_seq, systems, rows, result, workdir)
                 result["timings_s"]["lum_build" + tag.replace("-", "_")] = round(build_s, 1)
                 lum_rows[0]["build_s"] = round(build_s, 1)
         if pkg.exists():
+            pkg_bytes = pkg.stat().st_size
             for s in names:
                 pkgs[s] = str(pkg)
-                rows[s]["package_bytes"] = pkg.stat().st_size
+                rows[s]["package_bytes"] = pkg_bytes
 
     # 4. the systems, each in its own process
     outputs = run_systems(rows, CAP_S, deadline, args.time_limit,

@@ -67,7 +67,9 @@ or ``max_dyn`` bounds the dyn vars), else 64-bit (``index_bits`` forces either).
 gemv's B operand; ``None`` picks the widest legal one), ``group`` (threads per output row, reduce;
 threads reducing one output column, gemv — above 32 a split-K across warps), ``unroll`` (gemv k-loop unroll, default 4),
 ``inflight`` (gemv, dot scheme: vector loads of the weights a lane issues before it uses any; 0 leaves
-the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else 0), ``preload`` (gemv,
+the schedule to the compiler's unrolled loop; default ``$LUM_GEMV_INFLIGHT``, else
+:func:`~lum.builder.gemv_policy.gemv_inflight_for`: all of a lane's few vectors in an epilogue GEMV, else 0),
+``preload`` (gemv,
 dot scheme: vectors of the weights, per product column, that each lane loads from its column of the
 block's first tile into registers before the kernel waits for its predecessor, together at most
 :data:`~lum.builder.gemv_policy.GEMV_PRELOAD_VECTORS`; default ``$LUM_GEMV_PRELOAD``, else 0; see also
@@ -409,7 +411,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
     :mod:`lum.builder.attention_codegen`, :mod:`lum.builder.gemv_codegen`)."""
 
     def __init__(self, op: LOp, dts: list[DType], ctx: KernelContext, *, threads: int, ept: int | None, vec: int | None,
-                 group: int | None, unroll: int | None, inflight: int, max_blocks: int, acc: str, math: str,
+                 group: int | None, unroll: int | None, inflight: int | None, max_blocks: int, acc: str, math: str,
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
                  stage: AttentionStage | None = None, tile_keys: int | None = None):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from lum.builder.env_switches import CodegenError
 from lum.builder.gemv_policy import (GEMV_MAX_ACC, GEMV_MAX_INFLIGHT, GEMV_PRELOAD_VECTORS, GEMV_SHARED_PRELOAD_BYTES,
-                                     GEMV_SHARED_PRELOAD_VECTORS, SMS, gemv_evict_first, gemv_prologue_fits,
-                                     gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_rows)
+                                     GEMV_SHARED_PRELOAD_VECTORS, SMS, gemv_evict_first, gemv_inflight_for,
+                                     gemv_prologue_fits, gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_rows)
 from lum.builder.intmath import pow2ceil
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, index_vars, load_conv, load_template, render,
                                      store_conv, unravel_index, value_kind)
@@ -69,7 +69,10 @@ class GemvKernels:
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
-        inflight = self._gemv_vectors("inflight", self.inflight, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
+        lane_vectors = -(-k.value // (vec * group)) if k.is_const else None
+        asked = self.inflight if self.inflight is not None else gemv_inflight_for(bool(epilogue) and not prologue,
+                                                                                  lane_vectors)
+        inflight = self._gemv_vectors("inflight", asked, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         shared = 0           # bytes a block's shared preload may take: 16-byte copies only, beside the static
         if self.preload_shared and b_kc and vec * dtb.itemsize == 16:     # arrays (the prologue's A, the sums)
             static = (m * k.value * dta.itemsize if prologue and k.is_const else 0) + 4096

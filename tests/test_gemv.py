@@ -437,6 +437,32 @@ def test_loads_ahead_defaults_registers_and_environment(monkeypatch):
         generate(gate_up, [], arg_dtypes=[BF16, BF16], inflight=17)
 
 
+def test_epilogue_gemv_loads_its_few_vectors_ahead(monkeypatch):
+    """By default only a GEMV with a fused epilogue and no prologue whose lanes walk a few vectors a column loads
+    them all ahead (gemv_policy.gemv_inflight_for): gemma3-4b's gate-up, 5 vectors a lane in each of its two
+    columns (2,560 / 8 / 64), with A's vectors ahead too; its other GEMVs keep the compiler's loop, as gemma3-4b
+    in float32 does (10 vectors a lane). ``$LUM_GEMV_TUNING`` and ``$LUM_GEMV_INFLIGHT`` still set it."""
+    from lum.builder.gemv_policy import GEMV_EPILOGUE_AHEAD, gemv_inflight_for
+    from tests.test_attention_stage import _layer
+
+    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT"):
+        monkeypatch.delenv(var, raising=False)
+    prog, dv = _layer("gemma3-4b", BF16)
+    gemvs = _layer_gemvs(prog, dv)
+    assert [k.tuning["inflight"] for k in gemvs] == [0, 0, 5, 0], [k.tuning for k in gemvs]
+    assert gemvs[2].tuning["epilogue"] == 2 and "constexpr bool A_EARLY = true;" in gemvs[2].body
+    f32 = _layer_gemvs(*_layer("gemma3-4b", DType.f32))
+    assert f32[2].tuning.get("epilogue") == 2 and f32[2].tuning["inflight"] == 0, f32[2].tuning
+    monkeypatch.setenv("LUM_GEMV_TUNING", "2.inflight=0")
+    assert _layer_gemvs(prog, dv)[2].tuning["inflight"] == 0
+    monkeypatch.delenv("LUM_GEMV_TUNING")
+    monkeypatch.setenv("LUM_GEMV_INFLIGHT", "0")
+    assert [k.tuning["inflight"] for k in _layer_gemvs(prog, dv)] == [0, 0, 0, 0]
+    assert gemv_inflight_for(True, GEMV_EPILOGUE_AHEAD) == GEMV_EPILOGUE_AHEAD
+    assert gemv_inflight_for(True, GEMV_EPILOGUE_AHEAD + 1) == gemv_inflight_for(False, 2) == 0
+    assert gemv_inflight_for(True, None) == 0
+
+
 def test_bf16_rounding_of_the_float_sum(host_lib):
     """A bf16 result is the f32 sum rounded once (to nearest even), as the reference rounds float64."""
     lib, kernels = host_lib
@@ -727,6 +753,7 @@ def test_a_preload_that_would_unbalance_the_grid_is_dropped(monkeypatch):
     layer = max(cgs, key=lambda cg: cg.stats.get("chunks", 1)).program
     monkeypatch.setenv("LUM_GEMV_PRELOAD_SHARED", "0")     # register preloads only (qkv's shared one: below)
     monkeypatch.setenv("LUM_GEMV_PROLOGUE_PAIRS", "0")     # one column a warp, as the counts below
+    monkeypatch.setenv("LUM_GEMV_INFLIGHT", "0")           # gate-up's loads ahead off: a preload is none beside them
 
     def preloads() -> list[tuple[int, int, int]]:   # (n, preload, grid) a GEMV
         gen = group_kernel_sources(layer, dv, {"p": 512}, {})
