@@ -403,6 +403,9 @@ def gemv_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndarray]
     for kind in ("gated", "residual", "normed_gated"):
         for n_out in (40, 4104):
             _gemv_epilogue_case(b, rng, f"gemv.epilogue.{kind}.n{n_out}", kind, dt, n_out, 72)
+    # gemma3-4b's gate-up k: two warps a column, each lane's 5 (bf16) or 10 (f32) vectors a column loaded ahead
+    # by default where they are at most 8 (gemv_policy.gemv_inflight_for), else by the compiler's loop
+    _gemv_epilogue_case(b, rng, "gemv.epilogue.gated.n40.k2560", "gated", dt, 40, 2560)
     return b.program(f"gemv.{dt.value}"), b.arrays, b
 
 
