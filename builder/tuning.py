@@ -123,7 +123,8 @@ GEMV_TUNING_DECISIONS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("threads", (None, 128, 256, 512, 1024)),
     ("group", (None, 32, 64, 128)),
     ("unroll", (None, 8)),          # k-loop unroll (None: the group-wide value)
-    ("inflight", (None, 4, 8)),     # vector loads a lane issues ahead (None: $LUM_GEMV_INFLIGHT, else 0)
+    ("inflight", (None, 4, 8)),     # vector loads a lane issues ahead (None: $LUM_GEMV_INFLIGHT, else the
+                                    # GEMV's default, gemv_policy.gemv_inflight_for)
     ("preload", (None, 1, 2, 4)),   # first weight vectors into registers before the wait (None: $LUM_GEMV_PRELOAD;
                                     # 4 in every GEMV: llama3-1b +3.0%, gemma3-4b -10.6%, 14a819d)
     ("max_blocks", (None, 132, 264)),   # grid cap: one or two blocks an SM (a prologue GEMV's blocks each
