@@ -170,7 +170,7 @@ CAP_S = {**{s: 120.0 for s in LUM_OPTIONS}, "lum": 200.0, "hf-eager": 150.0,
          "hf-compile": 330.0}                                                   # per worker (the limit wins)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in LUM_BUILD_ENV and s not in TUNED_SYSTEMS)
 BUILD_CAP_S = 240.0
-DISK_MARGIN = 2 << 30       # bytes left free beside a package about to be built (the device's 64 GiB hold 7 of gemma3-4b)
+DISK_MARGIN = 2 << 30       # bytes left free beside a package about to be built (a 64 GiB disk holds 7 of gemma3-4b)
 
 
 # ====================================================================== environment

@@ -27,8 +27,8 @@ __all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "
            "gemv_prologue_fits", "gemv_prologue_pairs", "gemv_prologue_threads", "gemv_balance", "blocks_unbalanced",
            "gemv_preload_default", "gemv_evict_first", "gemv_prologue_narrow_a", "gemv_inflight_default",
            "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
-           "GEMV_PRELOAD_AFTER_GEMV",
-           "gemv_preload_after_gemv", "gemv_preload_shared", "gemv_tile_a_block", "prologue_walks_tiles"]
+           "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv", "gemv_preload_shared", "gemv_tile_a_block",
+           "prologue_walks_tiles"]
 
 GEMV_MAX_M = 8                                   # gemms with a static m up to this run lum's gemv.cu
 PROLOGUE_SMEM_BYTES = 40 * 1024                 # a gemv prologue's A (floats) in static shared memory, at most
@@ -171,7 +171,7 @@ def gemv_inflight_for(fused_epilogue: bool, lane_vectors: int | None) -> int:
     when they are at most :data:`GEMV_EPILOGUE_AHEAD`, else 0 (the compiler's loop). That is gemma3-4b's gate-up:
     5 vectors a lane in each of its two columns, which the compiler's loop loaded one step at a time (one
     weight vector a column in flight, a bounds branch between steps). All 10 ahead, on an H100 (1aa2a35, two
-    runs, same runs, tokens equal): +1.0% and +1.0% a decode step (330.5 / 330.3 against 327.2 / 327.0
+    runs, tokens equal to the loop's): +1.0% and +1.0% a decode step (330.5 / 330.3 against 327.2 / 327.0
     tok/s), 2 ahead +0.6%, 4 ahead −1.1% (a second pass for the fifth). Every other GEMV keeps the loop: loads
     ahead in all of them measured −2.7% on gemma3-4b and −2.6% on llama3-1b (0c79be2)."""
     if fused_epilogue and lane_vectors is not None and lane_vectors <= GEMV_EPILOGUE_AHEAD:
