@@ -59,6 +59,29 @@ def test_decode_benchmark_records_an_unavailable_backend(tmp_path):
     assert row["tok_per_s"] is None and "no-such-backend" in row["error"]
 
 
+def test_a_package_the_disk_cannot_hold_is_not_built(tmp_path, monkeypatch):
+    """Every lum package stays until the systems have run, so a build that would not fit on the disk (free bytes
+    below the model's weights plus a margin) is skipped with the reason in its row, not left to fail half-way."""
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import decode
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 10 << 30, 1 << 30))
+    out = tmp_path / "out"
+    assert decode.main(["--model", "tiny-llama", "--dtype", "f32", "--steps", "2", "--warmup", "1", "--prompt-len", "4",
+                        "--max-seq", "32", "--device", "cpu", "--out", str(out), "--commit", "test",
+                        "--workdir", str(tmp_path / "work"), "--systems", "lum,lum-noprologue",
+                        "--lum-backend", "reference"]) == 0
+    (path,) = out.glob("decode-tiny-llama-f32-*.json")
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    for r in rows.values():
+        assert r["tok_per_s"] is None and r["error"].startswith("not built: 1.1 GB free on the disk"), r["error"]
+    assert (tmp_path / "work").is_dir() and not list((tmp_path / "work").rglob("*.lumpkg"))
+
+
 def test_every_system_has_a_worker_and_a_time_cap(monkeypatch):
     """A system named on --systems runs in a worker of its own: each has one, a cap, and (lum's) options."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
