@@ -159,7 +159,8 @@ class ProbeDevice:
 
 def probe_source(cu_file: str) -> str:
     """A GPU probe's kernel text: templates/common.cuh, benchmarks/probe.cuh, then ``benchmarks/<cu_file>``."""
-    return "".join(p.read_text() for p in (HERE.parent / "templates" / "common.cuh", HERE / "probe.cuh", HERE / cu_file))
+    parts = (HERE.parent / "templates" / "common.cuh", HERE / "probe.cuh", HERE / cu_file)
+    return "".join(p.read_text() for p in parts)
 
 
 def entry_kernel_sources(model: str, entry: str, max_seq: int, dtype: str = "bf16") -> tuple[list, list[str]]:

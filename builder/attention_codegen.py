@@ -339,7 +339,8 @@ class AttentionKernels:
                "        const int lum_task = lum_r * WARPS + lum_warp;",
                *kv(" " * 8, "lum_task == 0", "lum_task == 1", "0LL, 0LL, 0LL, true"),
                "      }", "    }", "  }"]
-        decl = f"  alignas(16) __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d}), LOAD_Q's vectors"
+        decl = (f"  alignas(16) __shared__ float lum_qs[M][DPL * 32];   // the stage's query rows (d = {d}), "
+                "LOAD_Q's vectors")
         # the next kernel launches once every block has passed its first stage (or exited)
         decl += "\n  bool lum_untriggered = true;"
         return {"STAGE_DECL": decl,

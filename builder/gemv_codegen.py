@@ -21,6 +21,12 @@ from lum.format.manifest import MAX_SHARED_MEM
 _GEMV_FILL_THREADS = SMS * 2048                 # the resident threads of the SMS SMs (2,048 an SM)
 
 
+def _lane_vectors(k: Expr, group: int, vec: int) -> int | None:
+    """Vectors of one column a lane of a dot-scheme GEMV walks (``group`` lanes, ``vec`` elements a vector), known
+    where k is static; else None."""
+    return -(-k.value // (vec * group)) if k.is_const else None
+
+
 class GemvKernels:
     """The GEMV methods of ``_Gen`` (:mod:`lum.builder.codegen`)."""
 
@@ -69,9 +75,8 @@ class GemvKernels:
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
-        lane_vectors = -(-k.value // (vec * group)) if k.is_const else None
         asked = self.inflight if self.inflight is not None else gemv_inflight_for(bool(epilogue) and not prologue,
-                                                                                  lane_vectors)
+                                                                                  _lane_vectors(k, group, vec))
         inflight = self._gemv_vectors("inflight", asked, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         shared = 0           # bytes a block's shared preload may take: 16-byte copies only, beside the static
         if self.preload_shared and b_kc and vec * dtb.itemsize == 16:     # arrays (the prologue's A, the sums)
@@ -242,7 +247,7 @@ class GemvKernels:
         if hi < nacc:
             return 0
         asked = max(1, min(self.preload, hi // nacc))
-        return min(asked, -(-k.value // (vec * group))) if k.is_const else asked
+        return min(asked, _lane_vectors(k, group, vec)) if k.is_const else asked
 
     @staticmethod
     def _gemv_vectors(name: str, asked: int, hi: int, k: Expr, group: int, vec: int) -> int:
@@ -251,7 +256,7 @@ class GemvKernels:
         if not 0 <= asked <= hi:
             raise CodegenError(f"{name} must be in [0, {hi}], got {asked}")
         if asked and k.is_const:
-            return max(1, min(asked, -(-k.value // (vec * group))))
+            return max(1, min(asked, _lane_vectors(k, group, vec)))
         return asked
 
     def _gemv_group(self, p: dict[str, Expr], b_kc: bool, vec: int) -> int:

@@ -226,7 +226,8 @@ def _benchmark_module(name: str):
     """benchmarks/<name>.py as a module (the scripts put benchmarks/ on sys.path for their _common)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -258,7 +259,8 @@ def test_icache_probe_kernels_have_their_sizes(cache_dir):
     """benchmarks/icache_probe.py's kernels compile to straight lines of the code sizes it reports (its .text reader),
     and its float64 reference of a kernel's sums is the float32 FMA chain's to 1e-6."""
     mod = _benchmark_module("icache_probe")
-    res = nvrtc.compile_cuda(_benchmark_module("_common").probe_source("icache_probe.cu"), "sm_90", name="icache_probe.cu", ptx=False, cache_dir=cache_dir)
+    source = _benchmark_module("_common").probe_source("icache_probe.cu")
+    res = nvrtc.compile_cuda(source, "sm_90", name="icache_probe.cu", ptx=False, cache_dir=cache_dir)
     sizes = mod.text_sizes(res.cubin)
     for name, steps in mod.PROBES.items():
         assert abs(sizes[f"icache_probe_{name}"] - steps * 8 * 16) < 2048, (name, sizes)
