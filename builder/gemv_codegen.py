@@ -75,8 +75,8 @@ class GemvKernels:
         unroll = 4 if self.unroll is None else self.unroll
         if not 1 <= unroll <= 16:
             raise CodegenError(f"unroll must be in [1, 16], got {unroll}")
-        asked = self.inflight if self.inflight is not None else gemv_inflight_for(bool(epilogue) and not prologue,
-                                                                                  _lane_vectors(k, group, vec))
+        asked = self.inflight if self.inflight is not None else \
+            gemv_inflight_for(bool(epilogue), _lane_vectors(k, group, vec), bool(prologue))
         inflight = self._gemv_vectors("inflight", asked, GEMV_MAX_INFLIGHT, k, group, vec) if b_kc else 0
         shared = 0           # bytes a block's shared preload may take: 16-byte copies only, beside the static
         if self.preload_shared and b_kc and vec * dtb.itemsize == 16:     # arrays (the prologue's A, the sums)

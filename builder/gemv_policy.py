@@ -26,7 +26,7 @@ __all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "
            "GEMV_OVERRIDE_KEYS", "ENV_GEMV_EVICT_FIRST", "ENV_GEMV_BALANCE", "SMS", "GEMV_LARGE", "gemv_rows",
            "gemv_prologue_fits", "gemv_prologue_pairs", "gemv_prologue_threads", "gemv_balance", "blocks_unbalanced",
            "gemv_preload_default", "gemv_evict_first", "gemv_prologue_narrow_a", "gemv_inflight_default",
-           "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
+           "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "ENV_GEMV_AHEAD_PLAIN", "gemv_ahead_plain", "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
            "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv", "gemv_preload_shared", "gemv_tile_a_block",
            "prologue_walks_tiles"]
 
@@ -37,6 +37,7 @@ GEMV_MAX_ACC = 4                                 # product columns a gemv epilog
 GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may issue ahead
 GEMV_EPILOGUE_AHEAD = 8         # an epilogue GEMV whose lanes walk at most this many vectors a column loads all ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
+ENV_GEMV_AHEAD_PLAIN = "LUM_GEMV_AHEAD_PLAIN"   # 1: a plain GEMV (no epilogue) loads its few vectors ahead too
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
 GEMV_SHARED_PRELOAD_VECTORS = 32                 # ... into shared memory (preload_shared; its bytes bound it first)
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
@@ -165,16 +166,26 @@ def gemv_inflight_default() -> int | None:
     return env_count(ENV_GEMV_INFLIGHT, GEMV_MAX_INFLIGHT) if os.environ.get(ENV_GEMV_INFLIGHT) else None
 
 
-def gemv_inflight_for(fused_epilogue: bool, lane_vectors: int | None) -> int:
+def gemv_ahead_plain() -> bool:
+    """``$LUM_GEMV_AHEAD_PLAIN`` (default off, to measure): :func:`gemv_inflight_for` loads all of a lane's few
+    vectors ahead in a GEMV without an epilogue too (no prologue either), such as the LM heads of gemma3-4b (5
+    vectors a lane a column, 1.34 GB a step) and llama3-1b, whose compiler loops hold one weight vector a column
+    in flight, as gate-up's did before its loads went ahead (+2.4% a step on the H200, f74fe96)."""
+    return env_switch(ENV_GEMV_AHEAD_PLAIN, default=False)
+
+
+def gemv_inflight_for(fused_epilogue: bool, lane_vectors: int | None, prologue: bool = False) -> int:
     """The loads ahead of a GEMV that neither its tuning nor ``$LUM_GEMV_INFLIGHT`` sets: all of a lane's vectors
-    of each column (``lane_vectors``, known where k is static) for a GEMV with a fused epilogue and no prologue
-    when they are at most :data:`GEMV_EPILOGUE_AHEAD`, else 0 (the compiler's loop). That is gemma3-4b's gate-up:
+    of each column (``lane_vectors``, known where k is static) for a GEMV with a fused epilogue (or any, under
+    :func:`gemv_ahead_plain`) and no prologue when they are at most :data:`GEMV_EPILOGUE_AHEAD`, else 0 (the compiler's loop). That is gemma3-4b's gate-up:
     5 vectors a lane in each of its two columns, which the compiler's loop loaded one step at a time (one
     weight vector a column in flight, a bounds branch between steps). All 10 ahead, on an H100 (1aa2a35, two
     runs, tokens equal to the loop's): +1.0% and +1.0% a decode step (330.5 / 330.3 against 327.2 / 327.0
     tok/s), 2 ahead +0.6%, 4 ahead −1.1% (a second pass for the fifth). Every other GEMV keeps the loop: loads
     ahead in all of them measured −2.7% on gemma3-4b and −2.6% on llama3-1b (0c79be2)."""
-    if fused_epilogue and lane_vectors is not None and lane_vectors <= GEMV_EPILOGUE_AHEAD:
+    if prologue or lane_vectors is None or lane_vectors > GEMV_EPILOGUE_AHEAD:
+        return 0
+    if fused_epilogue or gemv_ahead_plain():
         return lane_vectors
     return 0
 

@@ -463,6 +463,26 @@ def test_epilogue_gemv_loads_its_few_vectors_ahead(monkeypatch):
     assert gemv_inflight_for(True, None) == 0
 
 
+def test_plain_gemv_loads_ahead_under_its_switch(monkeypatch):
+    """``$LUM_GEMV_AHEAD_PLAIN=1`` (to measure): a GEMV without an epilogue or a prologue loads its few vectors a
+    lane ahead too: in gemma3-4b's layer o's 4 (qkv's 10 and down's 20 are too many; in the built model o runs
+    inside the combine's kernel, whose code stays the same, so only the LM head changes there:
+    benchmarks/kernel_sizes.py), and a plain GEMV such as an LM head's; a prologue GEMV never by this rule."""
+    from lum.builder.gemv_policy import ENV_GEMV_AHEAD_PLAIN, GEMV_EPILOGUE_AHEAD, gemv_inflight_for
+    from tests.test_attention_stage import _layer
+
+    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_PLAIN):
+        monkeypatch.delenv(var, raising=False)
+    assert gemv_inflight_for(False, 2) == 0
+    prog, dv = _layer("gemma3-4b", BF16)
+    monkeypatch.setenv(ENV_GEMV_AHEAD_PLAIN, "1")
+    assert gemv_inflight_for(False, 2) == 2 and gemv_inflight_for(False, GEMV_EPILOGUE_AHEAD + 1) == 0
+    assert gemv_inflight_for(True, 2, prologue=True) == gemv_inflight_for(False, 2, prologue=True) == 0
+    assert [k.tuning["inflight"] for k in _layer_gemvs(prog, dv)] == [0, 4, 5, 0]
+    head = generate(gemm_op("RmCm", 1, 4096, 2560, BF16), [], arg_dtypes=[BF16, BF16])
+    assert head.tuning["inflight"] == 2560 // 8 // head.tuning["group"], head.tuning
+
+
 def test_bf16_rounding_of_the_float_sum(host_lib):
     """A bf16 result is the f32 sum rounded once (to nearest even), as the reference rounds float64."""
     lib, kernels = host_lib
