@@ -169,8 +169,8 @@ def gemv_inflight_default() -> int | None:
 def gemv_ahead_plain() -> bool:
     """``$LUM_GEMV_AHEAD_PLAIN`` (default off, to measure): :func:`gemv_inflight_for` loads all of a lane's few
     vectors ahead in a GEMV without an epilogue too (no prologue either), such as the LM heads of gemma3-4b (5
-    vectors a lane a column, 1.34 GB a step) and llama3-1b, whose compiler loops hold one weight vector a column
-    in flight, as gate-up's did before its loads went ahead (+2.4% a step on the H200, f74fe96)."""
+    vectors a lane a column, 1.34 GB a step) and llama3-1b, whose compiler loops take three dependent round trips
+    a lane for them, as gate-up's loop took five before its loads went ahead (+2.4% a step on the H200, f74fe96)."""
     return env_switch(ENV_GEMV_AHEAD_PLAIN, default=False)
 
 
