@@ -98,16 +98,20 @@ def _read_stream(path: Path) -> list[dict]:
     return tests
 
 
-def _commands(marks: str | None, workers: int, pytest_args: list[str]) -> list[list[str]]:
+def _commands(marks: str | None, workers: int, pytest_args: list[str], scratch: Path) -> list[list[str]]:
     """The pytest runs, in order: one of every selected test, or with ``workers`` > 1 the parallel part then
-    the ``serial`` tests."""
+    the ``serial`` tests. Each run's ``tmp_path`` folders go under ``scratch`` (``--basetemp``), which the caller
+    deletes: the suite builds packages of real models, and pytest's own temp root keeps its last three runs, tens
+    of GB that a device's disk then lacks for ``decode.py``'s packages."""
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_tests_stream"]
     selected = "gpu" + (f" and ({marks})" if marks else "")
     rest = pytest_args or ["tests"]
     if workers <= 1:
-        return [[*base, "-m", selected, *rest]]
-    return [[*base, "-m", f"{selected} and not serial", "-n", str(workers), "--dist", "loadgroup", *rest],
-            [*base, "-m", f"{selected} and serial", *rest]]
+        runs = [["-m", selected]]
+    else:
+        runs = [["-m", f"{selected} and not serial", "-n", str(workers), "--dist", "loadgroup"],
+                ["-m", f"{selected} and serial"]]
+    return [[*base, *run, f"--basetemp={scratch / f'run{i}'}", *rest] for i, run in enumerate(runs)]
 
 
 PYTEST_NO_TESTS = 5     # pytest's exit code when no test was selected
@@ -133,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     args, pytest_args = ap.parse_known_args(argv)
     if args.workers < 1:
         ap.error("--workers must be at least 1")
-    cmds = _commands(args.marks, args.workers, pytest_args)
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     codes: list[int] = []
     stopped = None
     with tempfile.TemporaryDirectory() as tmp:
+        cmds = _commands(args.marks, args.workers, pytest_args, Path(tmp))
         stream = Path(tmp) / "tests.jsonl"
         env = {**os.environ, "GPU_TESTS_STREAM": str(stream),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     record = {"benchmark": "gpu-tests", "commit": args.commit or git("rev-parse", "HEAD"),
               "dirty": git_dirty(untracked=False), "gpu": gpu, "driver": driver,
-              "date": now.isoformat(timespec="seconds"), "command": " ; ".join(" ".join(c[1:]) for c in cmds),
+              "date": now.isoformat(timespec="seconds"), "command": " ; ".join(" ".join(a for a in c[1:] if not a.startswith("--basetemp="))
+                                                  for c in cmds),
               "exit_code": code,
               **({"stopped": stopped} if stopped else {}),
               "workers": args.workers,

@@ -16,9 +16,11 @@ def test_record_keeps_outcomes_and_properties(tmp_path):
     (tmp_path / "test_figures.py").write_text(
         "import pytest\n\n"
         "@pytest.mark.gpu\n"
-        "def test_measures(record_property):\n"
+        "def test_measures(record_property, tmp_path):\n"
+        "    (tmp_path / 'model.lumpkg').write_bytes(b'x' * 1024)\n"
         "    record_property('gemv_GBps', 3456)\n"
-        "    record_property('note', 'warm')\n\n"
+        "    record_property('note', 'warm')\n"
+        "    record_property('tmp', str(tmp_path))\n\n"
         "@pytest.mark.gpu\n"
         "def test_fails():\n"
         "    assert 1 == 2\n\n"
@@ -34,7 +36,9 @@ def test_record_keeps_outcomes_and_properties(tmp_path):
     assert rec["commit"] == "abc123" and (rec["passed"], rec["failed"]) == (1, 1)
     tests = {t["test"].split("::")[-1]: t for t in rec["tests"]}
     assert set(tests) == {"test_measures", "test_fails"}            # only gpu-marked tests run
-    assert tests["test_measures"]["properties"] == {"gemv_GBps": 3456.0, "note": "warm"}
+    props = tests["test_measures"]["properties"]
+    assert {k: props[k] for k in ("gemv_GBps", "note")} == {"gemv_GBps": 3456.0, "note": "warm"}
+    assert not Path(props["tmp"]).exists() and "--basetemp" not in rec["command"]   # what tests built is gone
     assert tests["test_fails"]["outcome"] == "failed" and "properties" not in tests["test_fails"]
 
 
