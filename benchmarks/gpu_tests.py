@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     record = {"benchmark": "gpu-tests", "commit": args.commit or git("rev-parse", "HEAD"),
               "dirty": git_dirty(untracked=False), "gpu": gpu, "driver": driver,
-              "date": now.isoformat(timespec="seconds"), "command": " ; ".join(" ".join(a for a in c[1:] if not a.startswith("--basetemp="))
-                                                  for c in cmds),
+              "date": now.isoformat(timespec="seconds"),
+              "command": " ; ".join(" ".join(a for a in c[1:] if not a.startswith("--basetemp=")) for c in cmds),
               "exit_code": code,
               **({"stopped": stopped} if stopped else {}),
               "workers": args.workers,

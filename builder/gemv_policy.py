@@ -26,7 +26,8 @@ __all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "
            "GEMV_OVERRIDE_KEYS", "ENV_GEMV_EVICT_FIRST", "ENV_GEMV_BALANCE", "SMS", "GEMV_LARGE", "gemv_rows",
            "gemv_prologue_fits", "gemv_prologue_pairs", "gemv_prologue_threads", "gemv_balance", "blocks_unbalanced",
            "gemv_preload_default", "gemv_evict_first", "gemv_prologue_narrow_a", "gemv_inflight_default",
-           "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "ENV_GEMV_AHEAD_PLAIN", "gemv_ahead_plain", "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
+           "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "ENV_GEMV_AHEAD_PLAIN", "gemv_ahead_plain",
+           "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
            "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv", "gemv_preload_shared", "gemv_tile_a_block",
            "prologue_walks_tiles"]
 
@@ -177,12 +178,13 @@ def gemv_ahead_plain() -> bool:
 def gemv_inflight_for(fused_epilogue: bool, lane_vectors: int | None, prologue: bool = False) -> int:
     """The loads ahead of a GEMV that neither its tuning nor ``$LUM_GEMV_INFLIGHT`` sets: all of a lane's vectors
     of each column (``lane_vectors``, known where k is static) for a GEMV with a fused epilogue (or any, under
-    :func:`gemv_ahead_plain`) and no prologue when they are at most :data:`GEMV_EPILOGUE_AHEAD`, else 0 (the compiler's loop). That is gemma3-4b's gate-up:
-    5 vectors a lane in each of its two columns, which the compiler's loop loaded one step at a time (one
-    weight vector a column in flight, a bounds branch between steps). All 10 ahead, on an H100 (1aa2a35, two
-    runs, tokens equal to the loop's): +1.0% and +1.0% a decode step (330.5 / 330.3 against 327.2 / 327.0
-    tok/s), 2 ahead +0.6%, 4 ahead −1.1% (a second pass for the fifth). Every other GEMV keeps the loop: loads
-    ahead in all of them measured −2.7% on gemma3-4b and −2.6% on llama3-1b (0c79be2)."""
+    :func:`gemv_ahead_plain`) and no prologue when they are at most :data:`GEMV_EPILOGUE_AHEAD`, else 0 (the
+    compiler's loop). That is gemma3-4b's gate-up: 5 vectors a lane in each of its two columns, which the
+    compiler's loop loaded one step at a time (one weight vector a column in flight, a bounds branch between
+    steps). All 10 ahead, tokens equal to the loop's: on an H100 (1aa2a35, two runs) +1.0% and +1.0% a decode
+    step (330.5 / 330.3 against 327.2 / 327.0 tok/s), 2 ahead +0.6%, 4 ahead −1.1% (a second pass for the fifth);
+    on the H200 (f74fe96) **+2.4%** (429.7 against 419.6 tok/s, 78.8% of the roofline). Every other GEMV keeps the
+    loop: loads ahead in all of them measured −2.7% on gemma3-4b and −2.6% on llama3-1b (0c79be2)."""
     if prologue or lane_vectors is None or lane_vectors > GEMV_EPILOGUE_AHEAD:
         return 0
     if fused_epilogue or gemv_ahead_plain():
