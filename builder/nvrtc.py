@@ -38,7 +38,8 @@ from typing import Callable, Sequence
 from lum.format.atomic import atomic_write_bytes
 
 __all__ = ["CompileError", "NvrtcNotFound", "CompileResult", "compile_cuda", "nvrtc_version",
-           "nvrtc_library_path", "supported_archs", "default_cache_dir", "ptxas_registers", "ptxas_spills"]
+           "nvrtc_library_path", "supported_archs", "default_cache_dir", "ptxas_registers", "ptxas_spills",
+           "ptxas_shared_bytes"]
 
 _ENV_LIB = "LUM_NVRTC_LIB"
 _ENV_CACHE = "LUM_NVRTC_CACHE"
@@ -364,6 +365,7 @@ def compile_cuda(source: str, arch: str | int = "sm_90", *, name: str = "lum_ker
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_SMEM = re.compile(r"Used \d+ registers.*?(?:(\d+) bytes smem|$)")
 
 
 def _ptxas_per_entry(log: str, pattern: re.Pattern, value: Callable[[re.Match], int]) -> dict[str, int]:
@@ -391,3 +393,8 @@ def ptxas_spills(log: str) -> dict[str, int]:
 def ptxas_registers(log: str) -> dict[str, int]:
     """Registers per thread of each kernel, from the log of a compile with ``--ptxas-options=-v``."""
     return _ptxas_per_entry(log, _PTXAS_REGS, lambda m: int(m.group(1)))
+
+
+def ptxas_shared_bytes(log: str) -> dict[str, int]:
+    """Static shared memory bytes of each kernel (0 where ptxas names none), from a ``ptxas -v`` log."""
+    return _ptxas_per_entry(log, _PTXAS_SMEM, lambda m: int(m.group(1) or 0))

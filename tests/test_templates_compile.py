@@ -275,7 +275,8 @@ def test_icache_probe_kernels_have_their_sizes(cache_dir):
 
 def test_kernel_sizes_reads_every_decode_kernels_code(tmp_path):
     """benchmarks/kernel_sizes.py compiles every kernel of a model's decode groups and reports its SASS bytes (the
-    cubin's .text), registers and the fetch time of that code; its record lands in --out."""
+    cubin's .text), registers, the blocks an SM holds and the fetch time of that code; its record lands in --out.
+    ``--stamps`` compiles them as a stamps build: the same kernels, each with more code (its stamps)."""
     import json
 
     mod = _benchmark_module("kernel_sizes")
@@ -284,11 +285,15 @@ def test_kernel_sizes_reads_every_decode_kernels_code(tmp_path):
     for r in rows:
         assert r["sass_bytes"] > 0 and r["sass_bytes"] % 128 == 0 and r["registers"] > 0
         assert r["fetch_us"] == round(r["sass_bytes"] / 1024 * mod.FETCH_NS_PER_KB / 1e3, 2)
+        assert 1 <= r["blocks_per_sm"] <= 2048 // r["block"] and r["shared_bytes"] >= 0
+    stamped = mod.kernel_sizes("tiny-llama", "f32", 64, stamps=True)
+    assert [r["kernel"] for r in stamped] == [r["kernel"] for r in rows]
+    assert all(s["sass_bytes"] > r["sass_bytes"] for s, r in zip(stamped, rows))
     assert mod.main(["--model", "tiny-llama", "--dtype", "f32", "--max-seq", "64", "--out", str(tmp_path),
                      "--commit", "0" * 40]) == 0
     (path,) = tmp_path.glob("kernel-sizes-tiny-llama-f32-*.json")
     record = json.loads(path.read_text())
-    assert record["commit"] == "0" * 40 and len(record["rows"]) == len(rows)
+    assert record["commit"] == "0" * 40 and len(record["rows"]) == len(rows) and record["stamps"] is False
     assert sum(record["group_sass_bytes"].values()) == sum(r["sass_bytes"] for r in rows)
 
 
@@ -451,3 +456,18 @@ def test_kernel_cases_compile(cache_dir):
     assert {"attention", "scatter_nocopy", "reduce", "elementwise"} <= kinds
     assert any(k.tuning.get("scheme") == "row" for k in ks)
     _compile_family(ks, cache_dir)
+
+
+def test_ptxas_shared_bytes_per_kernel():
+    """nvrtc.ptxas_shared_bytes reads each kernel's static shared memory from a ``ptxas -v`` log, 0 where its line
+    names none; a kernel compiled here with a shared array reports at least that array."""
+    log = ("ptxas info    : Compiling entry function 'a' for 'sm_90'\n"
+           "ptxas info    : Used 149 registers, used 1 barriers, 10368 bytes smem\n"
+           "ptxas info    : Compiling entry function 'b' for 'sm_90'\n"
+           "ptxas info    : Used 40 registers, used 0 barriers\n")
+    assert nvrtc.ptxas_shared_bytes(log) == {"a": 10368, "b": 0}
+    src = ('extern "C" __global__ void lum_smem_probe(float* out) {\n'
+           '  __shared__ float s[300];\n  s[threadIdx.x] = out[threadIdx.x];\n  __syncthreads();\n'
+           '  out[threadIdx.x] = s[(threadIdx.x + 1) % 300];\n}\n')
+    res = nvrtc.compile_cuda(src, "sm_90", ptx=False, extra_options=["--ptxas-options=-v"])
+    assert nvrtc.ptxas_shared_bytes(res.log)["lum_smem_probe"] >= 1200, res.log
