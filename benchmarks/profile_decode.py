@@ -36,10 +36,11 @@ step, so a decoder layer's kernels come from its last layer): :func:`stamp_timel
 kernel's blocks were resident (what a preload had to stream in), and how long after the wait of one kernel
 the next one's wait returned (its work after the wait plus the dependency's round trip). ``--stamp-steps N``
 stamps N steps in a row: the record adds each step's links and, for the kernels with marks of their own (decode
-attention), each sampled block's phases over the steps and which blocks trail (:func:`stamp_blocks`). Stamps cost
-registers: gemma3-4b's gate-up with its loads ahead takes 117 stamped against 96 (4 blocks an SM, not 5), and its
-stamped layers ran slower than the loop's where every timed run had them faster (f74fe96, NOTES.md). Judge a
-variant that moves a kernel's registers by ``decode.py``, not by stamps.
+attention), each sampled block's phases over the steps and which blocks trail (:func:`stamp_blocks`). Inlined,
+the stamps cost registers: gemma3-4b's gate-up with its loads ahead took 117 stamped against 96 (4 blocks an SM,
+not 5), and its stamped layers ran slower than the loop's where every timed run had them faster (f74fe96,
+NOTES.md). The stamp is now a call (templates/common.cuh), and every decode kernel of gemma3-4b and llama3-1b
+holds as many blocks an SM stamped as not; ``kernel_sizes.py --stamps`` checks a changed kernel.
 
 ``--ncu`` marks one step, after the warm-up, for Nsight Compute's hardware counters and writes no record:
 ``ncu --profile-from-start off -k regex:^lum_ -c N [--section …] -o REP python benchmarks/profile_decode.py

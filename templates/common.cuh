@@ -349,7 +349,10 @@ LUM_D void lum_cluster_sync() {
 // overwrites the one before, so after a step the array holds each kernel's last launch: a decoder layer's
 // timeline, block by block. A package built without it has none of this (the section compiles to nothing).
 #if defined(LUM_STAMPS) && defined(__CUDA_ARCH__)
-LUM_D void lum_stamp(int kernel, unsigned long long tag, int event) {
+// Not inlined: inlined, its code took registers in the kernels it stamps and changed what it measured
+// (gemma3-4b's gate-up 96 -> 117 registers, 5 -> 4 blocks an SM; benchmarks/kernel_sizes.py --stamps); called,
+// every decode kernel of gemma3-4b and llama3-1b keeps its registers' blocks an SM.
+__device__ __noinline__ void lum_stamp(int kernel, unsigned long long tag, int event) {
   if (threadIdx.x | threadIdx.y | threadIdx.z) return;
   const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   const unsigned stride = (gridDim.x * gridDim.y * gridDim.z + LUM_STAMP_BLOCKS - 1) / LUM_STAMP_BLOCKS;

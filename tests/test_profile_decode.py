@@ -3,6 +3,7 @@ CPU-built package: the GPU part of the script only adds the measured times."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -77,8 +78,8 @@ def test_idle_gaps_sum_the_time_nothing_runs_by_the_pair_around_it():
 
 def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tmp_path, monkeypatch):
     """``$LUM_STAMPS=1`` (``profile_decode.py --stamps``): the package's modules define ``lum_stamps`` and stamp
-    each kernel's start and wait (two ``%globaltimer`` reads an entry, PTX; decode attention five marks more,
-    LUM_STAMP_AT), and nothing else changes: the launch tables (kernel names, grids, tuning) are the plain
+    each kernel's start and wait (two calls of the stamp, which reads ``%globaltimer``, an entry, PTX; decode
+    attention five marks more, LUM_STAMP_AT), and nothing else changes: the launch tables (kernel names, grids, tuning) are the plain
     build's, and a module built without it has no stamp.
     :func:`stamp_timeline` maps the records back to kernel names, in start order, times from the earliest."""
     import numpy as np
@@ -110,7 +111,8 @@ def test_a_stamped_build_keeps_the_plain_kernels_and_the_timeline_orders_them(tm
     assert plain_ptx and not any("globaltimer" in p or "lum_stamps" in p for p in plain_ptx)
     for p in stamped_ptx:
         entries = p.count(".entry lum_")
-        assert "lum_stamps" in p and p.count("%globaltimer") >= 2 * entries > 0, entries
+        calls = re.findall(r"call\.uni\s+\w*lum_stamp\w*,", p)        # the stamp is a call (not inlined)
+        assert "lum_stamps" in p and "%globaltimer" in p and len(calls) >= 2 * entries > 0, (len(calls), entries)
 
     # two modules' records: kernel B starts 1 µs after A, waits 3 µs in; A never stamped its wait
     names = {stamp_tag(n): n for n in ("lum_a", "lum_b")}
