@@ -469,6 +469,46 @@ def test_fused_kernel_variants_change_no_token(tiny_model, cublaslt, variant):
     assert tokens == pkg.session(backend="reference").generate(PROMPT, 40)
 
 
+def test_stamped_build_changes_no_token_and_stamps_its_kernels(tiny_model, cublaslt, monkeypatch):
+    """A stamps build (``LUM_STAMPS=1``, benchmarks/profile_decode.py --stamps; the stamp a call, not inlined,
+    templates/common.cuh) gives the default package's 40 greedy tokens, and after a decode step every module's
+    ``lum_stamps`` holds records of the package's kernels (their tags), each block's wait at or after its start."""
+    import sys
+
+    from lum.builder.models import load_spec
+    from lum.builder.package_builder import build_package
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from profile_decode import _read_stamps
+
+    from lum.builder.codegen import STAMP_FIELDS, stamp_tag
+
+    _, _, default = tiny_model
+    monkeypatch.setenv("LUM_STAMPS", "1")
+    stamped = build_package(load_spec(src=str(Path(default).parent / "hf"), max_seq=MAX_SEQ),
+                            Path(default).parent / "stamped.lumpkg")
+    monkeypatch.delenv("LUM_STAMPS")
+    with lum.loader.open(default).session(backend="cuda") as sess:
+        want = sess.generate(PROMPT, 40)
+    ids = np.asarray(PROMPT, np.int32)
+    pkg = lum.loader.open(stamped)
+    tags = {stamp_tag(lc.kernel) for g in pkg.manifest.groups if g.table is not None
+            for op in g.table.ops for lc in op.launches}
+    with pkg.session(backend="cuda") as sess:
+        assert sess.generate(PROMPT, 40) == want
+        sess.reset()
+        sess.run("prefill", {"tokens": ids}, {"s": len(ids)})
+        _read_stamps(sess, zero=True)
+        sess.run("decode", {"tokens": np.asarray([7], np.int32)}, {"p": len(ids)})
+        records = [r.reshape(-1, STAMP_FIELDS) for r in _read_stamps(sess)]
+    assert records
+    rows = np.concatenate(records)
+    rows = rows[rows[:, 0] != 0]                          # the sampled blocks of the kernels that ran
+    assert len(rows) > 0 and set(int(t) for t in rows[:, 0]) <= tags
+    both = rows[(rows[:, 3] != 0) & (rows[:, 4] != 0)]
+    assert len(both) > 0 and (both[:, 4] >= both[:, 3]).all()
+
+
 # ============================================================================ (d) 10,000 decode steps
 @pytest.mark.serial
 def test_10k_decode_steps_keep_device_memory_flat(tiny_model, cublaslt):
