@@ -351,7 +351,7 @@ LUM_D void lum_cluster_sync() {
 #if defined(LUM_STAMPS) && defined(__CUDA_ARCH__)
 // Not inlined: inlined, its code took registers in the kernels it stamps and changed what it measured
 // (gemma3-4b's gate-up 96 -> 117 registers, 5 -> 4 blocks an SM; benchmarks/kernel_sizes.py --stamps); called,
-// every decode kernel of gemma3-4b and llama3-1b keeps its registers' blocks an SM.
+// every decode kernel of gemma3-4b and llama3-1b holds as many blocks an SM as in a plain build.
 __device__ __noinline__ void lum_stamp(int kernel, unsigned long long tag, int event) {
   if (threadIdx.x | threadIdx.y | threadIdx.z) return;
   const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
