@@ -473,15 +473,12 @@ def test_stamped_build_changes_no_token_and_stamps_its_kernels(tiny_model, cubla
     """A stamps build (``LUM_STAMPS=1``, benchmarks/profile_decode.py --stamps; the stamp a call, not inlined,
     templates/common.cuh) gives the default package's 40 greedy tokens, and after a decode step every module's
     ``lum_stamps`` holds records of the package's kernels (their tags), each block's wait at or after its start."""
-    import sys
-
+    from lum.builder.codegen import STAMP_FIELDS, stamp_tag
     from lum.builder.models import load_spec
     from lum.builder.package_builder import build_package
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from profile_decode import _read_stamps
-
-    from lum.builder.codegen import STAMP_FIELDS, stamp_tag
 
     _, _, default = tiny_model
     monkeypatch.setenv("LUM_STAMPS", "1")
