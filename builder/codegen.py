@@ -97,7 +97,7 @@ from lum.builder.attention_policy import attention_stage_block
 from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.gemv_codegen import GemvKernels
 from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOAD_VECTORS, blocks_unbalanced,
-                                     gemv_balance, gemv_inflight_default, gemv_kernel_ops, gemv_preload_after_gemv,
+                                     gemv_ahead_early, gemv_balance, gemv_inflight_default, gemv_kernel_ops, gemv_preload_after_gemv,
                                      gemv_preload_default, gemv_preload_shared, gemv_prologue_threads, gemv_rows,
                                      gemv_tuning_override, prologue_walks_tiles, split_gemv_tuning)
 from lum.builder.intmath import pow2_floor
@@ -175,13 +175,15 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              preload_shared: bool = False, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             stage: AttentionStage | None = None, tile_keys: int | None = None) -> KernelSource | None:
+             stage: AttentionStage | None = None, tile_keys: int | None = None, ahead_early: int = 0,
+             trigger: str = "start") -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`~lum.builder.gemv_policy.gemv_rows`) and for input / output / constant (no kernel).
     ``dyn_vars``: the slot order of the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args``
     (their producers' dtypes) where the op's own dtype does not imply them. ``stage``: the rows of the ops
-    before it an attention kernel computes (:class:`AttentionStage`). See the module docstring for the tuning
-    parameters."""
+    before it an attention kernel computes (:class:`AttentionStage`). ``ahead_early`` (a GEMV; > 0: on, keeping
+    that many blocks an SM) and ``trigger`` (``"late"``: the kernel before such a GEMV):
+    :func:`~lum.builder.gemv_policy.gemv_ahead_early`. See the module docstring for the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -215,14 +217,14 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
                preload=gemv_preload_default() if preload is None else preload, preload_shared=preload_shared,
                max_blocks=max_blocks,
                acc=acc, math=math, threads_given=threads_given, row_regs=row_regs,
-               weight_args=frozenset(weight_args), stage=stage, tile_keys=tile_keys)
+               weight_args=frozenset(weight_args), stage=stage, tile_keys=tile_keys, ahead_early=ahead_early)
     if stage is not None and op.kind != "attention":
         raise CodegenError(f"only an attention kernel runs a stage, not a {op.kind} kernel")
     bodies, launches_raw, tuning, margin = getattr(gen, "k_" + op.kind)()
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads(trigger="start" if stage is None else "template")
+    dyn_loads, slots = ctx.dyn_loads(trigger=trigger if stage is None else "template")
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
@@ -331,12 +333,15 @@ def gemv_after_small(program: Program) -> set[int]:
 
 
 def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
-                     weights: frozenset[int] = frozenset(), **tuning: Any) -> dict[int, KernelSource | None]:
+                     weights: frozenset[int] = frozenset(),
+                     resident: Callable[[KernelSource], int | None] | None = None,
+                     **tuning: Any) -> dict[int, KernelSource | None]:
     """:func:`generate` for every op of a program, with arg dtypes taken from the producers.
     ``dyn_vars`` defaults to every dyn var the program mentions, sorted. ``weights``: op ids of the
     program's inputs that are weights (an op's arguments read from them are its ``weight_args``).
     ``tuning``: keyword arguments of :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the
-    i-th GEMV (:func:`~lum.builder.gemv_policy.split_gemv_tuning`)."""
+    i-th GEMV (:func:`~lum.builder.gemv_policy.split_gemv_tuning`). ``resident``: the blocks an SM a kernel
+    holds (ptxas; builder/kernels.py), which a GEMV changed by ``$LUM_GEMV_AHEAD_EARLY`` keeps."""
     if dyn_vars is None:
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
@@ -368,7 +373,39 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         if r in in_registers and shared != "all" and ks is not None and prologue_walks_tiles(o, ks):
             ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
         out[o.id] = ks
+    if gemv_ahead_early():
+        _start_loads_ahead_early(program, dyn_vars, out, weights, common, per, rank, resident)
     return out
+
+
+def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dict[int, KernelSource | None],
+                             weights: frozenset[int], common: dict[str, Any], per: dict[int, dict[str, Any]],
+                             rank: dict[int, int], resident: Callable[[KernelSource], int | None] | None) -> None:
+    """Under :func:`~lum.builder.gemv_policy.gemv_ahead_early`: each GEMV that loads ahead without a prologue or
+    a preload, reads a weight as B and follows a kernel of this program that is not a GEMV and triggers at its
+    start, regenerated in ``out`` to ask L2 for its first lines before its wait, holding the blocks an SM it held
+    (``resident``: unbounded, ptxas took gemma3-4b's gate-up from 96 to 117 registers, 5 to 4 blocks an SM; bounded,
+    95 without spills), and that kernel to trigger after its own wait. A fusion that later replaces the kernel before (siblings, an attention stage) drops its late
+    trigger: slower, never wrong, the early loads being of weights."""
+    ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
+    for i, o in enumerate(ks[1:], start=1):
+        src, before = out.get(o.id), ks[i - 1]
+        prev = out.get(before.id)
+        if (src is None or prev is None or o.id not in rank or before.kind == "gemm" or not src.tuning.get("inflight")
+                or src.tuning.get("prologue") or src.tuning.get("preload")
+                or "lum_pdl_trigger();  // common.cuh: launch order" not in prev.body):
+            continue
+        args = {**common, **per.get(rank[o.id], {})}
+        dts = [program.ops[a.src].dtype for a in o.args]
+        wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
+        blocks = (resident(src) if resident is not None else None) or 1
+        early = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, ahead_early=blocks, **args)
+        if early is None or not early.tuning.get("ahead_early"):
+            continue
+        pdts = [program.ops[a.src].dtype for a in before.args]
+        pw = frozenset(k for k, a in enumerate(before.args) if a.src in weights)
+        out[o.id] = early
+        out[before.id] = generate(before, dyn_vars, arg_dtypes=pdts, weight_args=pw, trigger="late", **common)
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:
@@ -414,8 +451,10 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                  group: int | None, unroll: int | None, inflight: int | None, max_blocks: int, acc: str, math: str,
                  preload: int = 0, preload_shared: bool = False, threads_given: bool = True,
                  row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-                 stage: AttentionStage | None = None, tile_keys: int | None = None):
+                 stage: AttentionStage | None = None, tile_keys: int | None = None, ahead_early: int = 0):
         self.op, self.dts, self.ctx = op, dts, ctx
+        self.ahead_early = ahead_early             # gemv: > 0, its first lines asked of L2 before the wait, that
+                                                   # many blocks an SM kept (gemv_ahead_early)
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.stage = stage                         # the rows of the ops before it an attention computes
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll

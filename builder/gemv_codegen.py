@@ -84,7 +84,10 @@ class GemvKernels:
             shared = max(0, min(GEMV_SHARED_PRELOAD_BYTES, MAX_SHARED_MEM - static))
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight, shared) if b_kc else 0
         shared = shared if preload > 0 else 0
-        self.early = (b_ptr,) if preload else ()                   # B, loaded before the wait
+        # loads ahead asked of L2 before the wait (gemv_policy.gemv_ahead_early): of a weight, with no prologue
+        ahead_early = self.ahead_early > 0 and bool(inflight) and b_kc and not prologue and not preload \
+            and jb in self.weight_args
+        self.early = (b_ptr,) if preload or ahead_early else ()   # B, loaded before the wait
         b_stream = b_kc and jb in self.weight_args and gemv_evict_first()
         span = self.threads // group
         tile = span if b_kc else span * vec      # output columns per block tile
@@ -108,6 +111,8 @@ class GemvKernels:
             tuning["cols"] = tile * 2
         if b_stream:
             tuning["stream"] = True
+        if ahead_early:
+            tuning["ahead_early"] = True
         if narrow:
             tuning["narrow_a"] = True
         grid = self.grid(items, per_block)
@@ -122,11 +127,14 @@ class GemvKernels:
         # A's vectors ahead too (one row of A in global memory) unless the registers are capped: there
         # they spill (ptxas, gemma3-4b's o and down projections: 184 bytes a thread at 40 registers)
         a_early = bool(inflight) and m == 1 and a_kc and not prologue and not min_blocks
+        if ahead_early and not min_blocks and self.ahead_early > 1:    # the blocks an SM it held without
+            min_blocks = f", {self.ahead_early}"
         src = render(load_template("gemv.cu"), {
             "KERNEL": ENTRY_PLACEHOLDER, "THREADS": self.threads, "MIN_BLOCKS": min_blocks, "IDX_T": "@IDX_T@",
             "PARAMS": self.params_c(), "DYN_LOADS": "@DYN_LOADS_NOWAIT@", "M": m, "GROUP": group, "VEC": vec,
             "UNROLL": unroll,
             "INFLIGHT": inflight, "PRELOAD": preload, "A_EARLY": "true" if a_early else "false",
+            "AHEAD_EARLY": "true" if ahead_early else "false",
             "PRELOAD_SHARED": "true" if shared else "false",
             "B_STREAM": "true" if b_stream else "false",
             "A_PTR": a_ptr, "B_PTR": b_ptr, "PROLOGUE": code, "NACC": len(acc_cols),

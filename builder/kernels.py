@@ -197,7 +197,8 @@ def _loads_ahead_without_spills(program: Program, dyn_vars: Sequence[str], max_d
 
     ranks = {o.id: i for i, o in enumerate(gemv_kernel_ops(program))}
     while True:                  # ends: each round halves a positive inflight or preload of some GEMV
-        gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
+        gen = generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights,
+                               resident=lambda ks: _resident(ks, arch, cache_dir), **tuning)
         ahead = {ks.name: (ranks[i], knob, ks.tuning[knob]) for i, ks in gen.items() if i in ranks and ks is not None
                  for knob in ("inflight", "preload") if ks.tuning.get(knob)}
         if not ahead:
@@ -326,6 +327,15 @@ def _grids_in_one_wave(program: Program, dyn_vars: Sequence[str], max_dyn: Mappi
         return tuning, gen
     tuning = {**tuning, **caps}
     return tuning, generate_program(program, dyn_vars, max_dyn=dict(max_dyn or {}) or None, weights=weights, **tuning)
+
+
+def _resident(ks: KernelSource, arch: str, cache_dir: Any) -> int | None:
+    """The blocks an SM ``ks`` holds by its registers and shared memory (ptxas); None without NVRTC."""
+    from lum.builder import nvrtc
+
+    log = _ptxas_log([ks], arch, cache_dir)
+    regs = nvrtc.ptxas_registers(log).get(ks.name) if log is not None else None
+    return None if regs is None else resident_blocks(ks.block[0], regs, ks.shared_mem)
 
 
 def _ptxas_log(kernels: list[KernelSource], arch: str, cache_dir: Any) -> str | None:

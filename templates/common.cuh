@@ -320,6 +320,21 @@ LUM_D void lum_pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+// Ask L2 for the line holding p (no register, nothing waits for it): a weight a kernel reads after its wait,
+// requested before it (gemv.cu AHEAD_EARLY). A no-op on the host.
+LUM_D void lum_prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
+}
+// A pointer the compiler may not relate to others computed the same way (an empty asm that may change it): what
+// is derived from it is not merged with, and kept live for, later uses of the same addresses.
+template <typename T>
+LUM_D void lum_opaque(T*& p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+l"(p));
+#endif
+}
 LUM_D void lum_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

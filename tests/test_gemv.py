@@ -142,6 +142,12 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
                     {"preload": 1, "threads": 64}))
         out.append((layout + ".preload_vec2", gemm_op(layout, 1, 24, 200, BF16, lda=202, ldb=202), [BF16, BF16],
                     {}, {"preload": 1}))
+        # loads ahead whose first lines are asked of L2 before the wait (B a weight): a tile a block, then several
+        out.append((layout + ".ahead_early", gemm_op(layout, 1, 40, 300, BF16), [BF16, BF16], {},
+                    {"inflight": 3, "ahead_early": 2, "weight_args": frozenset({1})}))
+        out.append((layout + ".ahead_early_tiles", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=304, ldb=304,
+                                                           sa=608, sb=0), [BF16, BF16], {},
+                    {"inflight": 2, "ahead_early": 1, "weight_args": frozenset({1}), "max_blocks": 3}))
     return out
 
 
@@ -461,6 +467,66 @@ def test_epilogue_gemv_loads_its_few_vectors_ahead(monkeypatch):
     assert gemv_inflight_for(True, GEMV_EPILOGUE_AHEAD) == GEMV_EPILOGUE_AHEAD
     assert gemv_inflight_for(True, GEMV_EPILOGUE_AHEAD + 1) == gemv_inflight_for(False, 2) == 0
     assert gemv_inflight_for(True, None) == 0
+
+
+def test_loads_ahead_asked_of_l2_before_the_wait_change_no_bit(host_lib, tmp_path):
+    """``ahead_early`` (gemv.cu ``AHEAD_EARLY``, under ``$LUM_GEMV_AHEAD_EARLY``): a GEMV that loads ahead asks L2
+    for its first tile's first lines of B (a weight) before its wait, with no register for them, so its sums are
+    the plain loads ahead's bit for bit, for grids of one to several tiles a block. B is named as read early
+    (its launch table's ``early``, so A keeps coherent loads); ``ahead_early`` > 1 keeps that many blocks an SM
+    (``__launch_bounds__``); a GEMV whose B is not a weight, with a preload or without loads ahead, is unchanged."""
+    lib, kernels = host_lib
+    for layout in GEMM_LAYOUTS:
+        dot = layout[2:] == "Cm"
+        for case, tun in ((".ahead_early", {"inflight": 3}), (".ahead_early_tiles", {"inflight": 2, "max_blocks": 3})):
+            op = next(c[1] for c in CASES if c[0] == layout + case)
+            early = kernels[layout + case]
+            plain = generate(op, ["p"], arg_dtypes=[BF16, BF16], weight_args=frozenset({1}), **tun)
+            assert bool(early.tuning.get("ahead_early")) == dot and not plain.tuning.get("ahead_early")
+            assert early.early == (("in1",) if dot else ()) and plain.early == ()
+            if dot:
+                body = early.body
+                assert body.index("lum_prefetch_l2(lum_pp") < body.index("  lum_pdl_wait();")
+                assert "constexpr bool AHEAD_EARLY = true;" in body and "const lum_bf16* in0" in body
+                _assert_same_bits(lib, early, plain, op, [BF16, BF16], {}, tmp_path / (layout + case),
+                                  grids=(1, 3, 40))
+    o_proj, wide = gemm_op("RmCm", 1, 2560, 2048, BF16), gemm_op("RmCm", 1, 20480, 2560, BF16)   # wide: many waves
+    w = frozenset({1})
+    assert "__launch_bounds__(128, 5)" in generate(wide, [], arg_dtypes=[BF16, BF16], weight_args=w, inflight=5,
+                                                   ahead_early=5, threads=128).body
+    for tun in ({"weight_args": frozenset()}, {"weight_args": w, "inflight": 0}, {"weight_args": w, "preload": 1}):
+        assert not generate(o_proj, [], arg_dtypes=[BF16, BF16], ahead_early=2, **tun).tuning.get("ahead_early"), tun
+
+
+def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
+    """``$LUM_GEMV_AHEAD_EARLY=1`` (to measure; off by default): in gemma3-4b's decode layer only gate-up (loads
+    ahead, no prologue, behind the one-block residual kernel) asks L2 for its first lines before its wait, at the
+    blocks an SM it held (5 of 128 threads: 95 registers, where ptxas took 117 unbounded), and the residual kernel
+    triggers the next launch after its own wait, so those lines stream during its work, not beside o; every
+    other kernel is the default's, and without the switch none changes."""
+    from lum.builder import kernels
+    from lum.builder.codegen import generate_program
+    from lum.builder.gemv_policy import ENV_GEMV_AHEAD_EARLY, gemv_kernel_ops
+    from tests.test_attention_stage import _layer
+
+    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_EARLY, "LUM_GEMV_AHEAD_PLAIN"):
+        monkeypatch.delenv(var, raising=False)
+    prog, dv = _layer("gemma3-4b", BF16)
+    weights = frozenset(o.id for o in prog.inputs() if ".weight" in o.params.get("name", ""))
+    plain = kernels.group_kernel_sources(prog, dv, weights=weights)
+    monkeypatch.setenv(ENV_GEMV_AHEAD_EARLY, "1")
+    early = kernels.group_kernel_sources(prog, dv, weights=weights)
+    gate_up = gemv_kernel_ops(prog)[2]
+    changed = {i for i in early if early[i].name != plain[i].name}
+    order = [o.id for o in prog.ops if o.id in early]
+    residual = order[order.index(gate_up.id) - 1]
+    assert changed == {gate_up.id, residual}, changed
+    assert early[gate_up.id].tuning.get("ahead_early") and early[gate_up.id].early == ("in1",)
+    assert "__launch_bounds__(128, 5)" in early[gate_up.id].body
+    body = early[residual].body
+    assert "lum_pdl_trigger();  // common.cuh: launch order" not in body
+    assert body.index("  lum_pdl_wait();") < body.index("(lum_pdl_trigger)();")
+    assert not any(k.tuning.get("ahead_early") for k in generate_program(prog, dv).values() if k is not None)
 
 
 def test_plain_gemv_loads_ahead_under_its_switch(monkeypatch):

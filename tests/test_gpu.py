@@ -326,10 +326,11 @@ def _same_results_both_ways(pkg, option: str, check) -> np.ndarray:
     return got[True][0]
 
 
-@pytest.mark.parametrize("variant", ["default", "preload"])
+@pytest.mark.parametrize("variant", ["default", "preload", "ahead-early"])
 def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
     """This GPU's SASS (``cuobjdump -sass``) of every kernel of llama3-1b's decode groups, as built by
-    default and with GEMV preloads (and, with them, every preloading gemv case): no function has more
+    default and with GEMV preloads (and, with them, every preloading gemv case), and of gemma3-4b's with
+    gate-up's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_EARLY``): no function has more
     global loads above its first ``ACQBULK`` (griddepcontrol.wait) than its PTX has above the wait, which
     tests/test_pdl_order.py holds to the dyn buffer and early weights. ptxas did move a GEMV prologue's
     ld.global.nc loads above the wait once a preload shared the top of the kernel (llama3-1b's qkv and
@@ -340,14 +341,14 @@ def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
     from lum.builder import nvrtc
     from lum.builder.codegen import generate_program, module_source
     from tests.pdl_order import ptx_loads_above_wait, sass_loads_above_wait
-    from tests.test_pdl_order import VARIANTS, decode_kernels
+    from tests.test_pdl_order import VARIANT_MODEL, VARIANTS, decode_kernels
 
     tool = shutil.which("cuobjdump")
     if tool is None:
         pytest.skip("no cuobjdump on this machine")
     for k, v in VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
-    families = [decode_kernels("llama3-1b")]
+    families = [decode_kernels(VARIANT_MODEL.get(variant, "llama3-1b"))]
     if variant == "preload":
         families += [[k for k in generate_program(gemv_cases(dt)[0], preload=1).values() if k is not None]
                      for dt in DTYPES]
@@ -361,7 +362,8 @@ def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
         assert names <= set(ptx_loads) and names <= set(sass_loads)
         moved = {n: sass_loads[n] for n in names if len(sass_loads[n]) > len(ptx_loads[n])}
         assert moved == {}, moved
-        assert variant == "default" or any(sass_loads[k.name] for k in ks if k.early)
+        # a preload loads above the wait; gate-up under ahead-early only asks L2 there (CCTL, not a load)
+        assert variant != "preload" or any(sass_loads[k.name] for k in ks if k.early)
 
 
 def test_programmatic_launch_with_preloads_changes_no_result(tiny_model, cublaslt, monkeypatch):

@@ -1,7 +1,8 @@
 """Loads above the programmatic-launch wait, in the PTX of real decode groups (tests/pdl_order.py).
 
-Every kernel of llama3-1b's decode groups, as built by default and with GEMV preloads, and every gemv
-case with a preload: above ``griddepcontrol.wait`` only the dyn buffer
+Every kernel of llama3-1b's decode groups, as built by default and with GEMV preloads, of gemma3-4b's with
+gate-up's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_EARLY``), and every gemv case with a
+preload: above ``griddepcontrol.wait`` only the dyn buffer
 and, in kernels that read early, read-only loads. (ptxas's part, the SASS, is test_gpu.py's.)"""
 
 from __future__ import annotations
@@ -17,19 +18,25 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("nvrtc_cache")
 
 
-VARIANTS = {"default": {}, "preload": {"LUM_GEMV_PRELOAD": "1"}}
+VARIANTS = {"default": {}, "preload": {"LUM_GEMV_PRELOAD": "1"}, "ahead-early": {"LUM_GEMV_AHEAD_EARLY": "1"}}
+VARIANT_MODEL = {"ahead-early": "gemma3-4b"}    # the model a variant changes (else llama3-1b)
 
 
 def decode_kernels(model: str) -> list:
-    """Every kernel of ``model``'s bf16 decode groups (lum.builder.kernels.group_kernel_sources)."""
+    """Every kernel of ``model``'s bf16 decode groups (lum.builder.kernels.group_kernel_sources), the inputs
+    bound to the model's weights marked as weights, as ``lum build`` does."""
     from lum.builder.compile import compile_graph
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
 
-    cgs = compile_graph(build_entry(named_config(model), "decode", 4096, DType.bf16))
+    graph = build_entry(named_config(model), "decode", 4096, DType.bf16)
+    names = {n.attrs["name"] for n in graph.nodes if n.attrs.get("role") == "weight"}
+    cgs = compile_graph(graph)
     dv = program_dyn_vars([cg.program for cg in cgs])
-    return [k for cg in cgs for k in group_kernel_sources(cg.program, dv, {"p": 4096}).values() if k is not None]
+    return [k for cg in cgs
+            for k in group_kernel_sources(cg.program, dv, {"p": 4096}, weights=frozenset(
+                o.id for o in cg.program.inputs() if o.params.get("name") in names)).values() if k is not None]
 
 
 def ptx_violations(nvrtc, kernels: list, cache_dir) -> tuple[dict, int]:
@@ -44,7 +51,7 @@ def ptx_violations(nvrtc, kernels: list, cache_dir) -> tuple[dict, int]:
 def test_decode_kernels_read_only_dyn_and_early_weights_before_the_wait(nvrtc, cache_dir, monkeypatch, variant):
     for k, v in VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
-    kernels = decode_kernels("llama3-1b")
+    kernels = decode_kernels(VARIANT_MODEL.get(variant, "llama3-1b"))
     bad, n = ptx_violations(nvrtc, kernels, cache_dir)
     assert bad == {} and n > 0
     if variant != "default":
