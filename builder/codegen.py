@@ -97,9 +97,10 @@ from lum.builder.attention_policy import attention_stage_block
 from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.gemv_codegen import GemvKernels
 from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOAD_VECTORS, blocks_unbalanced,
-                                     gemv_ahead_early, gemv_balance, gemv_inflight_default, gemv_kernel_ops, gemv_preload_after_gemv,
-                                     gemv_preload_default, gemv_preload_shared, gemv_prologue_threads, gemv_rows,
-                                     gemv_tuning_override, prologue_walks_tiles, split_gemv_tuning)
+                                     gemv_ahead_early, gemv_balance, gemv_inflight_default, gemv_kernel_ops,
+                                     gemv_preload_after_gemv, gemv_preload_default, gemv_preload_shared,
+                                     gemv_prologue_threads, gemv_rows, gemv_tuning_override, prologue_walks_tiles,
+                                     split_gemv_tuning)
 from lum.builder.intmath import pow2_floor
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, ZERO_C, AccessPlan, KernelContext,
                                      KernelSource, Launch, Param, access_plan, coalesce, common_header, compute_node,
@@ -385,8 +386,9 @@ def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dic
     a preload, reads a weight as B and follows a kernel of this program that is not a GEMV and triggers at its
     start, regenerated in ``out`` to ask L2 for its first lines before its wait, holding the blocks an SM it held
     (``resident``: unbounded, ptxas took gemma3-4b's gate-up from 96 to 117 registers, 5 to 4 blocks an SM; bounded,
-    95 without spills), and that kernel to trigger after its own wait. A fusion that later replaces the kernel before (siblings, an attention stage) drops its late
-    trigger: slower, never wrong, the early loads being of weights."""
+    95 without spills), and that kernel to trigger after its own wait. A fusion that later replaces the kernel
+    before (siblings, an attention stage) drops its late trigger: slower, never wrong, the early requests being of
+    weights."""
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     for i, o in enumerate(ks[1:], start=1):
         src, before = out.get(o.id), ks[i - 1]

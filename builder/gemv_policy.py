@@ -40,7 +40,7 @@ GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may 
 GEMV_EPILOGUE_AHEAD = 8         # an epilogue GEMV whose lanes walk at most this many vectors a column loads all ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 ENV_GEMV_AHEAD_PLAIN = "LUM_GEMV_AHEAD_PLAIN"   # 1: a plain GEMV (no epilogue) loads its few vectors ahead too
-ENV_GEMV_AHEAD_EARLY = "LUM_GEMV_AHEAD_EARLY"   # 1: loads ahead behind a small kernel start before the wait
+ENV_GEMV_AHEAD_EARLY = "LUM_GEMV_AHEAD_EARLY"   # 1: loads ahead behind a small kernel asked of L2 before the wait
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
 GEMV_SHARED_PRELOAD_VECTORS = 32                 # ... into shared memory (preload_shared; its bytes bound it first)
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
@@ -179,14 +179,14 @@ def gemv_ahead_plain() -> bool:
 
 def gemv_ahead_early() -> bool:
     """``$LUM_GEMV_AHEAD_EARLY`` (default off, to measure): a GEMV that loads ahead (no prologue, B a weight) behind
-    a kernel that is not a GEMV issues its lanes' first loads before its wait (gemv.cu ``AHEAD_EARLY``), and the
-    kernel before it triggers the launch only after its own wait (``trigger="late"``), so those loads run beside
-    that kernel's own work alone, not beside the chain before it. gemma3-4b's gate-up: its first wave (5 blocks an
-    SM, 20 KB a block, ≈ 13 MB) streams during the one-block residual kernel's ≈ 2.2 µs link on the H200, where
-    the bus is idle; no register more than the loads ahead already hold. Tried before in other forms and slower:
-    half of gate-up's tile copied into shared memory before its wait with every trigger at the start (−4.9%:
-    the copies ran beside o and the residual and lengthened their round trips), register preloads costing
-    occupancy (benchmarks/LEDGER.md)."""
+    a kernel that is not a GEMV asks L2 for the lines of its first step before its wait (gemv.cu ``AHEAD_EARLY``:
+    a prefetch, no register), at the blocks an SM it held, and the kernel before it triggers the launch only after
+    its own wait (``trigger="late"``), so those requests run beside that kernel's own work alone, not beside the
+    chain before it. gemma3-4b's gate-up: its first wave (5 blocks an SM, 20 KB a block, ≈ 13 MB) streams during
+    the one-block residual kernel's ≈ 2.2 µs link on the H200, where the bus is idle. Tried before in other forms
+    and slower: half of gate-up's tile copied into shared memory before its wait with every trigger at the start
+    (−4.9%: the copies ran beside o and the residual and lengthened their round trips), register preloads costing
+    occupancy, L2 prefetches from a side branch and from o's blocks (benchmarks/LEDGER.md)."""
     return env_switch(ENV_GEMV_AHEAD_EARLY, default=False)
 
 

@@ -327,14 +327,6 @@ LUM_D void lum_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 #endif
 }
-// A pointer the compiler may not relate to others computed the same way (an empty asm that may change it): what
-// is derived from it is not merged with, and kept live for, later uses of the same addresses.
-template <typename T>
-LUM_D void lum_opaque(T*& p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("" : "+l"(p));
-#endif
-}
 LUM_D void lum_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -48,7 +48,8 @@
 //!   the launch's dynamic shared memory, THREADS * PRELOAD * NACC * 16 bytes), B_STREAM (dot scheme: B's
 //!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), AHEAD_EARLY (true: INFLIGHT > 0, B a weight: the lines of the first step of
-//!   the block's first tile are asked of L2 before the wait, builder/gemv_policy.py gemv_ahead_early), A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
+//!   the block's first tile are asked of L2 before the wait, builder/gemv_policy.py gemv_ahead_early),
+//!   A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
 extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL}}({{PARAMS}}) {
@@ -150,7 +151,6 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
     if (lum_b_vec && lum_pc < lum_batch * lum_nout) {
       const idx_t lum_pb = lum_pc / lum_nout;
       const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
-      lum_opaque(lum_pp);     // the loop's addresses recomputed after the wait, not kept in registers across it
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
