@@ -167,22 +167,17 @@ def entry_kernel_sources(model: str, entry: str, max_seq: int, dtype: str = "bf1
     """([(program, op id -> KernelSource or None)] for each group of ``model``'s ``entry``, the dyn vars): the cost
     model's programs and their kernels, as ``lum build`` starts from (the probes take lum's own kernels from here),
     with the inputs bound to the model's weights marked as weights (what the kernels may load before their wait)."""
-    from lum.builder.compile import compile_graph
+    from lum.builder.compile import compile_graph, weight_inputs
     from lum.builder.kernels import default_max_dyn, group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
     from lum.format.dtypes import DType
 
     graph = build_entry(named_config(model), entry, max_seq, DType.parse(dtype))
-    names = {n.attrs["name"] for n in graph.nodes if n.attrs.get("role") == "weight"}
     groups = compile_graph(graph)
     dyn_vars = program_dyn_vars([g.program for g in groups])
     max_dyn = default_max_dyn(dyn_vars, max_seq)
-
-    def weights(program: Any) -> frozenset[int]:
-        return frozenset(op.id for op in program.inputs() if op.params.get("name") in names)
-
-    return [(g.program, group_kernel_sources(g.program, dyn_vars, max_dyn, weights=weights(g.program)))
+    return [(g.program, group_kernel_sources(g.program, dyn_vars, max_dyn, weights=weight_inputs(graph, g.program)))
             for g in groups], dyn_vars
 
 

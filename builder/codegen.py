@@ -367,8 +367,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
                 per.setdefault(r, {}).setdefault("preload", n)
     out: dict[int, KernelSource | None] = {}
     for o in program.ops:
-        dts = [program.ops[a.src].dtype for a in o.args]
-        wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
+        dts, wargs = _arg_kinds(program, o, weights)
         r = rank.get(o.id, -1)
         ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **per.get(r, {})})
         if r in in_registers and shared != "all" and ks is not None and prologue_walks_tiles(o, ks):
@@ -377,6 +376,12 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     if gemv_ahead_early():
         _start_loads_ahead_early(program, dyn_vars, out, weights, common, per, rank, resident)
     return out
+
+
+def _arg_kinds(program: Program, op: LOp, weights: frozenset[int]) -> tuple[list[DType], frozenset[int]]:
+    """(``op``'s argument dtypes, the indices of its arguments read from weights) in ``program``."""
+    return ([program.ops[a.src].dtype for a in op.args],
+            frozenset(k for k, a in enumerate(op.args) if a.src in weights))
 
 
 def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dict[int, KernelSource | None],
@@ -397,17 +402,15 @@ def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dic
                 or src.tuning.get("prologue") or src.tuning.get("preload")
                 or "lum_pdl_trigger();  // common.cuh: launch order" not in prev.body):
             continue
-        args = {**common, **per.get(rank[o.id], {})}
-        dts = [program.ops[a.src].dtype for a in o.args]
-        wargs = frozenset(k for k, a in enumerate(o.args) if a.src in weights)
+        dts, wargs = _arg_kinds(program, o, weights)
         blocks = (resident(src) if resident is not None else None) or 1
-        early = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, ahead_early=blocks, **args)
+        early = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, ahead_early=blocks,
+                         **{**common, **per.get(rank[o.id], {})})
         if early is None or not early.tuning.get("ahead_early"):
             continue
-        pdts = [program.ops[a.src].dtype for a in before.args]
-        pw = frozenset(k for k, a in enumerate(before.args) if a.src in weights)
+        dts, wargs = _arg_kinds(program, before, weights)
         out[o.id] = early
-        out[before.id] = generate(before, dyn_vars, arg_dtypes=pdts, weight_args=pw, trigger="late", **common)
+        out[before.id] = generate(before, dyn_vars, arg_dtypes=dts, weight_args=wargs, trigger="late", **common)
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:

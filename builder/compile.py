@@ -21,7 +21,7 @@ from lum.builder.hlir import Graph
 from lum.builder.partition import Group, chunk_graph, group_chunks, partition
 from lum.format.llir import LOp, Program
 
-__all__ = ["CompiledGroup", "compile_group", "compile_graph", "group_stats"]
+__all__ = ["CompiledGroup", "compile_group", "compile_graph", "group_stats", "weight_inputs"]
 
 CostFn = Callable[[LOp], float]
 
@@ -66,6 +66,14 @@ def group_stats(sat: SaturatedGroup, program: Program | None = None) -> dict[str
         out["gemms"] = kinds.get("gemm", 0)
         out["in_place"] = sum(1 for o in program.ops if o.alias is not None)
     return out
+
+
+def weight_inputs(graph: Graph, program: Program) -> frozenset[int]:
+    """The op ids of ``program``'s inputs named as ``graph``'s weights (a model graph and one of its compiled
+    groups): what ``lum build`` passes kernel generation as weights, for tools and tests that compile a model's
+    groups without building a package."""
+    names = {n.attrs["name"] for n in graph.nodes if n.attrs.get("role") == "weight"}
+    return frozenset(op.id for op in program.inputs() if op.params.get("name") in names)
 
 
 def compile_graph(graph: Graph, cost_fn: CostFn | None = None) -> list[CompiledGroup]:

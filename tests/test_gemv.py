@@ -506,13 +506,16 @@ def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
     other kernel is the default's, and without the switch none changes."""
     from lum.builder import kernels
     from lum.builder.codegen import generate_program
+    from lum.builder.compile import weight_inputs
     from lum.builder.gemv_policy import ENV_GEMV_AHEAD_EARLY, gemv_kernel_ops
-    from tests.test_attention_stage import _layer
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+    from tests.test_attention_stage import MAX_SEQ, _layer
 
     for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_EARLY, "LUM_GEMV_AHEAD_PLAIN"):
         monkeypatch.delenv(var, raising=False)
     prog, dv = _layer("gemma3-4b", BF16)
-    weights = frozenset(o.id for o in prog.inputs() if ".weight" in o.params.get("name", ""))
+    weights = weight_inputs(build_entry(named_config("gemma3-4b"), "decode", MAX_SEQ, BF16), prog)
     plain = kernels.group_kernel_sources(prog, dv, weights=weights)
     monkeypatch.setenv(ENV_GEMV_AHEAD_EARLY, "1")
     early = kernels.group_kernel_sources(prog, dv, weights=weights)

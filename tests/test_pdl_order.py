@@ -25,18 +25,17 @@ VARIANT_MODEL = {"ahead-early": "gemma3-4b"}    # the model a variant changes (e
 def decode_kernels(model: str) -> list:
     """Every kernel of ``model``'s bf16 decode groups (lum.builder.kernels.group_kernel_sources), the inputs
     bound to the model's weights marked as weights, as ``lum build`` does."""
-    from lum.builder.compile import compile_graph
+    from lum.builder.compile import compile_graph, weight_inputs
     from lum.builder.kernels import group_kernel_sources, program_dyn_vars
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
 
     graph = build_entry(named_config(model), "decode", 4096, DType.bf16)
-    names = {n.attrs["name"] for n in graph.nodes if n.attrs.get("role") == "weight"}
     cgs = compile_graph(graph)
     dv = program_dyn_vars([cg.program for cg in cgs])
-    return [k for cg in cgs
-            for k in group_kernel_sources(cg.program, dv, {"p": 4096}, weights=frozenset(
-                o.id for o in cg.program.inputs() if o.params.get("name") in names)).values() if k is not None]
+    return [k for cg in cgs for k in group_kernel_sources(cg.program, dv, {"p": 4096},
+                                                          weights=weight_inputs(graph, cg.program)).values()
+            if k is not None]
 
 
 def ptx_violations(nvrtc, kernels: list, cache_dir) -> tuple[dict, int]:
