@@ -97,10 +97,10 @@ from lum.builder.attention_policy import attention_stage_block
 from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.gemv_codegen import GemvKernels
 from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOAD_VECTORS, blocks_unbalanced,
-                                     gemv_ahead_early, gemv_balance, gemv_inflight_default, gemv_kernel_ops,
-                                     gemv_preload_after_gemv, gemv_preload_default, gemv_preload_shared,
-                                     gemv_prologue_threads, gemv_rows, gemv_tuning_override, prologue_walks_tiles,
-                                     split_gemv_tuning)
+                                     gemv_ahead_after_gemv, gemv_ahead_early, gemv_balance, gemv_inflight_default,
+                                     gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_default,
+                                     gemv_preload_shared, gemv_prologue_threads, gemv_rows, gemv_tuning_override,
+                                     prologue_walks_tiles, split_gemv_tuning)
 from lum.builder.intmath import pow2_floor
 from lum.builder.kernel_text import (ENTRY_PLACEHOLDER, KIND_C, STORAGE_C, ZERO_C, AccessPlan, KernelContext,
                                      KernelSource, Launch, Param, access_plan, coalesce, common_header, compute_node,
@@ -342,7 +342,8 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     program's inputs that are weights (an op's arguments read from them are its ``weight_args``).
     ``tuning``: keyword arguments of :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the
     i-th GEMV (:func:`~lum.builder.gemv_policy.split_gemv_tuning`). ``resident``: the blocks an SM a kernel
-    holds (ptxas; builder/kernels.py), which a GEMV changed by ``$LUM_GEMV_AHEAD_EARLY`` keeps."""
+    holds (ptxas; builder/kernels.py), which a GEMV changed by ``$LUM_GEMV_AHEAD_EARLY`` or
+    ``$LUM_GEMV_AHEAD_AFTER_GEMV`` keeps."""
     if dyn_vars is None:
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
@@ -373,7 +374,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         if r in in_registers and shared != "all" and ks is not None and prologue_walks_tiles(o, ks):
             ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
         out[o.id] = ks
-    if gemv_ahead_early():
+    if gemv_ahead_early() or gemv_ahead_after_gemv():
         _start_loads_ahead_early(program, dyn_vars, out, weights, common, per, rank, resident)
     return out
 
@@ -387,20 +388,26 @@ def _arg_kinds(program: Program, op: LOp, weights: frozenset[int]) -> tuple[list
 def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dict[int, KernelSource | None],
                              weights: frozenset[int], common: dict[str, Any], per: dict[int, dict[str, Any]],
                              rank: dict[int, int], resident: Callable[[KernelSource], int | None] | None) -> None:
-    """Under :func:`~lum.builder.gemv_policy.gemv_ahead_early`: each GEMV that loads ahead without a prologue or
-    a preload, reads a weight as B and follows a kernel of this program that is not a GEMV and triggers at its
-    start, regenerated in ``out`` to ask L2 for its first lines before its wait, holding the blocks an SM it held
-    (``resident``: unbounded, ptxas took gemma3-4b's gate-up from 96 to 117 registers, 5 to 4 blocks an SM; bounded,
-    95 without spills), and that kernel to trigger after its own wait. A fusion that later replaces the kernel
-    before (siblings, an attention stage) drops its late trigger: slower, never wrong, the early requests being of
-    weights."""
+    """Each GEMV without a prologue or a preload that reads a weight as B, regenerated in ``out`` to ask L2 for its
+    first lines before its wait, holding the blocks an SM it held (``resident``: unbounded, ptxas took gemma3-4b's
+    gate-up from 96 to 117 registers, 5 to 4 blocks an SM; bounded, 95 without spills), where it follows
+    * under :func:`~lum.builder.gemv_policy.gemv_ahead_early`, a kernel of this program that is not a GEMV and
+      triggers at its start (the GEMV loading ahead): that kernel then triggers after its own wait. A fusion that
+      later replaces it (siblings, an attention stage) drops its late trigger: slower, never wrong, the early
+      requests being of weights;
+    * under :func:`~lum.builder.gemv_policy.gemv_ahead_after_gemv`, a GEMV, which keeps its trigger."""
+    small, after_gemv = gemv_ahead_early(), gemv_ahead_after_gemv()
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     for i, o in enumerate(ks[1:], start=1):
         src, before = out.get(o.id), ks[i - 1]
         prev = out.get(before.id)
-        if (src is None or prev is None or o.id not in rank or before.kind == "gemm" or not src.tuning.get("inflight")
-                or src.tuning.get("prologue") or src.tuning.get("preload")
-                or "lum_pdl_trigger();  // common.cuh: launch order" not in prev.body):
+        if src is None or prev is None or o.id not in rank or src.tuning.get("prologue") or src.tuning.get("preload"):
+            continue
+        if before.kind == "gemm":
+            if not after_gemv:
+                continue
+        elif (not small or not src.tuning.get("inflight")
+              or "lum_pdl_trigger();  // common.cuh: launch order" not in prev.body):
             continue
         dts, wargs = _arg_kinds(program, o, weights)
         blocks = (resident(src) if resident is not None else None) or 1
@@ -408,9 +415,10 @@ def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dic
                          **{**common, **per.get(rank[o.id], {})})
         if early is None or not early.tuning.get("ahead_early"):
             continue
-        dts, wargs = _arg_kinds(program, before, weights)
         out[o.id] = early
-        out[before.id] = generate(before, dyn_vars, arg_dtypes=dts, weight_args=wargs, trigger="late", **common)
+        if before.kind != "gemm":
+            dts, wargs = _arg_kinds(program, before, weights)
+            out[before.id] = generate(before, dyn_vars, arg_dtypes=dts, weight_args=wargs, trigger="late", **common)
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:

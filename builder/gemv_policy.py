@@ -27,7 +27,7 @@ __all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "
            "gemv_prologue_fits", "gemv_prologue_pairs", "gemv_prologue_threads", "gemv_balance", "blocks_unbalanced",
            "gemv_preload_default", "gemv_evict_first", "gemv_prologue_narrow_a", "gemv_inflight_default",
            "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "ENV_GEMV_AHEAD_PLAIN", "gemv_ahead_plain",
-           "ENV_GEMV_AHEAD_EARLY", "gemv_ahead_early",
+           "ENV_GEMV_AHEAD_EARLY", "gemv_ahead_early", "ENV_GEMV_AHEAD_AFTER_GEMV", "gemv_ahead_after_gemv",
            "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
            "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv", "gemv_preload_shared", "gemv_tile_a_block",
            "prologue_walks_tiles"]
@@ -41,6 +41,7 @@ GEMV_EPILOGUE_AHEAD = 8         # an epilogue GEMV whose lanes walk at most this
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 ENV_GEMV_AHEAD_PLAIN = "LUM_GEMV_AHEAD_PLAIN"   # 1: a plain GEMV (no epilogue) loads its few vectors ahead too
 ENV_GEMV_AHEAD_EARLY = "LUM_GEMV_AHEAD_EARLY"   # 1: loads ahead behind a small kernel asked of L2 before the wait
+ENV_GEMV_AHEAD_AFTER_GEMV = "LUM_GEMV_AHEAD_AFTER_GEMV"   # 1: ... and a GEMV behind a GEMV, before its wait
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
 GEMV_SHARED_PRELOAD_VECTORS = 32                 # ... into shared memory (preload_shared; its bytes bound it first)
 GEMV_SHARED_PRELOAD_BYTES = 192 << 10            # a block's shared preload at most, beside its static shared memory
@@ -188,6 +189,18 @@ def gemv_ahead_early() -> bool:
     (−4.9%: the copies ran beside o and the residual and lengthened their round trips), register preloads costing
     occupancy, L2 prefetches from a side branch and from o's blocks (benchmarks/LEDGER.md)."""
     return env_switch(ENV_GEMV_AHEAD_EARLY, default=False)
+
+
+def gemv_ahead_after_gemv() -> bool:
+    """``$LUM_GEMV_AHEAD_AFTER_GEMV`` (default off, to measure): a GEMV without a prologue or a preload that reads a
+    weight as B, behind another GEMV of its program, asks L2 for the lines of its first step before its wait
+    (gemv.cu ``AHEAD_EARLY``; the plain loop's first ``UNROLL`` vectors a lane), at the blocks an SM it holds.
+    Its blocks become resident as the GEMV before retires its last wave (every kernel triggers the next launch at
+    its start), while fewer and fewer of that GEMV's loads are in flight, so its first bytes move in that tail and
+    in the wait's release instead of after it. gemma3-4b's and llama3-1b's down: one wave of 1,280 (1,024) blocks
+    of 128 threads, 8 KB a block asked early, ≈ 10.5 (8.4) MB, ≈ 2.3 µs of the H200's bus behind gate-up. The
+    kernel before keeps its trigger: a GEMV's own stream is what the requests run beside, not the chain."""
+    return env_switch(ENV_GEMV_AHEAD_AFTER_GEMV, default=False)
 
 
 def gemv_inflight_for(fused_epilogue: bool, lane_vectors: int | None, prologue: bool = False) -> int:

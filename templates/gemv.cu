@@ -47,8 +47,9 @@
 //!   its first column that it loads into registers before the wait; 0: none), PRELOAD_SHARED (true: into
 //!   the launch's dynamic shared memory, THREADS * PRELOAD * NACC * 16 bytes), B_STREAM (dot scheme: B's
 //!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
-//!   (true: INFLIGHT loads of A too), AHEAD_EARLY (true: INFLIGHT > 0, B a weight: the lines of the first step of
-//!   the block's first tile are asked of L2 before the wait, builder/gemv_policy.py gemv_ahead_early),
+//!   (true: INFLIGHT loads of A too), AHEAD_EARLY (true: B a weight, no PRELOAD: the lines of the first step of
+//!   the block's first tile, INFLIGHT vectors a lane or the plain loop's UNROLL, are asked of L2 before the wait,
+//!   builder/gemv_policy.py gemv_ahead_early and gemv_ahead_after_gemv),
 //!   A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).
@@ -69,15 +70,17 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
   constexpr int ACC_COLS[NACC] = {{{ACC_COLS}}};
   constexpr bool HAS_EPILOGUE = {{HAS_EPILOGUE}};
   constexpr int INFLIGHT = {{INFLIGHT}};         // dot scheme: 0 = one vector a step, unrolled by the compiler
+  constexpr int UNROLL = {{UNROLL}};             // ... that many times
   constexpr bool B_STREAM = {{B_STREAM}};        // dot scheme: B is a weight, read once: lum_load_stream
   constexpr int U = INFLIGHT > 0 ? INFLIGHT : 1;
   constexpr int PRELOAD = {{PRELOAD}};           // dot scheme: first-tile vectors of B a lane loads before the wait
   constexpr bool PRELOAD_SHARED = {{PRELOAD_SHARED}};   // ... into shared memory (16-byte vectors), not registers
   constexpr bool A_EARLY = {{A_EARLY}};           // INFLIGHT > 0: A's vectors too are loaded ahead (M = 1, A_KCONTIG)
-  constexpr bool AHEAD_EARLY = {{AHEAD_EARLY}};   // INFLIGHT > 0: the first step's B asked of L2 before the wait
+  constexpr bool AHEAD_EARLY = {{AHEAD_EARLY}};   // the first step's B asked of L2 before the wait
   static_assert(!A_EARLY || (M == 1 && A_KCONTIG), "A_EARLY loads one k-contiguous row of A");
   static_assert(PRELOAD == 0 || (INFLIGHT == 0 && B_KCONTIG), "PRELOAD feeds the plain dot loop");
-  static_assert(!AHEAD_EARLY || (INFLIGHT > 0 && B_KCONTIG && PRELOAD == 0), "AHEAD_EARLY starts the loads ahead");
+  static_assert(!AHEAD_EARLY || (B_KCONTIG && PRELOAD == 0), "AHEAD_EARLY starts the dot loop's first loads");
+  constexpr int AHEAD = INFLIGHT > 0 ? INFLIGHT : UNROLL;   // AHEAD_EARLY: vectors a lane asks of L2 before the wait
   static_assert(!PRELOAD_SHARED || (PRELOAD > 0 && VEC * sizeof(b_t) == 16), "a shared preload moves 16-byte vectors");
   static_assert((NACC == 1 && !HAS_EPILOGUE) || B_KCONTIG, "an epilogue needs the dot scheme");
   static_assert(M >= 1 && M <= 8, "M must be in [1, 8]");
@@ -143,16 +146,17 @@ extern "C" __global__ void __launch_bounds__({{THREADS}}{{MIN_BLOCKS}}) {{KERNEL
       }
     }
   }
-  // AHEAD_EARLY: the lines of B the first step of this lane's column of the block's first tile loads, asked of L2
-  // now (common.cuh lum_prefetch_l2: no register), so that they stream while the kernel before finishes and the
-  // loads ahead after the wait find them there. B is a weight: no kernel before writes it.
+  // AHEAD_EARLY: the lines of B the first step of this lane's column of the block's first tile loads (INFLIGHT
+  // vectors, or the plain loop's first UNROLL), asked of L2 now (common.cuh lum_prefetch_l2: no register), so that
+  // they stream while the kernel before finishes and the loads after the wait find them there. B is a weight: no
+  // kernel before writes it.
   if constexpr (AHEAD_EARLY) {
     const idx_t lum_pc = (idx_t)blockIdx.x * SPAN + lum_g;   // this group's first column
     if (lum_b_vec && lum_pc < lum_batch * lum_nout) {
       const idx_t lum_pb = lum_pc / lum_nout;
       const b_t* lum_pp = {{B_PTR}} + (lum_ob + lum_pb * lum_sb + (lum_pc - lum_pb * lum_nout) * lum_ldb);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < AHEAD; ++u) {
         const idx_t lum_q = (idx_t)lum_lane * VEC + (idx_t)u * GROUP * VEC;
         if (lum_q < lum_kvec && lum_q % (128 / (idx_t)sizeof(b_t)) < VEC) {   // one lane a 128-byte line
 #pragma unroll

@@ -148,6 +148,11 @@ def _cases() -> list[tuple[str, LOp, list[DType], dict[str, int], dict]]:
         out.append((layout + ".ahead_early_tiles", gemm_op(layout, 2, 130, 300, BF16, batch=2, lda=304, ldb=304,
                                                            sa=608, sb=0), [BF16, BF16], {},
                     {"inflight": 2, "ahead_early": 1, "weight_args": frozenset({1}), "max_blocks": 3}))
+        # ... and the plain loop's first UNROLL vectors a lane (a GEMV behind a GEMV: gemma3-4b's down)
+        out.append((layout + ".ahead_early_plain", gemm_op(layout, 2, 130, 1100, BF16, batch=2, lda=1104, ldb=1104,
+                                                           sa=2208, sb=0), [BF16, BF16], {},
+                    {"inflight": 0, "unroll": 2, "ahead_early": 1, "weight_args": frozenset({1}), "max_blocks": 3,
+                     "threads": 64}))
     return out
 
 
@@ -470,15 +475,17 @@ def test_epilogue_gemv_loads_its_few_vectors_ahead(monkeypatch):
 
 
 def test_loads_ahead_asked_of_l2_before_the_wait_change_no_bit(host_lib, tmp_path):
-    """``ahead_early`` (gemv.cu ``AHEAD_EARLY``, under ``$LUM_GEMV_AHEAD_EARLY``): a GEMV that loads ahead asks L2
-    for its first tile's first lines of B (a weight) before its wait, with no register for them, so its sums are
-    the plain loads ahead's bit for bit, for grids of one to several tiles a block. B is named as read early
-    (its launch table's ``early``, so A keeps coherent loads); ``ahead_early`` > 1 keeps that many blocks an SM
-    (``__launch_bounds__``); a GEMV whose B is not a weight, with a preload or without loads ahead, is unchanged."""
+    """``ahead_early`` (gemv.cu ``AHEAD_EARLY``, under ``$LUM_GEMV_AHEAD_EARLY`` and
+    ``$LUM_GEMV_AHEAD_AFTER_GEMV``): a GEMV asks L2 for its first tile's first lines of B (a weight) before its wait
+    (its loads ahead, or the plain loop's first ``UNROLL`` vectors a lane), with no register for them, so its sums
+    are the same kernel's without the requests bit for bit, for grids of one to several tiles a block. B is named
+    as read early (its launch table's ``early``, so A keeps coherent loads); ``ahead_early`` > 1 keeps that many
+    blocks an SM (``__launch_bounds__``); a GEMV whose B is not a weight or with a preload is unchanged."""
     lib, kernels = host_lib
     for layout in GEMM_LAYOUTS:
         dot = layout[2:] == "Cm"
-        for case, tun in ((".ahead_early", {"inflight": 3}), (".ahead_early_tiles", {"inflight": 2, "max_blocks": 3})):
+        for case, tun in ((".ahead_early", {"inflight": 3}), (".ahead_early_tiles", {"inflight": 2, "max_blocks": 3}),
+                          (".ahead_early_plain", {"inflight": 0, "unroll": 2, "max_blocks": 3, "threads": 64})):
             op = next(c[1] for c in CASES if c[0] == layout + case)
             early = kernels[layout + case]
             plain = generate(op, ["p"], arg_dtypes=[BF16, BF16], weight_args=frozenset({1}), **tun)
@@ -494,8 +501,11 @@ def test_loads_ahead_asked_of_l2_before_the_wait_change_no_bit(host_lib, tmp_pat
     w = frozenset({1})
     assert "__launch_bounds__(128, 5)" in generate(wide, [], arg_dtypes=[BF16, BF16], weight_args=w, inflight=5,
                                                    ahead_early=5, threads=128).body
-    for tun in ({"weight_args": frozenset()}, {"weight_args": w, "inflight": 0}, {"weight_args": w, "preload": 1}):
+    for tun in ({"weight_args": frozenset()}, {"weight_args": w, "preload": 1}):
         assert not generate(o_proj, [], arg_dtypes=[BF16, BF16], ahead_early=2, **tun).tuning.get("ahead_early"), tun
+    plain_loop = generate(o_proj, [], arg_dtypes=[BF16, BF16], weight_args=w, inflight=0, unroll=4, ahead_early=12)
+    assert plain_loop.tuning.get("ahead_early") and plain_loop.tuning["inflight"] == 0
+    assert f"__launch_bounds__({plain_loop.tuning['threads']}, 12)" in plain_loop.body
 
 
 def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
@@ -530,6 +540,39 @@ def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
     assert "lum_pdl_trigger();  // common.cuh: launch order" not in body
     assert body.index("  lum_pdl_wait();") < body.index("(lum_pdl_trigger)();")
     assert not any(k.tuning.get("ahead_early") for k in generate_program(prog, dv).values() if k is not None)
+
+
+@pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
+def test_ahead_after_gemv_switch_takes_gemma_down_only(monkeypatch, model):
+    """``$LUM_GEMV_AHEAD_AFTER_GEMV=1`` (to measure; off by default): in gemma3-4b's decode layer only down (the
+    plain loop, no prologue, behind gate-up) asks L2 for its first lines before its wait, at the 12 blocks an SM it
+    holds, and gate-up keeps its trigger at its start; llama3-1b's down preloads (the preload after GEMVs), so no
+    kernel of its layer changes."""
+    from lum.builder import kernels
+    from lum.builder.compile import weight_inputs
+    from lum.builder.gemv_policy import ENV_GEMV_AHEAD_AFTER_GEMV, ENV_GEMV_AHEAD_EARLY, gemv_kernel_ops
+    from lum.builder.models.config import named_config
+    from lum.builder.models.transformer import build_entry
+    from tests.test_attention_stage import MAX_SEQ, _layer
+
+    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_EARLY, ENV_GEMV_AHEAD_AFTER_GEMV,
+                "LUM_GEMV_AHEAD_PLAIN"):
+        monkeypatch.delenv(var, raising=False)
+    prog, dv = _layer(model, BF16)
+    weights = weight_inputs(build_entry(named_config(model), "decode", MAX_SEQ, BF16), prog)
+    plain = kernels.group_kernel_sources(prog, dv, weights=weights)
+    monkeypatch.setenv(ENV_GEMV_AHEAD_AFTER_GEMV, "1")
+    early = kernels.group_kernel_sources(prog, dv, weights=weights)
+    changed = {i for i in early if early[i].name != plain[i].name}
+    if model == "llama3-1b":
+        assert not changed
+        return
+    down = gemv_kernel_ops(prog)[3]
+    assert changed == {down.id}, changed
+    ks = early[down.id]
+    assert ks.tuning.get("ahead_early") and ks.tuning["inflight"] == 0 and ks.early == ("in1",)
+    assert "__launch_bounds__(128, 12)" in ks.body
+    assert ks.body.index("lum_prefetch_l2(lum_pp") < ks.body.index("  lum_pdl_wait();")
 
 
 def test_plain_gemv_loads_ahead_under_its_switch(monkeypatch):

@@ -326,11 +326,12 @@ def _same_results_both_ways(pkg, option: str, check) -> np.ndarray:
     return got[True][0]
 
 
-@pytest.mark.parametrize("variant", ["default", "preload", "ahead-early"])
+@pytest.mark.parametrize("variant", ["default", "preload", "ahead-early", "ahead-after-gemv"])
 def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
     """This GPU's SASS (``cuobjdump -sass``) of every kernel of llama3-1b's decode groups, as built by
     default and with GEMV preloads (and, with them, every preloading gemv case), and of gemma3-4b's with
-    gate-up's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_EARLY``): no function has more
+    gate-up's or down's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_EARLY``,
+    ``LUM_GEMV_AHEAD_AFTER_GEMV``): no function has more
     global loads above its first ``ACQBULK`` (griddepcontrol.wait) than its PTX has above the wait, which
     tests/test_pdl_order.py holds to the dyn buffer and early weights. ptxas did move a GEMV prologue's
     ld.global.nc loads above the wait once a preload shared the top of the kernel (llama3-1b's qkv and
@@ -362,7 +363,7 @@ def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
         assert names <= set(ptx_loads) and names <= set(sass_loads)
         moved = {n: sass_loads[n] for n in names if len(sass_loads[n]) > len(ptx_loads[n])}
         assert moved == {}, moved
-        # a preload loads above the wait; gate-up under ahead-early only asks L2 there (CCTL, not a load)
+        # a preload loads above the wait; gate-up or down asking L2 early only prefetch there (CCTL, not a load)
         assert variant != "preload" or any(sass_loads[k.name] for k in ks if k.early)
 
 
