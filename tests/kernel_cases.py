@@ -219,6 +219,18 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     b.op(case, "elementwise", "Fused", [(inp(case, 0, 300 * s, dt), ShapeTracker.contiguous((s, 300))),
                                         (neg, ShapeTracker((s, as_expr(300)), (as_expr(0), as_expr(0)), as_expr(0)))],
          (s, 300), dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
+    # independent reductions reduced together (lum_group_reduce_n): two norms and a maximum of long rows, then
+    # the norm of the normed rows' sum, which reads both norms (gemma's residual sum before the next layer)
+    case = "row.norms.long"
+
+    def rsqrt_sum(x: list) -> list:
+        return ["Recip", "f32", ["Sqrt", "f32", ["RowSum", "f32", ["Mul", "f32", x, x]]]]
+
+    h = ["Add", "f32", ["Mul", "f32", xf(0), rsqrt_sum(xf(0))], ["Mul", "f32", xf(1), rsqrt_sum(xf(1))]]
+    expr = ["Cast", dt.value, ["Add", "f32", ["Mul", "f32", h, rsqrt_sum(h)], ["RowMax", "f32", xf(0)]]]
+    b.op(case, "elementwise", "Fused", [(inp(case, 0, 300 * s, dt), ShapeTracker.contiguous((s, 300))),
+                                        (inp(case, 1, 300 * s, dt), ShapeTracker.contiguous((s, 300)))],
+         (s, 300), dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
     # scatters that compute their rows (a fused prologue over leaves args[1:-1]): a rotation-like expression
     # of a permuted and a padded read (copy and in place), and an RMSNorm of each row (a row kernel)
     for kind, with_rows in (("scatter", False), ("scatter_nocopy", False), ("scatter_nocopy", True)):
