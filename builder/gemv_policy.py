@@ -197,9 +197,10 @@ def gemv_ahead_after_gemv() -> bool:
     (gemv.cu ``AHEAD_EARLY``; the plain loop's first ``UNROLL`` vectors a lane), at the blocks an SM it holds.
     Its blocks become resident as the GEMV before retires its last wave (every kernel triggers the next launch at
     its start), while fewer and fewer of that GEMV's loads are in flight, so its first bytes move in that tail and
-    in the wait's release instead of after it. gemma3-4b's and llama3-1b's down: one wave of 1,280 (1,024) blocks
-    of 128 threads, 8 KB a block asked early, ≈ 10.5 (8.4) MB, ≈ 2.3 µs of the H200's bus behind gate-up. The
-    kernel before keeps its trigger: a GEMV's own stream is what the requests run beside, not the chain."""
+    in the wait's release instead of after it. gemma3-4b's down: one wave of 1,280 blocks of 128 threads, 8 KB a
+    block asked early, ≈ 10.5 MB, ≈ 2.3 µs of the H200's bus behind gate-up (llama3-1b's down preloads registers
+    instead, :func:`gemv_preload_after_gemv`, and is unchanged). The kernel before keeps its trigger: a GEMV's own
+    stream is what the requests run beside, not the chain."""
     return env_switch(ENV_GEMV_AHEAD_AFTER_GEMV, default=False)
 
 

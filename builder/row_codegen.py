@@ -338,7 +338,6 @@ class RowKernels:
                 lines.append(f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);")
             return lines
 
-
         order: list[list] = []
         seen: set[str] = set()
 
