@@ -24,52 +24,12 @@ from lum.format.shapetracker import ShapeTracker, numel
 
 ROW_REGS = 8                                     # row kernels keep a static row in registers up to this per lane
 ENV_ROW_ONLINE = "LUM_ROW_ONLINE"                # 0: a softmax-weighted row sum visits its row once per reduction
-ENV_ROW_REDUCE_TOGETHER = "LUM_ROW_REDUCE_TOGETHER"   # 0: a row kernel's independent reductions one after another
 
 
 def row_online_enabled() -> bool:
     """``$LUM_ROW_ONLINE`` (default on): a reduce whose prologue is a softmax-weighted sum (decode attention's
     combine of its chunks) visits its row once, with a running maximum (:func:`online_softmax_sum`)."""
     return env_switch(ENV_ROW_ONLINE, default=True)
-
-
-def row_reduce_together() -> bool:
-    """``$LUM_ROW_REDUCE_TOGETHER`` (default on): a row kernel's reductions that do not depend on one another and
-    reduce alike (Sums, or Maxes) are reduced across the group at once (common.cuh lum_group_reduce_n: one round
-    of shuffles and one barrier pair), each to the same bits as alone. gemma3-4b's kernel before each layer's qkv
-    sums the two norms' squares (attention's and the FFN's outputs, both added to the residual) one after the
-    other, then the sum's: three rounds in one block of 512 threads where two suffice."""
-    return env_switch(ENV_ROW_REDUCE_TOGETHER, default=True)
-
-
-def _reduction_batches(order: list[list]) -> list[list[tuple[int, list]]]:
-    """``order``'s row reductions (each after those its tree reads) as batches to reduce together: by depth (a
-    reduction one deeper than the deepest it reads), then by kind (Sum, Max) in order of first appearance, each
-    batch's phases in ``order``'s order; a batch of one where nothing else shares its depth and kind."""
-    depth: dict[str, int] = {}
-
-    def deepest(t: list) -> int:
-        if t[0] == "arg":
-            return -1
-        own = depth.get(repr(t), -1) if t[0] in ROW_OPS else -1
-        return max([own, *(deepest(x) for x in t[2:] if isinstance(x, list))])
-
-    batches: dict[tuple[int, str], list[tuple[int, list]]] = {}
-    for j, t in enumerate(order):
-        d = 1 + deepest(t[2])
-        depth[repr(t)] = d
-        batches.setdefault((d, ROW_OPS[t[0]]), []).append((j, t))
-    return [batches[k] for k in sorted(batches, key=lambda k: (k[0], min(j for j, _ in batches[k])))]
-
-
-def _reduce_together(ind: str, red: str, values: list[tuple[str, str]]) -> list[str]:
-    """C lines setting each (variable, value) of ``values`` to the group's ``red`` (Sum, Max) of its value, all in
-    one lum_group_reduce_n (common.cuh): one round of shuffles and one barrier pair for all."""
-    n = len(values)
-    return [f"{ind}{{", f"{ind}  __shared__ acc_t lum_rs[GROUP > 32 ? {n} * 32 : 1];",
-            f"{ind}  acc_t lum_rr[{n}] = {{{', '.join(v for _, v in values)}}};",
-            f"{ind}  lum_group_reduce_n<Lum{red}, GROUP, {n}>(lum_rr, lum_rs);",
-            *(f"{ind}  {name} = lum_rr[{i}];" for i, (name, _) in enumerate(values)), f"{ind}}}"]
 
 
 def _pairs(t: list, op: str) -> list[tuple[list, list]]:
@@ -328,14 +288,12 @@ class RowKernels:
 
             return self._tree(t, names, lines, ind3, round_root, leaf)
 
-        def accumulate(j: int, red: str, t: list, reduce: bool = True) -> list[str]:
-            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane (``reduce``:
-            this lane's share only, the group's reduction left to the caller)."""
+        def accumulate(j: int, red: str, t: list) -> list[str]:
+            """A phase: lum_r<j> = the group's Sum / Max of tree ``t`` over the row, in every lane."""
             lines = [f"{ind}acc_t lum_r{j} = {self._row_identity(red)};", f"{ind}if (lum_live) {{", *loop]
             x, _ = emit(t, lines, True)
-            lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", *close]
-            if reduce:
-                lines.append(f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);")
+            lines += [f"{ind3}lum_r{j} = Lum{red}::apply(lum_r{j}, (acc_t)({x}));", *close,
+                      f"{ind}lum_r{j} = lum_group_reduce<Lum{red}, GROUP>(lum_r{j}, lum_smem);"]
             return lines
 
         order: list[list] = []
@@ -361,21 +319,14 @@ class RowKernels:
         if online is not None:
             phases, final = self._online_row(online, expr, emit, rownames, loop, close, ind, ind3)
         else:
-            together = row_reduce_together()
-            for batch in _reduction_batches(order) if together else [[(j, t)] for j, t in enumerate(order)]:
-                red = ROW_OPS[batch[0][1][0]]
-                for j, t in batch:
-                    dt = DType.parse(t[1])
-                    if not dt.is_float:
-                        raise CodegenError(f"{t[0]} of {dt}: row reductions are generated for float dtypes only")
-                    phases += accumulate(j, red, t[2], reduce=len(batch) == 1)
-                if len(batch) > 1:
-                    phases += _reduce_together(ind, red, [(f"lum_r{j}", f"lum_r{j}") for j, _ in batch])
-                for j, t in batch:
-                    dt = DType.parse(t[1])
-                    phases.append(f"{ind}const float lum_rv{j} = "
-                                  f"{load_conv(dt, store_conv(acc_kind, f'lum_r{j}', dt))};")
-                    rownames[repr(t)] = (f"lum_rv{j}", "f")
+            for j, t in enumerate(order):
+                dt = DType.parse(t[1])
+                if not dt.is_float:
+                    raise CodegenError(f"{t[0]} of {dt}: row reductions are generated for float dtypes only")
+                phases += accumulate(j, ROW_OPS[t[0]], t[2])
+                phases.append(f"{ind}const float lum_rv{j} = "
+                              f"{load_conv(dt, store_conv(acc_kind, f'lum_r{j}', dt))};")
+                rownames[repr(t)] = (f"lum_rv{j}", "f")
         wbase, _ = view_access(ctx, cviews[0], idx)
         if online is not None:
             final.append(f"{ind}if (lum_live && lum_lane == 0) out[{wbase}] = {store_conv('f', 'lum_y', op.dtype)};")
@@ -439,10 +390,8 @@ class RowKernels:
                   f"{ind}const float lum_mx = lum_group_reduce<LumMax, GROUP>(lum_m, lum_smem);",
                   f"{ind}const float lum_to = lum_m == lum_mx ? 1.0f : lum_m == -LUM_INF_F32 ? 0.0f "
                   f": exp2f((lum_mx - lum_m) * lum_k);",
-                  *(_reduce_together(ind, "Sum", [("lum_sl", "lum_sl * lum_to"), ("lum_sa", "lum_sa * lum_to")])
-                    if row_reduce_together() else
-                    [f"{ind}lum_sl = lum_group_reduce<LumSum, GROUP>(lum_sl * lum_to, lum_smem);",
-                     f"{ind}lum_sa = lum_group_reduce<LumSum, GROUP>(lum_sa * lum_to, lum_smem);"])]
+                  f"{ind}lum_sl = lum_group_reduce<LumSum, GROUP>(lum_sl * lum_to, lum_smem);",
+                  f"{ind}lum_sa = lum_group_reduce<LumSum, GROUP>(lum_sa * lum_to, lum_smem);"]
         rownames[repr(rsum)] = ("lum_sl", "f")
         rownames[repr(ea)] = ("lum_sa", "f")
         final: list[str] = []

@@ -78,7 +78,7 @@ from lum.builder.epilogue import gemv_epilogues_enabled
 from lum.builder.extract import ATTENTION_CHUNK, ATTENTION_CHUNKS, attention_chunk_default
 from lum.builder.prologue import gemv_prologues_enabled, prologue_max_cols
 from lum.builder.o_combine import ENV_O_COMBINE
-from lum.builder.row_codegen import ENV_ROW_ONLINE, ENV_ROW_REDUCE_TOGETHER
+from lum.builder.row_codegen import ENV_ROW_ONLINE
 from lum.builder.row_reads import row_reads_enabled
 from lum.builder.siblings import sibling_kernels_enabled
 from lum.builder.search import CandidateRejected, Decision, SearchProgress, SearchSpace, genome_hash, search
@@ -99,8 +99,8 @@ DB_VERSION = 1
 # On / off kernel switches with no entry of their own in a search's database key, and their defaults: the key
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
 KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_GEMV_AHEAD_PLAIN: False, ENV_GEMV_AHEAD_EARLY: False,
-                ENV_GEMV_AHEAD_AFTER_GEMV: False,
-                ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True, ENV_ROW_REDUCE_TOGETHER: True, ENV_O_COMBINE: True}
+                ENV_GEMV_AHEAD_AFTER_GEMV: True,
+                ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True, ENV_O_COMBINE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map
 CHECK_DYN_MAX = 8

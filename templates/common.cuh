@@ -193,35 +193,6 @@ LUM_D T lum_group_reduce(T v, T* smem) {
   return v;
 }
 
-// lum_group_reduce of N independent values at once, each one's result bit for bit what a call of its own gives:
-// their shuffles interleaved and one barrier pair for all, where a call a value pays a round of latency each (a
-// row kernel's independent reductions: the two norms gemma's residual sum adds, builder/row_codegen.py).
-// smem: N * 32 entries (GROUP > 32), [value][warp of the block].
-template <typename Op, int GROUP, int N, typename T>
-LUM_D void lum_group_reduce_n(T (&v)[N], T* smem) {
-  constexpr int W = GROUP < 32 ? GROUP : 32;
-#pragma unroll
-  for (int o = W / 2; o > 0; o >>= 1) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = Op::apply(v[i], __shfl_xor_sync(0xffffffffu, v[i], o, W));
-  }
-  if (GROUP > 32) {
-    __syncthreads();                       // an earlier pass's readers are done with smem
-    if ((threadIdx.x & 31u) == 0) {
-#pragma unroll
-      for (int i = 0; i < N; ++i) smem[i * 32 + threadIdx.x / 32] = v[i];
-    }
-    __syncthreads();
-    const int first = (int)(threadIdx.x / GROUP) * (GROUP / 32);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      v[i] = smem[i * 32 + first];
-#pragma unroll
-      for (int k = 1; k < GROUP / 32; ++k) v[i] = Op::apply(v[i], smem[i * 32 + first + k]);
-    }
-  }
-}
-
 // A row's stores into shared memory, at their physical index in the op's output less b (an attention
 // stage's query rows, builder/attention_stage.py).
 struct LumSink {

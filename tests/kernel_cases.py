@@ -219,8 +219,8 @@ def template_cases(dt: DType, seed: int = 0) -> tuple[Program, dict[str, np.ndar
     b.op(case, "elementwise", "Fused", [(inp(case, 0, 300 * s, dt), ShapeTracker.contiguous((s, 300))),
                                         (neg, ShapeTracker((s, as_expr(300)), (as_expr(0), as_expr(0)), as_expr(0)))],
          (s, 300), dt, {"expr": expr}, output=f"{case}.y", case_kind="row", tol=tol)
-    # independent reductions reduced together (lum_group_reduce_n): two norms and a maximum of long rows, then
-    # the norm of the normed rows' sum, which reads both norms (gemma's residual sum before the next layer)
+    # several reductions of long rows: two norms and a maximum, then the norm of the normed rows' sum, which
+    # reads both norms (gemma's residual sum before the next layer)
     case = "row.norms.long"
 
     def rsqrt_sum(x: list) -> list:

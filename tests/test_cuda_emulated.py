@@ -42,7 +42,6 @@ FUSED = {"stage": {},     # kernel fusions: their build environment (none: the d
          "preload-shared": {"LUM_GEMV_PRELOAD_SHARED": "all"},
          "norms-ahead": {"LUM_NORMS_AHEAD": "1"},
          "row-multipass": {"LUM_ROW_ONLINE": "0"},
-         "reduce-apart": {"LUM_ROW_REDUCE_TOGETHER": "0"},
          "two-kernels": {"LUM_O_COMBINE": "0"},
          "o-grouped": {"LUM_O_COMBINE": "grouped"}}
 
@@ -297,13 +296,13 @@ print(json.dumps(out))
     assert res["stepsTrue"] > 0 == res["stepsFalse"]
 
 
-BIT_EQUAL = ("preload-shared", "reduce-apart")   # the default's arithmetic
+BIT_EQUAL = ("preload-shared",)   # the default's arithmetic
 
 
 def test_variants_that_reorder_no_arithmetic_are_bit_equal(env):
     """The variants that change only how the work is scheduled (every GEMV's first weights preloaded into shared
-    memory, summed in the same order; a row kernel's independent reductions one after another, not together)
-    give every kernel case's outputs bit for bit as the default package does."""
+    memory, summed in the same order) give every kernel case's outputs bit for bit as the default package
+    does."""
     res = run(env, r'''
 import numpy as np
 import lum.loader as L

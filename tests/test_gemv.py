@@ -524,6 +524,7 @@ def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
 
     for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_EARLY, "LUM_GEMV_AHEAD_PLAIN"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LUM_GEMV_AHEAD_AFTER_GEMV", "0")      # down's own early lines: the test above
     prog, dv = _layer("gemma3-4b", BF16)
     weights = weight_inputs(build_entry(named_config("gemma3-4b"), "decode", MAX_SEQ, BF16), prog)
     plain = kernels.group_kernel_sources(prog, dv, weights=weights)
@@ -544,8 +545,8 @@ def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
 
 @pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
 def test_ahead_after_gemv_switch_takes_gemma_down_only(monkeypatch, model):
-    """``$LUM_GEMV_AHEAD_AFTER_GEMV=1`` (to measure; off by default): in gemma3-4b's decode layer only down (the
-    plain loop, no prologue, behind gate-up) asks L2 for its first lines before its wait, at the 12 blocks an SM it
+    """``$LUM_GEMV_AHEAD_AFTER_GEMV`` (on by default; ``0`` off): in gemma3-4b's decode layer only down (the plain
+    loop, no prologue, behind gate-up) asks L2 for its first lines before its wait, at the 12 blocks an SM it
     holds, and gate-up keeps its trigger at its start; llama3-1b's down preloads (the preload after GEMVs), so no
     kernel of its layer changes."""
     from lum.builder import kernels
@@ -560,9 +561,9 @@ def test_ahead_after_gemv_switch_takes_gemma_down_only(monkeypatch, model):
         monkeypatch.delenv(var, raising=False)
     prog, dv = _layer(model, BF16)
     weights = weight_inputs(build_entry(named_config(model), "decode", MAX_SEQ, BF16), prog)
-    plain = kernels.group_kernel_sources(prog, dv, weights=weights)
-    monkeypatch.setenv(ENV_GEMV_AHEAD_AFTER_GEMV, "1")
     early = kernels.group_kernel_sources(prog, dv, weights=weights)
+    monkeypatch.setenv(ENV_GEMV_AHEAD_AFTER_GEMV, "0")
+    plain = kernels.group_kernel_sources(prog, dv, weights=weights)
     changed = {i for i in early if early[i].name != plain[i].name}
     if model == "llama3-1b":
         assert not changed
