@@ -6,7 +6,8 @@ Under programmatic dependent launch (templates/common.cuh) a kernel may read bef
 yet by the kernel before. Two places can put a load there: the template (checked on the PTX) and ptxas,
 which schedules ``ld.global.nc`` loads as read-only for the kernel's lifetime and did move a GEMV
 prologue's loads above the wait once a preload shared the top of the kernel (benchmarks/NOTES.md,
-10d0ece); checked by counting the SASS loads above ``ACQBULK`` against the PTX's.
+10d0ece); checked by counting the SASS loads above ``ACQBULK`` against the PTX's, weight streams aside
+(:func:`weight_stream`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def bad_ptx_loads(loads: dict[str, list[tuple[str, int | None]]], dyn: dict[str,
         if wrong:
             bad[name] = wrong
     return bad
+
+
+def weight_stream(load: str) -> bool:
+    """Whether a PTX or SASS load is a weight stream's (common.cuh lum_load_stream: ``ld.global.nc.L1::no_allocate``
+    with an evict-first policy, ``LDG.E.NA…CONSTANT`` in SASS). lum issues it only for weights, which nothing writes
+    while a graph runs, so ptxas may schedule it anywhere, above the wait too: it did, in llama3-1b's GEMVs as
+    built (b5930dc, found once the tests marked the weights as ``lum build`` does)."""
+    return "L1::no_allocate" in load or ".NA." in load
 
 
 def sass_loads_above_wait(sass: str) -> dict[str, list[str]]:
