@@ -66,13 +66,10 @@ What it does, in one run on one GPU:
      gate-up too), ``lum-down-inflight4`` with ``LUM_GEMV_TUNING=3.inflight=4`` (each layer's fourth GEMV, the
      down projection, loads 4 weight vectors a lane ahead), ``lum-ahead-plain`` with ``LUM_GEMV_AHEAD_PLAIN=1``
      (a GEMV without an epilogue or prologue loads all of a lane's few vectors ahead too: the LM heads, and
-     llama3-1b's o), ``lum-ahead-early`` with ``LUM_GEMV_AHEAD_EARLY=1`` (a GEMV loading ahead behind a small
-     kernel asks L2 for its first lines before its wait, that kernel triggering after its own: gemma3-4b's gate-up
-     behind the residual kernel), ``lum-ahead-both`` with both switches, ``lum-after-gemv-off`` with
-     ``LUM_GEMV_AHEAD_AFTER_GEMV=0`` (by default a GEMV behind a GEMV asks L2 for its first lines before its wait:
-     gemma3-4b's down during gate-up's last wave), ``lum-ahead-all`` with the three, ``lum-gateup-inflight0`` /
-     ``-inflight2`` / ``-inflight4`` / ``-inflight5`` / ``-unroll8`` / ``-threads256`` / ``-group32`` / ``-group128`` /
-     ``-max_blocks1320`` / ``-max_blocks2640`` with ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third
+     llama3-1b's o), ``lum-after-gemv-off`` with ``LUM_GEMV_AHEAD_AFTER_GEMV=0`` (by default a GEMV behind a GEMV
+     asks L2 for its first lines before its wait: gemma3-4b's down during gate-up's last wave),
+     ``lum-gateup-inflight0`` / ``-inflight2`` / ``-inflight4`` / ``-inflight5`` / ``-unroll8`` / ``-threads256`` /
+     ``-group32`` / ``-group128`` / ``-max_blocks1320`` / ``-max_blocks2640`` with ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third
      GEMV, gemma3-4b's gate-up, with that one parameter changed: at 2ea84da it streamed at 93% of the copy rate on
      the H200, 98% on the H100, benchmarks/NOTES.md 2026-12-07; ``-inflight0`` is the compiler's loop it had
      before all five of a lane's vectors a column went ahead by default, gemv_policy.gemv_inflight_for),
@@ -148,11 +145,7 @@ LUM_BUILD_ENV = {"lum-noprologue": {"LUM_GEMV_PROLOGUE": "0"},     # systems who
                  "lum-preload-plain": {"LUM_GEMV_PRELOAD": "1"},
                  "lum-down-inflight4": {"LUM_GEMV_TUNING": "3.inflight=4"},
                  "lum-ahead-plain": {"LUM_GEMV_AHEAD_PLAIN": "1"},
-                 "lum-ahead-early": {"LUM_GEMV_AHEAD_EARLY": "1"},
-                 "lum-ahead-both": {"LUM_GEMV_AHEAD_EARLY": "1", "LUM_GEMV_AHEAD_PLAIN": "1"},
                  "lum-after-gemv-off": {"LUM_GEMV_AHEAD_AFTER_GEMV": "0"},
-                 "lum-ahead-all": {"LUM_GEMV_AHEAD_EARLY": "1", "LUM_GEMV_AHEAD_AFTER_GEMV": "1",
-                                   "LUM_GEMV_AHEAD_PLAIN": "1"},
                  **{f"lum-gateup-{k}{v}": {"LUM_GEMV_TUNING": f"2.{k}={v}"}
                     for k, v in (("inflight", 0), ("inflight", 2), ("inflight", 4), ("inflight", 5), ("unroll", 8),
                                  ("threads", 256), ("group", 32), ("group", 128), ("max_blocks", 1320),

@@ -97,7 +97,7 @@ from lum.builder.attention_policy import attention_stage_block
 from lum.builder.env_switches import CodegenError, env_switch
 from lum.builder.gemv_codegen import GemvKernels
 from lum.builder.gemv_policy import (GEMV_DTYPES, GEMV_LARGE, GEMV_SHARED_PRELOAD_VECTORS, blocks_unbalanced,
-                                     gemv_ahead_after_gemv, gemv_ahead_early, gemv_balance, gemv_inflight_default,
+                                     gemv_ahead_after_gemv, gemv_balance, gemv_inflight_default,
                                      gemv_kernel_ops, gemv_preload_after_gemv, gemv_preload_default,
                                      gemv_preload_shared, gemv_prologue_threads, gemv_rows, gemv_tuning_override,
                                      prologue_walks_tiles, split_gemv_tuning)
@@ -176,15 +176,15 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
              preload_shared: bool = False, max_blocks: int = 65536,
              index_bits: int | None = None, max_dyn: Mapping[str, int] | None = None, acc: str = "f32",
              math: str = "f32", row_regs: bool = True, weight_args: frozenset[int] = frozenset(),
-             stage: AttentionStage | None = None, tile_keys: int | None = None, ahead_early: int = 0,
-             trigger: str = "start") -> KernelSource | None:
+             stage: AttentionStage | None = None, tile_keys: int | None = None,
+             ahead_early: int = 0) -> KernelSource | None:
     """CUDA source and launch description for one LLIR op; ``None`` for a gemm that stays a cuBLASLt call
     (see :func:`~lum.builder.gemv_policy.gemv_rows`) and for input / output / constant (no kernel).
     ``dyn_vars``: the slot order of the runtime dyn buffer. ``arg_dtypes``: storage dtypes of ``op.args``
     (their producers' dtypes) where the op's own dtype does not imply them. ``stage``: the rows of the ops
     before it an attention kernel computes (:class:`AttentionStage`). ``ahead_early`` (a GEMV; > 0: on, keeping
-    that many blocks an SM) and ``trigger`` (``"late"``: the kernel before such a GEMV):
-    :func:`~lum.builder.gemv_policy.gemv_ahead_early`. See the module docstring for the tuning parameters."""
+    that many blocks an SM): :func:`~lum.builder.gemv_policy.gemv_ahead_after_gemv`. See the module docstring for
+    the tuning parameters."""
     if op.kind in ("input", "output", "constant") or (op.kind == "gemm" and gemv_rows(op) is None):
         return None
     if op.kind not in KERNEL_KINDS:
@@ -225,7 +225,7 @@ def generate(op: LOp, dyn_vars: Sequence[str] = (), *, arg_dtypes: Sequence[DTyp
     if index_bits is None:
         index_bits = 32 if ctx.fits_i32(margin) else 64
     idx_t = "int" if index_bits == 32 else "long long"
-    dyn_loads, slots = ctx.dyn_loads(trigger=trigger if stage is None else "template")
+    dyn_loads, slots = ctx.dyn_loads(trigger="start" if stage is None else "template")
     nowait, _ = ctx.dyn_loads(wait=False)          # for templates that wait themselves, after their early reads
     body = "\n".join(bodies).replace("@IDX_T@", idx_t).replace("@DYN_LOADS_NOWAIT@", nowait)
     body = body.replace("@DYN_LOADS@", dyn_loads)
@@ -342,8 +342,7 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
     program's inputs that are weights (an op's arguments read from them are its ``weight_args``).
     ``tuning``: keyword arguments of :func:`generate` for every op, and ``gemv<i>.<name>`` ones for the
     i-th GEMV (:func:`~lum.builder.gemv_policy.split_gemv_tuning`). ``resident``: the blocks an SM a kernel
-    holds (ptxas; builder/kernels.py), which a GEMV changed by ``$LUM_GEMV_AHEAD_EARLY`` or
-    ``$LUM_GEMV_AHEAD_AFTER_GEMV`` keeps."""
+    holds (ptxas; builder/kernels.py), which a GEMV changed by ``$LUM_GEMV_AHEAD_AFTER_GEMV`` keeps."""
     if dyn_vars is None:
         dyn_vars = sorted(program.dyn_vars())
     common, per = split_gemv_tuning(tuning)
@@ -374,8 +373,8 @@ def generate_program(program: Program, dyn_vars: Sequence[str] | None = None, *,
         if r in in_registers and shared != "all" and ks is not None and prologue_walks_tiles(o, ks):
             ks = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, **{**common, **in_registers[r]})
         out[o.id] = ks
-    if gemv_ahead_early() or gemv_ahead_after_gemv():
-        _start_loads_ahead_early(program, dyn_vars, out, weights, common, per, rank, resident)
+    if gemv_ahead_after_gemv():
+        _ask_l2_early_behind_gemvs(program, dyn_vars, out, weights, common, per, rank, resident)
     return out
 
 
@@ -385,40 +384,25 @@ def _arg_kinds(program: Program, op: LOp, weights: frozenset[int]) -> tuple[list
             frozenset(k for k, a in enumerate(op.args) if a.src in weights))
 
 
-def _start_loads_ahead_early(program: Program, dyn_vars: Sequence[str], out: dict[int, KernelSource | None],
-                             weights: frozenset[int], common: dict[str, Any], per: dict[int, dict[str, Any]],
-                             rank: dict[int, int], resident: Callable[[KernelSource], int | None] | None) -> None:
-    """Each GEMV without a prologue or a preload that reads a weight as B, regenerated in ``out`` to ask L2 for its
-    first lines before its wait, holding the blocks an SM it held (``resident``: unbounded, ptxas took gemma3-4b's
-    gate-up from 96 to 117 registers, 5 to 4 blocks an SM; bounded, 95 without spills), where it follows
-    * under :func:`~lum.builder.gemv_policy.gemv_ahead_early`, a kernel of this program that is not a GEMV and
-      triggers at its start (the GEMV loading ahead): that kernel then triggers after its own wait. A fusion that
-      later replaces it (siblings, an attention stage) drops its late trigger: slower, never wrong, the early
-      requests being of weights;
-    * under :func:`~lum.builder.gemv_policy.gemv_ahead_after_gemv`, a GEMV, which keeps its trigger."""
-    small, after_gemv = gemv_ahead_early(), gemv_ahead_after_gemv()
+def _ask_l2_early_behind_gemvs(program: Program, dyn_vars: Sequence[str], out: dict[int, KernelSource | None],
+                               weights: frozenset[int], common: dict[str, Any], per: dict[int, dict[str, Any]],
+                               rank: dict[int, int], resident: Callable[[KernelSource], int | None] | None) -> None:
+    """Under :func:`~lum.builder.gemv_policy.gemv_ahead_after_gemv`: each GEMV without a prologue or a preload
+    that reads a weight as B and follows another GEMV of this program, regenerated in ``out`` to ask L2 for its
+    first lines before its wait, holding the blocks an SM it held (``resident``: unbounded, ptxas can take more
+    registers for the requests' addresses, as it took gemma3-4b's gate-up from 96 to 117 when it asked so)."""
     ks = [o for o in program.ops if o.kind in KERNEL_KINDS and not (o.kind == "gemm" and gemv_rows(o) is None)]
     for i, o in enumerate(ks[1:], start=1):
         src, before = out.get(o.id), ks[i - 1]
-        prev = out.get(before.id)
-        if src is None or prev is None or o.id not in rank or src.tuning.get("prologue") or src.tuning.get("preload"):
-            continue
-        if before.kind == "gemm":
-            if not after_gemv:
-                continue
-        elif (not small or not src.tuning.get("inflight")
-              or "lum_pdl_trigger();  // common.cuh: launch order" not in prev.body):
+        if (src is None or out.get(before.id) is None or before.kind != "gemm" or o.id not in rank
+                or src.tuning.get("prologue") or src.tuning.get("preload")):
             continue
         dts, wargs = _arg_kinds(program, o, weights)
         blocks = (resident(src) if resident is not None else None) or 1
         early = generate(o, dyn_vars, arg_dtypes=dts, weight_args=wargs, ahead_early=blocks,
                          **{**common, **per.get(rank[o.id], {})})
-        if early is None or not early.tuning.get("ahead_early"):
-            continue
-        out[o.id] = early
-        if before.kind != "gemm":
-            dts, wargs = _arg_kinds(program, before, weights)
-            out[before.id] = generate(before, dyn_vars, arg_dtypes=dts, weight_args=wargs, trigger="late", **common)
+        if early is not None and early.tuning.get("ahead_early"):
+            out[o.id] = early
 
 
 def module_source(kernels: Sequence[KernelSource], stamps: bool | None = None) -> str:
@@ -467,7 +451,7 @@ class _Gen(GemvKernels, AttentionKernels, RowKernels):
                  stage: AttentionStage | None = None, tile_keys: int | None = None, ahead_early: int = 0):
         self.op, self.dts, self.ctx = op, dts, ctx
         self.ahead_early = ahead_early             # gemv: > 0, its first lines asked of L2 before the wait, that
-                                                   # many blocks an SM kept (gemv_ahead_early)
+                                                   # many blocks an SM kept (gemv_ahead_after_gemv)
         self.tile_keys = tile_keys                 # flash attention: keys a tile (None: its default)
         self.stage = stage                         # the rows of the ops before it an attention computes
         self.threads, self.ept, self.vec, self.group, self.unroll = threads, ept, vec, group, unroll

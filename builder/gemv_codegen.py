@@ -84,8 +84,8 @@ class GemvKernels:
             shared = max(0, min(GEMV_SHARED_PRELOAD_BYTES, MAX_SHARED_MEM - static))
         preload = self._gemv_preload(k, group, vec, len(acc_cols), inflight, shared) if b_kc else 0
         shared = shared if preload > 0 else 0
-        # the first step's loads asked of L2 before the wait (gemv_policy.gemv_ahead_early, gemv_ahead_after_gemv): of
-        # a weight, with no prologue
+        # the first step's loads asked of L2 before the wait (gemv_policy.gemv_ahead_after_gemv): of a weight, with
+        # no prologue
         ahead_early = self.ahead_early > 0 and b_kc and not prologue and not preload \
             and jb in self.weight_args
         self.early = (b_ptr,) if preload or ahead_early else ()   # B, loaded before the wait

@@ -27,7 +27,7 @@ __all__ = ["GEMV_MAX_M", "PROLOGUE_SMEM_BYTES", "GEMV_DTYPES", "GEMV_MAX_ACC", "
            "gemv_prologue_fits", "gemv_prologue_pairs", "gemv_prologue_threads", "gemv_balance", "blocks_unbalanced",
            "gemv_preload_default", "gemv_evict_first", "gemv_prologue_narrow_a", "gemv_inflight_default",
            "gemv_inflight_for", "GEMV_EPILOGUE_AHEAD", "ENV_GEMV_AHEAD_PLAIN", "gemv_ahead_plain",
-           "ENV_GEMV_AHEAD_EARLY", "gemv_ahead_early", "ENV_GEMV_AHEAD_AFTER_GEMV", "gemv_ahead_after_gemv",
+           "ENV_GEMV_AHEAD_AFTER_GEMV", "gemv_ahead_after_gemv",
            "split_gemv_tuning", "gemv_tuning_override", "gemv_kernel_ops",
            "GEMV_PRELOAD_AFTER_GEMV", "gemv_preload_after_gemv", "gemv_preload_shared", "gemv_tile_a_block",
            "prologue_walks_tiles"]
@@ -40,7 +40,6 @@ GEMV_MAX_INFLIGHT = 16                           # vector loads a gemv lane may 
 GEMV_EPILOGUE_AHEAD = 8         # an epilogue GEMV whose lanes walk at most this many vectors a column loads all ahead
 ENV_GEMV_INFLIGHT = "LUM_GEMV_INFLIGHT"
 ENV_GEMV_AHEAD_PLAIN = "LUM_GEMV_AHEAD_PLAIN"   # 1: a plain GEMV (no epilogue) loads its few vectors ahead too
-ENV_GEMV_AHEAD_EARLY = "LUM_GEMV_AHEAD_EARLY"   # 1: loads ahead behind a small kernel asked of L2 before the wait
 ENV_GEMV_AHEAD_AFTER_GEMV = "LUM_GEMV_AHEAD_AFTER_GEMV"   # 0: a GEMV behind a GEMV asks L2 for nothing early
 GEMV_PRELOAD_VECTORS = 8                         # weight vectors (all product columns) a gemv lane preloads
 GEMV_SHARED_PRELOAD_VECTORS = 32                 # ... into shared memory (preload_shared; its bytes bound it first)
@@ -176,19 +175,6 @@ def gemv_ahead_plain() -> bool:
     vectors a lane a column, 1.34 GB a step) and llama3-1b, whose compiler loops take three dependent round trips
     a lane for them, as gate-up's loop took five before its loads went ahead (+2.4% a step on the H200, f74fe96)."""
     return env_switch(ENV_GEMV_AHEAD_PLAIN, default=False)
-
-
-def gemv_ahead_early() -> bool:
-    """``$LUM_GEMV_AHEAD_EARLY`` (default off, to measure): a GEMV that loads ahead (no prologue, B a weight) behind
-    a kernel that is not a GEMV asks L2 for the lines of its first step before its wait (gemv.cu ``AHEAD_EARLY``:
-    a prefetch, no register), at the blocks an SM it held, and the kernel before it triggers the launch only after
-    its own wait (``trigger="late"``), so those requests run beside that kernel's own work alone, not beside the
-    chain before it. gemma3-4b's gate-up: its first wave (5 blocks an SM, 20 KB a block, ≈ 13 MB) streams during
-    the one-block residual kernel's ≈ 2.2 µs link on the H200, where the bus is idle. Tried before in other forms
-    and slower: half of gate-up's tile copied into shared memory before its wait with every trigger at the start
-    (−4.9%: the copies ran beside o and the residual and lengthened their round trips), register preloads costing
-    occupancy, L2 prefetches from a side branch and from o's blocks (benchmarks/LEDGER.md)."""
-    return env_switch(ENV_GEMV_AHEAD_EARLY, default=False)
 
 
 def gemv_ahead_after_gemv() -> bool:

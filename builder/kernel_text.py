@@ -273,19 +273,17 @@ class KernelContext:
         """A kernel's preamble: let the next kernel launch (``lum_pdl_trigger``), read the dyn vars it uses,
         then wait for the previous kernel (``lum_pdl_wait``; templates/common.cuh), unless ``wait`` is False
         because the template waits itself once it has issued its early reads (gemv.cu's preload). ``trigger``:
-        ``start`` (first), ``template`` (none here, the template triggers itself: an attention stage's
-        ``trigger``) or ``late`` (right after the wait: the next kernel's blocks, which load weights before their
-        own wait, become resident only once this kernel's predecessor has finished; gemv_policy.gemv_ahead_early)."""
-        if trigger not in ("start", "template", "late") or (trigger == "late" and not wait):
-            raise CodegenError(f"trigger is 'start', 'template' or 'late' (with the wait), got {trigger!r}")
+        ``start`` (first) or ``template`` (none here, the template triggers itself: an attention stage's
+        ``trigger``). (A trigger after the wait, so that a GEMV behind asked L2 for its weights beside this
+        kernel alone, measured −1.0% on an H100 and was removed: benchmarks/NOTES.md 2026-12-07.)"""
+        if trigger not in ("start", "template"):
+            raise CodegenError(f"trigger is 'start' or 'template', got {trigger!r}")
         slots = {v: self.dyn_vars.index(v) for v in sorted(self.used, key=self.dyn_vars.index)}
         start = "  LUM_STAMP_AT(0);  // stamps builds: the block's start (the trigger comes later)"
         lines = [start if trigger != "start" else "  lum_pdl_trigger();  // common.cuh: launch order"]
         lines += [f"  const idx_t lum_d_{v} = (idx_t)dyn[{k}]; (void)lum_d_{v};" for v, k in slots.items()]
         lines += [] if slots else ["  (void)dyn;"]
         lines += ["  lum_pdl_wait();"] if wait else []
-        lines += ["  (lum_pdl_trigger)();  // common.cuh: launch order, once the kernel before has finished"] \
-            if trigger == "late" else []
         return "\n".join(lines), slots
 
 

@@ -68,7 +68,7 @@ import numpy as np
 from lum.builder.attention_policy import flash_attention, flash_attention_enabled
 from lum.builder.attention_stage import ENV_ATTENTION_STAGE
 from lum.builder.env_switches import env_switch
-from lum.builder.gemv_policy import (ENV_GEMV_AHEAD_AFTER_GEMV, ENV_GEMV_AHEAD_EARLY, ENV_GEMV_AHEAD_PLAIN,
+from lum.builder.gemv_policy import (ENV_GEMV_AHEAD_AFTER_GEMV, ENV_GEMV_AHEAD_PLAIN,
                                      ENV_GEMV_EVICT_FIRST, gemv_balance, gemv_inflight_default, gemv_kernel_ops,
                                      gemv_preload_after_gemv, gemv_preload_default, gemv_preload_shared,
                                      gemv_prologue_narrow_a, gemv_prologue_pairs, gemv_prologue_threads,
@@ -98,8 +98,7 @@ __all__ = ["DB_VERSION", "ENV_CACHE_DIR", "TUNING_DECISIONS", "GEMV_TUNING_DECIS
 DB_VERSION = 1
 # On / off kernel switches with no entry of their own in a search's database key, and their defaults: the key
 # names those set the other way (so records measured with the defaults stay valid), as it does the others.
-KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_GEMV_AHEAD_PLAIN: False, ENV_GEMV_AHEAD_EARLY: False,
-                ENV_GEMV_AHEAD_AFTER_GEMV: True,
+KEY_SWITCHES = {ENV_GEMV_EVICT_FIRST: True, ENV_GEMV_AHEAD_PLAIN: False, ENV_GEMV_AHEAD_AFTER_GEMV: True,
                 ENV_ATTENTION_STAGE: True, ENV_ROW_ONLINE: True, ENV_O_COMBINE: True}
 ENV_CACHE_DIR = "LUM_CACHE_DIR"
 CHECK_FLOPS = 2e8            # groups above this (at the timing dyn map) are checked at a small dyn map

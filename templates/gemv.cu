@@ -49,7 +49,7 @@
 //!   vectors loaded with an L2 evict-first policy, common.cuh lum_load_stream; B must be read-only), A_EARLY
 //!   (true: INFLIGHT loads of A too), AHEAD_EARLY (true: B a weight, no PRELOAD: the lines of the first step of
 //!   the block's first tile, INFLIGHT vectors a lane or the plain loop's UNROLL, are asked of L2 before the wait,
-//!   builder/gemv_policy.py gemv_ahead_early and gemv_ahead_after_gemv),
+//!   builder/gemv_policy.py gemv_ahead_after_gemv),
 //!   A_KCONTIG B_KCONTIG (true | false), A_T B_T (storage types), A_LOAD
 //!   B_LOAD (float value of storage `lum_x`), STORE (output storage value of the float `lum_v`), N K BATCH
 //!   LDA LDB STRIDE_A STRIDE_B OFF_A OFF_B (C expressions of the dyn vars), VEC_OK (C bool expression).

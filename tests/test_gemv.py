@@ -475,8 +475,8 @@ def test_epilogue_gemv_loads_its_few_vectors_ahead(monkeypatch):
 
 
 def test_loads_ahead_asked_of_l2_before_the_wait_change_no_bit(host_lib, tmp_path):
-    """``ahead_early`` (gemv.cu ``AHEAD_EARLY``, under ``$LUM_GEMV_AHEAD_EARLY`` and
-    ``$LUM_GEMV_AHEAD_AFTER_GEMV``): a GEMV asks L2 for its first tile's first lines of B (a weight) before its wait
+    """``ahead_early`` (gemv.cu ``AHEAD_EARLY``, under ``$LUM_GEMV_AHEAD_AFTER_GEMV``): a GEMV asks L2 for its
+    first tile's first lines of B (a weight) before its wait
     (its loads ahead, or the plain loop's first ``UNROLL`` vectors a lane), with no register for them, so its sums
     are the same kernel's without the requests bit for bit, for grids of one to several tiles a block. B is named
     as read early (its launch table's ``early``, so A keeps coherent loads); ``ahead_early`` > 1 keeps that many
@@ -508,41 +508,6 @@ def test_loads_ahead_asked_of_l2_before_the_wait_change_no_bit(host_lib, tmp_pat
     assert f"__launch_bounds__({plain_loop.tuning['threads']}, 12)" in plain_loop.body
 
 
-def test_ahead_early_switch_takes_gemma_gate_up_and_its_residual(monkeypatch):
-    """``$LUM_GEMV_AHEAD_EARLY=1`` (to measure; off by default): in gemma3-4b's decode layer only gate-up (loads
-    ahead, no prologue, behind the one-block residual kernel) asks L2 for its first lines before its wait, at the
-    blocks an SM it held (5 of 128 threads: 95 registers, where ptxas took 117 unbounded), and the residual kernel
-    triggers the next launch after its own wait, so those lines stream during its work, not beside o; every
-    other kernel is the default's, and without the switch none changes."""
-    from lum.builder import kernels
-    from lum.builder.codegen import generate_program
-    from lum.builder.compile import weight_inputs
-    from lum.builder.gemv_policy import ENV_GEMV_AHEAD_EARLY, gemv_kernel_ops
-    from lum.builder.models.config import named_config
-    from lum.builder.models.transformer import build_entry
-    from tests.test_attention_stage import MAX_SEQ, _layer
-
-    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_EARLY, "LUM_GEMV_AHEAD_PLAIN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LUM_GEMV_AHEAD_AFTER_GEMV", "0")      # down's own early lines: the test above
-    prog, dv = _layer("gemma3-4b", BF16)
-    weights = weight_inputs(build_entry(named_config("gemma3-4b"), "decode", MAX_SEQ, BF16), prog)
-    plain = kernels.group_kernel_sources(prog, dv, weights=weights)
-    monkeypatch.setenv(ENV_GEMV_AHEAD_EARLY, "1")
-    early = kernels.group_kernel_sources(prog, dv, weights=weights)
-    gate_up = gemv_kernel_ops(prog)[2]
-    changed = {i for i in early if early[i].name != plain[i].name}
-    order = [o.id for o in prog.ops if o.id in early]
-    residual = order[order.index(gate_up.id) - 1]
-    assert changed == {gate_up.id, residual}, changed
-    assert early[gate_up.id].tuning.get("ahead_early") and early[gate_up.id].early == ("in1",)
-    assert "__launch_bounds__(128, 5)" in early[gate_up.id].body
-    body = early[residual].body
-    assert "lum_pdl_trigger();  // common.cuh: launch order" not in body
-    assert body.index("  lum_pdl_wait();") < body.index("(lum_pdl_trigger)();")
-    assert not any(k.tuning.get("ahead_early") for k in generate_program(prog, dv).values() if k is not None)
-
-
 @pytest.mark.parametrize("model", ["gemma3-4b", "llama3-1b"])
 def test_ahead_after_gemv_switch_takes_gemma_down_only(monkeypatch, model):
     """``$LUM_GEMV_AHEAD_AFTER_GEMV`` (on by default; ``0`` off): in gemma3-4b's decode layer only down (the plain
@@ -551,13 +516,12 @@ def test_ahead_after_gemv_switch_takes_gemma_down_only(monkeypatch, model):
     kernel of its layer changes."""
     from lum.builder import kernels
     from lum.builder.compile import weight_inputs
-    from lum.builder.gemv_policy import ENV_GEMV_AHEAD_AFTER_GEMV, ENV_GEMV_AHEAD_EARLY, gemv_kernel_ops
+    from lum.builder.gemv_policy import ENV_GEMV_AHEAD_AFTER_GEMV, gemv_kernel_ops
     from lum.builder.models.config import named_config
     from lum.builder.models.transformer import build_entry
     from tests.test_attention_stage import MAX_SEQ, _layer
 
-    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_EARLY, ENV_GEMV_AHEAD_AFTER_GEMV,
-                "LUM_GEMV_AHEAD_PLAIN"):
+    for var in ("LUM_GEMV_TUNING", "LUM_GEMV_INFLIGHT", ENV_GEMV_AHEAD_AFTER_GEMV, "LUM_GEMV_AHEAD_PLAIN"):
         monkeypatch.delenv(var, raising=False)
     prog, dv = _layer(model, BF16)
     weights = weight_inputs(build_entry(named_config(model), "decode", MAX_SEQ, BF16), prog)

@@ -1,8 +1,8 @@
 """Loads above the programmatic-launch wait, in the PTX of real decode groups (tests/pdl_order.py).
 
 Every kernel of llama3-1b's decode groups, as built by default and with GEMV preloads, of gemma3-4b's with
-gate-up's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_EARLY``) and with down's
-(``LUM_GEMV_AHEAD_AFTER_GEMV``), and every gemv case with a preload: above ``griddepcontrol.wait`` only the dyn buffer
+down's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_AFTER_GEMV``, on by default), and every gemv
+case with a preload: above ``griddepcontrol.wait`` only the dyn buffer
 and, in kernels that read early, read-only loads. (ptxas's part, the SASS, is test_gpu.py's.)"""
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("nvrtc_cache")
 
 
-VARIANTS = {"default": {}, "preload": {"LUM_GEMV_PRELOAD": "1"}, "ahead-early": {"LUM_GEMV_AHEAD_EARLY": "1"},
-            "ahead-after-gemv": {"LUM_GEMV_AHEAD_AFTER_GEMV": "1"}}
-VARIANT_MODEL = {"ahead-early": "gemma3-4b", "ahead-after-gemv": "gemma3-4b"}  # the model a variant changes (else
-                                                                                 # llama3-1b)
+VARIANTS = {"default": {}, "preload": {"LUM_GEMV_PRELOAD": "1"}, "ahead-after-gemv": {"LUM_GEMV_AHEAD_AFTER_GEMV": "1"}}
+VARIANT_MODEL = {"ahead-after-gemv": "gemma3-4b"}    # the model a variant changes (else llama3-1b)
 
 
 def decode_kernels(model: str) -> list:
