@@ -476,9 +476,9 @@ def test_epilogue_gemv_loads_its_few_vectors_ahead(monkeypatch):
 
 def test_loads_ahead_asked_of_l2_before_the_wait_change_no_bit(host_lib, tmp_path):
     """``ahead_early`` (gemv.cu ``AHEAD_EARLY``, under ``$LUM_GEMV_AHEAD_AFTER_GEMV``): a GEMV asks L2 for its
-    first tile's first lines of B (a weight) before its wait
-    (its loads ahead, or the plain loop's first ``UNROLL`` vectors a lane), with no register for them, so its sums
-    are the same kernel's without the requests bit for bit, for grids of one to several tiles a block. B is named
+    first tile's first lines of B (a weight) before its wait (its loads ahead, or the plain loop's first ``UNROLL``
+    vectors a lane), with no register for them, so its sums are the same kernel's without the requests bit for
+    bit, for grids of one to several tiles a block. B is named
     as read early (its launch table's ``early``, so A keeps coherent loads); ``ahead_early`` > 1 keeps that many
     blocks an SM (``__launch_bounds__``); a GEMV whose B is not a weight or with a preload is unchanged."""
     lib, kernels = host_lib
