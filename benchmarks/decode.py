@@ -69,9 +69,9 @@ What it does, in one run on one GPU:
      llama3-1b's o), ``lum-after-gemv-off`` with ``LUM_GEMV_AHEAD_AFTER_GEMV=0`` (by default a GEMV behind a GEMV
      asks L2 for its first lines before its wait: gemma3-4b's down during gate-up's last wave),
      ``lum-gateup-inflight0`` / ``-inflight2`` / ``-inflight4`` / ``-inflight5`` / ``-unroll8`` / ``-threads256`` /
-     ``-group32`` / ``-group128`` / ``-max_blocks1320`` / ``-max_blocks2640`` with ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third
-     GEMV, gemma3-4b's gate-up, with that one parameter changed: at 2ea84da it streamed at 93% of the copy rate on
-     the H200, 98% on the H100, benchmarks/NOTES.md 2026-12-07; ``-inflight0`` is the compiler's loop it had
+     ``-group32`` / ``-group128`` / ``-max_blocks1320`` / ``-max_blocks2640`` with
+     ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third GEMV, gemma3-4b's gate-up, with that one parameter
+     changed: at 2ea84da it streamed at 93% of the copy rate on the H200, 98% on the H100, benchmarks/NOTES.md 2026-12-07; ``-inflight0`` is the compiler's loop it had
      before all five of a lane's vectors a column went ahead by default, gemv_policy.gemv_inflight_for),
      ``lum-chunk32`` / ``lum-chunk64`` with
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /

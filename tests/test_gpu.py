@@ -331,12 +331,12 @@ def test_ptxas_moves_no_load_above_the_wait(tmp_path, monkeypatch, variant):
     """This GPU's SASS (``cuobjdump -sass``) of every kernel of llama3-1b's decode groups, as built by
     default and with GEMV preloads (and, with them, every preloading gemv case), and of gemma3-4b's with
     down's first lines asked of L2 before its wait (``LUM_GEMV_AHEAD_AFTER_GEMV``, on by default): no function
-    has more global loads above its first ``ACQBULK``
-    (griddepcontrol.wait) than its PTX has above the wait, which tests/test_pdl_order.py holds to the dyn buffer
-    and early weights; weight streams aside (tests/pdl_order.py weight_stream: read-only for the whole graph,
-    which ptxas moved above the wait in llama3-1b's GEMVs, found on an H100 at b5930dc). ptxas did move a GEMV
-    prologue's ld.global.nc loads above the wait once a preload shared the top of the kernel (llama3-1b's qkv
-    and gate-up, 10d0ece: tokens off under programmatic launch)."""
+    has more global loads above its first ``ACQBULK`` (griddepcontrol.wait) than its PTX has above the wait,
+    which tests/test_pdl_order.py holds to the dyn buffer and early weights; weight streams aside
+    (tests/pdl_order.py weight_stream: read-only for the whole graph, which ptxas moved above the wait in
+    llama3-1b's GEMVs, found on an H100 at b5930dc). ptxas did move a GEMV prologue's ld.global.nc loads above
+    the wait once a preload shared the top of the kernel (llama3-1b's qkv and gate-up, 10d0ece: tokens off under
+    programmatic launch)."""
     import shutil
     import subprocess
 
