@@ -71,8 +71,9 @@ What it does, in one run on one GPU:
      ``lum-gateup-inflight0`` / ``-inflight2`` / ``-inflight4`` / ``-inflight5`` / ``-unroll8`` / ``-threads256`` /
      ``-group32`` / ``-group128`` / ``-max_blocks1320`` / ``-max_blocks2640`` with
      ``LUM_GEMV_TUNING=2.<key>=<value>`` (each layer's third GEMV, gemma3-4b's gate-up, with that one parameter
-     changed: at 2ea84da it streamed at 93% of the copy rate on the H200, 98% on the H100, benchmarks/NOTES.md 2026-12-07; ``-inflight0`` is the compiler's loop it had
-     before all five of a lane's vectors a column went ahead by default, gemv_policy.gemv_inflight_for),
+     changed: at 2ea84da it streamed at 93% of the copy rate on the H200, 98% on the H100, benchmarks/NOTES.md
+     2026-12-07; ``-inflight0`` is the compiler's loop it had before all five of a lane's vectors a column went
+     ahead by default, gemv_policy.gemv_inflight_for),
      ``lum-chunk32`` / ``lum-chunk64`` with
      ``LUM_ATTENTION_CHUNK`` (decode attention in chunks of 32 / 64 keys, not 16), ``lum-norms-behind`` /
      ``lum-norms-ahead`` with ``LUM_NORMS_AHEAD=0`` / ``1`` (each decode layer's input norm as its qkv's
